@@ -1,0 +1,40 @@
+"""qsync_jax: synchronous data-parallel training across hybrid devices.
+
+Per-layer precision plans (QSync, arXiv 2407.02327) applied to Flax models,
+with real low-precision arithmetic (int8 x int8 -> int32, fp16, bf16, fp8).
+
+Typical use::
+
+  import qsync_jax as qs
+  plan = qs.PrecisionPlan([(r"conv\\d", "int8")], default="fp32")
+  qs.apply_plan(model, plan, device_kind="t4")
+"""
+
+from qsync_jax import linen
+from qsync_jax import ops
+from qsync_jax import quant
+from qsync_jax.layers import MatMul
+from qsync_jax.policy import apply_plan
+from qsync_jax.policy import describe
+from qsync_jax.policy import effective_precisions
+from qsync_jax.policy import Layer
+from qsync_jax.policy import layer_paths
+from qsync_jax.policy import model_layers
+from qsync_jax.precision import DEVICE_PRECISIONS
+from qsync_jax.precision import device_kinds
+from qsync_jax.precision import PlanError
+from qsync_jax.precision import Precision
+from qsync_jax.precision import PrecisionPlan
+from qsync_jax.precision import supported_precisions
+from qsync_jax.quant import Granularity
+from qsync_jax.quant import QuantConfig
+from qsync_jax.quant import Rounding
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEVICE_PRECISIONS", "Granularity", "Layer", "MatMul", "PlanError",
+    "Precision", "PrecisionPlan", "QuantConfig", "Rounding", "apply_plan",
+    "describe", "device_kinds", "effective_precisions", "layer_paths",
+    "linen", "model_layers", "ops", "quant", "supported_precisions",
+]

@@ -1,0 +1,67 @@
+"""The `Dataset` container shared by every loader in `qsync_jax.data`.
+
+This module owns the one in-memory representation of a dataset: plain numpy
+arrays plus the metadata a trainer needs to build a model head and pick a loss.
+Loaders never return JAX arrays; device placement belongs to the training loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+TASKS = ("classification", "regression", "lm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+  """A train/test split held as numpy arrays.
+
+  Attributes:
+    x_train: Training inputs, leading axis is the example axis.
+    y_train: Training targets, same leading length as `x_train`.
+    x_test: Test inputs.
+    y_test: Test targets.
+    num_classes: Width of the model's output head: the number of classes for
+      "classification", the vocabulary size for "lm", and the target
+      dimension for "regression".
+    task: One of "classification", "regression" or "lm".
+    name: Short identifier of the source, e.g. "digits".
+  """
+
+  x_train: np.ndarray
+  y_train: np.ndarray
+  x_test: np.ndarray
+  y_test: np.ndarray
+  num_classes: int
+  task: str
+  name: str
+
+  def __post_init__(self):
+    # Catch loader bugs at construction instead of deep inside a train step.
+    if self.task not in TASKS:
+      raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+    if len(self.x_train) != len(self.y_train):
+      raise ValueError(
+          f"{self.name}: x_train has {len(self.x_train)} examples but "
+          f"y_train has {len(self.y_train)}")
+    if len(self.x_test) != len(self.y_test):
+      raise ValueError(
+          f"{self.name}: x_test has {len(self.x_test)} examples but "
+          f"y_test has {len(self.y_test)}")
+
+  @property
+  def input_shape(self) -> tuple[int, ...]:
+    """Shape of one input example (without the batch axis)."""
+    return tuple(self.x_train.shape[1:])
+
+  @property
+  def num_train(self) -> int:
+    """Number of training examples."""
+    return len(self.x_train)
+
+  @property
+  def num_test(self) -> int:
+    """Number of test examples."""
+    return len(self.x_test)

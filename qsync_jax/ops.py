@@ -1,0 +1,329 @@
+"""Precision-aware ``dot_general``, ``conv_general_dilated`` and ``einsum``.
+
+Each op is a small frozen dataclass (hashable, so it can sit in a Flax module
+as static data) with the signature of its ``lax`` / ``jnp`` counterpart. It
+accepts and ignores extra keyword arguments such as the ``out_sharding`` that
+NNX layers pass. Numerics per precision (DESIGN.md, "Numerics"; QSync's
+LP-PyTorch, reference/qsync.md section 6.3):
+
+* ``int8``: both operands quantized (symmetric absmax scales, per tensor or
+  per channel), int8 x int8 contraction accumulated in int32, dequantized to
+  a float32 output. The backward pass runs in float16 from the saved int8
+  operands (dequantized): the input gradient is computed in float16 and the
+  weight gradient is accumulated and returned in float32.
+* ``fp16`` / ``bf16``: operands cast, the contraction and the input gradient
+  in that dtype, weight gradient accumulated in float32. Output in the
+  low-precision dtype.
+* ``fp8``: e4m3 operands with absmax scaling, float32 accumulation; the
+  incoming gradient is quantized to e5m2 (scaled) and both gradients are
+  accumulated in float32 from the fp8 values.
+* ``tf32`` / ``fp32``: the plain ``lax`` op at ``Precision.DEFAULT`` (TF32 on
+  Ampere and later) or ``Precision.HIGHEST`` (true FP32); autodiff as usual.
+
+Gradients always come back in the primal dtype (float32 master weights), so
+every worker's gradient has the same shapes and dtype whatever its plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from qsync_jax import quant as q
+from qsync_jax.precision import Precision
+from qsync_jax.quant import Granularity, QuantConfig
+
+_LOW_FLOAT = {Precision.FP16: jnp.float16, Precision.BF16: jnp.bfloat16}
+_LAX_PRECISION = {Precision.FP32: lax.Precision.HIGHEST,
+                  Precision.TF32: lax.Precision.DEFAULT}
+
+
+# --------------------------------------------------------------------------
+# Contraction specs: one per op kind. A spec knows how to run the op with a
+# given accumulator type, which operand axes are contracted (the axes a
+# per-channel scale reduces over), and how operand scales map onto the output.
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _DotSpec:
+  dimension_numbers: Any
+
+  def apply(self, lhs, rhs, preferred_element_type=None):
+    return lax.dot_general(lhs, rhs, self.dimension_numbers,
+                           preferred_element_type=preferred_element_type)
+
+  def reduce_axes(self, ndim_lhs: int, ndim_rhs: int):
+    (lc, rc), _ = self.dimension_numbers
+    return tuple(lc), tuple(rc)
+
+  def out_scale(self, s_lhs, s_rhs, ndim_lhs: int, ndim_rhs: int):
+    if s_lhs.ndim == 0:
+      return s_lhs * s_rhs
+    # Output layout of dot_general: (batch dims, lhs free dims, rhs free dims).
+    (lc, rc), (lb, rb) = self.dimension_numbers
+    lfree = [d for d in range(ndim_lhs) if d not in lc and d not in lb]
+    rfree = [d for d in range(ndim_rhs) if d not in rc and d not in rb]
+    sl = jnp.transpose(s_lhs, (*lb, *lfree, *lc))
+    sl = sl.reshape(sl.shape[:len(lb) + len(lfree)] + (1,) * len(rfree))
+    sr = jnp.transpose(s_rhs, (*rb, *rc, *rfree))
+    sr = sr.reshape(sr.shape[:len(rb)] + (1,) * len(lfree)
+                    + sr.shape[len(rb) + len(rc):])
+    return sl * sr
+
+
+@dataclasses.dataclass(frozen=True)
+class _ConvSpec:
+  window_strides: tuple
+  padding: Any
+  lhs_dilation: Any
+  rhs_dilation: Any
+  dimension_numbers: lax.ConvDimensionNumbers
+  feature_group_count: int
+  batch_group_count: int
+
+  def apply(self, lhs, rhs, preferred_element_type=None):
+    return lax.conv_general_dilated(
+        lhs, rhs, self.window_strides, self.padding,
+        lhs_dilation=self.lhs_dilation, rhs_dilation=self.rhs_dilation,
+        dimension_numbers=self.dimension_numbers,
+        feature_group_count=self.feature_group_count,
+        batch_group_count=self.batch_group_count,
+        preferred_element_type=preferred_element_type)
+
+  def reduce_axes(self, ndim_lhs: int, ndim_rhs: int):
+    # One scale per example of the input and per output channel of the kernel.
+    lhs_spec, rhs_spec, _ = self.dimension_numbers
+    return (tuple(d for d in range(ndim_lhs) if d != lhs_spec[0]),
+            tuple(d for d in range(ndim_rhs) if d != rhs_spec[0]))
+
+  def out_scale(self, s_lhs, s_rhs, ndim_lhs: int, ndim_rhs: int):
+    if s_lhs.ndim == 0:
+      return s_lhs * s_rhs
+    lhs_spec, rhs_spec, out_spec = self.dimension_numbers
+    nd = len(out_spec)
+    shape_l = [1] * nd
+    shape_l[out_spec[0]] = s_lhs.shape[lhs_spec[0]]
+    shape_r = [1] * nd
+    shape_r[out_spec[1]] = s_rhs.shape[rhs_spec[0]]
+    return s_lhs.reshape(shape_l) * s_rhs.reshape(shape_r)
+
+
+def _hashable(x):
+  if isinstance(x, (list, tuple)):
+    return tuple(_hashable(v) for v in x)
+  return x
+
+
+# --------------------------------------------------------------------------
+# The low-precision contraction with its custom backward pass.
+# --------------------------------------------------------------------------
+
+
+def _quantize_operands(spec, compute: Precision, config: QuantConfig,
+                       lhs, rhs):
+  """Returns (lhs_q, lhs_scale, rhs_q, rhs_scale) for int8 / fp8."""
+  if config.granularity is Granularity.CHANNEL:
+    axes_l, axes_r = spec.reduce_axes(lhs.ndim, rhs.ndim)
+  else:
+    axes_l = axes_r = None
+  if compute is Precision.INT8:
+    ql, sl = q.quantize(lhs, axes_l, config.rounding, salt=1)
+    qr, sr = q.quantize(rhs, axes_r, config.rounding, salt=2)
+  else:
+    ql, sl = q.quantize_fp8(lhs, q.FP8_FORWARD, axes_l)
+    qr, sr = q.quantize_fp8(rhs, q.FP8_FORWARD, axes_r)
+  return ql, sl, qr, sr
+
+
+def _forward(spec, compute, config, lhs, rhs):
+  """Returns (output, residuals) of the low-precision contraction."""
+  if compute in _LOW_FLOAT:
+    dt = _LOW_FLOAT[compute]
+    l, r = lhs.astype(dt), rhs.astype(dt)
+    return spec.apply(l, r), (l, None, r, None)
+  ql, sl, qr, sr = _quantize_operands(spec, compute, config, lhs, rhs)
+  acc_type = jnp.int32 if compute is Precision.INT8 else jnp.float32
+  acc = spec.apply(ql, qr, preferred_element_type=acc_type)
+  y = acc.astype(jnp.float32) * spec.out_scale(sl, sr, lhs.ndim, rhs.ndim)
+  return y, (ql, sl, qr, sr)
+
+
+def _transposes(spec, l, r, g):
+  """Returns (d_lhs, d_rhs) of ``spec.apply`` at operands (l, r), cotangent g.
+
+  ``d_lhs`` (the input gradient) is computed in the operands' dtype. ``d_rhs``
+  (the weight gradient) is accumulated in float32 from the same low-precision
+  values: products of two fp16 / bf16 / fp8 numbers are exact in float32, so
+  this equals a low-precision GEMM with a float32 accumulator.
+  """
+  d_lhs = jax.linear_transpose(lambda a: spec.apply(a, r), l)(g)[0]
+  l32 = l.astype(jnp.float32)
+  d_rhs = jax.linear_transpose(
+      lambda b: spec.apply(l32, b),
+      jax.ShapeDtypeStruct(r.shape, jnp.float32))(g.astype(jnp.float32))[0]
+  return d_lhs, d_rhs
+
+
+def _backward(spec, compute, config, res, g):
+  del config
+  a, sa, b, sb = res
+  if compute in _LOW_FLOAT:
+    dt = _LOW_FLOAT[compute]
+    l, r, gl = a, b, g.astype(dt)
+  elif compute is Precision.INT8:
+    # QSync: INT8 forward, FP16 backward from the saved int8 operands.
+    l = q.dequantize(a, sa, jnp.float16)
+    r = q.dequantize(b, sb, jnp.float16)
+    gl = g.astype(jnp.float16)
+  else:
+    # FP8: e5m2 gradient, fp8 operands; products accumulate in float32.
+    g8, sg = q.quantize_fp8(g, q.FP8_GRADIENT)
+    l = q.dequantize(a, sa)
+    r = q.dequantize(b, sb)
+    gl = q.dequantize(g8, sg)
+  return _transposes(spec, l, r, gl)
+
+
+def _lowp_contract(spec, compute: Precision, config: QuantConfig, lhs, rhs):
+  """Runs ``spec`` at ``compute`` precision with QSync's backward pass."""
+
+  @jax.custom_vjp
+  def f(lhs, rhs):
+    return _forward(spec, compute, config, lhs, rhs)[0]
+
+  lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
+
+  def fwd(lhs, rhs):
+    return _forward(spec, compute, config, lhs, rhs)
+
+  def bwd(res, g):
+    d_lhs, d_rhs = _backward(spec, compute, config, res, g)
+    return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
+
+  f.defvjp(fwd, bwd)
+  return f(lhs, rhs)
+
+
+# --------------------------------------------------------------------------
+# Public ops.
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DotGeneral:
+  """``lax.dot_general`` at a given compute precision.
+
+  Attributes:
+    compute: the layer's precision.
+    quant: operand quantization for INT8 / FP8.
+  """
+  compute: Precision = Precision.FP32
+  quant: QuantConfig = QuantConfig()
+
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+               preferred_element_type=None, **unused_kwargs):
+    del unused_kwargs  # e.g. out_sharding from NNX layers
+    dn = _hashable(dimension_numbers)
+    if self.compute in _LAX_PRECISION:
+      return lax.dot_general(lhs, rhs, dn,
+                             precision=_LAX_PRECISION[self.compute],
+                             preferred_element_type=preferred_element_type)
+    y = _lowp_contract(_DotSpec(dn), self.compute, self.quant, lhs, rhs)
+    return _cast_output(y, preferred_element_type)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvGeneralDilated:
+  """``lax.conv_general_dilated`` at a given compute precision.
+
+  Attributes:
+    compute: the layer's precision.
+    quant: operand quantization for INT8 / FP8.
+  """
+  compute: Precision = Precision.FP32
+  quant: QuantConfig = QuantConfig()
+
+  def __call__(self, lhs, rhs, window_strides, padding, lhs_dilation=None,
+               rhs_dilation=None, dimension_numbers=None,
+               feature_group_count=1, batch_group_count=1, precision=None,
+               preferred_element_type=None, **unused_kwargs):
+    del unused_kwargs, precision
+    if self.compute in _LAX_PRECISION:
+      return lax.conv_general_dilated(
+          lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
+          rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+          feature_group_count=feature_group_count,
+          batch_group_count=batch_group_count,
+          precision=_LAX_PRECISION[self.compute],
+          preferred_element_type=preferred_element_type)
+    spec = _ConvSpec(
+        window_strides=_hashable(window_strides),
+        padding=_hashable(padding),
+        lhs_dilation=_hashable(lhs_dilation),
+        rhs_dilation=_hashable(rhs_dilation),
+        dimension_numbers=lax.conv_dimension_numbers(
+            lhs.shape, rhs.shape, dimension_numbers),
+        feature_group_count=feature_group_count,
+        batch_group_count=batch_group_count)
+    y = _lowp_contract(spec, self.compute, self.quant, lhs, rhs)
+    return _cast_output(y, preferred_element_type)
+
+
+@dataclasses.dataclass(frozen=True)
+class Einsum:
+  """A two-operand ``jnp.einsum`` whose contraction runs at ``compute``.
+
+  ``jnp.einsum`` lowers to one ``dot_general`` (plus transposes and
+  reshapes); this op hands it a :class:`DotGeneral` for that contraction.
+
+  Attributes:
+    compute: the layer's precision.
+    quant: operand quantization for INT8 / FP8.
+  """
+  compute: Precision = Precision.FP32
+  quant: QuantConfig = QuantConfig()
+
+  def __call__(self, subscripts: str, *operands, precision=None,
+               preferred_element_type=None, **unused_kwargs):
+    del unused_kwargs, precision
+    if len(operands) != 2:
+      raise ValueError(f"qsync_jax.ops.Einsum takes two operands, got "
+                       f"{len(operands)} for {subscripts!r}")
+    return jnp.einsum(subscripts, *operands,
+                      preferred_element_type=preferred_element_type,
+                      _dot_general=DotGeneral(self.compute, self.quant))
+
+
+def _cast_output(y, preferred_element_type):
+  return y if preferred_element_type is None else y.astype(
+      preferred_element_type)
+
+
+def dot_general(lhs, rhs, dimension_numbers, *,
+                compute: Precision | str = Precision.FP32,
+                quant: QuantConfig | None = None, **kwargs) -> jax.Array:
+  """Functional form of :class:`DotGeneral`."""
+  op = DotGeneral(Precision.parse(compute), quant or QuantConfig())
+  return op(lhs, rhs, dimension_numbers, **kwargs)
+
+
+def conv_general_dilated(lhs, rhs, window_strides, padding, *,
+                         compute: Precision | str = Precision.FP32,
+                         quant: QuantConfig | None = None,
+                         **kwargs) -> jax.Array:
+  """Functional form of :class:`ConvGeneralDilated`."""
+  op = ConvGeneralDilated(Precision.parse(compute), quant or QuantConfig())
+  return op(lhs, rhs, window_strides, padding, **kwargs)
+
+
+def einsum(subscripts: str, lhs, rhs, *,
+           compute: Precision | str = Precision.FP32,
+           quant: QuantConfig | None = None, **kwargs) -> jax.Array:
+  """Functional form of :class:`Einsum`."""
+  op = Einsum(Precision.parse(compute), quant or QuantConfig())
+  return op(subscripts, lhs, rhs, **kwargs)

@@ -1,0 +1,261 @@
+"""Applying a precision plan to a Flax NNX model.
+
+A plan addresses *layers*: the modules that own a contraction whose precision
+can change. For NNX these are ``nnx.Linear``, ``nnx.LinearGeneral``,
+``nnx.Conv``, ``nnx.Einsum``, ``nnx.Embed`` and :class:`qsync_jax.layers.MatMul`
+(the attention matmuls). A layer's path is its attribute path in the module
+tree joined by ``/`` (``"layers/0/attention/query"``), which is stable across runs
+and independent of the plan.
+
+Applying a plan swaps each layer's injectable op (``dot_general``,
+``conv_general_dilated``, ``einsum_op``; ``dtype`` for embeddings) for a
+precision-aware op from :mod:`qsync_jax.ops`. Parameters are never touched:
+they stay float32 master weights, so a plan changes compute only and any plan
+can be applied on top of another.
+
+Forced precisions (DESIGN.md "Numerics", after QSync's ``map_available_bit``
+and ``reject_name_list``):
+
+* the classifier head (the last layer in forward order) computes in FP32
+  unless a rule names it;
+* embeddings and attention matmuls never go below 16 bits: the default drops
+  them to FP16 at most, and a rule that names one below 16 bits is an error;
+* softmax and GELU inputs are FP32 and norms keep FP32; the built-in models
+  do this themselves (these are not addressable layers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qsync_jax import ops
+from qsync_jax.layers import MatMul
+from qsync_jax.precision import PlanError, Precision, PrecisionPlan
+
+# The attribute each layer type computes through, and the op that replaces it.
+_OP_ATTR: Mapping[type, tuple[str, Callable[..., Any]]] = {
+    nnx.Linear: ("dot_general", ops.DotGeneral),
+    nnx.LinearGeneral: ("dot_general", ops.DotGeneral),
+    nnx.Conv: ("conv_general_dilated", ops.ConvGeneralDilated),
+    nnx.Einsum: ("einsum_op", ops.Einsum),
+    MatMul: ("einsum_op", ops.Einsum),
+}
+_EMBED_DTYPE = {Precision.FP16: jnp.float16, Precision.BF16: jnp.bfloat16}
+#: Layer types that never compute below 16 bits.
+_SIXTEEN_BIT_FLOOR = (nnx.Embed, MatMul)
+ADDRESSABLE_TYPES = (*_OP_ATTR, nnx.Embed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+  """One addressable layer of a model.
+
+  Attributes:
+    path: the '/'-joined attribute path.
+    module: the layer module itself.
+    kind: the layer's class name (``"Linear"``, ``"Conv"``, ...).
+  """
+  path: str
+  module: nnx.Module
+  kind: str
+
+
+def _op_attr(module: nnx.Module) -> tuple[str, Callable[..., Any]]:
+  for layer_type, attr_op in _OP_ATTR.items():
+    if isinstance(module, layer_type):
+      return attr_op
+  raise TypeError(f"{type(module).__name__} is not an addressable layer")
+
+
+def _path_str(path: tuple) -> str:
+  return "/".join(str(p) for p in path)
+
+
+def _layers_by_path(model: nnx.Module) -> dict[str, nnx.Module]:
+  found = {}
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, ADDRESSABLE_TYPES) and path:
+      found.setdefault(_path_str(path), node)
+  return found
+
+
+def _sample_input(model: nnx.Module, sample_input):
+  if sample_input is not None:
+    return sample_input
+  input_spec = getattr(model, "input_spec", None)
+  if not callable(input_spec):
+    raise ValueError(
+        f"{type(model).__name__} has no input_spec(batch_size) method: pass "
+        "sample_input (an array or jax.ShapeDtypeStruct the model accepts) so "
+        "the layers can be listed in forward order")
+  return input_spec(2)
+
+
+def model_layers(model: nnx.Module, sample_input: Any = None) -> list[Layer]:
+  """Returns the model's addressable layers in forward order.
+
+  The order comes from tracing one forward pass abstractly (``nnx.eval_shape``,
+  no FLOPs); a layer the forward pass never calls is not listed.
+
+  Args:
+    model: an NNX module.
+    sample_input: an input (array or ``jax.ShapeDtypeStruct``) of the model;
+      by default ``model.input_spec(2)``, which the built-in models provide.
+
+  Raises:
+    ValueError: the model has no addressable layer, or no sample input is
+      available.
+  """
+  by_path = _layers_by_path(model)
+  if not by_path:
+    raise ValueError(
+        f"{type(model).__name__} has no layer a precision plan can address "
+        f"(looked for {', '.join(t.__name__ for t in ADDRESSABLE_TYPES)})")
+  x = _sample_input(model, sample_input)
+  order: list[str] = []
+  saved = []
+  for path, module in by_path.items():
+    # Every addressable layer calls promote_dtype (NNX) or einsum_op (MatMul)
+    # exactly once per call: wrap it to log the call order.
+    attr = "einsum_op" if isinstance(module, MatMul) else "promote_dtype"
+    original = getattr(module, attr)
+    saved.append((module, attr, original))
+
+    def recorder(*args, _path=path, _fn=original, **kwargs):
+      if _path not in order:
+        order.append(_path)
+      return _fn(*args, **kwargs)
+
+    setattr(module, attr, recorder)
+  try:
+    nnx.eval_shape(lambda m, inp: m(inp), model, x)
+  finally:
+    for module, attr, original in saved:
+      setattr(module, attr, original)
+  return [Layer(p, by_path[p], type(by_path[p]).__name__) for p in order]
+
+
+def layer_paths(model: nnx.Module, sample_input: Any = None) -> list[str]:
+  """Returns the paths of the model's addressable layers in forward order.
+
+  See :func:`model_layers` for the arguments.
+  """
+  return [layer.path for layer in model_layers(model, sample_input)]
+
+
+def resolve_with_forced(paths: list[str], floored: set[str],
+                        plan: PrecisionPlan) -> dict[str, Precision]:
+  """Resolves ``plan`` over ``paths`` and applies the forced precisions.
+
+  Args:
+    paths: layer paths in forward order (the last one is the head).
+    floored: the paths that never compute below 16 bits.
+    plan: the precision plan.
+
+  Returns:
+    ``{path: Precision}``: the head is FP32 unless a rule names it; a floored
+    layer that only the default puts below 16 bits gets FP16.
+
+  Raises:
+    PlanError: a rule matches no layer, or names a floored layer below 16 bits.
+  """
+  resolved = plan.resolve(paths)
+  effective, too_low = {}, []
+  for i, path in enumerate(paths):
+    prec = resolved[path]
+    named = any(re.fullmatch(rule, path) for rule, _ in plan.rules)
+    if i == len(paths) - 1 and not named:
+      prec = Precision.FP32
+    if path in floored and prec.bits < 16:
+      if named:
+        too_low.append(f"{path} ({prec.value})")
+      else:
+        prec = Precision.FP16
+    effective[path] = prec
+  if too_low:
+    raise PlanError(
+        "embeddings and attention matmuls compute in 16 bits or more, but the "
+        f"plan's rules put {', '.join(too_low)} below that")
+  return effective
+
+
+def _effective(layer_list: list[Layer], plan: PrecisionPlan,
+               device_kind: str | None = None) -> dict[str, Precision]:
+  floored = {layer.path for layer in layer_list
+             if isinstance(layer.module, _SIXTEEN_BIT_FLOOR)}
+  effective = resolve_with_forced([layer.path for layer in layer_list],
+                                  floored, plan)
+  if device_kind is not None:
+    PrecisionPlan.from_precisions(effective).validate_for(
+        device_kind, list(effective))
+  return effective
+
+
+def effective_precisions(model: nnx.Module, plan: PrecisionPlan,
+                         sample_input: Any = None, *,
+                         device_kind: str | None = None
+                         ) -> dict[str, Precision]:
+  """Returns the precision each layer computes at under ``plan``.
+
+  This is ``plan.resolve(layer_paths(model))`` with the forced precisions of
+  the module docstring applied (head FP32 unless named, 16-bit floors).
+
+  Args:
+    model: an NNX module.
+    plan: the precision plan.
+    sample_input: see :func:`model_layers`.
+    device_kind: if given, every precision must be native to this kind.
+
+  Raises:
+    PlanError: a rule matches no layer, a rule puts a 16-bit-floored layer
+      below 16 bits, or the device kind lacks a precision.
+  """
+  return _effective(model_layers(model, sample_input), plan, device_kind)
+
+
+def apply_plan(model: nnx.Module, plan: PrecisionPlan,
+               sample_input: Any = None, *,
+               device_kind: str | None = None) -> nnx.Module:
+  """Makes ``model`` compute with the plan's precisions, in place.
+
+  Args:
+    model: an NNX module; its parameters are left unchanged (FP32).
+    plan: the precision plan; applying a new plan replaces the previous one.
+    sample_input: see :func:`model_layers`.
+    device_kind: if given, the plan is validated against this device kind.
+
+  Returns:
+    ``model`` itself (for chaining).
+
+  Raises:
+    PlanError: see :func:`effective_precisions`.
+  """
+  layer_list = model_layers(model, sample_input)
+  effective = _effective(layer_list, plan, device_kind)
+  for layer in layer_list:
+    prec = effective[layer.path]
+    module = layer.module
+    if isinstance(module, nnx.Embed):
+      module.dtype = _EMBED_DTYPE.get(prec, module.param_dtype)
+    else:
+      attr, op_cls = _op_attr(module)
+      setattr(module, attr, op_cls(prec, plan.quant))
+  return model
+
+
+def describe(model: nnx.Module, plan: PrecisionPlan,
+             sample_input: Any = None) -> str:
+  """Returns a readable table: layer path, kind, precision under ``plan``."""
+  layer_list = model_layers(model, sample_input)
+  effective = _effective(layer_list, plan)
+  width = max(len(layer.path) for layer in layer_list)
+  rows = [f"{'layer':<{width}}  {'kind':<13} precision"]
+  rows += [f"{layer.path:<{width}}  {layer.kind:<13} "
+           f"{effective[layer.path].value}" for layer in layer_list]
+  return "\n".join(rows)

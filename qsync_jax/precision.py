@@ -1,0 +1,287 @@
+"""Precisions, what each device kind computes natively, and precision plans.
+
+A :class:`PrecisionPlan` maps layer paths (see :func:`qsync_jax.layer_paths`)
+to a :class:`Precision` with ordered regex rules, first match wins, and a
+default. Plans are plain data: they round-trip through JSON and are validated
+against a device kind's capabilities before a step function is built from them.
+
+The capability table follows QSync's per-architecture bit lists
+(``conf.py: config_ava_bits``: sm70 -> {16, 32}, sm75 -> {8, 16, 32},
+sm80 -> {8, 16, 19, 32}) extended with the tensor-core data types of the
+newer inference GPUs (reference/peers.md, section 6): BF16 needs Ampere,
+FP8 needs Ada or Hopper. A CPU computes every precision (in software), which
+is what lets the numerics of any plan be tested on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import re
+from typing import Iterable, Mapping, Sequence
+
+from qsync_jax.quant import QuantConfig
+
+
+class Precision(enum.Enum):
+  """The compute precision of one layer.
+
+  The value is the name used in plans and JSON. ``bits`` orders precisions
+  from lowest to highest (INT8 and FP8 are both 8 bits; BF16 and FP16 both 16).
+  """
+
+  FP8 = "fp8"
+  INT8 = "int8"
+  FP16 = "fp16"
+  BF16 = "bf16"
+  TF32 = "tf32"
+  FP32 = "fp32"
+
+  @property
+  def bits(self) -> int:
+    return _BITS[self]
+
+  @property
+  def is_float(self) -> bool:
+    return self is not Precision.INT8
+
+  @classmethod
+  def parse(cls, value: "Precision | str") -> "Precision":
+    """Returns the Precision named by ``value`` (case-insensitive).
+
+    Raises:
+      ValueError: ``value`` names no precision.
+    """
+    if isinstance(value, Precision):
+      return value
+    if isinstance(value, str):
+      try:
+        return cls(value.strip().lower())
+      except ValueError:
+        pass
+    raise ValueError(
+        f"unknown precision {value!r}; valid precisions: "
+        f"{', '.join(p.value for p in cls)}")
+
+  def __str__(self) -> str:
+    return self.value
+
+
+_BITS = {Precision.FP8: 8, Precision.INT8: 8, Precision.FP16: 16,
+         Precision.BF16: 16, Precision.TF32: 19, Precision.FP32: 32}
+
+_ALL = frozenset(Precision)
+_P = Precision
+
+#: Precisions each device kind computes natively (tensor cores or SIMD units).
+DEVICE_PRECISIONS: Mapping[str, frozenset[Precision]] = {
+    "cpu": _ALL,
+    # Volta sm_70: FP16 tensor cores only; INT8 via DP4A only, BF16 emulated.
+    "v100": frozenset({_P.FP32, _P.FP16}),
+    # Turing sm_75: FP16 and INT8 tensor cores; no BF16, TF32 or FP8.
+    "t4": frozenset({_P.FP32, _P.FP16, _P.INT8}),
+    # Ampere sm_80 / sm_86: adds TF32 and BF16.
+    "a100": frozenset({_P.FP32, _P.TF32, _P.BF16, _P.FP16, _P.INT8}),
+    "a10": frozenset({_P.FP32, _P.TF32, _P.BF16, _P.FP16, _P.INT8}),
+    # Ada sm_89 and Hopper sm_90: add FP8 (e4m3 / e5m2).
+    "l4": _ALL,
+    "l40s": _ALL,
+    "h100": _ALL,
+}
+
+
+def device_kinds() -> list[str]:
+  """Returns the device kinds the capability table knows."""
+  return sorted(DEVICE_PRECISIONS)
+
+
+def supported_precisions(device_kind: str) -> frozenset[Precision]:
+  """Returns the precisions ``device_kind`` computes natively.
+
+  Raises:
+    ValueError: the device kind is unknown.
+  """
+  kind = device_kind.strip().lower()
+  if kind not in DEVICE_PRECISIONS:
+    raise ValueError(f"unknown device kind {device_kind!r}; known kinds: "
+                     f"{', '.join(device_kinds())}")
+  return DEVICE_PRECISIONS[kind]
+
+
+class PlanError(ValueError):
+  """A precision plan is malformed or does not fit a model or a device."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionPlan:
+  """Per-layer precision as ordered regex rules over layer paths.
+
+  Each rule is ``(regex, precision)``; the regex is matched with
+  ``re.fullmatch`` against a layer path such as ``"layers/0/attention/query"``.
+  The first matching rule wins; layers no rule matches get ``default``.
+
+  Attributes:
+    rules: the ``(regex, Precision)`` pairs, in priority order.
+    default: the precision of layers that no rule matches.
+    quant: how INT8 / FP8 layers quantize (scale granularity, rounding).
+  """
+
+  rules: tuple[tuple[str, Precision], ...] = ()
+  default: Precision = Precision.FP32
+  quant: QuantConfig = QuantConfig()
+
+  def __init__(self, rules: Iterable[Sequence] = (),
+               default: "Precision | str" = Precision.FP32,
+               quant: QuantConfig | None = None):
+    parsed = []
+    for i, rule in enumerate(rules):
+      if isinstance(rule, (str, bytes)) or len(rule) != 2:
+        raise PlanError(f"rule {i} must be a (regex, precision) pair, "
+                        f"got {rule!r}")
+      pattern, precision = rule
+      if not isinstance(pattern, str):
+        raise PlanError(f"rule {i}: the pattern must be a string, "
+                        f"got {pattern!r}")
+      try:
+        re.compile(pattern)
+      except re.error as e:
+        raise PlanError(f"rule {i}: invalid regex {pattern!r}: {e}") from None
+      parsed.append((pattern, Precision.parse(precision)))
+    object.__setattr__(self, "rules", tuple(parsed))
+    object.__setattr__(self, "default", Precision.parse(default))
+    object.__setattr__(self, "quant", quant if quant is not None
+                       else QuantConfig())
+
+  @classmethod
+  def uniform(cls, precision: "Precision | str",
+              quant: QuantConfig | None = None) -> "PrecisionPlan":
+    """Returns a plan that gives every layer ``precision``."""
+    return cls((), default=precision, quant=quant)
+
+  @classmethod
+  def from_precisions(cls, precisions: Mapping[str, "Precision | str"],
+                      default: "Precision | str" = Precision.FP32,
+                      quant: QuantConfig | None = None) -> "PrecisionPlan":
+    """Returns a plan with one exact rule per layer path (allocator output)."""
+    return cls(((re.escape(p), v) for p, v in precisions.items()),
+               default=default, quant=quant)
+
+  def precision_of(self, layer_path: str) -> Precision:
+    """Returns the precision the plan gives ``layer_path``."""
+    for pattern, precision in self.rules:
+      if re.fullmatch(pattern, layer_path):
+        return precision
+    return self.default
+
+  def resolve(self, layer_paths: Sequence[str], *,
+              strict: bool = True) -> dict[str, Precision]:
+    """Maps each layer path to its precision.
+
+    Args:
+      layer_paths: the paths of the layers the plan applies to.
+      strict: raise if a rule matches none of ``layer_paths`` (a typo in a
+        rule would otherwise leave the layers it meant at the default).
+
+    Returns:
+      ``{path: Precision}`` in the order of ``layer_paths``.
+
+    Raises:
+      PlanError: with ``strict``, a rule matches no layer; the message lists
+        the valid paths.
+    """
+    if strict:
+      dead = [p for p, _ in self.rules
+              if not any(re.fullmatch(p, path) for path in layer_paths)]
+      if dead:
+        raise PlanError(
+            f"plan rule(s) {', '.join(repr(p) for p in dead)} match no layer; "
+            f"valid layer paths: {', '.join(layer_paths) or '(none)'}")
+    return {path: self.precision_of(path) for path in layer_paths}
+
+  def precisions(self) -> set[Precision]:
+    """Returns every precision the plan can assign (rules and default)."""
+    return {p for _, p in self.rules} | {self.default}
+
+  def validate_for(self, device_kind: str,
+                   layer_paths: Sequence[str] | None = None) -> None:
+    """Checks that ``device_kind`` computes every precision the plan uses.
+
+    Args:
+      device_kind: a kind from :data:`DEVICE_PRECISIONS` (e.g. ``"t4"``).
+      layer_paths: if given, only the precisions that these layers resolve
+        to are checked (a rule shadowed by earlier rules does not count).
+
+    Raises:
+      PlanError: the device lacks a precision; the message names the layers
+        (or rules) that ask for it.
+    """
+    supported = supported_precisions(device_kind)
+    if layer_paths is None:
+      used = {(f"rule {p!r}" if p else "default"): prec
+              for p, prec in (*self.rules, (None, self.default))}
+    else:
+      used = self.resolve(layer_paths, strict=False)
+    bad = {}
+    for where, prec in used.items():
+      if prec not in supported:
+        bad.setdefault(prec, []).append(where)
+    if bad:
+      parts = [f"{prec.value} (asked by {', '.join(where[:5])}"
+               f"{', ...' if len(where) > 5 else ''})"
+               for prec, where in bad.items()]
+      raise PlanError(
+          f"device kind {device_kind!r} does not support "
+          f"{'; '.join(parts)}; it supports "
+          f"{', '.join(sorted(p.value for p in supported))}")
+
+  def to_dict(self) -> dict:
+    """Returns the plan as JSON-serializable data."""
+    return {"rules": [[p, prec.value] for p, prec in self.rules],
+            "default": self.default.value,
+            "quant": self.quant.to_dict()}
+
+  def to_json(self, indent: int | None = 2) -> str:
+    """Returns the plan as JSON text (inverse of :meth:`from_json`)."""
+    return json.dumps(self.to_dict(), indent=indent)
+
+  @classmethod
+  def from_dict(cls, data: Mapping) -> "PrecisionPlan":
+    """Builds a plan from :meth:`to_dict` data.
+
+    Raises:
+      PlanError: the data is not a valid plan.
+    """
+    if not isinstance(data, Mapping):
+      raise PlanError(f"a plan must be a JSON object, got {type(data).__name__}")
+    unknown = set(data) - {"rules", "default", "quant"}
+    if unknown:
+      raise PlanError(f"unknown plan keys {sorted(unknown)}; "
+                      "valid keys: rules, default, quant")
+    rules = data.get("rules", [])
+    if not isinstance(rules, list):
+      raise PlanError("plan 'rules' must be a list of [regex, precision] pairs")
+    try:
+      quant = QuantConfig.from_dict(data.get("quant", {}))
+      return cls(rules, default=data.get("default", "fp32"), quant=quant)
+    except PlanError:
+      raise
+    except (ValueError, TypeError) as e:
+      raise PlanError(f"invalid plan: {e}") from None
+
+  @classmethod
+  def from_json(cls, text: str) -> "PrecisionPlan":
+    """Parses a plan from JSON text.
+
+    Raises:
+      PlanError: the text is not JSON or not a valid plan.
+    """
+    try:
+      data = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise PlanError(f"malformed plan JSON: {e}") from None
+    return cls.from_dict(data)
+
+  def __str__(self) -> str:
+    rules = ", ".join(f"{p}->{prec.value}" for p, prec in self.rules)
+    return f"PrecisionPlan([{rules}], default={self.default.value})"
