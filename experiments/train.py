@@ -1,45 +1,95 @@
-r"""The main job: train a model under a per-layer precision plan.
+r"""The main job: synchronous training over a hybrid cluster of workers.
 
 Usage:
-  python -m experiments.train --out_dir=/tmp/qsync_run \
+  python -m experiments.train --out_dir=runs/default \
       [--config=experiments/configs/default.py] [--config.steps=200] \
-      [--config.model=package.module:factory]
+      [--model=resnet18] [--cluster=v100:2,t4:2] [--plan=t4=t4_plan.json]
+      [--resume]
+
+  Multi-process (one device per process; the launcher SIGKILLs every worker
+  if one dies):
+  python -m qsync_jax.distributed --num_processes=4 -- \
+      python -m experiments.train --out_dir=runs/mp
 
 Writes to --out_dir:
-  summary.json: final_eval_accuracy, final_eval_loss, final_train_loss,
-    steps, wall_time_s, device_kind, precisions ({layer: precision}).
-  plan.json: the precision plan (PrecisionPlan JSON).
+  summary.json: final_eval_accuracy, final_eval_loss, final_train_loss, steps,
+    sync_rounds, comm_bytes (bytes each worker sent, ring all-reduce model),
+    wall_time_s, examples_per_s, loss_scaling, skipped_steps, params_sha256,
+    cluster, num_processes, workers [{kind, device, batch_size, plan}],
+    precisions (per worker: {layer: precision}).
+  metrics.jsonl: one row per log/eval step (step, loss, accuracy,
+    examples_per_s, loss_scale, sync_rounds, comm_bytes, eval_loss,
+    eval_accuracy).
+  plans/<kind>.json: each device kind's PrecisionPlan.
+  curves.png: training loss and accuracy, eval accuracy.
+  checkpoints/: orbax checkpoints; --resume continues the newest one.
 
---config.model takes a built-in model name (cnn, resnet18, resnet50, vgg16_bn,
-bert, lm, vit_tiny) or package.module:factory, a callable taking rngs (and the
-keyword arguments in --config.model_kwargs) that returns an NNX module with an
-input_spec(batch_size) method.
+--model takes a built-in model (cnn, resnet18, resnet50, vgg16_bn, bert, lm,
+vit_tiny) or package.module:factory: a callable taking rngs (and the keyword
+arguments in --config.model_kwargs) that returns an NNX module with an
+input_spec(batch_size) method returning the jax.ShapeDtypeStruct of one batch.
 """
 
 import os
 
 from absl import app
 from absl import flags
+import jax
+import ml_collections
 from ml_collections import config_flags
 
 from qsync_jax import cli
+from qsync_jax import cluster as cluster_lib
+from qsync_jax import distributed
 from qsync_jax import training
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs",
                                "default.py")
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out_dir", None, "Directory for summary.json and plans.")
+flags.DEFINE_string("out_dir", None, "Run directory for outputs.")
+flags.DEFINE_string("model", None, "Overrides config.model.")
+flags.DEFINE_string("cluster", None, "Overrides config.cluster.")
+flags.DEFINE_bool("resume", None, "Overrides config.resume.")
+flags.DEFINE_multi_string(
+    "plan", [], "KIND=PLAN.json: the precision plan of one device kind "
+    "(repeatable); replaces that kind's entry in config.plans.")
 config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG,
                                 "Path to a get_config() file.",
                                 lock_config=True)
 
 
+def _parse_plan_flags(values):
+  plans = {}
+  for value in values:
+    kind, sep, path = value.partition("=")
+    if not sep or not kind or not path:
+      raise ValueError(f"--plan={value!r}: expected KIND=PLAN.json, e.g. "
+                       "--plan=t4=plans/t4.json")
+    plans[kind.strip().lower()] = path
+  return plans
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  config = FLAGS.config
+  with config.unlocked():
+    for name in ("model", "cluster", "resume"):
+      if getattr(FLAGS, name) is not None:
+        config[name] = getattr(FLAGS, name)
   with cli.bad_input_exits():
-    training.train_and_evaluate(FLAGS.config, FLAGS.out_dir)
+    if FLAGS.plan:
+      with config.unlocked():
+        config.plans = ml_collections.ConfigDict(
+            {**training.to_plain(config.plans), **_parse_plan_flags(
+                FLAGS.plan)})
+    if not distributed.initialize():
+      # Single process: one fake CPU device per worker when running on CPU
+      # (before the backend starts; it does not affect GPU backends).
+      workers = cluster_lib.parse_cluster(config.cluster).num_workers
+      jax.config.update("jax_num_cpu_devices", workers)
+    training.train_and_evaluate(config, FLAGS.out_dir)
 
 
 if __name__ == "__main__":

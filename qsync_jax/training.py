@@ -1,9 +1,13 @@
-"""Single-device training of a model under a precision plan.
+"""The main job: hybrid-cluster training from a config, with outputs on disk.
 
-This module owns the losses and metrics every trainer shares and a compact
-``train_and_evaluate`` (one device, one plan) that the main job runs until the
-hybrid multi-worker trainer lands. The loss is computed in float32 whatever
-the plan, so low-precision layers change the arithmetic, not the objective.
+This module owns ``train_and_evaluate(config, out_dir)``, which the
+``experiments/train.py`` binary calls: it maps the cluster spec onto the JAX
+devices present, builds one worker per device with its kind's precision plan
+(and its batch size, equal or proportional to device speed), trains a
+:class:`~qsync_jax.trainer.HybridTrainer`, checkpoints and resumes it, and
+writes ``summary.json``, ``metrics.jsonl``, the plans and a PNG of the curves.
+In a multi-process run (``qsync_jax.distributed``) every process runs its own
+workers and only process 0 writes the files.
 """
 
 from __future__ import annotations
@@ -11,83 +15,33 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 from absl import logging
 from flax import nnx
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
 
+from qsync_jax import cluster as cluster_lib
 from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
-from qsync_jax import policy
+from qsync_jax.checkpoint import Checkpointer
 from qsync_jax.precision import PrecisionPlan
-
-
-def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Mean softmax cross-entropy in float32 (labels are integer class ids)."""
-  return optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), labels).mean()
-
-
-def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Fraction of positions whose arg-max logit is the label."""
-  return (jnp.argmax(logits, -1) == labels).mean()
-
-
-def loss_fn(model: nnx.Module, x: jax.Array, y: jax.Array
-            ) -> tuple[jax.Array, jax.Array]:
-  """Returns (loss, logits) of ``model`` on a batch."""
-  logits = model(x)
-  return cross_entropy(logits, y), logits
-
-
-@nnx.jit
-def train_step(model: nnx.Module, optimizer: nnx.Optimizer, x: jax.Array,
-               y: jax.Array) -> dict[str, jax.Array]:
-  """One optimizer step on a batch; returns loss and accuracy."""
-  (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
-      model, x, y)
-  optimizer.update(model, grads)
-  return {"loss": loss, "accuracy": accuracy(logits, y)}
-
-
-@nnx.jit
-def eval_step(model: nnx.Module, x: jax.Array, y: jax.Array
-              ) -> dict[str, jax.Array]:
-  """Summed loss and correct count of a batch (for exact dataset means)."""
-  loss, logits = loss_fn(model, x, y)
-  n = y.size
-  return {"loss_sum": loss * n,
-          "correct": (jnp.argmax(logits, -1) == y).sum()}
-
-
-def evaluate(model: nnx.Module, x: np.ndarray, y: np.ndarray,
-             batch_size: int = 256) -> dict[str, float]:
-  """Returns mean loss and accuracy of ``model`` over (x, y)."""
-  model.eval()
-  loss_sum = correct = count = 0.0
-  for xb, yb in data_lib.eval_batches(x, y, batch_size):
-    out = eval_step(model, jnp.asarray(xb), jnp.asarray(yb))
-    loss_sum += float(out["loss_sum"])
-    correct += float(out["correct"])
-    count += yb.size
-  model.train()
-  return {"loss": loss_sum / count, "accuracy": correct / count}
+from qsync_jax.trainer import HybridTrainer, Worker
 
 
 def load_plan(spec: Any) -> PrecisionPlan:
-  """Builds a plan from a JSON file path, JSON text, or a config dict.
+  """Builds a plan from a JSON file path, JSON text, or a config mapping.
 
-  Accepts what a config holds: a path to a plan ``.json`` file, the JSON text
-  itself, or a mapping with ``rules`` / ``default`` / ``quant``.
+  Raises:
+    FileNotFoundError: a path that does not exist.
+    qsync_jax.PlanError: a malformed plan.
   """
   if isinstance(spec, PrecisionPlan):
     return spec
-  spec = _to_plain(spec)
+  spec = to_plain(spec)
   if isinstance(spec, Mapping):
     return PrecisionPlan.from_dict(spec)
   if isinstance(spec, str) and not spec.lstrip().startswith("{"):
@@ -98,78 +52,228 @@ def load_plan(spec: Any) -> PrecisionPlan:
   return PrecisionPlan.from_json(spec)
 
 
-def _to_plain(value: Any) -> Any:
+def to_plain(value: Any) -> Any:
+  """Converts ConfigDicts (recursively) to plain dicts and lists."""
   if isinstance(value, ml_collections.ConfigDict):
     value = value.to_dict()
   if isinstance(value, Mapping):
-    return {k: _to_plain(v) for k, v in value.items()}
+    return {k: to_plain(v) for k, v in value.items()}
   if isinstance(value, (list, tuple)):
-    return [_to_plain(v) for v in value]
+    return [to_plain(v) for v in value]
   return value
 
 
-def _batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int
-             ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-  batcher = data_lib.WorkerBatcher(x, y, [batch_size], seed=seed)
-  step = 0
-  while True:
-    ((xb, yb),) = batcher.step_batches(step)
-    yield xb, yb
-    step += 1
+def make_workers(config: ml_collections.ConfigDict,
+                 devices=None) -> list[Worker]:
+  """Builds the workers of ``config.cluster`` with their plans and batches.
+
+  ``config.plans`` maps a device kind to a plan (a mapping, JSON text or a
+  file path); kinds it does not name train in FP32, and entries for kinds
+  the cluster does not have are unused. ``config.batch_mode`` is
+  ``"equal"`` (``config.batch_size`` each) or ``"dynamic"`` (QSync's DB
+  baseline: the global batch ``batch_size * num_workers`` split in proportion
+  to ``config.speeds``).
+
+  Raises:
+    ValueError: a bad cluster spec, too few devices, or a bad batch mode or
+      speed.
+  """
+  spec = cluster_lib.parse_cluster(config.cluster)
+  devices = cluster_lib.assign_devices(spec, devices)
+  plans = to_plain(config.get("plans", {})) or {}
+  plan_of = {kind: load_plan(plans[kind]) if kind in plans else
+             PrecisionPlan() for kind in spec.groups()}
+  n = spec.num_workers
+  if config.batch_mode == "equal":
+    sizes = [config.batch_size] * n
+  elif config.batch_mode == "dynamic":
+    speeds = cluster_lib.parse_speeds(config.speeds)
+    missing = sorted(set(spec.kinds) - set(speeds))
+    if missing:
+      raise ValueError(f"config.speeds has no speed for {missing}")
+    sizes = cluster_lib.dynamic_batch_sizes(
+        config.batch_size * n, [speeds[k] for k in spec.kinds])
+  else:
+    raise ValueError(f"unknown batch_mode {config.batch_mode!r}; valid: "
+                     "equal, dynamic")
+  return [Worker(d, k, plan_of[k], b)
+          for d, k, b in zip(devices, spec.kinds, sizes)]
+
+
+def make_optimizer(config: ml_collections.ConfigDict
+                   ) -> optax.GradientTransformation:
+  """Adam with a constant or warmup-cosine learning rate."""
+  if config.lr_schedule == "constant":
+    lr = config.learning_rate
+  elif config.lr_schedule == "cosine":
+    lr = optax.warmup_cosine_decay_schedule(
+        0.0, config.learning_rate, config.warmup_steps, config.steps)
+  else:
+    raise ValueError(f"unknown lr_schedule {config.lr_schedule!r}; valid: "
+                     "constant, cosine")
+  return optax.adam(lr)
+
+
+def _write_json(path: str, value: Any) -> None:
+  with open(path, "w") as f:
+    json.dump(value, f, indent=2)
+
+
+def _truncate_metrics(path: str, last_step: int) -> None:
+  """Drops rows a killed run logged after its last checkpoint."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    rows = [line for line in f if json.loads(line)["step"] <= last_step]
+  with open(path, "w") as f:
+    f.writelines(rows)
+
+
+def plot_curves(metrics_path: str, png_path: str) -> None:
+  """Writes a PNG of training loss and accuracy (and eval accuracy)."""
+  import matplotlib  # local: only the plot needs it
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  with open(metrics_path) as f:
+    rows = [json.loads(line) for line in f]
+  train = [r for r in rows if "loss" in r]
+  evals = [r for r in rows if "eval_accuracy" in r]
+  fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+  ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train])
+  ax_loss.set(xlabel="step", ylabel="train loss", yscale="log")
+  ax_acc.plot([r["step"] for r in train], [r["accuracy"] for r in train],
+              label="train")
+  ax_acc.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals],
+              "o-", label="eval")
+  ax_acc.set(xlabel="step", ylabel="accuracy")
+  ax_acc.legend()
+  fig.tight_layout()
+  fig.savefig(png_path, dpi=100)
+  plt.close(fig)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict,
                        out_dir: str) -> dict[str, Any]:
-  """Trains ``config.model`` on ``config.dataset`` under ``config.plan``.
+  """Runs the main job; see ``experiments/configs/default.py`` for fields.
 
   Args:
-    config: see ``experiments/configs/default.py`` for the fields.
-    out_dir: receives ``summary.json`` and ``plan.json``.
+    config: the job's config.
+    out_dir: the run directory. With ``config.resume`` a run continues from
+      the newest checkpoint in ``out_dir/checkpoints``.
 
   Returns:
-    The summary: final_eval_accuracy, final_eval_loss, final_train_loss,
-    steps, wall_time_s, precisions (layer -> precision), device_kind.
+    The summary written to ``summary.json``.
   """
+  writer = jax.process_index() == 0
   os.makedirs(out_dir, exist_ok=True)
   dataset = data_lib.load_dataset(config.dataset,
-                                  **_to_plain(config.get("dataset_kwargs", {})))
+                                  **to_plain(config.get("dataset_kwargs", {})))
   factory = models_lib.load_model_factory(config.model)
   model = factory(rngs=nnx.Rngs(config.seed),
-                  **_to_plain(config.get("model_kwargs", {})))
-  plan = load_plan(config.plan_file or config.plan)
-  policy.apply_plan(model, plan, device_kind=config.device_kind)
-  precisions = policy.effective_precisions(model, plan)
-  logging.info("precision plan:\n%s", policy.describe(model, plan))
+                  **to_plain(config.get("model_kwargs", {})))
+  workers = make_workers(config)
+  trainer = HybridTrainer(model, workers, make_optimizer(config))
+  batcher = data_lib.WorkerBatcher(dataset.x_train, dataset.y_train,
+                                   [w.batch_size for w in workers],
+                                   seed=config.seed)
+  metrics_path = os.path.join(out_dir, "metrics.jsonl")
+  checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"))
+  if config.resume:
+    meta = checkpointer.restore_latest(trainer)
+    if meta is None:
+      logging.info("no checkpoint in %s: starting from step 0", out_dir)
+    else:
+      logging.info("resumed from step %d", trainer.step)
+    if writer:
+      _truncate_metrics(metrics_path, trainer.step)
+  elif checkpointer.latest_step() is not None:
+    raise ValueError(f"{out_dir} already holds checkpoints; pass --resume to "
+                     "continue that run or use a new --out_dir")
+  elif writer and os.path.exists(metrics_path):
+    os.remove(metrics_path)
 
-  optimizer = nnx.Optimizer(model, optax.adam(config.learning_rate),
-                            wrt=nnx.Param)
-  batches = _batches(dataset.x_train, dataset.y_train, config.batch_size,
-                     config.seed)
+  if writer:
+    os.makedirs(os.path.join(out_dir, "plans"), exist_ok=True)
+    for w in workers:
+      with open(os.path.join(out_dir, "plans", f"{w.kind}.json"), "w") as f:
+        f.write(w.plan.to_json())
+  for i, w in enumerate(workers):
+    logging.info("worker %d: %s on %s, batch %d, plan %s", i, w.kind,
+                 w.device, w.batch_size, w.plan)
+  logging.info("loss scaling: %s", trainer.loss_scaling)
+
+  global_batch = sum(w.batch_size for w in workers)
   start = time.perf_counter()
-  metrics = {}
-  for step in range(1, config.steps + 1):
-    xb, yb = next(batches)
-    metrics = train_step(model, optimizer, jnp.asarray(xb), jnp.asarray(yb))
-    if step % config.log_every == 0 or step == config.steps:
-      elapsed = time.perf_counter() - start
-      logging.info("step %d/%d loss %.4f accuracy %.3f (%.1f steps/s)", step,
-                   config.steps, float(metrics["loss"]),
-                   float(metrics["accuracy"]), step / elapsed)
+  start_step = trainer.step
+  window_start, window_step = start, trainer.step
+  last_train, last_eval = {}, {}
+  while trainer.step < config.steps:
+    step = trainer.step
+    all_batches = batcher.step_batches(step)
+    out = trainer.train_step({i: all_batches[i]
+                              for i in trainer.local_workers})
+    done = trainer.step
+    row = None
+    if done % config.log_every == 0 or done == config.steps:
+      now = time.perf_counter()
+      loss = float(np.mean([float(m["loss"]) for m in out.values()]))
+      acc = float(np.mean([float(m["accuracy"]) for m in out.values()]))
+      rate = global_batch * (done - window_step) / (now - window_start)
+      window_start, window_step = now, done
+      last_train = {"loss": loss, "accuracy": acc}
+      row = {"step": done, "loss": loss, "accuracy": acc,
+             "examples_per_s": rate, "loss_scale": trainer.current_loss_scale,
+             "sync_rounds": trainer.sync_rounds,
+             "comm_bytes": trainer.comm_bytes}
+      logging.info("step %d/%d loss %.4f accuracy %.3f %.0f examples/s",
+                   done, config.steps, loss, acc, rate)
+    if config.eval_every and (done % config.eval_every == 0
+                              or done == config.steps):
+      ev = trainer.evaluate(dataset.x_test, dataset.y_test)
+      last_eval = {"step": done, **ev}
+      row = {**(row or {"step": done}), "eval_loss": ev["loss"],
+             "eval_accuracy": ev["accuracy"]}
+      logging.info("step %d eval loss %.4f accuracy %.4f", done, ev["loss"],
+                   ev["accuracy"])
+    if row is not None and writer:
+      with open(metrics_path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    if config.checkpoint_every and (done % config.checkpoint_every == 0
+                                    or done == config.steps):
+      checkpointer.save(trainer)
+    if "eval_loss" in (row or {}) or (
+        config.checkpoint_every and done % config.checkpoint_every == 0):
+      # Throughput windows count training only, not evals or checkpoints.
+      window_start, window_step = time.perf_counter(), done
   wall = time.perf_counter() - start
-  final = evaluate(model, dataset.x_test, dataset.y_test)
+  final = (last_eval if last_eval.get("step") == trainer.step
+           else {"step": trainer.step,
+                 **trainer.evaluate(dataset.x_test, dataset.y_test)})
+  checkpointer.close()
   summary = {
       "final_eval_accuracy": final["accuracy"],
       "final_eval_loss": final["loss"],
-      "final_train_loss": float(metrics["loss"]),
-      "steps": config.steps,
+      "final_train_loss": last_train.get("loss"),
+      "steps": trainer.step,
+      "steps_this_run": trainer.step - start_step,
+      "sync_rounds": trainer.sync_rounds,
+      "comm_bytes": trainer.comm_bytes,
       "wall_time_s": wall,
-      "device_kind": config.device_kind,
-      "precisions": {k: v.value for k, v in precisions.items()},
+      "examples_per_s": (global_batch * (trainer.step - start_step) / wall
+                         if wall > 0 else None),
+      "loss_scaling": trainer.loss_scaling,
+      "skipped_steps": trainer.skipped_steps,
+      "params_sha256": trainer.params_digest(),
+      "cluster": config.cluster,
+      "num_processes": jax.process_count(),
+      "workers": trainer.describe_workers(),
+      "precisions": [{k: v.value for k, v in eff.items()}
+                     for eff in trainer.precisions],
   }
-  with open(os.path.join(out_dir, "plan.json"), "w") as f:
-    f.write(plan.to_json())
-  with open(os.path.join(out_dir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  logging.info("eval accuracy %.4f, loss %.4f; wrote %s",
+  if writer:
+    _write_json(os.path.join(out_dir, "summary.json"), summary)
+    if os.path.exists(metrics_path):
+      plot_curves(metrics_path, os.path.join(out_dir, "curves.png"))
+  logging.info("final eval accuracy %.4f loss %.4f; wrote %s",
                final["accuracy"], final["loss"], out_dir)
   return summary

@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -13,48 +15,188 @@ from qsync_jax import training
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _env():
+  env = dict(os.environ)
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  return env
+
+
+def _run(*args, timeout=600):
+  return subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(),
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def _train(out, *args, timeout=600):
+  return _run("-m", "experiments.train", f"--out_dir={out}", *args,
+              timeout=timeout)
+
+
+def _summary(out):
+  return json.loads((out / "summary.json").read_text())
+
+
 def test_small_cnn_with_half_its_layers_int8_learns_digits(tmp_path):
   config = default_config.get_config()
+  config.cluster = "t4:1"
   # Half of the four layers INT8 (both convolutions); the rest FP32.
-  config.plan = {"rules": [[r"conv\d", "int8"]], "default": "fp32"}
+  config.plans = {"t4": {"rules": [[r"conv\d", "int8"]], "default": "fp32"}}
+  config.batch_size = 64
+  config.eval_every = 0
+  config.checkpoint_every = 0
   summary = training.train_and_evaluate(config, str(tmp_path))
-  assert summary["precisions"] == {"conv1": "int8", "conv2": "int8",
-                                   "fc": "fp32", "head": "fp32"}
+  assert summary["precisions"] == [{"conv1": "int8", "conv2": "int8",
+                                    "fc": "fp32", "head": "fp32"}]
   print("digits test accuracy with conv1/conv2 INT8:",
         summary["final_eval_accuracy"])
   assert summary["final_eval_accuracy"] >= 0.93
-  saved = json.loads((tmp_path / "summary.json").read_text())
-  assert saved["final_eval_accuracy"] == summary["final_eval_accuracy"]
-  assert (tmp_path / "plan.json").exists()
 
 
-def _run_binary(*args):
-  return subprocess.run([sys.executable, "-m", "experiments.train", *args],
-                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+def test_main_job_defaults_reach_93_percent_and_write_every_file(tmp_path):
+  result = _train(tmp_path)
+  assert result.returncode == 0, result.stderr[-3000:]
+  summary = _summary(tmp_path)
+  print("default main job:", {k: summary[k] for k in (
+      "final_eval_accuracy", "wall_time_s", "examples_per_s")})
+  assert summary["final_eval_accuracy"] >= 0.93
+  for key in ("final_eval_accuracy", "final_train_loss", "steps",
+              "sync_rounds", "comm_bytes", "wall_time_s", "workers"):
+    assert key in summary
+  assert summary["steps"] == summary["sync_rounds"] == 400
+  assert [w["kind"] for w in summary["workers"]] == ["v100"] * 2 + ["t4"] * 2
+  assert {"kind", "device", "batch_size", "plan"} <= set(summary["workers"][0])
+  assert summary["precisions"][2]["conv1"] == "int8"
+  assert summary["loss_scaling"] is True
+  rows = [json.loads(l) for l in
+          (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert rows[-1]["step"] == 400 and "eval_accuracy" in rows[-1]
+  assert (tmp_path / "plans" / "t4.json").exists()
+  assert (tmp_path / "curves.png").stat().st_size > 1000
 
 
-def test_binary_writes_summary_and_accepts_overrides(tmp_path):
-  plan_file = tmp_path / "plan.json"
-  plan_file.write_text('{"rules": [["fc", "bf16"]], "default": "fp32"}')
-  out = tmp_path / "out"
-  result = _run_binary(f"--out_dir={out}", "--config.steps=20",
-                       "--config.device_kind=a100",
-                       f"--config.plan_file={plan_file}")
-  assert result.returncode == 0, result.stderr[-2000:]
-  summary = json.loads((out / "summary.json").read_text())
-  assert summary["steps"] == 20
-  assert summary["precisions"]["fc"] == "bf16"
+def test_dynamic_batching_baseline_runs(tmp_path):
+  result = _train(tmp_path, "--config.batch_mode=dynamic",
+                  "--config.steps=10", "--config.eval_every=0",
+                  "--config.checkpoint_every=0")
+  assert result.returncode == 0, result.stderr[-3000:]
+  sizes = [w["batch_size"] for w in _summary(tmp_path)["workers"]]
+  assert sum(sizes) == 128 and sizes[0] > sizes[2]
+
+
+def test_sigkilled_run_resumes_bit_identically(tmp_path):
+  args = ["--config.steps=40", "--config.checkpoint_every=10",
+          "--config.eval_every=0", "--config.log_every=10"]
+  straight = tmp_path / "straight"
+  assert _train(straight, *args).returncode == 0
+  killed = tmp_path / "killed"
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "experiments.train", f"--out_dir={killed}",
+       *args], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL)
+  try:
+    deadline = time.time() + 300
+    while not (killed / "checkpoints" / "20").exists():
+      assert proc.poll() is None, "the run ended before it could be killed"
+      assert time.time() < deadline
+      time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == -signal.SIGKILL
+  assert not (killed / "summary.json").exists()
+  # A fresh run into the same directory must not silently overwrite it.
+  refused = _train(killed, *args)
+  assert refused.returncode == 1 and "--resume" in refused.stderr
+  resumed = _train(killed, *args, "--resume")
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert _summary(killed)["steps_this_run"] < 40
+  assert _summary(killed)["params_sha256"] == _summary(straight)[
+      "params_sha256"]
+  steps = [json.loads(l)["step"] for l in
+           (killed / "metrics.jsonl").read_text().splitlines()]
+  assert steps == list(range(10, 41, 10))
+
+
+def test_two_processes_match_one_process_with_two_devices(tmp_path):
+  args = ["--cluster=v100:1,t4:1", "--config.steps=12",
+          "--config.eval_every=0", "--config.checkpoint_every=0",
+          "--config.log_every=4"]
+  single = tmp_path / "single"
+  result = _train(single, *args)
+  assert result.returncode == 0, result.stderr[-3000:]
+  multi = tmp_path / "multi"
+  result = _run("-m", "qsync_jax.distributed", "--num_processes=2",
+                "--timeout_s=300", "--", sys.executable, "-m",
+                "experiments.train", f"--out_dir={multi}", *args)
+  assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+  s, m = _summary(single), _summary(multi)
+  assert m["num_processes"] == 2 and s["num_processes"] == 1
+  assert m["params_sha256"] == s["params_sha256"]
+  assert m["final_eval_accuracy"] == s["final_eval_accuracy"]
+
+
+def test_launcher_ends_a_training_run_whose_worker_dies(tmp_path):
+  launcher = subprocess.Popen(
+      [sys.executable, "-m", "qsync_jax.distributed", "--num_processes=2",
+       "--", sys.executable, "-m", "experiments.train",
+       f"--out_dir={tmp_path}", "--cluster=cpu:2", "--config.steps=100000",
+       "--config.eval_every=0", "--config.checkpoint_every=0",
+       "--config.log_every=1"],
+      cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      text=True)
+  children = []
+  try:
+    deadline = time.time() + 120
+    # Wait until both workers train (step lines appear), then kill one.
+    seen = set()
+    for line in launcher.stdout:
+      if "step " in line and "/100000" in line:
+        seen.add(line[:4])
+      if len(seen) == 2 or time.time() > deadline:
+        break
+    assert len(seen) == 2, "the workers did not start training"
+    children = [int(p) for p in subprocess.run(
+        ["pgrep", "-P", str(launcher.pid)], capture_output=True,
+        text=True).stdout.split()]
+    assert len(children) == 2
+    killed_at = time.time()
+    os.kill(children[1], signal.SIGKILL)
+    launcher.stdout.read()
+    code = launcher.wait(timeout=90)
+    elapsed = time.time() - killed_at
+  finally:
+    for pid in [launcher.pid, *children]:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+  print(f"launcher exited {code} {elapsed:.1f} s after a worker was killed")
+  assert code != 0 and elapsed < 60
+  for pid in children:
+    with pytest.raises(ProcessLookupError):
+      os.kill(pid, 0)
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--config.device_kind=v100"], "'v100' does not support int8"),
-    (["--config.plan_file=/nonexistent/plan.json"],
+    (["--cluster=v100:2", "--plan=v100={int8}"], "'v100' does not support int8"),
+    (["--plan=t4=/nonexistent/plan.json"],
      "plan file '/nonexistent/plan.json' does not exist"),
-    (["--config.model=nosuch"], "invalid model spec 'nosuch'"),
+    (["--plan=t4={bad}"], "malformed plan JSON"),
+    (["--plan=t4"], "expected KIND=PLAN.json"),
+    (["--model=nosuch"], "invalid model spec 'nosuch'"),
+    (["--cluster=k80:1"], "unknown device kind 'k80'"),
+    (["--cluster=t4:0"], "count must be positive"),
 ])
 def test_binary_bad_input_is_one_clear_error(tmp_path, args, message):
-  result = _run_binary(f"--out_dir={tmp_path}", *args)
+  int8 = tmp_path / "int8.json"
+  int8.write_text('{"rules": [["conv1", "int8"]]}')
+  bad = tmp_path / "bad.json"
+  bad.write_text('{"rules": [["conv1", ')
+  args = [a.replace("{int8}", str(int8)).replace("{bad}", str(bad))
+          for a in args]
+  result = _train(tmp_path / "out", "--config.steps=5", *args)
   assert result.returncode == 1
   last = result.stderr.strip().splitlines()[-1]
-  assert last.startswith("error: ") and message in last
+  assert last.startswith("error: ") and message in last, last
   assert "Traceback" not in result.stderr

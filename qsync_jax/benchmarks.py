@@ -1,0 +1,125 @@
+"""Side-by-side step-time measurements (not tests: figures for docs/RESULTS.md).
+
+``trainer_overhead`` measures what the hybrid design costs: the
+:class:`~qsync_jax.trainer.HybridTrainer` (one jitted gradient function per
+worker, then a shard_map that averages and updates) against one plain jitted
+SPMD data-parallel step (XLA inserts the all-reduce) on the same devices,
+model, optimizer and global batch. Both run in one process, interleaved in
+rounds, so machine noise hits both alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from flax import nnx
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+import optax
+
+from qsync_jax import losses
+from qsync_jax import models as models_lib
+from qsync_jax.precision import PrecisionPlan
+from qsync_jax.trainer import HybridTrainer, Worker
+
+
+def _spmd_step_fn(model: nnx.Module, tx: optax.GradientTransformation):
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  @jax.jit
+  def step(params, opt_state, x, y):
+    def loss(p):
+      return losses.cross_entropy(nnx.merge(graphdef, p, rest)(x), y)
+    grads = jax.grad(loss)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return step, params
+
+
+def _timed_rounds(run_block, steps_per_round: int) -> float:
+  start = time.perf_counter()
+  run_block(steps_per_round)
+  return (time.perf_counter() - start) / steps_per_round
+
+
+def trainer_overhead(model_name: str, batch_per_worker: int, *,
+                     num_workers: int = 4, rounds: int = 7,
+                     steps_per_round: int = 10,
+                     model_kwargs: dict[str, Any] | None = None,
+                     seed: int = 0) -> dict[str, Any]:
+  """Returns median step times of the hybrid trainer and a plain SPMD step.
+
+  Args:
+    model_name: a built-in model without BatchNorm (``cnn``, ``bert``, ``lm``,
+      ``vit_tiny``): the SPMD step would synchronize BatchNorm statistics,
+      which the hybrid trainer (like DDP) does not.
+    batch_per_worker: the local batch size.
+    num_workers: workers (devices) used by both.
+    rounds: interleaved measurement rounds.
+    steps_per_round: steps per round, timed together (dispatch pipelines
+      as in training).
+    model_kwargs: config overrides of the model.
+    seed: parameter and data seed.
+
+  Returns:
+    {model, num_workers, batch_per_worker, hybrid_step_s, spmd_step_s,
+     ratio (hybrid / spmd), rounds, steps_per_round}.
+  """
+  devices = jax.devices()[:num_workers]
+  if len(devices) < num_workers:
+    raise ValueError(f"need {num_workers} devices, have {len(devices)}")
+  tx = optax.adam(1e-3)
+  make = lambda: models_lib.create_model(model_name, rngs=nnx.Rngs(seed),
+                                         **(model_kwargs or {}))
+  model = make()
+  spec = model.input_spec(batch_per_worker * num_workers)
+  rng = np.random.default_rng(seed)
+  if np.issubdtype(spec.dtype, np.integer):
+    x = rng.integers(0, 8, size=spec.shape).astype(spec.dtype)
+  else:
+    x = rng.standard_normal(spec.shape).astype(spec.dtype)
+  out_shape = jax.eval_shape(model, spec).shape
+  y = rng.integers(0, out_shape[-1], size=out_shape[:-1]).astype(np.int32)
+
+  trainer = HybridTrainer(
+      make(), [Worker(d, "cpu", PrecisionPlan(), batch_per_worker)
+               for d in devices], tx)
+  b = batch_per_worker
+  # Both sides get their batches already on the devices: the comparison is
+  # of the step, not of host-to-device copies.
+  batches = {i: jax.device_put((x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]),
+                               devices[i]) for i in range(num_workers)}
+
+  mesh = Mesh(np.array(devices), ("workers",))
+  step, params = _spmd_step_fn(make(), tx)
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  opt_state = jax.device_put(tx.init(params), NamedSharding(mesh, P()))
+  xs, ys = jax.device_put((x, y), NamedSharding(mesh, P("workers")))
+  state = {"params": params, "opt": opt_state}
+
+  def run_hybrid(k):
+    for _ in range(k):
+      trainer.train_step(batches)
+    trainer.params.block_until_ready()
+
+  def run_spmd(k):
+    for _ in range(k):
+      state["params"], state["opt"] = step(state["params"], state["opt"], xs,
+                                           ys)
+    jax.block_until_ready(state["params"])
+
+  run_hybrid(2)  # compile and warm up both
+  run_spmd(2)
+  hybrid, spmd = [], []
+  for _ in range(rounds):
+    hybrid.append(_timed_rounds(run_hybrid, steps_per_round))
+    spmd.append(_timed_rounds(run_spmd, steps_per_round))
+  h, s = statistics.median(hybrid), statistics.median(spmd)
+  return {"model": model_name, "num_workers": num_workers,
+          "batch_per_worker": batch_per_worker, "hybrid_step_s": h,
+          "spmd_step_s": s, "ratio": h / s, "rounds": rounds,
+          "steps_per_round": steps_per_round}

@@ -1,0 +1,441 @@
+"""HybridTrainer: synchronous data parallelism over workers with different plans.
+
+Each worker is a (device, device kind, precision plan, local batch size). One
+SPMD program cannot span different GPU models, and each plan is a different
+computation, so every worker gets its own jitted gradient function compiled
+for its device from its plan. The workers meet in one separate jitted
+``jax.shard_map`` over a mesh of all workers, which averages the gradients and
+applies the (identical) optax update on every worker.
+
+State layout, chosen so a step costs few host operations:
+
+* parameters are one flat float32 vector per worker, stacked into a global
+  ``(num_workers, P)`` array sharded over the ``workers`` mesh axis, so the
+  gradient of a worker is a single buffer (one all-reduce bucket) and the
+  global array is assembled with one ``make_array_from_single_device_arrays``;
+* optimizer state and the loss scale are stacked the same way and only ever
+  touched inside the shard_map program;
+* the rest of the model state (BatchNorm statistics) stays local per worker.
+
+Every worker's parameters and optimizer state stay identical under data
+parallelism; the stacked layout is what local SGD (per-worker parameters)
+needs too. The same code runs single-process (several local devices) and
+multi-process (``jax.distributed``, one device per process): each process
+runs the gradient functions of its own workers only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from typing import Any, Callable, Sequence
+
+from flax import nnx
+import jax
+from jax.flatten_util import ravel_pytree
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+import optax
+
+from qsync_jax import comm
+from qsync_jax import loss_scale as ls
+from qsync_jax import losses
+from qsync_jax import policy
+from qsync_jax import sync
+from qsync_jax.precision import Precision, PrecisionPlan
+
+AXIS = "workers"
+
+
+@dataclasses.dataclass(frozen=True)
+class Worker:
+  """One data-parallel worker.
+
+  Attributes:
+    device: the JAX device it runs on.
+    kind: its device kind (``"v100"``, ``"t4"``, ...), which the plan must
+      suit.
+    plan: its precision plan.
+    batch_size: its local batch size.
+  """
+  device: jax.Device
+  kind: str
+  plan: PrecisionPlan
+  batch_size: int
+
+
+LossFn = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def _stack_local(rows: dict[jax.Device, jax.Array], shape: tuple[int, ...],
+                 sharding: NamedSharding) -> jax.Array:
+  """Assembles per-device (1, ...) rows into a global (n, ...) array."""
+  return jax.make_array_from_single_device_arrays(
+      shape, sharding, [rows[d] for d in sharding.addressable_devices])
+
+
+def _rows(x: jax.Array) -> dict[jax.Device, jax.Array]:
+  """Returns the per-device (1, ...) rows of a stacked global array."""
+  return {s.device: s.data for s in x.addressable_shards}
+
+
+class HybridTrainer:
+  """Synchronous training over workers that run different precision plans.
+
+  Args:
+    model: the NNX model (FP32 parameters); it is left in train mode.
+    workers: the workers, one distinct device each.
+    tx: the optax optimizer every worker applies.
+    loss_fn: ``loss_fn(logits, labels) -> scalar`` (float32).
+    averager: how gradients are averaged (:mod:`qsync_jax.comm`).
+    schedule: when workers synchronize (:mod:`qsync_jax.sync`).
+    grad_weights: each worker's share of the averaged gradient (summing to
+      1); by default ``b_i / sum(b)`` so that every example counts once,
+      which is the plain mean when batch sizes are equal.
+    loss_scaling: ``"auto"`` (dynamic loss scaling when any worker computes
+      a layer in FP16), ``True`` or ``False``.
+    sample_input: an input the model accepts, to trace layer paths (default
+      ``model.input_spec``).
+
+  Raises:
+    ValueError: no worker, two workers on one device, or a bad batch size.
+    qsync_jax.PlanError: a plan does not fit the model or its device kind.
+  """
+
+  def __init__(self, model: nnx.Module, workers: Sequence[Worker],
+               tx: optax.GradientTransformation, *,
+               loss_fn: LossFn = losses.cross_entropy,
+               averager: Any = None, schedule: Any = None,
+               grad_weights: Sequence[float] | None = None,
+               loss_scaling: bool | str = "auto",
+               sample_input: Any = None):
+    if not workers:
+      raise ValueError("HybridTrainer needs at least one worker")
+    devices = [w.device for w in workers]
+    if len(set(devices)) != len(devices):
+      raise ValueError(f"workers must run on distinct devices, got {devices}")
+    bad = [w.batch_size for w in workers if w.batch_size <= 0]
+    if bad:
+      raise ValueError(f"batch sizes must be positive, got {bad}")
+    self.workers = list(workers)
+    self.num_workers = n = len(workers)
+    self.tx = tx
+    self.loss_fn = loss_fn
+    self.averager = averager or comm.MeanAverager()
+    self.schedule = schedule or sync.EveryStep()
+    self.mesh = Mesh(np.array(devices), (AXIS,))
+    self.sharding = NamedSharding(self.mesh, P(AXIS))
+    self.local_workers = [i for i, w in enumerate(workers)
+                          if w.device.process_index == jax.process_index()]
+
+    if grad_weights is None:
+      sizes = np.array([w.batch_size for w in workers], np.float64)
+      grad_weights = sizes / sizes.sum()
+    grad_weights = np.asarray(grad_weights, np.float32)
+    if grad_weights.shape != (n,) or not np.isclose(grad_weights.sum(), 1.0):
+      raise ValueError(f"grad_weights must be {n} numbers summing to 1, got "
+                       f"{grad_weights.tolist()}")
+    self.grad_weights = grad_weights
+
+    # One graph definition per plan; the parameters are shared.
+    model.train()
+    self.precisions: list[dict[str, Precision]] = []
+    graphdefs: dict[str, Any] = {}
+    self._graphdef_of: list[Any] = []
+    for w in workers:
+      eff = policy.effective_precisions(model, w.plan, sample_input,
+                                        device_kind=w.kind)
+      self.precisions.append(eff)
+      key = w.plan.to_json()
+      if key not in graphdefs:
+        policy.apply_plan(model, w.plan, sample_input, device_kind=w.kind)
+        graphdefs[key] = nnx.split(model, nnx.Param, ...)[0]
+      self._graphdef_of.append(graphdefs[key])
+    policy.apply_plan(model, PrecisionPlan(), sample_input)
+    model.eval()
+    self._eval_graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    model.train()
+    flat, self._unravel = ravel_pytree(params)
+    self.num_params = int(flat.size)
+
+    if loss_scaling == "auto":
+      loss_scaling = any(Precision.FP16 in eff.values()
+                         for eff in self.precisions)
+    self.loss_scaling = bool(loss_scaling)
+
+    # Gradient functions, one per distinct graph definition.
+    self._grad_fns: dict[int, Callable] = {}
+    for gd in self._graphdef_of:
+      self._grad_fns.setdefault(id(gd), self._make_grad_fn(gd))
+    self._update = self._make_update()
+    self._eval_fn = self._make_eval_fn()
+    self._mean_rest = None
+
+    # Initial state: the same parameters on every worker.
+    self.params = _stack_local(
+        {self.workers[i].device: jax.device_put(flat[None],
+                                                self.workers[i].device)
+         for i in self.local_workers},
+        (n, self.num_params), self.sharding)
+    self.rest = {i: jax.device_put(rest, workers[i].device)
+                 for i in self.local_workers}
+    init_scale = (ls.LossScale.create() if self.loss_scaling
+                  else ls.LossScale.disabled())
+    self.opt_state, self.loss_scale = self._make_init(init_scale)(self.params)
+    self._weights = self._stacked_constant(self.grad_weights)
+    self.step = 0
+    self.sync_rounds = 0
+    self.comm_bytes = 0.0
+
+  # ------------------------------------------------------------------
+  # Compiled pieces.
+  # ------------------------------------------------------------------
+
+  def _stacked_constant(self, values: np.ndarray) -> jax.Array:
+    return _stack_local(
+        {self.workers[i].device: jax.device_put(values[i:i + 1],
+                                                self.workers[i].device)
+         for i in self.local_workers}, values.shape, self.sharding)
+
+  def _shard_map(self, fn, num_in: int, out_specs=P(AXIS)):
+    return jax.jit(jax.shard_map(fn, mesh=self.mesh,
+                                 in_specs=(P(AXIS),) * num_in,
+                                 out_specs=out_specs))
+
+  def _make_init(self, init_scale: ls.LossScale):
+    unravel, tx = self._unravel, self.tx
+
+    def init(params):
+      opt_state = tx.init(unravel(params[0]))
+      expand = lambda x: jnp.asarray(x)[None]
+      return (jax.tree.map(expand, opt_state),
+              jax.tree.map(expand, init_scale))
+
+    return self._shard_map(init, 1)
+
+  def _make_grad_fn(self, graphdef):
+    unravel, loss_fn = self._unravel, self.loss_fn
+
+    @jax.jit
+    def grad_fn(params_row, rest, scale_row, x, y):
+      params = unravel(params_row[0])
+
+      def scaled_loss(p):
+        model = nnx.merge(graphdef, p, rest)
+        logits = model(x)
+        loss = loss_fn(logits, y)
+        new_rest = nnx.split(model, nnx.Param, ...)[2]
+        return loss * scale_row[0], (loss, losses.accuracy(logits, y),
+                                     new_rest)
+
+      grads, (loss, acc, new_rest) = jax.grad(scaled_loss, has_aux=True)(
+          params)
+      return ravel_pytree(grads)[0][None], new_rest, loss, acc
+
+    return grad_fn
+
+  def _make_update(self):
+    unravel, tx, averager = self._unravel, self.tx, self.averager
+
+    def update(params, opt_state, scale, grads, weight):
+      g = averager(grads[0], weight[0], AXIS)
+      finite = jnp.all(jnp.isfinite(g))
+      g = g / scale.scale[0]
+      opt = jax.tree.map(lambda x: x[0], opt_state)
+      p = unravel(params[0])
+      updates, new_opt = tx.update(unravel(g), opt, p)
+      new_p = ravel_pytree(optax.apply_updates(p, updates))[0]
+      # A non-finite gradient on any worker skips the step everywhere.
+      new_p = jnp.where(finite, new_p, params[0])
+      new_opt = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_opt,
+                             opt)
+      new_scale = ls.update(jax.tree.map(lambda x: x[0], scale), finite)
+      expand = lambda x: jnp.asarray(x)[None]
+      return (new_p[None], jax.tree.map(expand, new_opt),
+              jax.tree.map(expand, new_scale), finite[None])
+
+    return self._shard_map(update, 5)
+
+  def _make_eval_fn(self):
+    unravel, graphdef, loss_fn = self._unravel, self._eval_graphdef, (
+        self.loss_fn)
+
+    @jax.jit
+    def eval_fn(params_row, rest, x, y):
+      model = nnx.merge(graphdef, unravel(params_row[0]), rest)
+      logits = model(x)
+      n = y.size
+      return loss_fn(logits, y) * n, (jnp.argmax(logits, -1) == y).sum()
+
+    return eval_fn
+
+  # ------------------------------------------------------------------
+  # Training.
+  # ------------------------------------------------------------------
+
+  def train_step(self, batches: dict[int, tuple[Any, Any]]
+                 ) -> dict[int, dict[str, jax.Array]]:
+    """Runs one synchronous step.
+
+    Args:
+      batches: ``{worker index: (x, y)}`` for this process's workers; worker
+        ``i``'s batch has ``workers[i].batch_size`` examples.
+
+    Returns:
+      ``{worker index: {"loss", "accuracy"}}`` as device scalars (not
+      synchronized with the host, so logging them is the caller's choice).
+    """
+    missing = [i for i in self.local_workers if i not in batches]
+    if missing:
+      raise ValueError(f"no batch for local workers {missing}")
+    params_rows = _rows(self.params)
+    scale_rows = _rows(self.loss_scale.scale)
+    grad_rows, metrics = {}, {}
+    for i in self.local_workers:
+      w = self.workers[i]
+      x, y = (v if isinstance(v, jax.Array) and v.devices() == {w.device}
+              else jax.device_put(v, w.device) for v in batches[i])
+      grad_fn = self._grad_fns[id(self._graphdef_of[i])]
+      g, self.rest[i], loss, acc = grad_fn(params_rows[w.device], self.rest[i],
+                                           scale_rows[w.device], x, y)
+      grad_rows[w.device] = g
+      metrics[i] = {"loss": loss, "accuracy": acc}
+    grads = _stack_local(grad_rows, self.params.shape, self.sharding)
+    self.params, self.opt_state, self.loss_scale, self._finite = self._update(
+        self.params, self.opt_state, self.loss_scale, grads, self._weights)
+    self.step += 1
+    self.sync_rounds += 1
+    self.comm_bytes += self.averager.wire_bytes(self.num_params,
+                                                self.num_workers)
+    return metrics
+
+  def last_step_finite(self) -> bool:
+    """Whether the last step's averaged gradient was finite (not skipped)."""
+    return bool(next(iter(_rows(self._finite).values()))[0])
+
+  @property
+  def skipped_steps(self) -> int:
+    """Steps skipped so far because a gradient was not finite."""
+    return int(next(iter(_rows(self.loss_scale.skipped).values()))[0])
+
+  @property
+  def current_loss_scale(self) -> float:
+    """The loss scale the next step uses (1 when scaling is off)."""
+    return float(next(iter(_rows(self.loss_scale.scale).values()))[0])
+
+  # ------------------------------------------------------------------
+  # Evaluation and inspection.
+  # ------------------------------------------------------------------
+
+  def worker_params(self, index: int | None = None) -> Any:
+    """Returns a worker's parameters as a pytree (default: first local)."""
+    i = self.local_workers[0] if index is None else index
+    return self._unravel(_rows(self.params)[self.workers[i].device][0])
+
+  def params_digest(self) -> str:
+    """SHA-256 of the first local worker's parameter bytes."""
+    row = np.asarray(_rows(self.params)[
+        self.workers[self.local_workers[0]].device])
+    return hashlib.sha256(row.tobytes()).hexdigest()
+
+  def _stacked_rest(self) -> Any:
+    """The workers' non-parameter state stacked into global arrays."""
+    per_worker = {i: jax.tree.leaves(self.rest[i]) for i in self.local_workers}
+    leaves, treedef = jax.tree.flatten(self.rest[self.local_workers[0]])
+    stacked = [
+        _stack_local({self.workers[i].device: per_worker[i][k][None]
+                      for i in self.local_workers},
+                     (self.num_workers, *leaf.shape), self.sharding)
+        for k, leaf in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, stacked)
+
+  def _averaged_rest(self) -> Any:
+    """The non-parameter state (BatchNorm statistics) averaged over workers."""
+    stacked = self._stacked_rest()
+    if self._mean_rest is None:
+      def mean(tree):
+        return jax.tree.map(
+            lambda x: jax.lax.pmean(x, AXIS)
+            if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+      self._mean_rest = self._shard_map(mean, 1)
+    first = self.workers[self.local_workers[0]].device
+    return jax.tree.map(lambda a: _rows(a)[first][0],
+                        self._mean_rest(stacked))
+
+  def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 256
+               ) -> dict[str, float]:
+    """Mean loss and accuracy over (x, y) with FP32 compute.
+
+    BatchNorm statistics are averaged across workers first; the first local
+    worker's device runs the evaluation.
+    """
+    from qsync_jax import data as data_lib  # local: data imports are heavy
+    rest = self._averaged_rest()
+    first = self.workers[self.local_workers[0]].device
+    row = _rows(self.params)[first]
+    loss_sum = correct = count = 0.0
+    for xb, yb in data_lib.eval_batches(x, y, batch_size):
+      xb, yb = jax.device_put((xb, yb), first)
+      l, c = self._eval_fn(row, rest, xb, yb)
+      loss_sum += float(l)
+      correct += float(c)
+      count += yb.size
+    return {"loss": loss_sum / count, "accuracy": correct / count}
+
+  def describe_workers(self) -> list[dict[str, Any]]:
+    """Returns [{kind, device, batch_size, plan}] for summaries."""
+    return [{"kind": w.kind, "device": str(w.device),
+             "batch_size": w.batch_size, "plan": w.plan.to_dict()}
+            for w in self.workers]
+
+  # ------------------------------------------------------------------
+  # Checkpoints.
+  # ------------------------------------------------------------------
+
+  def state_tree(self) -> dict[str, Any]:
+    """The arrays a checkpoint holds (global arrays over the workers)."""
+    return {"params": self.params, "opt_state": self.opt_state,
+            "loss_scale": self.loss_scale, "rest": self._stacked_rest()}
+
+  def state_meta(self) -> dict[str, Any]:
+    """The host-side state a checkpoint holds (JSON)."""
+    return {"step": self.step, "sync_rounds": self.sync_rounds,
+            "comm_bytes": self.comm_bytes,
+            "schedule": self.schedule.state_dict(),
+            "plans": [w.plan.to_dict() for w in self.workers],
+            "kinds": [w.kind for w in self.workers]}
+
+  def load_state(self, tree: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Restores :meth:`state_tree` and :meth:`state_meta` output.
+
+    Raises:
+      ValueError: the checkpoint was written for other workers or plans.
+    """
+    plans = [w.plan.to_dict() for w in self.workers]
+    kinds = [w.kind for w in self.workers]
+    if meta.get("plans") != plans or meta.get("kinds") != kinds:
+      raise ValueError(
+          "the checkpoint was written by a run with other workers or plans "
+          f"(kinds {meta.get('kinds')} vs {kinds}); resume with the same "
+          "cluster and plans, or start a new run directory")
+    self.params = tree["params"]
+    self.opt_state = tree["opt_state"]
+    self.loss_scale = ls.LossScale(*tree["loss_scale"])
+    leaves, treedef = jax.tree.flatten(tree["rest"])
+    for i in self.local_workers:
+      d = self.workers[i].device
+      self.rest[i] = jax.tree.unflatten(treedef,
+                                        [_rows(a)[d][0] for a in leaves])
+    self.step = int(meta["step"])
+    self.sync_rounds = int(meta["sync_rounds"])
+    self.comm_bytes = float(meta["comm_bytes"])
+    self.schedule.load_state_dict(meta.get("schedule", {}))
+
+
+def plans_json(workers: Sequence[Worker]) -> str:
+  """The workers' plans as one JSON document (for run directories)."""
+  return json.dumps([{"kind": w.kind, "device": str(w.device),
+                      "plan": w.plan.to_dict()} for w in workers], indent=2)

@@ -1,0 +1,258 @@
+"""Tests for qsync_jax.distributed: the env contract and the local launcher.
+
+Multi-process runs use real JAX workers on localhost CPU (one device each).
+Every worker writes its PID to a file first, so that a failing test can
+SIGKILL whatever it left behind; launches run under a hard timeout.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from qsync_jax import distributed
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Every worker script starts by recording its PID, before anything can hang.
+_PREAMBLE = """\
+import os, sys
+out = sys.argv[1]
+with open(os.path.join(out, "pid" + os.environ["QSYNC_PROCESS_ID"]), "w") as f:
+  f.write(str(os.getpid()))
+"""
+
+_PSUM_WORKER = _PREAMBLE + """\
+import time
+import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from qsync_jax import distributed
+
+assert distributed.initialize()
+assert distributed.initialize()  # Idempotent.
+pid = jax.process_index()
+mesh = jax.make_mesh((jax.device_count(),), ("workers",),
+                     axis_types=(AxisType.Auto,), devices=jax.devices())
+local = np.array([[pid + 1.0]], np.float32)
+x = jax.make_array_from_process_local_data(
+    NamedSharding(mesh, P("workers")), local)
+psum = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "workers"), mesh=mesh,
+                             in_specs=P("workers"), out_specs=P()))
+mode = sys.argv[2]
+if mode == "die" and pid == 1:
+  # Leave process 0 alone in the collective, where it would wait forever.
+  while not os.path.exists(os.path.join(out, "entering0")):
+    time.sleep(0.05)
+  time.sleep(0.3)
+  with open(os.path.join(out, "died_at"), "w") as f:
+    f.write(repr(time.time()))
+  os._exit(3)
+if mode == "die":
+  open(os.path.join(out, "entering0"), "w").close()
+total = float(np.asarray(psum(x).addressable_data(0)).ravel()[0])
+print("psum", total, "on", jax.process_count(), "processes")
+with open(os.path.join(out, f"result{pid}"), "w") as f:
+  f.write(repr(total))
+distributed.shutdown()
+"""
+
+_SLEEP_WORKER = _PREAMBLE + """\
+import time
+time.sleep(120)
+"""
+
+
+def _write_worker(tmp_path, source):
+  script = tmp_path / "worker.py"
+  script.write_text(source)
+  return str(script)
+
+
+def _worker_env():
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+  return env
+
+
+def _pids(tmp_path):
+  return {int(f.name[3:]): int(f.read_text())
+          for f in tmp_path.glob("pid*") if f.read_text()}
+
+
+def _is_running(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  return True
+
+
+def _kill_leftovers(tmp_path, script):
+  """SIGKILLs workers still running ``script`` (checked, as PIDs recycle)."""
+  for pid in _pids(tmp_path).values():
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        if script.encode() not in f.read():
+          continue
+      os.kill(pid, signal.SIGKILL)
+    except (FileNotFoundError, ProcessLookupError):
+      pass
+
+
+def _launch(tmp_path, script, num_processes, *args, hard_timeout_s=50,
+            **kwargs):
+  """Runs ``launch`` on ``script`` under a hard timeout; returns its code."""
+  result = []
+  command = [sys.executable, script, str(tmp_path), *args]
+  thread = threading.Thread(
+      target=lambda: result.append(distributed.launch(
+          command, num_processes, env=_worker_env(), **kwargs)),
+      daemon=True)
+  try:
+    thread.start()
+    thread.join(hard_timeout_s)
+    assert not thread.is_alive(), f"launch ran past {hard_timeout_s} s"
+    assert result, "launch raised (see the thread's traceback)"
+    return result[0]
+  finally:
+    _kill_leftovers(tmp_path, script)
+
+
+def test_config_from_env_unset():
+  assert distributed.config_from_env({}) is None
+  assert distributed.config_from_env({"PATH": "/bin"}) is None
+
+
+def test_config_from_env_parses():
+  config = distributed.config_from_env({
+      "QSYNC_COORDINATOR_ADDRESS": "127.0.0.1:1234",
+      "QSYNC_NUM_PROCESSES": "4",
+      "QSYNC_PROCESS_ID": "3",
+  })
+  assert config == distributed.DistributedConfig("127.0.0.1:1234", 4, 3)
+
+
+@pytest.mark.parametrize("address,num,pid,bad_var", [
+    ("127.0.0.1:1234", None, None, "QSYNC_NUM_PROCESSES"),
+    (None, "2", "0", "QSYNC_COORDINATOR_ADDRESS"),
+    ("127.0.0.1:1234", "2", None, "QSYNC_PROCESS_ID"),
+    ("127.0.0.1:1234", "two", "0", "QSYNC_NUM_PROCESSES"),
+    ("127.0.0.1:1234", "2", "1.0", "QSYNC_PROCESS_ID"),
+    ("127.0.0.1:1234", "2", "2", "QSYNC_PROCESS_ID"),
+    ("127.0.0.1:1234", "2", "-1", "QSYNC_PROCESS_ID"),
+    ("127.0.0.1:1234", "0", "0", "QSYNC_NUM_PROCESSES"),
+    ("127.0.0.1", "2", "0", "QSYNC_COORDINATOR_ADDRESS"),
+    ("127.0.0.1:port", "2", "0", "QSYNC_COORDINATOR_ADDRESS"),
+])
+def test_config_from_env_errors_name_the_variable(address, num, pid, bad_var):
+  values = zip(("QSYNC_COORDINATOR_ADDRESS", "QSYNC_NUM_PROCESSES",
+                "QSYNC_PROCESS_ID"), (address, num, pid))
+  environ = {name: value for name, value in values if value is not None}
+  with pytest.raises(ValueError, match=bad_var):
+    distributed.config_from_env(environ)
+
+
+def test_initialize_single_process_is_a_no_op(monkeypatch):
+  for name in ("QSYNC_COORDINATOR_ADDRESS", "QSYNC_NUM_PROCESSES",
+               "QSYNC_PROCESS_ID"):
+    monkeypatch.delenv(name, raising=False)
+  assert not distributed.initialize()
+  assert not distributed.initialize(
+      distributed.DistributedConfig("127.0.0.1:1", 1, 0))
+  distributed.shutdown()  # Nothing to leave; must not raise.
+
+
+@pytest.mark.parametrize("command,num_processes,port", [
+    ([], 2, None), (["true"], 0, None), (["true"], 2, 70000)])
+def test_launch_rejects_bad_arguments(command, num_processes, port):
+  with pytest.raises(ValueError):
+    distributed.launch(command, num_processes, port=port)
+
+
+def test_launch_two_processes_psum(tmp_path):
+  script = _write_worker(tmp_path, _PSUM_WORKER)
+  start = time.monotonic()
+  code = _launch(tmp_path, script, 2, "ok", timeout_s=45)
+  elapsed = time.monotonic() - start
+  print(f"2-process psum run took {elapsed:.2f} s")
+  assert code == 0
+  for pid in (0, 1):
+    assert float((tmp_path / f"result{pid}").read_text()) == 3.0
+
+
+def test_launch_kills_peers_when_one_dies(tmp_path):
+  script = _write_worker(tmp_path, _PSUM_WORKER)
+  start = time.monotonic()
+  code = _launch(tmp_path, script, 2, "die", timeout_s=55)
+  returned_at = time.time()
+  elapsed = time.monotonic() - start
+  abort = returned_at - float((tmp_path / "died_at").read_text())
+  print(f"launch returned after {elapsed:.2f} s, {abort:.2f} s after "
+        "process 1 died")
+  assert code != 0 and code != distributed.TIMEOUT_EXIT_CODE
+  assert elapsed < 60
+  assert abort < 10
+  assert not (tmp_path / "result0").exists()  # Process 0 never finished.
+  pids = _pids(tmp_path)
+  assert set(pids) == {0, 1}
+  assert not any(_is_running(pid) for pid in pids.values())
+
+
+def test_launch_timeout_kills_everything(tmp_path):
+  script = _write_worker(tmp_path, _SLEEP_WORKER)
+  code = _launch(tmp_path, script, 3, timeout_s=2)
+  assert code == distributed.TIMEOUT_EXIT_CODE
+  pids = _pids(tmp_path)
+  assert set(pids) == {0, 1, 2}
+  assert not any(_is_running(pid) for pid in pids.values())
+
+
+def _run_cli(*args, **kwargs):
+  return subprocess.Popen(
+      [sys.executable, "-m", "qsync_jax.distributed", *args],
+      env=_worker_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def test_cli_sigterm_kills_children(tmp_path):
+  script = _write_worker(tmp_path, _SLEEP_WORKER)
+  launcher = _run_cli("--num_processes=2", "--", sys.executable, script,
+                      str(tmp_path))
+  try:
+    deadline = time.monotonic() + 30
+    while len(_pids(tmp_path)) < 2:
+      assert time.monotonic() < deadline, "workers never started"
+      assert launcher.poll() is None, launcher.communicate()
+      time.sleep(0.1)
+    launcher.send_signal(signal.SIGTERM)
+    _, stderr = launcher.communicate(timeout=20)
+    assert launcher.returncode == 128 + signal.SIGTERM, stderr
+    assert "error: launcher got SIGTERM; killed 2 processes" in stderr
+    assert not any(_is_running(pid) for pid in _pids(tmp_path).values())
+  finally:
+    launcher.kill()
+    launcher.wait()
+    _kill_leftovers(tmp_path, script)
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--num_processes=0", "--", "true"), "--num_processes must be >= 1"),
+    (("--num_processes=2",), "no command to launch"),
+])
+def test_cli_bad_input_is_one_line(args, message):
+  launcher = _run_cli(*args)
+  try:
+    _, stderr = launcher.communicate(timeout=30)
+  finally:
+    launcher.kill()
+    launcher.wait()
+  assert launcher.returncode == 1
+  assert stderr.startswith("error: ") and message in stderr
+  assert stderr.count("\n") == 1

@@ -1,0 +1,216 @@
+"""Tests for HybridTrainer, cluster specs, dynamic batching and loss scaling."""
+
+from flax import nnx
+import jax
+from jax.flatten_util import ravel_pytree
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import qsync_jax as qs
+from qsync_jax import cluster
+from qsync_jax import losses
+from qsync_jax import models
+from qsync_jax.checkpoint import Checkpointer
+from qsync_jax.trainer import HybridTrainer, Worker, _rows
+
+INT8_FP16 = qs.PrecisionPlan([(r"conv\d", "int8"), ("fc", "fp16")])
+
+
+def _cnn(seed=0):
+  return models.create_model("cnn", rngs=nnx.Rngs(seed))
+
+
+def _batch(n, seed=0):
+  rng = np.random.default_rng(seed)
+  return (rng.uniform(size=(n, 8, 8, 1)).astype(np.float32),
+          rng.integers(0, 10, size=n).astype(np.int32))
+
+
+def _workers(sizes, plans=None, kinds=None):
+  plans = plans or [qs.PrecisionPlan()] * len(sizes)
+  kinds = kinds or ["cpu"] * len(sizes)
+  return [Worker(d, k, p, b) for d, k, p, b in
+          zip(jax.devices(), kinds, plans, sizes)]
+
+
+def _split(x, y, sizes):
+  bounds = np.cumsum([0, *sizes])
+  return {i: (x[a:b], y[a:b]) for i, (a, b) in
+          enumerate(zip(bounds[:-1], bounds[1:]))}
+
+
+def _flat(tree):
+  return np.asarray(ravel_pytree(tree)[0])
+
+
+@nnx.jit
+def _grad(model, x, y):
+  return nnx.grad(lambda m: losses.cross_entropy(m(x), y))(model)
+
+
+def test_four_fp32_workers_match_one_device_on_the_concatenated_batch():
+  # SGD with momentum: Adam's m / sqrt(v) turns float32 rounding noise on
+  # near-zero gradients into +-lr steps, which says nothing about the trainer.
+  sizes = [8, 8, 8, 8]
+  tx = optax.sgd(0.1, momentum=0.9)
+  trainer = HybridTrainer(_cnn(), _workers(sizes), tx)
+  ref = _cnn()
+  opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
+  for step in range(3):
+    x, y = _batch(32, seed=step)
+    trainer.train_step(_split(x, y, sizes))
+    opt.update(ref, _grad(ref, x, y))
+  want = _flat(nnx.state(ref, nnx.Param))
+  for i in range(4):
+    np.testing.assert_allclose(_flat(trainer.worker_params(i)), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_dynamic_batch_weighted_gradient_equals_the_full_batch_gradient():
+  sizes = [3, 5, 8, 16]
+  model = _cnn()
+  before = _flat(nnx.state(model, nnx.Param))
+  x, y = _batch(sum(sizes))
+  full_grad = _flat(_grad(model, x, y))
+  trainer = HybridTrainer(model, _workers(sizes), optax.sgd(1.0))
+  np.testing.assert_allclose(trainer.grad_weights, np.array(sizes) / 32)
+  trainer.train_step(_split(x, y, sizes))
+  step = before - _flat(trainer.worker_params(0))
+  np.testing.assert_allclose(step, full_grad, rtol=1e-5, atol=1e-6)
+  # An unweighted mean of the per-worker means would be a different step.
+  per_worker = [_flat(_grad(model, xb, yb))
+                for xb, yb in _split(x, y, sizes).values()]
+  assert not np.allclose(np.mean(per_worker, 0), full_grad, rtol=1e-3)
+
+
+def test_mixed_plans_keep_every_worker_identical():
+  sizes = [8, 8, 8, 8]
+  plans = [qs.PrecisionPlan()] * 2 + [INT8_FP16] * 2
+  trainer = HybridTrainer(_cnn(), _workers(sizes, plans,
+                                           ["v100", "v100", "t4", "t4"]),
+                          optax.adam(1e-2))
+  assert trainer.loss_scaling  # an FP16 layer turns it on
+  for step in range(3):
+    trainer.train_step(_split(*_batch(32, seed=step), sizes))
+  rows = [np.asarray(r) for r in _rows(trainer.params).values()]
+  for r in rows[1:]:
+    np.testing.assert_array_equal(r, rows[0])
+  assert trainer.sync_rounds == 3
+  assert trainer.comm_bytes == pytest.approx(3 * 1.5 * 4 * trainer.num_params)
+
+
+def test_non_finite_gradient_skips_the_step_on_all_workers():
+  sizes = [8, 8, 8, 8]
+  plans = [qs.PrecisionPlan()] * 2 + [INT8_FP16] * 2
+  trainer = HybridTrainer(_cnn(), _workers(sizes, plans,
+                                           ["v100", "v100", "t4", "t4"]),
+                          optax.adam(1e-2))
+  trainer.train_step(_split(*_batch(32), sizes))
+  before = {d: np.asarray(r) for d, r in _rows(trainer.params).items()}
+  scale = trainer.current_loss_scale
+  x, y = _batch(32, seed=1)
+  x[20, 3, 3, 0] = np.inf  # one example on worker 2 (an INT8/FP16 worker)
+  trainer.train_step(_split(x, y, sizes))
+  assert not trainer.last_step_finite()
+  assert trainer.skipped_steps == 1
+  assert trainer.current_loss_scale == scale / 2
+  for d, r in _rows(trainer.params).items():
+    np.testing.assert_array_equal(np.asarray(r), before[d])
+  trainer.train_step(_split(*_batch(32, seed=2), sizes))
+  assert trainer.last_step_finite() and trainer.skipped_steps == 1
+  assert not np.array_equal(np.asarray(next(iter(_rows(
+      trainer.params).values()))), next(iter(before.values())))
+
+
+def test_loss_scaling_is_off_without_fp16_layers():
+  plans = [qs.PrecisionPlan([(r"conv\d", "int8")])] * 2
+  trainer = HybridTrainer(_cnn(), _workers([4, 4], plans), optax.sgd(0.1))
+  assert not trainer.loss_scaling and trainer.current_loss_scale == 1.0
+
+
+def test_checkpoint_restore_continues_bit_identically(tmp_path):
+  sizes = [8, 8, 8, 8]
+  plans = [qs.PrecisionPlan()] * 2 + [INT8_FP16] * 2
+  kinds = ["v100", "v100", "t4", "t4"]
+
+  def make():
+    return HybridTrainer(_cnn(), _workers(sizes, plans, kinds),
+                         optax.adam(1e-2))
+
+  batches = [_split(*_batch(32, seed=s), sizes) for s in range(6)]
+  straight = make()
+  for b in batches:
+    straight.train_step(b)
+  first = make()
+  for b in batches[:3]:
+    first.train_step(b)
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  ckpt.save(first)
+  resumed = make()
+  meta = ckpt.restore_latest(resumed)
+  assert meta["step"] == 3 and resumed.step == 3
+  for b in batches[3:]:
+    resumed.train_step(b)
+  assert resumed.params_digest() == straight.params_digest()
+  other = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2))
+  with pytest.raises(ValueError, match="other workers or plans"):
+    ckpt.restore_latest(other)
+  ckpt.close()
+
+
+def test_bad_worker_sets_are_clear_errors():
+  d = jax.devices()[0]
+  with pytest.raises(ValueError, match="at least one worker"):
+    HybridTrainer(_cnn(), [], optax.sgd(0.1))
+  with pytest.raises(ValueError, match="distinct devices"):
+    HybridTrainer(_cnn(), [Worker(d, "cpu", qs.PrecisionPlan(), 4)] * 2,
+                  optax.sgd(0.1))
+  with pytest.raises(qs.PlanError, match="'v100' does not support int8"):
+    HybridTrainer(_cnn(), _workers([4], [INT8_FP16], ["v100"]),
+                  optax.sgd(0.1))
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("", "empty cluster spec"),
+    ("v100", "malformed cluster group 'v100'"),
+    ("v100:2,k80:1", "unknown device kind 'k80'"),
+    ("v100:0", "count must be positive"),
+    ("t4:-1", "count must be positive"),
+    ("t4:two", "is not an integer"),
+])
+def test_cluster_spec_errors(spec, message):
+  with pytest.raises(ValueError, match=message):
+    cluster.parse_cluster(spec)
+
+
+def test_cluster_spec_maps_onto_devices():
+  spec = cluster.parse_cluster("v100:2, T4:2")
+  assert spec.kinds == ("v100", "v100", "t4", "t4")
+  assert str(spec) == "v100:2,t4:2"
+  assert cluster.assign_devices(spec) == jax.devices()[:4]
+  with pytest.raises(ValueError, match="needs 5 devices but only 4 exist"):
+    cluster.assign_devices(cluster.parse_cluster("v100:3,t4:2"))
+
+
+def test_dynamic_batch_sizes_follow_speed_and_keep_the_global_batch():
+  assert cluster.dynamic_batch_sizes(256, [1.3, 1.3, 1.0, 1.0]) == [
+      72, 72, 56, 56]
+  sizes = cluster.dynamic_batch_sizes(10, [100, 1, 1])
+  assert sum(sizes) == 10 and min(sizes) == 1
+  with pytest.raises(ValueError, match="positive"):
+    cluster.dynamic_batch_sizes(8, [1, 0])
+  with pytest.raises(ValueError, match="smaller than the 3 workers"):
+    cluster.dynamic_batch_sizes(2, [1, 1, 1])
+  assert cluster.parse_speeds("v100:1.3,t4:1") == {"v100": 1.3, "t4": 1.0}
+  with pytest.raises(ValueError, match="must be positive"):
+    cluster.parse_speeds("t4:-1")
+
+
+def test_trainer_overhead_benchmark_reports_both_step_times():
+  from qsync_jax import benchmarks
+  r = benchmarks.trainer_overhead("cnn", 4, num_workers=2, rounds=1,
+                                  steps_per_round=2)
+  assert r["hybrid_step_s"] > 0 and r["spmd_step_s"] > 0
+  assert r["ratio"] == pytest.approx(r["hybrid_step_s"] / r["spmd_step_s"])
