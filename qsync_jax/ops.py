@@ -27,7 +27,7 @@ every worker's gradient has the same shapes and dtype whatever its plan.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -30,7 +30,6 @@ import dataclasses
 import re
 from typing import Any, Callable, Mapping
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -77,7 +76,8 @@ def _path_str(path: tuple) -> str:
   return "/".join(str(p) for p in path)
 
 
-def _layers_by_path(model: nnx.Module) -> dict[str, nnx.Module]:
+def addressable_modules(model: nnx.Module) -> dict[str, nnx.Module]:
+  """Returns {path: module} of the addressable layers (graph order)."""
   found = {}
   for path, node in nnx.iter_graph(model):
     if isinstance(node, ADDRESSABLE_TYPES) and path:
@@ -112,7 +112,7 @@ def model_layers(model: nnx.Module, sample_input: Any = None) -> list[Layer]:
     ValueError: the model has no addressable layer, or no sample input is
       available.
   """
-  by_path = _layers_by_path(model)
+  by_path = addressable_modules(model)
   if not by_path:
     raise ValueError(
         f"{type(model).__name__} has no layer a precision plan can address "

@@ -1,28 +1,95 @@
 """Synchronization schedules: when workers average, and what.
 
-A schedule tells the trainer whether gradients are averaged every step (data
-parallel) and at which steps workers synchronize. Local-SGD schedules (constant
-H, post-local, QSR) average parameters every few steps instead and plug into
-the same interface.
+This module owns the host-side decision, per training step, of whether the
+workers communicate and whether they exchange gradients or parameters. It
+holds no arrays; the trainer runs the collectives.
+
+Steps are counted from 1: step ``t`` is the ``t``-th optimizer update (its
+optax count is ``t - 1``), and after it the trainer's ``self.step == t``.
+Every schedule provides
+
+* ``averages_gradients_at(t) -> bool``: step ``t`` averages gradients
+  (synchronous data parallelism: parameters and optimizer state stay
+  identical); otherwise each worker steps on its own gradient;
+* ``is_sync_step(t) -> bool``: after step ``t`` every worker holds the same
+  parameters. A step that averages gradients is a sync step; at a sync step
+  that does not, the trainer averages the parameters (optimizer state stays
+  local, as in the QSR reference code);
+* ``sync_steps(total_steps) -> list[int]``: every sync step in
+  ``1..total_steps``, the same answers as ``is_sync_step``, known before
+  training;
+* ``state_dict()`` / ``load_state_dict(state)``: JSON-able state so a
+  resumed run continues the same schedule. Stateless schedules return ``{}``
+  and ignore what they are given, so a run may resume under another
+  schedule (e.g. QSR from a constant-H checkpoint);
+* ``name``.
+
+With ``total_steps`` given, the local-SGD schedules also synchronize at the
+last step, so training ends with one averaged model.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
+import numbers
+from typing import Any, Callable, Protocol
+
+
+class Schedule(Protocol):
+  """What the trainer needs from a synchronization schedule."""
+
+  name: str
+
+  def averages_gradients_at(self, step: int) -> bool:
+    ...
+
+  def is_sync_step(self, step: int) -> bool:
+    ...
+
+  def sync_steps(self, total_steps: int) -> list[int]:
+    ...
+
+  def state_dict(self) -> dict[str, Any]:
+    ...
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    ...
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_period(h: int, what: str = "h") -> None:
+  if not _is_int(h) or h < 1:
+    raise ValueError(f"{what} must be a positive integer, got {h!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class EveryStep:
-  """Synchronous data parallelism: average gradients at every step."""
+  """Synchronous data parallelism: average gradients at every step.
+
+  ``averages_gradients`` is kept for callers that predate
+  :meth:`averages_gradients_at`.
+  """
 
   name: str = "dp"
   averages_gradients: bool = True
+
+  def averages_gradients_at(self, step: int) -> bool:
+    """Returns True: every step averages gradients."""
+    del step
+    return True
 
   def is_sync_step(self, step: int) -> bool:
     """Returns True: every step is a synchronization."""
     del step
     return True
+
+  def sync_steps(self, total_steps: int) -> list[int]:
+    """Returns ``[1, ..., total_steps]``."""
+    return list(range(1, total_steps + 1))
 
   def state_dict(self) -> dict[str, Any]:
     """Returns the schedule's state for checkpoints (none for this one)."""
@@ -31,3 +98,232 @@ class EveryStep:
   def load_state_dict(self, state: dict[str, Any]) -> None:
     """Restores :meth:`state_dict` output."""
     del state
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstantLocalSGD:
+  """Local SGD: average parameters every ``h`` steps.
+
+  Attributes:
+    h: the synchronization period.
+    total_steps: if given, the last step also synchronizes.
+    name: the schedule's name.
+  """
+
+  h: int
+  total_steps: int | None = None
+  name: str = "local"
+
+  def __post_init__(self):
+    _check_period(self.h)
+
+  def averages_gradients_at(self, step: int) -> bool:
+    """Returns False: workers step on their own gradients."""
+    del step
+    return False
+
+  def is_sync_step(self, step: int) -> bool:
+    """Whether parameters are averaged after step ``step`` (1-based)."""
+    return step >= 1 and (step % self.h == 0 or step == self.total_steps)
+
+  def sync_steps(self, total_steps: int) -> list[int]:
+    """Every sync step in ``1..total_steps``."""
+    return [t for t in range(1, total_steps + 1) if self.is_sync_step(t)]
+
+  def state_dict(self) -> dict[str, Any]:
+    """Returns ``{}``: the schedule is a function of the step."""
+    return {}
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    """Ignores ``state`` (nothing to restore)."""
+    del state
+
+
+@dataclasses.dataclass(frozen=True)
+class PostLocalSGD:
+  """Data parallel for the first ``switch_step`` steps, then local SGD.
+
+  Steps ``1..switch_step`` average gradients; afterwards parameters are
+  averaged every ``h`` steps counted from the switch.
+
+  References:
+    Lin, Stich, Patel, Jaggi, "Don't Use Large Mini-Batches, Use Local SGD",
+    arXiv 1808.07217.
+
+  Attributes:
+    switch_step: the number of data-parallel steps.
+    h: the period after the switch.
+    total_steps: if given, the last step also synchronizes.
+    name: the schedule's name.
+  """
+
+  switch_step: int
+  h: int
+  total_steps: int | None = None
+  name: str = "post_local"
+
+  def __post_init__(self):
+    if not _is_int(self.switch_step) or self.switch_step < 0:
+      raise ValueError("switch_step must be a non-negative integer, got "
+                       f"{self.switch_step!r}")
+    _check_period(self.h)
+
+  def averages_gradients_at(self, step: int) -> bool:
+    """Whether step ``step`` (1-based) averages gradients."""
+    return step <= self.switch_step
+
+  def is_sync_step(self, step: int) -> bool:
+    """Whether workers hold the same parameters after step ``step``."""
+    if step < 1:
+      return False
+    return (step <= self.switch_step
+            or (step - self.switch_step) % self.h == 0
+            or step == self.total_steps)
+
+  def sync_steps(self, total_steps: int) -> list[int]:
+    """Every sync step in ``1..total_steps``."""
+    return [t for t in range(1, total_steps + 1) if self.is_sync_step(t)]
+
+  def state_dict(self) -> dict[str, Any]:
+    """Returns ``{}``: the schedule is a function of the step."""
+    return {}
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    """Ignores ``state`` (nothing to restore)."""
+    del state
+
+
+LearningRate = float | Callable[[int], Any]
+
+# optax schedules return float32, whose rounding (relative 2**-24, times
+# gamma after the power) can put (alpha / lr) ** gamma just below an integer
+# that float64 reaches exactly, e.g. (0.2 / float32(0.1)) ** 2 = 3.9999999.
+# The floor forgives that much, so H matches the rule in exact arithmetic.
+_FLOOR_RTOL = 1e-6
+
+
+class QSR:
+  """Quadratic Synchronization Rule: the period grows as the LR decays.
+
+  Right after each averaging, at ``s`` completed steps, the next period is
+
+      H = max(1, min(T - s, max(h_base, floor((alpha / lr) ** gamma))))
+
+  with ``lr = lr_schedule(s)``, the learning rate of the next step (optax
+  count ``s``), and ``H = init_h`` while ``s < warmup_steps`` or when
+  ``alpha == 0``. The cap at the remaining ``T - s`` steps makes the last
+  round end at step ``T``, so training ends with an average. ``H`` is not
+  revised inside a round, even when the LR drops (a step decay takes effect
+  at the next sync). ``gamma = 2`` is QSR; 1 and 3 give the linear and cubic
+  rules the paper compares against. Unlike the reference code, the cap also
+  applies to ``init_h``, so even a constant-H run (``alpha == 0``) ends
+  with an average.
+
+  The sync steps are a deterministic function of the LR schedule. The state
+  is the current round: its period ``h`` and its last step ``next_sync``.
+  ``is_sync_step`` advances it lazily as steps pass; asking about an earlier
+  round replays the rule from step 0 without touching the state.
+
+  References:
+    Gu, Lyu, Arora, Zhang, Huang, "A Quadratic Synchronization Rule for
+    Distributed Deep Learning", ICLR 2024, arXiv 2310.14423 (Section 2; the
+    update order follows the official code's ``adjust_h``).
+
+  Args:
+    lr_schedule: an optax schedule (step count -> LR) or a constant LR.
+    total_steps: ``T``, the number of training steps.
+    alpha: the growth coefficient (0: constant ``init_h``).
+    h_base: the smallest period.
+    gamma: the exponent (2 for QSR).
+    warmup_steps: LR warmup steps, during which ``H = init_h``.
+    init_h: the period during warmup (default ``h_base``).
+    name: the schedule's name.
+
+  Raises:
+    ValueError: a non-positive period or step count, or a negative alpha,
+      gamma or warmup.
+  """
+
+  def __init__(self, lr_schedule: LearningRate, *, total_steps: int,
+               alpha: float, h_base: int, gamma: float = 2.0,
+               warmup_steps: int = 0, init_h: int | None = None,
+               name: str = "qsr"):
+    _check_period(h_base, "h_base")
+    _check_period(total_steps, "total_steps")
+    init_h = h_base if init_h is None else init_h
+    _check_period(init_h, "init_h")
+    if alpha < 0 or gamma <= 0 or warmup_steps < 0:
+      raise ValueError("QSR needs alpha >= 0, gamma > 0 and warmup_steps >= "
+                       f"0, got {alpha}, {gamma}, {warmup_steps}")
+    self.lr_schedule = lr_schedule
+    self.total_steps = total_steps
+    self.alpha = float(alpha)
+    self.h_base = h_base
+    self.gamma = float(gamma)
+    self.warmup_steps = warmup_steps
+    self.init_h = init_h
+    self.name = name
+    self.load_state_dict({})
+
+  def period(self, step: int) -> int:
+    """The period of a round starting after ``step`` completed steps."""
+    if step < self.warmup_steps or self.alpha == 0:
+      h = self.init_h
+    else:
+      lr = float(self.lr_schedule(step) if callable(self.lr_schedule)
+                 else self.lr_schedule)
+      try:
+        raw = (self.alpha / lr) ** self.gamma if lr > 0 else math.inf
+      except OverflowError:  # a vanishing LR: the cap decides
+        raw = math.inf
+      h = max(self.h_base, min(raw * (1 + _FLOOR_RTOL), self.total_steps))
+    return max(1, min(math.floor(h), self.total_steps - step))
+
+  def averages_gradients_at(self, step: int) -> bool:
+    """Returns False: workers step on their own gradients."""
+    del step
+    return False
+
+  def is_sync_step(self, step: int) -> bool:
+    """Whether parameters are averaged after step ``step`` (1-based)."""
+    if step < 1:
+      return False
+    if step <= self._next_sync - self._h:
+      return step in self._replay(step)
+    while self._next_sync < step:
+      start = self._next_sync
+      self._h = self.period(start)
+      self._next_sync = start + self._h
+    return step == self._next_sync
+
+  def _replay(self, total_steps: int) -> list[int]:
+    """The sync steps in ``1..total_steps`` from a fresh start."""
+    steps, s = [], 0
+    while True:
+      s += self.period(s)
+      if s > total_steps:
+        return steps
+      steps.append(s)
+
+  def sync_steps(self, total_steps: int) -> list[int]:
+    """Every sync step in ``1..total_steps``, without touching the state."""
+    return self._replay(total_steps)
+
+  def state_dict(self) -> dict[str, Any]:
+    """Returns ``{"h", "next_sync"}``, the current round."""
+    return {"h": self._h, "next_sync": self._next_sync}
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    """Restores :meth:`state_dict` output; ``{}`` restarts from step 0.
+
+    Raises:
+      ValueError: ``state`` is neither empty nor a QSR state.
+    """
+    if not state:
+      self._h = self.period(0)
+      self._next_sync = self._h
+      return
+    if set(state) != {"h", "next_sync"}:
+      raise ValueError("a QSR state holds exactly 'h' and 'next_sync', got "
+                       f"{sorted(state)}")
+    self._h, self._next_sync = int(state["h"]), int(state["next_sync"])

@@ -27,7 +27,6 @@ runs the gradient functions of its own workers only.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 from typing import Any, Callable, Sequence
@@ -221,18 +220,16 @@ class HybridTrainer:
 
     @jax.jit
     def grad_fn(params_row, rest, scale_row, x, y):
-      params = unravel(params_row[0])
+      model = nnx.merge(graphdef, unravel(params_row[0]), rest)
 
-      def scaled_loss(p):
-        model = nnx.merge(graphdef, p, rest)
-        logits = model(x)
+      def scaled_loss(m):
+        logits = m(x)
         loss = loss_fn(logits, y)
-        new_rest = nnx.split(model, nnx.Param, ...)[2]
-        return loss * scale_row[0], (loss, losses.accuracy(logits, y),
-                                     new_rest)
+        return loss * scale_row[0], (loss, losses.accuracy(logits, y))
 
-      grads, (loss, acc, new_rest) = jax.grad(scaled_loss, has_aux=True)(
-          params)
+      # nnx.grad carries the BatchNorm statistics' updates back to `model`.
+      grads, (loss, acc) = nnx.grad(scaled_loss, has_aux=True)(model)
+      new_rest = nnx.split(model, nnx.Param, ...)[2]
       return ravel_pytree(grads)[0][None], new_rest, loss, acc
 
     return grad_fn

@@ -3,7 +3,6 @@
 from flax import nnx
 import jax
 from jax.flatten_util import ravel_pytree
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest

@@ -1,0 +1,134 @@
+r"""Judge sensitivity indicators against measured per-layer sensitivity.
+
+Usage:
+  python -m experiments.indicator_study --model=resnet18 --dataset=digits \
+      --model_kwargs='{"width": 16, "in_channels": 1, "image_size": 8}' \
+      --out=indicator_resnet18.json
+  python -m experiments.indicator_study --model=bert --dataset=text \
+      --model_kwargs='{"vocab_size": 256, "max_len": 64, "num_classes": 5}' \
+      --dataset_kwargs='{"seq_len": 64, "max_bytes": 400000}' \
+      --out=indicator_bert.json
+
+--model takes a built-in name or package.module:factory: a callable taking
+rngs (and --model_kwargs) that returns an NNX module with an
+input_spec(batch_size) method giving the jax.ShapeDtypeStruct of one input
+batch, and a `task` attribute ("classification" or "lm").
+A classification model on the byte-level text dataset classifies the byte
+after each window (0 letter, 1 digit, 2 whitespace, 3 punctuation, 4 other).
+
+Writes --out (JSON): {"layers": [...], "precisions": [...], "num_batches",
+"train_step_s", "measured": {"grad", "loss"}, "methods": {name:
+{"spearman_vs_measured", "spearman_vs_measured_loss", "time_s",
+"per_batch_s", "scores": {layer: {precision: score}}}}} and, next to it, a
+PNG bar chart of the scores per layer (one panel per method, normalized).
+"""
+
+import json
+
+from absl import app
+from absl import flags
+from flax import nnx
+import numpy as np
+
+from qsync_jax import cli
+from qsync_jax import data as data_lib
+from qsync_jax import indicator
+from qsync_jax import losses
+from qsync_jax import models as models_lib
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "resnet18", "Built-in model or module:factory.")
+flags.DEFINE_string("model_kwargs", "{}", "JSON config overrides.")
+flags.DEFINE_string("dataset", "digits", "Dataset name (qsync_jax.data).")
+flags.DEFINE_string("dataset_kwargs", "{}", "JSON dataset arguments.")
+flags.DEFINE_list("precisions", ["int8", "fp16", "bf16"], "Precisions.")
+flags.DEFINE_list("methods", list(indicator.METHODS), "Methods to judge.")
+flags.DEFINE_integer("num_batches", 4, "Batches for indicators and truth.")
+flags.DEFINE_integer("batch_size", 64, "Batch size.")
+flags.DEFINE_integer("seed", 0, "Model and method seed.")
+flags.DEFINE_string("out", None, "Output JSON path.")
+
+
+def _byte_category(b: np.ndarray) -> np.ndarray:
+  ch = b.astype(np.uint8)
+  letter = ((ch >= 65) & (ch <= 90)) | ((ch >= 97) & (ch <= 122))
+  digit = (ch >= 48) & (ch <= 57)
+  space = np.isin(ch, [9, 10, 13, 32])
+  punct = (ch >= 33) & (ch <= 126) & ~letter & ~digit
+  return np.select([letter, digit, space, punct], [0, 1, 2, 3], 4).astype(
+      np.int32)
+
+
+def _batches(model, dataset, num_batches, batch_size):
+  x, y = dataset.x_train, dataset.y_train
+  if model.task == "classification" and dataset.task == "lm":
+    y = _byte_category(y[:, -1])
+  need = num_batches * batch_size
+  if len(x) < need:
+    raise ValueError(f"dataset {dataset.name!r} has {len(x)} training "
+                     f"examples; {num_batches} batches of {batch_size} need "
+                     f"{need}")
+  return [(x[i * batch_size:(i + 1) * batch_size],
+           y[i * batch_size:(i + 1) * batch_size]) for i in range(num_batches)]
+
+
+def plot(result: dict, path: str) -> None:
+  """Bar chart: each method's scores per layer (INT8 or first precision)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  layers = result["layers"]
+  panels = {"measured (grad error)": result["measured"]["grad"]["values"],
+            **{m: r["scores"] for m, r in result["methods"].items()}}
+  fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, len(layers) * 0.4),
+                                                     2.2 * len(panels)),
+                           sharex=True)
+  width = 0.8 / len(result["precisions"])
+  for ax, (name, values) in zip(np.atleast_1d(axes), panels.items()):
+    for k, prec in enumerate(result["precisions"]):
+      v = np.array([values[l].get(prec, 0.0) for l in layers])
+      top = v.max() if v.max() > 0 else 1.0
+      ax.bar(np.arange(len(layers)) + k * width, v / top, width, label=prec)
+    rho = result["methods"].get(name, {}).get("spearman_vs_measured")
+    ax.set_ylabel(name if rho is None else f"{name}\nrho={rho:.2f}",
+                  fontsize=8)
+  axes[0].legend(fontsize=7)
+  axes[-1].set_xticks(np.arange(len(layers)))
+  axes[-1].set_xticklabels(layers, rotation=90, fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  with cli.bad_input_exits():
+    try:
+      model_kwargs = json.loads(FLAGS.model_kwargs)
+      dataset_kwargs = json.loads(FLAGS.dataset_kwargs)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"--model_kwargs/--dataset_kwargs are not JSON: {e}")
+    factory = models_lib.load_model_factory(FLAGS.model)
+    model = factory(rngs=nnx.Rngs(FLAGS.seed), **model_kwargs)
+    dataset = data_lib.load_dataset(FLAGS.dataset, **dataset_kwargs)
+    batches = _batches(model, dataset, FLAGS.num_batches, FLAGS.batch_size)
+    result = indicator.study(model, losses.cross_entropy, batches,
+                             FLAGS.precisions, FLAGS.methods, seed=FLAGS.seed)
+    result["model"], result["dataset"] = FLAGS.model, FLAGS.dataset
+    with open(FLAGS.out, "w") as f:
+      json.dump(result, f, indent=2)
+    plot(result, FLAGS.out.rsplit(".", 1)[0] + ".png")
+    print(f"train step {result['train_step_s'] * 1e3:.1f} ms")
+    for name, r in result["methods"].items():
+      per_batch = r["per_batch_s"]
+      cost = ("" if per_batch is None else
+              f", {per_batch / result['train_step_s']:.2f} train steps/batch")
+      print(f"{name:10s} spearman {r['spearman_vs_measured']:+.3f} "
+            f"(loss {r['spearman_vs_measured_loss']:+.3f}), "
+            f"{r['time_s']:.1f} s{cost}")
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["out"])
+  app.run(main)
