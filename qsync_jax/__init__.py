@@ -10,6 +10,7 @@ Typical use::
   qs.apply_plan(model, plan, device_kind="t4")
 """
 
+from qsync_jax import indicator
 from qsync_jax import linen
 from qsync_jax import ops
 from qsync_jax import quant
@@ -35,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEVICE_PRECISIONS", "Granularity", "Layer", "MatMul", "PlanError",
     "Precision", "PrecisionPlan", "QuantConfig", "Rounding", "apply_plan",
-    "describe", "device_kinds", "effective_precisions", "layer_paths",
+    "describe", "device_kinds", "effective_precisions", "indicator",
+    "layer_paths",
     "linen", "model_layers", "ops", "quant", "supported_precisions",
 ]

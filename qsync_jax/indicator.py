@@ -214,8 +214,13 @@ def _noise_var(t: jax.Array, precision: Precision, rounding: Rounding
   return _float_noise_var(t, _MANTISSA[precision])
 
 
-def _capture_fn(graphdef, layer_list, loss_fn, precisions, rounding):
-  """Returns a jitted fn(params, rest, x, y) -> per-layer statistics."""
+def _capture_fn(graphdef, layer_list, loss_fn, precisions, rounding,
+                curvature: bool):
+  """Returns a jitted fn(params, rest, x, y, key) -> per-layer statistics.
+
+  With ``curvature`` it also estimates the Hessian diagonal (``qsync_var``);
+  QSync's own formula needs only the statistics and gradients.
+  """
   floors = [_allowed(layer, precisions) for layer in layer_list]
 
   @jax.jit
@@ -265,14 +270,15 @@ def _capture_fn(graphdef, layer_list, loss_fn, precisions, rounding):
              for i in range(len(layer_list))]
     grad_fn = jax.value_and_grad(run, has_aux=True)
     (loss, stats), grads = grad_fn(zeros)
-    # Hutchinson estimate of each perturbation's Hessian diagonal: one
-    # Hessian-vector product with a Rademacher probe over all of them.
-    leaves, treedef = jax.tree.flatten(zeros)
-    probe = jax.tree.unflatten(treedef, [
-        jax.random.rademacher(k, z.shape, jnp.float32) if z.ndim else z
-        for k, z in zip(jax.random.split(key, len(leaves)), leaves)])
-    hvp = jax.jvp(lambda z: grad_fn(z)[1], (zeros,), (probe,))[1]
-    diag = jax.tree.map(jnp.multiply, probe, hvp)
+    if curvature:
+      # Hutchinson estimate of each perturbation's Hessian diagonal: one
+      # Hessian-vector product with a Rademacher probe over all of them.
+      leaves, treedef = jax.tree.flatten(zeros)
+      probe = jax.tree.unflatten(treedef, [
+          jax.random.rademacher(k, z.shape, jnp.float32) if z.ndim else z
+          for k, z in zip(jax.random.split(key, len(leaves)), leaves)])
+      hvp = jax.jvp(lambda z: grad_fn(z)[1], (zeros,), (probe,))[1]
+      diag = jax.tree.map(jnp.multiply, probe, hvp)
     out = {}
     for i, layer in enumerate(layer_list):
       s, g = stats[i], grads[i]
@@ -280,11 +286,14 @@ def _capture_fn(graphdef, layer_list, loss_fn, precisions, rounding):
       row = {"w_norm": jnp.linalg.norm(w), "w_amax": jnp.abs(w).max(),
              "dw": w.size, "gw_norm": jnp.linalg.norm(gw),
              "gw_amax": jnp.abs(gw).max()}
-      var = {}
       if "x" in s:
         xv, gx = s["x"].astype(jnp.float32), g["x"]
         row.update({"x_norm": jnp.linalg.norm(xv), "x_amax": jnp.abs(xv).max(),
                     "dv": xv.size, "dvv": s["y"].size})
+      out[layer.path] = row
+      if not curvature:
+        continue
+      var = {}
       for p in floors[i]:
         # Second-order expansion of the loss in the layer's rounding noise:
         # mean 1/2 sum s^2 H_ii, variance sum s^2 g^2.
@@ -299,7 +308,6 @@ def _capture_fn(graphdef, layer_list, loss_fn, precisions, rounding):
                        for t, gt, _ in terms)
         var[p.value] = {"bias": bias, "variance": variance}
       row["var"] = var
-      out[layer.path] = row
     return loss, out
 
   return capture
@@ -650,7 +658,7 @@ def compute(model: nnx.Module, loss_fn: Callable[[jax.Array, jax.Array],
   if method in ("qsync", "qsync_var"):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     capture = _capture_fn(graphdef, layer_list, loss_fn, precisions,
-                          quant.rounding)
+                          quant.rounding, curvature=method == "qsync_var")
     per_batch = []
     for b, (x, y) in enumerate(batches):
       if b == 1:

@@ -113,3 +113,18 @@ def test_bad_input_is_a_clear_error():
     indicator.compute(NoLayers(), losses.cross_entropy,
                       [(np.zeros((2, 4), np.float32),
                         np.zeros(2, np.int32))], "qsync")
+
+
+def test_study_reports_spearman_time_and_scores_per_method():
+  result = indicator.study(_cnn(), losses.cross_entropy, _batches(),
+                           precisions=["int8", "fp16"],
+                           methods=["qsync_var", "random"])
+  assert result["layers"] == ["conv1", "conv2", "fc", "head"]
+  assert result["precisions"] == ["int8", "fp16"]
+  assert result["train_step_s"] > 0
+  for name in ("qsync_var", "random"):
+    r = result["methods"][name]
+    assert -1 <= r["spearman_vs_measured"] <= 1
+    assert r["time_s"] >= 0 and set(r["scores"]) == set(result["layers"])
+  # On a tiny CNN the second-order variance already tracks the truth.
+  assert result["methods"]["qsync_var"]["spearman_vs_measured"] > 0.5
