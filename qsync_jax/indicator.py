@@ -85,7 +85,6 @@ from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 import numpy as np
 
-from qsync_jax import ops
 from qsync_jax import policy
 from qsync_jax import quant as q
 from qsync_jax.layers import MatMul
@@ -157,12 +156,6 @@ def _operand_positions(module) -> tuple[int, int]:
   return (1, 2) if isinstance(module, (nnx.Einsum, MatMul)) else (0, 1)
 
 
-def _op_attr(module) -> str:
-  return "einsum_op" if isinstance(module, (nnx.Einsum, MatMul)) else (
-      "conv_general_dilated" if isinstance(module, nnx.Conv) else
-      "dot_general")
-
-
 def _instrument(model, layer_list, make_wrapper) -> None:
   """Replaces each layer's op of ``model`` by ``make_wrapper(i, layer, op)``.
 
@@ -174,7 +167,7 @@ def _instrument(model, layer_list, make_wrapper) -> None:
   for i, layer in enumerate(layer_list):
     module = modules[layer.path]
     attr = ("promote_dtype" if isinstance(module, nnx.Embed)
-            else _op_attr(module))
+            else policy.op_attribute(module)[0])
     setattr(module, attr, make_wrapper(i, layer, getattr(module, attr)))
 
 
@@ -314,7 +307,7 @@ def _capture_fn(graphdef, layer_list, loss_fn, precisions, rounding,
 
 
 def _allowed(layer, precisions) -> list[Precision]:
-  floor16 = isinstance(layer.module, (nnx.Embed, MatMul))
+  floor16 = isinstance(layer.module, policy.SIXTEEN_BIT_FLOOR)
   return [p for p in precisions if p not in _ZERO
           and not (floor16 and p.bits < 16)]
 
@@ -512,10 +505,7 @@ def _switch_fn(graphdef, layer_list, loss_fn, choices, quant):
   def op_for(module, precision):
     if isinstance(module, nnx.Embed):
       return None
-    cls = {"dot_general": ops.DotGeneral,
-           "conv_general_dilated": ops.ConvGeneralDilated,
-           "einsum_op": ops.Einsum}[_op_attr(module)]
-    return cls(precision, quant)
+    return policy.op_attribute(module)[1](precision, quant)
 
   @jax.jit
   def evaluate(params, rest, x, y, select):

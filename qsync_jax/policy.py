@@ -47,7 +47,7 @@ _OP_ATTR: Mapping[type, tuple[str, Callable[..., Any]]] = {
 }
 _EMBED_DTYPE = {Precision.FP16: jnp.float16, Precision.BF16: jnp.bfloat16}
 #: Layer types that never compute below 16 bits.
-_SIXTEEN_BIT_FLOOR = (nnx.Embed, MatMul)
+SIXTEEN_BIT_FLOOR = (nnx.Embed, MatMul)
 ADDRESSABLE_TYPES = (*_OP_ATTR, nnx.Embed)
 
 
@@ -65,7 +65,8 @@ class Layer:
   kind: str
 
 
-def _op_attr(module: nnx.Module) -> tuple[str, Callable[..., Any]]:
+def op_attribute(module: nnx.Module) -> tuple[str, Callable[..., Any]]:
+  """Returns (attribute name, precision-aware op class) of a layer."""
   for layer_type, attr_op in _OP_ATTR.items():
     if isinstance(module, layer_type):
       return attr_op
@@ -188,7 +189,7 @@ def resolve_with_forced(paths: list[str], floored: set[str],
 def _effective(layer_list: list[Layer], plan: PrecisionPlan,
                device_kind: str | None = None) -> dict[str, Precision]:
   floored = {layer.path for layer in layer_list
-             if isinstance(layer.module, _SIXTEEN_BIT_FLOOR)}
+             if isinstance(layer.module, SIXTEEN_BIT_FLOOR)}
   effective = resolve_with_forced([layer.path for layer in layer_list],
                                   floored, plan)
   if device_kind is not None:
@@ -244,7 +245,7 @@ def apply_plan(model: nnx.Module, plan: PrecisionPlan,
     if isinstance(module, nnx.Embed):
       module.dtype = _EMBED_DTYPE.get(prec, module.param_dtype)
     else:
-      attr, op_cls = _op_attr(module)
+      attr, op_cls = op_attribute(module)
       setattr(module, attr, op_cls(prec, plan.quant))
   return model
 

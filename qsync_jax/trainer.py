@@ -81,6 +81,11 @@ def _rows(x: jax.Array) -> dict[jax.Device, jax.Array]:
   return {s.device: s.data for s in x.addressable_shards}
 
 
+def _local_scalar(x: jax.Array) -> Any:
+  """The value of a stacked per-worker scalar (identical on all workers)."""
+  return x.addressable_shards[0].data[0].item()
+
+
 class HybridTrainer:
   """Synchronous training over workers that run different precision plans.
 
@@ -311,17 +316,17 @@ class HybridTrainer:
 
   def last_step_finite(self) -> bool:
     """Whether the last step's averaged gradient was finite (not skipped)."""
-    return bool(next(iter(_rows(self._finite).values()))[0])
+    return bool(_local_scalar(self._finite))
 
   @property
   def skipped_steps(self) -> int:
     """Steps skipped so far because a gradient was not finite."""
-    return int(next(iter(_rows(self.loss_scale.skipped).values()))[0])
+    return int(_local_scalar(self.loss_scale.skipped))
 
   @property
   def current_loss_scale(self) -> float:
     """The loss scale the next step uses (1 when scaling is off)."""
-    return float(next(iter(_rows(self.loss_scale.scale).values()))[0])
+    return float(_local_scalar(self.loss_scale.scale))
 
   # ------------------------------------------------------------------
   # Evaluation and inspection.
