@@ -85,6 +85,15 @@ class Averager(Protocol):
     ...
 
 
+class _Reducing:
+  """Gives a strategy ``__call__`` from its ``reduce``."""
+
+  def __call__(self, x: jax.Array, weight: jax.Array, axis_name: str,
+               key: jax.Array | None = None) -> jax.Array:
+    """Returns ``sum_i weight_i * x_i`` over ``axis_name`` (float32)."""
+    return self.reduce(x, weight, axis_name, key)[0]
+
+
 def ring_allreduce_bytes(payload_bytes: float, num_workers: int) -> float:
   """Bytes each worker sends in a ring all-reduce of ``payload_bytes``.
 
@@ -160,15 +169,10 @@ def _nan_where(bad: jax.Array, values: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class MeanAverager:
+class MeanAverager(_Reducing):
   """Weighted mean in float32: one ``psum`` of ``w_i * x_i``."""
 
   name: str = "mean"
-
-  def __call__(self, x: jax.Array, weight: jax.Array, axis_name: str,
-               key: jax.Array | None = None) -> jax.Array:
-    """Returns ``sum_i weight_i * x_i`` over ``axis_name`` (float32)."""
-    return self.reduce(x, weight, axis_name, key)[0]
 
   def reduce(self, x: jax.Array, weight: jax.Array, axis_name: str,
              key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -183,7 +187,7 @@ class MeanAverager:
 
 
 @dataclasses.dataclass(frozen=True)
-class CastAverager:
+class CastAverager(_Reducing):
   """Weighted mean with a float16 or bfloat16 wire format.
 
   Each worker casts ``w_i x_i`` to ``dtype`` and the ``psum`` runs in that
@@ -218,11 +222,6 @@ class CastAverager:
     if not self.name:
       object.__setattr__(self, "name", names[self.dtype])
 
-  def __call__(self, x: jax.Array, weight: jax.Array, axis_name: str,
-               key: jax.Array | None = None) -> jax.Array:
-    """Returns ``sum_i weight_i * x_i`` summed in ``dtype`` (float32 out)."""
-    return self.reduce(x, weight, axis_name, key)[0]
-
   def reduce(self, x: jax.Array, weight: jax.Array, axis_name: str,
              key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Returns ``(mean, sent)``; ``key`` is unused (rounding to nearest)."""
@@ -237,7 +236,7 @@ class CastAverager:
 
 
 @dataclasses.dataclass(frozen=True)
-class GlobalQSGD:
+class GlobalQSGD(_Reducing):
   """Global-QSGD with standard dithering: one integer ``psum`` of codes.
 
   Per bucket of ``bucket_size`` elements every worker uses the same scale
@@ -294,11 +293,6 @@ class GlobalQSGD:
           f"codes without overflow, got {num_workers} workers; use a wider "
           "wire")
     return s
-
-  def __call__(self, x: jax.Array, weight: jax.Array, axis_name: str,
-               key: jax.Array | None = None) -> jax.Array:
-    """Returns an unbiased estimate of ``sum_i weight_i * x_i`` (float32)."""
-    return self.reduce(x, weight, axis_name, key)[0]
 
   def reduce(self, x: jax.Array, weight: jax.Array, axis_name: str,
              key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -384,7 +378,7 @@ def _exp_merge(a: jax.Array, b: jax.Array, u: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class GlobalQSGDExp:
+class GlobalQSGDExp(_Reducing):
   """Global-QSGD with exponential dithering, merged by recursive doubling.
 
   Every worker normalizes ``w_i x_i`` by ``N = 2 n M`` (``M`` the global
@@ -429,11 +423,6 @@ class GlobalQSGDExp:
       raise ValueError("exponential dithering merges pairwise and needs a "
                        f"power-of-two number of workers, got {num_workers}")
     return num_workers.bit_length() - 1
-
-  def __call__(self, x: jax.Array, weight: jax.Array, axis_name: str,
-               key: jax.Array | None = None) -> jax.Array:
-    """Returns an unbiased estimate of ``sum_i weight_i * x_i`` (float32)."""
-    return self.reduce(x, weight, axis_name, key)[0]
 
   def reduce(self, x: jax.Array, weight: jax.Array, axis_name: str,
              key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -480,7 +469,7 @@ def _code_dtype(levels: int) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class QSGD:
+class QSGD(_Reducing):
   """QSGD baseline: per-worker scales, so codes are gathered, not summed.
 
   Each worker scales each bucket of ``w_i x_i`` by its own norm, rounds
@@ -516,11 +505,6 @@ class QSGD:
       raise ValueError(f"QSGD norm must be 'l2' or 'linf', got {self.norm!r}")
     if self.bucket_size is not None and self.bucket_size < 1:
       raise ValueError(f"bucket_size must be positive, got {self.bucket_size}")
-
-  def __call__(self, x: jax.Array, weight: jax.Array, axis_name: str,
-               key: jax.Array | None = None) -> jax.Array:
-    """Returns an unbiased estimate of ``sum_i weight_i * x_i`` (float32)."""
-    return self.reduce(x, weight, axis_name, key)[0]
 
   def reduce(self, x: jax.Array, weight: jax.Array, axis_name: str,
              key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:

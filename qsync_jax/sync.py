@@ -66,8 +66,24 @@ def _check_period(h: int, what: str = "h") -> None:
     raise ValueError(f"{what} must be a positive integer, got {h!r}")
 
 
+class _Stateless:
+  """Schedules that are a pure function of the step: no checkpoint state."""
+
+  def sync_steps(self, total_steps: int) -> list[int]:
+    """Every sync step in ``1..total_steps``."""
+    return [t for t in range(1, total_steps + 1) if self.is_sync_step(t)]
+
+  def state_dict(self) -> dict[str, Any]:
+    """Returns ``{}``: the schedule is a function of the step."""
+    return {}
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    """Ignores ``state`` (nothing to restore)."""
+    del state
+
+
 @dataclasses.dataclass(frozen=True)
-class EveryStep:
+class EveryStep(_Stateless):
   """Synchronous data parallelism: average gradients at every step.
 
   ``averages_gradients`` is kept for callers that predate
@@ -87,21 +103,9 @@ class EveryStep:
     del step
     return True
 
-  def sync_steps(self, total_steps: int) -> list[int]:
-    """Returns ``[1, ..., total_steps]``."""
-    return list(range(1, total_steps + 1))
-
-  def state_dict(self) -> dict[str, Any]:
-    """Returns the schedule's state for checkpoints (none for this one)."""
-    return {}
-
-  def load_state_dict(self, state: dict[str, Any]) -> None:
-    """Restores :meth:`state_dict` output."""
-    del state
-
 
 @dataclasses.dataclass(frozen=True)
-class ConstantLocalSGD:
+class ConstantLocalSGD(_Stateless):
   """Local SGD: average parameters every ``h`` steps.
 
   Attributes:
@@ -126,21 +130,9 @@ class ConstantLocalSGD:
     """Whether parameters are averaged after step ``step`` (1-based)."""
     return step >= 1 and (step % self.h == 0 or step == self.total_steps)
 
-  def sync_steps(self, total_steps: int) -> list[int]:
-    """Every sync step in ``1..total_steps``."""
-    return [t for t in range(1, total_steps + 1) if self.is_sync_step(t)]
-
-  def state_dict(self) -> dict[str, Any]:
-    """Returns ``{}``: the schedule is a function of the step."""
-    return {}
-
-  def load_state_dict(self, state: dict[str, Any]) -> None:
-    """Ignores ``state`` (nothing to restore)."""
-    del state
-
 
 @dataclasses.dataclass(frozen=True)
-class PostLocalSGD:
+class PostLocalSGD(_Stateless):
   """Data parallel for the first ``switch_step`` steps, then local SGD.
 
   Steps ``1..switch_step`` average gradients; afterwards parameters are
@@ -179,18 +171,6 @@ class PostLocalSGD:
     return (step <= self.switch_step
             or (step - self.switch_step) % self.h == 0
             or step == self.total_steps)
-
-  def sync_steps(self, total_steps: int) -> list[int]:
-    """Every sync step in ``1..total_steps``."""
-    return [t for t in range(1, total_steps + 1) if self.is_sync_step(t)]
-
-  def state_dict(self) -> dict[str, Any]:
-    """Returns ``{}``: the schedule is a function of the step."""
-    return {}
-
-  def load_state_dict(self, state: dict[str, Any]) -> None:
-    """Ignores ``state`` (nothing to restore)."""
-    del state
 
 
 LearningRate = float | Callable[[int], Any]
