@@ -36,6 +36,7 @@ from flax import nnx
 from qsync_jax import ops
 from qsync_jax.layers import MatMul
 from qsync_jax.precision import PlanError, Precision, PrecisionPlan
+from qsync_jax.quant import QuantConfig
 
 # The attribute each layer type computes through, and the op that replaces it.
 _OP_ATTR: Mapping[type, tuple[str, Callable[..., Any]]] = {
@@ -186,8 +187,9 @@ def resolve_with_forced(paths: list[str], floored: set[str],
   return effective
 
 
-def _effective(layer_list: list[Layer], plan: PrecisionPlan,
-               device_kind: str | None = None) -> dict[str, Precision]:
+def resolve_layers(layer_list: list[Layer], plan: PrecisionPlan,
+                   device_kind: str | None = None) -> dict[str, Precision]:
+  """Like :func:`effective_precisions`, for layers already listed."""
   floored = {layer.path for layer in layer_list
              if isinstance(layer.module, SIXTEEN_BIT_FLOOR)}
   effective = resolve_with_forced([layer.path for layer in layer_list],
@@ -217,7 +219,7 @@ def effective_precisions(model: nnx.Module, plan: PrecisionPlan,
     PlanError: a rule matches no layer, a rule puts a 16-bit-floored layer
       below 16 bits, or the device kind lacks a precision.
   """
-  return _effective(model_layers(model, sample_input), plan, device_kind)
+  return resolve_layers(model_layers(model, sample_input), plan, device_kind)
 
 
 def apply_plan(model: nnx.Module, plan: PrecisionPlan,
@@ -238,23 +240,29 @@ def apply_plan(model: nnx.Module, plan: PrecisionPlan,
     PlanError: see :func:`effective_precisions`.
   """
   layer_list = model_layers(model, sample_input)
-  effective = _effective(layer_list, plan, device_kind)
+  set_precisions(layer_list, resolve_layers(layer_list, plan, device_kind),
+                 plan.quant)
+  return model
+
+
+def set_precisions(layer_list: list[Layer], precisions: dict[str, Precision],
+                   quant: QuantConfig) -> None:
+  """Sets each listed layer's op to compute at ``precisions[path]``."""
   for layer in layer_list:
-    prec = effective[layer.path]
+    prec = precisions[layer.path]
     module = layer.module
     if isinstance(module, nnx.Embed):
       module.dtype = _EMBED_DTYPE.get(prec, module.param_dtype)
     else:
       attr, op_cls = op_attribute(module)
-      setattr(module, attr, op_cls(prec, plan.quant))
-  return model
+      setattr(module, attr, op_cls(prec, quant))
 
 
 def describe(model: nnx.Module, plan: PrecisionPlan,
              sample_input: Any = None) -> str:
   """Returns a readable table: layer path, kind, precision under ``plan``."""
   layer_list = model_layers(model, sample_input)
-  effective = _effective(layer_list, plan)
+  effective = resolve_layers(layer_list, plan)
   width = max(len(layer.path) for layer in layer_list)
   rows = [f"{'layer':<{width}}  {'kind':<13} precision"]
   rows += [f"{layer.path:<{width}}  {layer.kind:<13} "

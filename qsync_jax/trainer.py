@@ -146,19 +146,20 @@ class HybridTrainer:
 
     # One graph definition per plan; the parameters are shared.
     model.train()
+    layer_list = policy.model_layers(model, sample_input)  # traced once
     self.precisions: list[dict[str, Precision]] = []
     graphdefs: dict[str, Any] = {}
     self._graphdef_of: list[Any] = []
     for w in workers:
-      eff = policy.effective_precisions(model, w.plan, sample_input,
-                                        device_kind=w.kind)
+      eff = policy.resolve_layers(layer_list, w.plan, device_kind=w.kind)
       self.precisions.append(eff)
       key = w.plan.to_json()
       if key not in graphdefs:
-        policy.apply_plan(model, w.plan, sample_input, device_kind=w.kind)
+        policy.set_precisions(layer_list, eff, w.plan.quant)
         graphdefs[key] = nnx.split(model, nnx.Param, ...)[0]
       self._graphdef_of.append(graphdefs[key])
-    policy.apply_plan(model, PrecisionPlan(), sample_input)
+    policy.set_precisions(layer_list, policy.resolve_layers(
+        layer_list, PrecisionPlan()), PrecisionPlan().quant)
     model.eval()
     self._eval_graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     model.train()
