@@ -10,6 +10,7 @@ import pytest
 from qsync_jax import indicator
 from qsync_jax import losses
 from qsync_jax import models
+from toy_models import NoLayers
 
 
 def _cnn():
@@ -101,13 +102,6 @@ def test_bad_input_is_a_clear_error():
   wrong = [(np.zeros((4, 9, 9, 1), np.float32), np.zeros(4, np.int32))]
   with pytest.raises(ValueError, match="does not match the model's input"):
     indicator.compute(_cnn(), losses.cross_entropy, wrong, "qsync")
-
-  class NoLayers(nnx.Module):
-    def __init__(self):
-      self.norm = nnx.LayerNorm(4, rngs=nnx.Rngs(0))
-
-    def __call__(self, x):
-      return self.norm(x)
 
   with pytest.raises(ValueError, match="no layer a precision plan can"):
     indicator.compute(NoLayers(), losses.cross_entropy,

@@ -10,6 +10,7 @@ import qsync_jax as qs
 from qsync_jax import models
 from qsync_jax.precision import Precision
 from jaxpr_utils import contractions_of
+from toy_models import NoLayers
 
 
 def _cnn():
@@ -155,13 +156,6 @@ def test_bad_input_errors():
                   device_kind="t4")
   with pytest.raises(ValueError, match="unknown precision 'int4'"):
     qs.PrecisionPlan([("conv1", "int4")])
-
-  class NoLayers(nnx.Module):
-    def __init__(self):
-      self.norm = nnx.LayerNorm(4, rngs=nnx.Rngs(0))
-
-    def __call__(self, x):
-      return self.norm(x)
 
   with pytest.raises(ValueError, match="no layer a precision plan can"):
     qs.layer_paths(NoLayers(), jnp.ones((1, 4)))
