@@ -13,6 +13,7 @@ Typical use::
 from qsync_jax import indicator
 from qsync_jax import linen
 from qsync_jax import ops
+from qsync_jax import predictor
 from qsync_jax import quant
 from qsync_jax.layers import MatMul
 from qsync_jax.policy import apply_plan
@@ -38,5 +39,6 @@ __all__ = [
     "Precision", "PrecisionPlan", "QuantConfig", "Rounding", "apply_plan",
     "describe", "device_kinds", "effective_precisions", "indicator",
     "layer_paths",
-    "linen", "model_layers", "ops", "quant", "supported_precisions",
+    "linen", "model_layers", "ops", "predictor", "quant",
+    "supported_precisions",
 ]

@@ -152,28 +152,9 @@ class Scores:
 # --------------------------------------------------------------------------
 
 
-def _operand_positions(module) -> tuple[int, int]:
-  return (1, 2) if isinstance(module, (nnx.Einsum, MatMul)) else (0, 1)
-
-
-def _instrument(model, layer_list, make_wrapper) -> None:
-  """Replaces each layer's op of ``model`` by ``make_wrapper(i, layer, op)``.
-
-  Embeddings wrap ``promote_dtype`` (their only hook). The wrappers become
-  static attributes, so differentiate ``model`` with ``nnx`` transforms,
-  which also carry BatchNorm updates across trace levels.
-  """
-  modules = policy.addressable_modules(model)
-  for i, layer in enumerate(layer_list):
-    module = modules[layer.path]
-    attr = ("promote_dtype" if isinstance(module, nnx.Embed)
-            else policy.op_attribute(module)[0])
-    setattr(module, attr, make_wrapper(i, layer, getattr(module, attr)))
-
-
 def _bilinear_wrapper(module, base, transform):
   """Wraps ``base``: ``transform(x, w) -> (x', w', post)``, then post(y)."""
-  li, ri = _operand_positions(module)
+  li, ri = policy.operand_positions(module)
 
   def wrapped(*args, **kwargs):
     args = list(args)
@@ -243,7 +224,7 @@ def _capture_fn(graphdef, layer_list, loss_fn, precisions, rounding,
         return xv, wv, post
       return _bilinear_wrapper(layer.module, base, transform)
 
-    _instrument(model, layer_list, make_wrapper)
+    policy.instrument(model, layer_list, make_wrapper)
     # Pure functions of the perturbations from here on; a fresh copy of the
     # BatchNorm statistics per trace (their updates are not needed).
     instrumented, p_state, r_state = nnx.split(model, nnx.Param, ...)
@@ -526,7 +507,7 @@ def _switch_fn(graphdef, layer_list, loss_fn, choices, quant):
           return base((lax.switch(select[i], branches, table),), **kw)
         return promote
       impls = [op_for(module, p) for p in choices]
-      li, ri = _operand_positions(module)
+      li, ri = policy.operand_positions(module)
 
       def switched(*args, **kwargs):
         def branch(f):
@@ -539,7 +520,7 @@ def _switch_fn(graphdef, layer_list, loss_fn, choices, quant):
                           (args[li], args[ri]))
       return switched
 
-    _instrument(model, layer_list, make_wrapper)
+    policy.instrument(model, layer_list, make_wrapper)
     loss, grads = nnx.value_and_grad(lambda m: loss_fn(m(x), y))(model)
     return loss, ravel_pytree(grads)[0]
 

@@ -87,7 +87,13 @@ def addressable_modules(model: nnx.Module) -> dict[str, nnx.Module]:
   return found
 
 
-def _sample_input(model: nnx.Module, sample_input):
+def sample_input_of(model: nnx.Module, sample_input: Any = None) -> Any:
+  """``sample_input`` if given, else ``model.input_spec(2)`` (the default of
+  :func:`model_layers`).
+
+  Raises:
+    ValueError: neither is available.
+  """
   if sample_input is not None:
     return sample_input
   input_spec = getattr(model, "input_spec", None)
@@ -119,7 +125,7 @@ def model_layers(model: nnx.Module, sample_input: Any = None) -> list[Layer]:
     raise ValueError(
         f"{type(model).__name__} has no layer a precision plan can address "
         f"(looked for {', '.join(t.__name__ for t in ADDRESSABLE_TYPES)})")
-  x = _sample_input(model, sample_input)
+  x = sample_input_of(model, sample_input)
   order: list[str] = []
   saved = []
   for path, module in by_path.items():
@@ -141,6 +147,38 @@ def model_layers(model: nnx.Module, sample_input: Any = None) -> list[Layer]:
     for module, attr, original in saved:
       setattr(module, attr, original)
   return [Layer(p, by_path[p], type(by_path[p]).__name__) for p in order]
+
+
+def operand_positions(module: nnx.Module) -> tuple[int, int]:
+  """Positions of the two contracted operands in the layer's op call.
+
+  ``dot_general`` and ``conv_general_dilated`` take ``(lhs, rhs, ...)``;
+  ``einsum_op`` takes ``(subscripts, lhs, rhs)``.
+  """
+  return (1, 2) if isinstance(module, (nnx.Einsum, MatMul)) else (0, 1)
+
+
+def hook_attribute(module: nnx.Module) -> str:
+  """The attribute :func:`instrument` wraps: the op, or an embedding's cast."""
+  return ("promote_dtype" if isinstance(module, nnx.Embed)
+          else op_attribute(module)[0])
+
+
+def instrument(model: nnx.Module, layer_list: list[Layer],
+               make_wrapper: Callable[[int, Layer, Any], Any]) -> None:
+  """Replaces each layer's hook by ``make_wrapper(i, layer, original)``.
+
+  Contractions wrap their op (:func:`operand_positions` says where the
+  operands are); embeddings wrap ``promote_dtype``, which casts the table.
+  The wrappers become static attributes, so differentiate ``model`` with
+  ``nnx`` transforms (they also carry BatchNorm updates across trace levels).
+  Undo with :func:`set_precisions`.
+  """
+  modules = addressable_modules(model)
+  for i, layer in enumerate(layer_list):
+    module = modules[layer.path]
+    attr = hook_attribute(module)
+    setattr(module, attr, make_wrapper(i, layer, getattr(module, attr)))
 
 
 def layer_paths(model: nnx.Module, sample_input: Any = None) -> list[str]:

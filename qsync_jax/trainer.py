@@ -86,6 +86,35 @@ def _local_scalar(x: jax.Array) -> Any:
   return x.addressable_shards[0].data[0].item()
 
 
+def grad_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
+                  loss_fn: LossFn) -> Callable:
+  """One worker's jitted gradient computation (its plan is in ``graphdef``).
+
+  Returns:
+    ``grad_fn(params_row, rest, scale_row, x, y) -> (grads_row, new_rest,
+    loss, accuracy)`` where ``params_row`` is the ``(1, P)`` flat float32
+    parameter row, ``rest`` the non-parameter state, ``scale_row`` the
+    ``(1,)`` loss scale; ``grads_row`` is the ``(1, P)`` flat gradient of the
+    scaled loss.
+  """
+
+  @jax.jit
+  def grad_fn(params_row, rest, scale_row, x, y):
+    model = nnx.merge(graphdef, unravel(params_row[0]), rest)
+
+    def scaled_loss(m):
+      logits = m(x)
+      loss = loss_fn(logits, y)
+      return loss * scale_row[0], (loss, losses.accuracy(logits, y))
+
+    # nnx.grad carries the BatchNorm statistics' updates back to `model`.
+    grads, (loss, acc) = nnx.grad(scaled_loss, has_aux=True)(model)
+    new_rest = nnx.split(model, nnx.Param, ...)[2]
+    return ravel_pytree(grads)[0][None], new_rest, loss, acc
+
+  return grad_fn
+
+
 class HybridTrainer:
   """Synchronous training over workers that run different precision plans.
 
@@ -222,23 +251,7 @@ class HybridTrainer:
     return self._shard_map(init, 1)
 
   def _make_grad_fn(self, graphdef):
-    unravel, loss_fn = self._unravel, self.loss_fn
-
-    @jax.jit
-    def grad_fn(params_row, rest, scale_row, x, y):
-      model = nnx.merge(graphdef, unravel(params_row[0]), rest)
-
-      def scaled_loss(m):
-        logits = m(x)
-        loss = loss_fn(logits, y)
-        return loss * scale_row[0], (loss, losses.accuracy(logits, y))
-
-      # nnx.grad carries the BatchNorm statistics' updates back to `model`.
-      grads, (loss, acc) = nnx.grad(scaled_loss, has_aux=True)(model)
-      new_rest = nnx.split(model, nnx.Param, ...)[2]
-      return ravel_pytree(grads)[0][None], new_rest, loss, acc
-
-    return grad_fn
+    return grad_function(graphdef, self._unravel, self.loss_fn)
 
   def _make_update(self):
     unravel, tx, averager = self._unravel, self.tx, self.averager
@@ -314,6 +327,19 @@ class HybridTrainer:
     self.comm_bytes += self.averager.wire_bytes(self.num_params,
                                                 self.num_workers)
     return metrics
+
+  def update_call(self) -> Callable[[], Any]:
+    """A call that runs the update program once on zero gradients.
+
+    The state is left unchanged; the predictor times this call (averaging
+    plus optimizer, no layers) as one piece of a profile.
+    """
+    zeros = jax.jit(jnp.zeros_like)(self.params)
+
+    def run():
+      return self._update(self.params, self.opt_state, self.loss_scale, zeros,
+                          self._weights)
+    return run
 
   def last_step_finite(self) -> bool:
     """Whether the last step's averaged gradient was finite (not skipped)."""

@@ -1,0 +1,80 @@
+r"""Predicted against measured step time and memory on the device at hand.
+
+Usage:
+  python -m experiments.predictor_accuracy --out=predictor_accuracy.json
+  python -m experiments.predictor_accuracy --model=mypkg.models:make_net \
+      --out=mine.json
+
+For each model (default: the small CNN, the BERT-style encoder and a
+ResNet-18 that nothing was tuned on) and each of 8 plans (uniform FP32, BF16,
+FP16, INT8 and 4 mixed ones), profiles the model's pieces on this host,
+predicts the HybridTrainer step with 1 and 4 workers (fake devices of this
+host) and measures those steps in the same interleaved timing rounds.
+
+--model takes built-in names or package.module:factory specs (a callable
+taking rngs and the --model_kwargs entry of that spec, returning an NNX module
+with input_spec(batch_size) and a `task` attribute).
+
+Writes --out (JSON): {"cases": [{"model", "plan", "workers", "predicted_s",
+"measured_s", "rel_error", "predicted_memory_bytes", "measured_memory_bytes",
+"memory_rel_error"}], "mean_abs_rel_error", "max_abs_rel_error",
+"max_abs_memory_rel_error", "simulation_speed": {"simulate_ms", ...}, ...}
+and, next to it, a PNG
+scatter of predicted against measured step times.
+"""
+
+import json
+import os
+
+from absl import app
+from absl import flags
+import jax
+
+from qsync_jax import cli
+from qsync_jax.predictor import accuracy
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("model", ["cnn", "bert", "resnet18"],
+                  "Built-in models or package.module:factory specs.")
+flags.DEFINE_string("model_kwargs", "{}",
+                    "JSON {model spec: config overrides} (merged over the "
+                    "built-in defaults).")
+flags.DEFINE_string("batch_sizes", "{}", "JSON {model spec: batch size}.")
+flags.DEFINE_list("workers", ["1", "4"], "Worker counts (fake devices).")
+flags.DEFINE_integer("rounds", 15, "Interleaved timing rounds.")
+flags.DEFINE_integer("burst", 5, "Calls per burst (the fastest counts).")
+flags.DEFINE_string("speed_model", "resnet50",
+                    "Also time simulating one plan of this model on "
+                    "v100:8,t4:8 (empty: skip).")
+flags.DEFINE_string("out", None, "Output JSON path.")
+flags.mark_flag_as_required("out")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  with cli.bad_input_exits():
+    workers = [int(w) for w in FLAGS.workers]
+    jax.config.update("jax_num_cpu_devices", max(workers))
+    result = accuracy.evaluate(
+        FLAGS.model, model_kwargs=json.loads(FLAGS.model_kwargs),
+        batch_sizes=json.loads(FLAGS.batch_sizes), workers=workers,
+        rounds=FLAGS.rounds, burst=FLAGS.burst)
+    if FLAGS.speed_model:
+      result["simulation_speed"] = accuracy.simulation_speed(
+          FLAGS.speed_model)
+  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+  with open(FLAGS.out, "w") as f:
+    json.dump(result, f, indent=1)
+  accuracy.plot(result, os.path.splitext(FLAGS.out)[0] + ".png")
+  print(f"mean |rel error| {result['mean_abs_rel_error']:.4f}, max "
+        f"{result['max_abs_rel_error']:.4f}, max memory |rel error| "
+        f"{result['max_abs_memory_rel_error']:.4f}")
+  if "simulation_speed" in result:
+    speed = result["simulation_speed"]
+    print(f"simulating one plan of {speed['model']} ({speed['layers']} "
+          f"layers) on {speed['cluster']}: {speed['simulate_ms']:.3f} ms")
+
+
+if __name__ == "__main__":
+  app.run(main)

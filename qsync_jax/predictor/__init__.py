@@ -1,0 +1,63 @@
+"""Predictor: the step time and memory of any per-device precision plan.
+
+QSync's replayer and cost mapper (arXiv 2407.02327; reference qsync.md
+section 4) in JAX:
+
+* :func:`trace_graph`: a model's layers in forward order, their operand
+  shapes, data flow and dtype cascades (:mod:`.graph`);
+* :func:`profile`: per-layer forward and backward times per precision, the
+  rest of the step, the optimizer, cast costs and memory, measured on the
+  device at hand and cached (:mod:`.profiling`); :func:`analytic_profile` for a
+  GPU kind of the catalog (:mod:`.devices`) that is not present;
+* :func:`simulate` / :func:`predict`: a synchronous step over hybrid workers
+  with gradient buckets overlapping the backward pass and all-reduces aligned
+  across workers, returning a :class:`Prediction` (:mod:`.simulation`);
+* :class:`MemoryModel`, :func:`compiled_step_bytes` (:mod:`.memory`) and
+  :class:`CastModel` (:mod:`.casting`).
+"""
+
+from qsync_jax.predictor.casting import CastModel
+from qsync_jax.predictor.casting import analytic_cast_model
+from qsync_jax.predictor.casting import fit_cast_model
+from qsync_jax.predictor.devices import DEVICES
+from qsync_jax.predictor.devices import DeviceSpec
+from qsync_jax.predictor.devices import device_spec
+from qsync_jax.predictor.graph import LayerNode
+from qsync_jax.predictor.graph import ModelGraph
+from qsync_jax.predictor.graph import casts
+from qsync_jax.predictor.graph import input_dtypes
+from qsync_jax.predictor.graph import trace_graph
+from qsync_jax.predictor.memory import MemoryModel
+from qsync_jax.predictor.memory import compiled_step_bytes
+from qsync_jax.predictor.profiling import Profile
+from qsync_jax.predictor.profiling import analytic_profile
+from qsync_jax.predictor.profiling import profile
+from qsync_jax.predictor.simulation import Prediction
+from qsync_jax.predictor.simulation import SimWorker
+from qsync_jax.predictor.simulation import predict
+from qsync_jax.predictor.simulation import resolve_plan
+from qsync_jax.predictor.simulation import simulate
+
+__all__ = [
+    "CastModel",
+    "DEVICES",
+    "DeviceSpec",
+    "LayerNode",
+    "MemoryModel",
+    "ModelGraph",
+    "Prediction",
+    "Profile",
+    "SimWorker",
+    "analytic_cast_model",
+    "analytic_profile",
+    "casts",
+    "compiled_step_bytes",
+    "device_spec",
+    "fit_cast_model",
+    "input_dtypes",
+    "predict",
+    "profile",
+    "resolve_plan",
+    "simulate",
+    "trace_graph",
+]

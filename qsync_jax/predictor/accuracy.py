@@ -1,0 +1,273 @@
+"""Checks the predictor against real steps on the device at hand.
+
+This module owns :func:`evaluate`, the library side of
+``experiments/predictor_accuracy.py``: for each model and plan it profiles
+the model's pieces (:func:`.profiling.profile_job`), predicts the step time of
+:class:`qsync_jax.HybridTrainer` with one worker and with several workers on
+fake devices of this host (:func:`.simulation.simulate`), and measures those
+steps. Profile pieces and real steps are timed in the same interleaved rounds
+(:func:`.timing.interleaved`) so that both see the same machine load;
+nothing of a real step's time enters a prediction. Memory is checked against
+``memory_analysis`` of the compiled step (:func:`.memory.compiled_step_bytes`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from qsync_jax import losses, models as models_lib, policy
+from qsync_jax.precision import Precision, PrecisionPlan
+from qsync_jax.predictor import graph as graph_lib, memory, simulation, timing
+from qsync_jax.predictor import profiling as profile_lib
+from qsync_jax.trainer import HybridTrainer, Worker
+
+#: Built-in models of the check, sized so a step takes tens of milliseconds
+#: on a 2-core CPU.
+DEFAULT_MODEL_KWARGS: dict[str, dict[str, Any]] = {
+    "cnn": {"widths": (32, 64), "image_size": 16, "in_channels": 3,
+            "hidden": 128},
+    "bert": {"num_layers": 2, "max_len": 64, "vocab_size": 512},
+    "resnet18": {"width": 16, "image_size": 16},
+}
+DEFAULT_BATCH = {"cnn": 32, "bert": 16, "resnet18": 16}
+
+
+def plans_for(g: graph_lib.ModelGraph) -> dict[str, PrecisionPlan]:
+  """The evaluated plans: four uniform ones and four mixed ones."""
+  paths = [n.path for n in g.nodes if not n.floored]
+  low = {p: Precision.INT8 if i % 2 == 0 else Precision.FP16
+         for i, p in enumerate(paths)}
+  half = len(paths) // 2
+  rng = np.random.default_rng(0)
+  choices = [Precision.FP32, Precision.BF16, Precision.FP16, Precision.INT8]
+  return {
+      "fp32": PrecisionPlan(),
+      "bf16": PrecisionPlan(default=Precision.BF16),
+      "fp16": PrecisionPlan(default=Precision.FP16),
+      "int8": PrecisionPlan(default=Precision.INT8),
+      "int8/fp16 alternating": PrecisionPlan.from_precisions(low),
+      "first half int8": PrecisionPlan.from_precisions(
+          {p: Precision.INT8 if i < half else Precision.FP32
+           for i, p in enumerate(paths)}),
+      "second half fp16": PrecisionPlan.from_precisions(
+          {p: Precision.FP16 if i >= half else Precision.FP32
+           for i, p in enumerate(paths)}),
+      "random": PrecisionPlan.from_precisions(
+          {p: choices[int(rng.integers(len(choices)))] for p in paths}),
+  }
+
+
+def sample_batch(model: nnx.Module, batch_size: int, seed: int = 0):
+  """A random ``(x, y)`` batch the model accepts (shapes are what count)."""
+  spec = model.input_spec(batch_size)
+  rng = np.random.default_rng(seed)
+  config = getattr(model, "config", None)
+  if jnp.issubdtype(spec.dtype, jnp.floating):
+    x = rng.standard_normal(spec.shape).astype(spec.dtype)
+  else:
+    vocab = getattr(config, "vocab_size", 2)
+    x = rng.integers(0, vocab, spec.shape).astype(spec.dtype)
+  if getattr(model, "task", "classification") == "lm":
+    y = rng.integers(0, getattr(config, "vocab_size", 2),
+                     spec.shape).astype(np.int32)
+  else:
+    y = rng.integers(0, getattr(config, "num_classes", 2),
+                     (batch_size,)).astype(np.int32)
+  return x, y
+
+
+def _step_call(model, plan: PrecisionPlan, devices, batch, tx
+               ) -> Callable[[], Any]:
+  workers = [Worker(d, "cpu", plan, batch[0].shape[0]) for d in devices]
+  trainer = HybridTrainer(model, workers, tx)
+  batches = {i: (jax.device_put(batch[0], w.device),
+                 jax.device_put(batch[1], w.device))
+             for i, w in enumerate(workers)}
+
+  def step():
+    trainer.train_step(batches)
+    return trainer.params
+  return step
+
+
+def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
+             | None = None, batch_sizes: Mapping[str, int] | None = None,
+             workers: Sequence[int] = (1, 4), rounds: int = 15,
+             burst: int = 5,
+             precisions: Sequence[str] = ("fp32", "bf16", "fp16", "int8"),
+             plan_names: Sequence[str] | None = None,
+             log: Callable[[str], None] = print) -> dict[str, Any]:
+  """Predicted against measured step time and memory.
+
+  Args:
+    models: built-in model names or ``package.module:factory`` specs.
+    model_kwargs: config overrides per model spec (default
+      :data:`DEFAULT_MODEL_KWARGS` for built-in names).
+    batch_sizes: batch per worker per model spec (default 32, or
+      :data:`DEFAULT_BATCH`).
+    workers: worker counts to check (fake devices of this host).
+    rounds: interleaved timing rounds.
+    burst: calls per burst (the fastest counts).
+    precisions: precisions to profile.
+    plan_names: a subset of :func:`plans_for`'s plans (default: all).
+    log: progress messages.
+
+  Returns:
+    ``{"cases": [{"model", "plan", "workers", "predicted_s", "measured_s",
+    "rel_error", "predicted_memory_bytes", "measured_memory_bytes",
+    "memory_rel_error"}], "mean_abs_rel_error", "max_abs_rel_error",
+    "max_abs_memory_rel_error", "simulate_ms", "device", "jax"}``.
+
+  Raises:
+    ValueError: more workers than local devices, or a bad model spec.
+  """
+  devices = jax.local_devices()
+  if max(workers) > len(devices):
+    raise ValueError(
+        f"{max(workers)} workers need as many devices, this host has "
+        f"{len(devices)} (set jax_num_cpu_devices)")
+  kwargs_of = dict(DEFAULT_MODEL_KWARGS)
+  kwargs_of.update(model_kwargs or {})
+  batch_of = dict(DEFAULT_BATCH)
+  batch_of.update(batch_sizes or {})
+  precisions = [Precision.parse(p) for p in precisions]
+  tx = optax.adam(1e-3)
+  cases: list[dict[str, Any]] = []
+  sim_ms = []
+  for spec in models:
+    factory = models_lib.load_model_factory(spec)
+    model = factory(rngs=nnx.Rngs(0), **kwargs_of.get(spec, {}))
+    batch = sample_batch(model, batch_of.get(spec, 32))
+    g = graph_lib.trace_graph(model, model.input_spec(batch[0].shape[0]))
+    key = profile_lib.profile_key(g, spec, "cpu", precisions, "adam")
+    job = profile_lib.profile_job(
+        model, batch, g, key, device=devices[0], device_kind="cpu",
+        precisions=precisions, loss_fn=losses.cross_entropy, tx=tx,
+        host_devices=devices[:max(workers)])
+    plans = plans_for(g)
+    if plan_names is not None:
+      unknown = [p for p in plan_names if p not in plans]
+      if unknown:
+        raise ValueError(f"unknown plan(s) {unknown}; plans: {list(plans)}")
+      plans = {p: plans[p] for p in plan_names}
+    steps = {("step", name, n): _step_call(model, plan, devices[:n], batch,
+                                            tx)
+             for name, plan in plans.items() for n in workers}
+    log(f"{spec}: {len(g.nodes)} layers, {g.num_params} parameters; timing "
+        f"{len(job.calls)} profile pieces and {len(steps)} steps in "
+        f"{rounds} rounds")
+    start = time.perf_counter()
+    raw = timing.interleaved({**job.calls, **steps}, rounds,
+                             subtract_overhead=False, burst=burst)
+    prof = job.finish(raw)
+    log(f"{spec}: timed in {time.perf_counter() - start:.0f} s")
+    floored = {n.path for n in g.nodes if n.floored}
+    for name, plan in plans.items():
+      eff = policy.resolve_with_forced(g.paths, floored, plan)
+      measured_mem = memory.compiled_step_bytes(model, eff, batch,
+                                                losses.cross_entropy, tx)
+      for n in workers:
+        sim_workers = [simulation.SimWorker(f"cpu[{i}]", prof, eff)
+                       for i in range(n)]
+        t0 = time.perf_counter()
+        pred = simulation.simulate(g, sim_workers, bucket_bytes=None,
+                                 shared_host=True)
+        sim_ms.append((time.perf_counter() - t0) * 1e3)
+        measured = raw[("step", name, n)]
+        pm = pred.worker_memory_bytes[0]
+        case = {"model": spec, "plan": name, "workers": n,
+                "predicted_s": pred.step_time_s, "measured_s": measured,
+                "rel_error": (pred.step_time_s - measured) / measured,
+                "predicted_memory_bytes": pm,
+                "measured_memory_bytes": measured_mem,
+                "memory_rel_error": (pm - measured_mem) / measured_mem}
+        cases.append(case)
+        log(f"  {name:<22} x{n}: predicted {pred.step_time_s * 1e3:8.2f} ms"
+            f"  measured {measured * 1e3:8.2f} ms  "
+            f"error {case['rel_error']:+.3f}  memory error "
+            f"{case['memory_rel_error']:+.3f}")
+  errors = np.abs([c["rel_error"] for c in cases])
+  return {"cases": cases,
+          "mean_abs_rel_error": float(errors.mean()),
+          "max_abs_rel_error": float(errors.max()),
+          "max_abs_memory_rel_error": float(np.max(np.abs(
+              [c["memory_rel_error"] for c in cases]))),
+          "simulate_ms": float(np.median(sim_ms)),
+          "rounds": rounds, "burst": burst,
+          "device": str(devices[0].device_kind), "jax": jax.__version__}
+
+
+def plot(result: Mapping[str, Any], path: str) -> None:
+  """Writes the predicted-vs-measured scatter to ``path`` (PNG)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(5.5, 5))
+  markers = {1: "o", 2: "s", 4: "^", 8: "D"}
+  for model in sorted({c["model"] for c in result["cases"]}):
+    for n in sorted({c["workers"] for c in result["cases"]}):
+      sel = [c for c in result["cases"] if c["model"] == model
+             and c["workers"] == n]
+      if sel:
+        ax.scatter([c["measured_s"] * 1e3 for c in sel],
+                   [c["predicted_s"] * 1e3 for c in sel],
+                   marker=markers.get(n, "x"), label=f"{model} x{n}")
+  lim = [0, max(max(c["measured_s"], c["predicted_s"])
+                for c in result["cases"]) * 1.1e3]
+  ax.plot(lim, lim, "k-", lw=0.8)
+  ax.plot(lim, [v * 1.1 for v in lim], "k:", lw=0.6)
+  ax.plot(lim, [v * 0.9 for v in lim], "k:", lw=0.6)
+  ax.set_xlabel("measured step (ms)")
+  ax.set_ylabel("predicted step (ms)")
+  ax.set_title(f"mean |error| {result['mean_abs_rel_error']:.3f}, "
+               f"max {result['max_abs_rel_error']:.3f}")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+#: ImageNet-size configs for the simulation-speed check.
+PAPER_SIZE_KWARGS = {"resnet50": {"image_size": 224, "cifar_stem": False,
+                                  "num_classes": 1000}}
+
+
+def simulation_speed(model_name: str = "resnet50", batch_size: int = 32,
+                     cluster: str = "v100:8,t4:8", calls: int = 200
+                     ) -> dict[str, Any]:
+  """Milliseconds to simulate one plan of a paper-size model.
+
+  Traces the model once, derives analytic profiles for the cluster's kinds
+  and times :func:`.simulation.simulate` on fresh mixed plans (the allocator's
+  inner loop): the median over ``calls``.
+  """
+  model = models_lib.create_model(model_name, rngs=nnx.Rngs(0),
+                                  **PAPER_SIZE_KWARGS.get(model_name, {}))
+  g = graph_lib.trace_graph(model, model.input_spec(batch_size))
+  spec = simulation.parse_cluster(cluster)
+  profiles = {k: profile_lib.analytic_profile(g, k) for k in spec.groups()}
+  rng = np.random.default_rng(0)
+  times = []
+  for _ in range(calls):
+    workers = []
+    for kind, count in spec.groups().items():
+      allowed = [p for p in profiles[kind].precisions
+                 if p in (Precision.FP32, Precision.FP16, Precision.INT8)]
+      eff = {n.path: (allowed[int(rng.integers(len(allowed)))]
+                      if not n.floored else Precision.FP16)
+             for n in g.nodes}
+      workers += [simulation.SimWorker(f"{kind}[{i}]", profiles[kind], eff)
+                  for i in range(count)]
+    start = time.perf_counter()
+    simulation.simulate(g, workers)
+    times.append(time.perf_counter() - start)
+  return {"model": model_name, "layers": len(g.nodes),
+          "parameters": g.num_params, "cluster": cluster,
+          "simulate_ms": float(np.median(times) * 1e3)}

@@ -1,0 +1,361 @@
+"""Timeline simulation of one synchronous step over hybrid workers.
+
+This module owns :func:`simulate` and :class:`Prediction`. Per worker, from
+its profile and plan: the forward pass (layers plus the non-layer rest, with
+the casts the plan's dtype changes insert, :func:`.graph.casts`), then the
+backward pass in reverse layer order, where each layer's weight gradient
+joins a gradient bucket; a bucket is all-reduced once it is full
+(``bucket_bytes``) and overlaps the rest of the backward pass. Across workers
+(reference qsync.md section 4.5) a bucket's all-reduce starts only when every
+worker has it ready and after the previous bucket's, and lasts as long as the
+slowest worker's link makes it; each worker then runs its optimizer update,
+and the step time is the maximum over workers.
+
+All-reduce times follow the alpha-beta model of a ring: ``2 (n-1) alpha + 2
+(n-1)/n bytes beta`` (:func:`ring_allreduce_time`).
+
+Workers that share one host (fake devices of the machine at hand) also share
+its cores: every piece of their step is slowed down as much as that many
+copies of the piece slowed each other down when profiled
+(``host["concurrency"]``), the trainer's update program over that many
+workers (timed whole, ``host["update_s"]``) follows, and the trainer's host
+overhead per step is added. That is how the
+predictor is checked against real steps on this machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from qsync_jax import policy
+from qsync_jax.cluster import ClusterSpec, parse_cluster
+from qsync_jax.precision import Precision, PrecisionPlan
+from qsync_jax.predictor import devices, graph as graph_lib
+from qsync_jax.predictor.profiling import Profile, PROFILED_INPUT_DTYPE
+
+#: PyTorch DDP's default bucket size (bytes).
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+#: Latency of one step of an all-reduce between GPUs of one node (seconds).
+INTRA_NODE_LATENCY_S = 5e-6
+#: GPUs per node when a cluster spec does not say.
+GPUS_PER_NODE = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SimWorker:
+  """One worker to simulate.
+
+  Attributes:
+    name: a label such as ``"t4[3]"``.
+    profile: the costs of its device kind.
+    precisions: ``{layer path: precision}`` (effective, every layer).
+  """
+  name: str
+  profile: Profile
+  precisions: Mapping[str, Precision]
+
+
+@dataclasses.dataclass
+class Prediction:
+  """A simulated step.
+
+  Attributes:
+    step_time_s: the synchronous step time.
+    worker_times_s: each worker's step time on its own (forward, backward,
+      optimizer; no waiting for others).
+    worker_memory_bytes: each worker's predicted step memory.
+    compute_s: each worker's forward + backward time, after host sharing.
+    comm_s: total all-reduce time (overlapped or not).
+    exposed_comm_s: all-reduce time after the slowest backward ended.
+    critical_path: what the step time is made of, in order.
+    buckets: ``[{"bytes", "ready_s", "start_s", "end_s"}]``.
+  """
+  step_time_s: float
+  worker_times_s: list[float]
+  worker_memory_bytes: list[float]
+  compute_s: list[float]
+  comm_s: float
+  exposed_comm_s: float
+  critical_path: list[str]
+  buckets: list[dict[str, float]]
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def ring_allreduce_time(num_bytes: float, num_workers: int, alpha_s: float,
+                        seconds_per_byte: float) -> float:
+  """Alpha-beta time of a ring all-reduce of ``num_bytes`` per worker."""
+  if num_workers <= 1 or num_bytes <= 0:
+    return 0.0
+  n = num_workers
+  return 2 * (n - 1) * alpha_s + 2 * (n - 1) / n * num_bytes * seconds_per_byte
+
+
+def cluster_link(kinds: Sequence[str], gpus_per_node: int = GPUS_PER_NODE
+                 ) -> tuple[float, float]:
+  """(alpha_s, seconds_per_byte) of a ring over GPUs of these kinds.
+
+  One kind within one node uses that kind's link; otherwise the ring crosses
+  nodes and runs at the slower of the network and the slowest link.
+  """
+  specs = [devices.device_spec(k) for k in kinds]
+  if len(set(kinds)) == 1 and len(kinds) <= gpus_per_node:
+    return INTRA_NODE_LATENCY_S, 1.0 / specs[0].link_bandwidth
+  bw = min([devices.NETWORK_BANDWIDTH] + [s.link_bandwidth for s in specs])
+  return devices.NETWORK_LATENCY_S, 1.0 / bw
+
+
+@dataclasses.dataclass(frozen=True)
+class _Costs:
+  """One worker's per-layer times under its plan (node order)."""
+  fwd: np.ndarray
+  bwd: np.ndarray
+  grad_bytes: np.ndarray
+  memory: float
+
+
+def _tables(g: graph_lib.ModelGraph):
+  cached = getattr(g, "_sim_tables", None)
+  if cached is None:
+    numel = np.array([n.out_numel for n in g.nodes], np.float64)
+    cached = {"rest_share": numel / numel.sum(),
+              "grad_bytes": np.array([4.0 * n.weight_numel for n in g.nodes]),
+              "paths": g.paths}
+    object.__setattr__(g, "_sim_tables", cached)
+  return cached
+
+
+def worker_costs(g: graph_lib.ModelGraph, prof: Profile,
+                 precisions: Sequence[Precision], shared: int = 1) -> _Costs:
+  """Per-layer forward and backward seconds of one worker's plan.
+
+  The non-layer rest is spread over layers by output size, at the dtype each
+  layer emits; casts are the difference between the dtype that arrives and
+  the float32 the profile was measured with. With ``shared`` > 1 workers on
+  one host, each piece is slowed down as much as ``shared`` copies of it
+  slowed each other down when profiled (``host["concurrency"]``).
+  """
+  t = _tables(g)
+  n = len(g.nodes)
+  fwd = np.empty(n)
+  bwd = np.empty(n)
+  rest32 = prof.rest["float32"]
+  share = t["rest_share"]
+  conc = prof.host.get("concurrency", {}) if shared > 1 else {}
+
+  def slowdown(curve):
+    return shared / host_value(curve, shared) if curve else 1.0
+
+  for i, (path, p) in enumerate(zip(t["paths"], precisions)):
+    f, b = prof.layer_cost(path, p)
+    dt = graph_lib.output_dtype(p)
+    rf, rfb = prof.rest.get(dt, rest32)
+    s_layer = slowdown(conc.get("layers", {}).get(path, {}).get(p.value))
+    s_rest = slowdown(conc.get("rest", {}).get(dt if dt in prof.rest
+                                               else "float32"))
+    fwd[i] = f * s_layer + share[i] * rf * s_rest
+    bwd[i] = b * s_layer + share[i] * (rfb - rf) * s_rest
+  for c in graph_lib.casts(g, precisions):
+    base_f = prof.casts.time(PROFILED_INPUT_DTYPE, c.dst, c.numel)
+    fwd[c.layer] += prof.casts.time(c.src, c.dst, c.numel) - base_f
+    if c.backward:
+      base_b = prof.casts.time(c.dst, PROFILED_INPUT_DTYPE, c.numel)
+      bwd[c.layer] += prof.casts.time(c.dst, c.src, c.numel) - base_b
+  mem = prof.memory.predict(t["paths"], precisions)
+  return _Costs(fwd, bwd, t["grad_bytes"], mem)
+
+
+def host_value(per_k: Mapping[int, float], k: int) -> float:
+  """A host measurement at k workers, linear between the measured counts
+  and proportional to k beyond the largest."""
+  ks = sorted(per_k)
+  if k in per_k:
+    return per_k[k]
+  if k > ks[-1]:
+    return per_k[ks[-1]] * k / ks[-1]
+  return float(np.interp(k, ks, [per_k[j] for j in ks]))
+
+
+def _precision_list(g, w: SimWorker) -> list[Precision]:
+  g.check_precisions(dict(w.precisions))
+  return [w.precisions[p] for p in g.paths]
+
+
+def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
+             bucket_bytes: float | None = DEFAULT_BUCKET_BYTES,
+             link: tuple[float, float] | None = None,
+             shared_host: bool = False) -> Prediction:
+  """Simulates one synchronous data-parallel step.
+
+  Args:
+    g: the model graph.
+    workers: the workers, each with its profile and effective precisions.
+    bucket_bytes: gradient bucket size; ``None`` for one bucket after the
+      backward pass (what :class:`qsync_jax.HybridTrainer` does).
+    link: ``(alpha_s, seconds_per_byte)`` of the all-reduce ring; by default
+      :func:`cluster_link` of the workers' kinds, or the host's fitted model
+      when ``shared_host``.
+    shared_host: the workers are fake devices of one host (see the module
+      docstring).
+
+  Returns:
+    The :class:`Prediction`.
+
+  Raises:
+    ValueError: no workers, or a worker's precisions do not name exactly the
+      graph's layers.
+    KeyError: a profile lacks a layer or precision.
+  """
+  if not workers:
+    raise ValueError("simulate needs at least one worker")
+  n = len(workers)
+  shared = n if shared_host else 1
+  cache: dict = {}
+  costs = []
+  for w in workers:
+    precs = _precision_list(g, w)
+    key = (id(w.profile), tuple(precs))
+    if key not in cache:
+      cache[key] = worker_costs(g, w.profile, precs, shared)
+    costs.append(cache[key])
+  host = workers[0].profile.host if shared_host else {}
+  if link is None:
+    if shared_host:
+      link = tuple(host.get("allreduce", (0.0, 0.0)))
+    else:
+      link = cluster_link([w.profile.device_kind for w in workers])
+  # Bucket readiness per worker: gradients become ready in reverse order.
+  grad_bytes = costs[0].grad_bytes
+  order = np.arange(len(g.nodes))[::-1]
+  bounds = []  # (last layer index in reverse order, bytes)
+  acc = 0.0
+  for pos, i in enumerate(order):
+    acc += grad_bytes[i]
+    if bucket_bytes is not None and acc >= bucket_bytes:
+      bounds.append((pos, acc))
+      acc = 0.0
+  if acc > 0 or not bounds:
+    bounds.append((len(order) - 1, acc))
+  ready = np.zeros((len(bounds), n))
+  bwd_end = np.zeros(n)
+  fwd_end = np.zeros(n)
+  for j, c in enumerate(costs):
+    fwd_end[j] = c.fwd.sum()
+    bwd_cum = fwd_end[j] + np.cumsum(c.bwd[order])
+    bwd_end[j] = bwd_cum[-1]
+    for b, (pos, _) in enumerate(bounds):
+      ready[b, j] = bwd_cum[pos]
+
+  buckets, prev_end, comm = [], 0.0, 0.0
+  for b, (_, nbytes) in enumerate(bounds):
+    r = float(ready[b].max())
+    start = max(r, prev_end)
+    dur = ring_allreduce_time(nbytes, n, *link)
+    prev_end = start + dur
+    comm += dur
+    buckets.append({"bytes": float(nbytes), "ready_s": r, "start_s": start,
+                    "end_s": prev_end})
+  comm_end = prev_end
+  opt = np.array([w.profile.optimizer_s for w in workers])
+  update = host.get("update_s", {})
+  if shared_host and update:
+    # The trainer's update program (all-reduce and optimizer on every
+    # worker) was timed whole on this host: it replaces both models.
+    measured = host_value(update, n)
+    comm_end = float(bwd_end.max())
+    buckets = [dict(buckets[-1], start_s=comm_end, end_s=comm_end)]
+    comm = 0.0
+    opt = np.full(n, measured)
+  elif shared_host and n > 1:
+    opt = opt * n  # optimizer passes share the host's memory bandwidth
+  overhead = 0.0
+  if shared_host:
+    per_k = host.get("step_overhead_s", {})
+    if per_k:
+      overhead = host_value(per_k, n)
+  ends = np.maximum(bwd_end, comm_end) + opt
+  step = float(ends.max()) + overhead
+
+  slow = int(np.argmax(bwd_end))
+  last = int(np.argmax(ends))
+  path = [f"{workers[slow].name}: forward {fwd_end[slow] * 1e3:.3f} ms",
+          f"{workers[slow].name}: backward "
+          f"{(bwd_end[slow] - fwd_end[slow]) * 1e3:.3f} ms"]
+  exposed = max(comm_end - bwd_end.max(), 0.0)
+  if exposed > 0:
+    path.append(f"all-reduce after the backward pass: {exposed * 1e3:.3f} ms "
+                f"({len(buckets)} bucket(s))")
+  path.append(f"{workers[last].name}: optimizer {opt[last] * 1e3:.3f} ms")
+  if overhead:
+    path.append(f"host overhead: {overhead * 1e3:.3f} ms")
+  return Prediction(
+      step_time_s=step,
+      worker_times_s=[float(c.fwd.sum() + c.bwd.sum() + o)
+                      for c, o in zip(costs, opt)],
+      worker_memory_bytes=[c.memory for c in costs],
+      compute_s=[float(v) for v in bwd_end],
+      comm_s=float(comm), exposed_comm_s=float(exposed),
+      critical_path=path, buckets=buckets)
+
+
+def resolve_plan(g: graph_lib.ModelGraph, plan: PrecisionPlan,
+                 device_kind: str | None = None) -> dict[str, Precision]:
+  """A plan's effective precision per layer of ``g`` (forced ones applied).
+
+  Raises:
+    qsync_jax.PlanError: a rule matches no layer of the model, a rule puts a
+      16-bit-floored layer below 16 bits, or ``device_kind`` lacks one of the
+      precisions.
+  """
+  floored = {n.path for n in g.nodes if n.floored}
+  effective = policy.resolve_with_forced(g.paths, floored, plan)
+  if device_kind is not None:
+    PrecisionPlan.from_precisions(effective).validate_for(device_kind,
+                                                          g.paths)
+  return effective
+
+
+def predict(g: graph_lib.ModelGraph, cluster: ClusterSpec | str,
+            plans: Mapping[str, PrecisionPlan],
+            profiles: Mapping[str, Profile], *,
+            bucket_bytes: float | None = DEFAULT_BUCKET_BYTES,
+            link: tuple[float, float] | None = None,
+            shared_host: bool = False) -> Prediction:
+  """Predicts a cluster's step from one plan and one profile per kind.
+
+  Args:
+    g: the model graph at the per-worker batch size.
+    cluster: e.g. ``"v100:8,t4:8"``.
+    plans: ``{kind: PrecisionPlan}``; a kind without a plan runs FP32.
+    profiles: ``{kind: Profile}`` (measured or :func:`analytic_profile`).
+    bucket_bytes, link, shared_host: see :func:`simulate`.
+
+  Raises:
+    ValueError: a malformed cluster, a kind without a profile, or a plan for
+      a kind the cluster does not have.
+    qsync_jax.PlanError: a plan names a layer the model lacks, or a
+      precision its device kind lacks.
+  """
+  if isinstance(cluster, str):
+    cluster = parse_cluster(cluster)
+  kinds = cluster.groups()
+  stray = [k for k in plans if k not in kinds]
+  if stray:
+    raise ValueError(f"plans for {', '.join(stray)}, which the cluster "
+                     f"{cluster} does not have")
+  missing = [k for k in kinds if k not in profiles]
+  if missing:
+    raise ValueError(f"no profile for device kind(s) {', '.join(missing)}; "
+                     "measure one (profile) or derive one (analytic_profile)")
+  effective = {k: resolve_plan(g, plans.get(k, PrecisionPlan()), k)
+               for k in kinds}
+  workers = []
+  for kind, count in kinds.items():
+    workers += [SimWorker(f"{kind}[{i}]", profiles[kind], effective[kind])
+                for i in range(count)]
+  return simulate(g, workers, bucket_bytes=bucket_bytes, link=link,
+                  shared_host=shared_host)

@@ -1,0 +1,435 @@
+"""Tests of the predictor: graph and cascades, casts, timeline, memory."""
+
+import json
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qsync_jax import losses, policy
+from qsync_jax.layers import MatMul
+from qsync_jax.precision import PlanError, Precision, PrecisionPlan
+from qsync_jax.predictor import casting, devices, graph as graph_lib
+from qsync_jax.predictor import memory, profiling as profile_lib
+from qsync_jax.predictor import simulation as simulate
+from qsync_jax.predictor import timing
+
+FP32, FP16, BF16, INT8 = (Precision.FP32, Precision.FP16, Precision.BF16,
+                          Precision.INT8)
+
+
+class Cascade(nnx.Module):
+  """proj (no bias) -> scores (q @ q^T) -> norm -> head.
+
+  ``scores`` takes ``proj``'s output directly, so its dtype follows ``proj``;
+  ``head`` sits behind a LayerNorm, which computes in float32.
+  """
+
+  def __init__(self):
+    rngs = nnx.Rngs(0)
+    self.proj = nnx.Linear(8, 8, use_bias=False, rngs=rngs)
+    self.scores = MatMul()
+    self.norm = nnx.LayerNorm(4, rngs=rngs)
+    self.head = nnx.Linear(4, 3, rngs=rngs)
+
+  def input_spec(self, batch):
+    return jax.ShapeDtypeStruct((batch, 4, 8), jnp.float32)
+
+  def __call__(self, x):
+    h = self.proj(x)
+    s = self.scores("btd,bsd->bts", h, h)
+    return self.head(self.norm(s)).mean(1)
+
+
+@pytest.fixture(scope="module")
+def cascade_graph():
+  model = Cascade()
+  return model, graph_lib.trace_graph(model, model.input_spec(2))
+
+
+def test_trace_graph_records_flow_shapes_and_gradients(cascade_graph):
+  _, g = cascade_graph
+  assert g.paths == ["proj", "scores", "head"]
+  proj, scores, head = g.nodes
+  assert proj.operands[0].producers == (graph_lib.INPUT,)
+  assert not proj.operands[0].needs_grad  # the data has no gradient
+  assert proj.weight_shape == (8, 8) and proj.out_shape == (2, 4, 8)
+  assert [op.producers for op in scores.operands] == [(0,), (0,)]
+  assert all(op.needs_grad for op in scores.operands)
+  assert scores.weight_shape == () and scores.floored
+  assert head.operands[0].producers == (1,)
+  assert proj.flops == 2 * 2 * 4 * 8 * 8
+  assert scores.flops == 2 * 2 * 4 * 4 * 8
+
+
+def test_cascade_follows_producers_unless_a_float32_op_intervenes(
+    cascade_graph):
+  _, g = cascade_graph
+  proj, scores, head = g.nodes
+  assert all(op.follows for op in scores.operands)
+  assert not head.operands[0].follows  # LayerNorm resets to float32
+  dts = graph_lib.input_dtypes(g, [FP16, FP32, FP16])
+  assert dts == [["float32"], ["float16", "float16"], ["float32"]]
+  dts = graph_lib.input_dtypes(g, [INT8, FP16, FP32])  # int8 emits f32
+  assert dts[1] == ["float32", "float32"]
+
+
+def test_predicted_dtypes_match_what_the_model_computes(cascade_graph):
+  model, g = cascade_graph
+  for precisions in ([FP16, FP32, FP32], [BF16, FP16, FP32],
+                     [INT8, BF16, FP16], [FP16, FP16, BF16]):
+    plan = PrecisionPlan.from_precisions(dict(zip(g.paths, precisions)))
+    seen = {}
+    copy = nnx.clone(model)
+    policy.apply_plan(copy, plan)
+
+    def make_wrapper(i, layer, base):
+      li, ri = policy.operand_positions(layer.module)
+
+      def wrapped(*args, **kwargs):
+        seen[layer.path] = [str(args[li].dtype), str(args[ri].dtype)]
+        return base(*args, **kwargs)
+      return wrapped
+
+    policy.instrument(copy, policy.model_layers(copy), make_wrapper)
+    jax.eval_shape(lambda x: copy(x), model.input_spec(2))
+    predicted = graph_lib.input_dtypes(g, precisions)
+    assert predicted[1] == seen["scores"], precisions
+    assert predicted[0][0] == seen["proj"][0]
+
+
+def test_casts_are_inserted_where_dtypes_differ(cascade_graph):
+  _, g = cascade_graph
+  assert [c for c in graph_lib.casts(g, [FP16, FP16, FP32]) if c.layer == 1
+          ] == []
+  c32 = [c for c in graph_lib.casts(g, [FP16, FP32, FP32]) if c.layer == 1]
+  assert [(c.src, c.dst, c.numel, c.backward) for c in c32] == [
+      ("float16", "float32", 64, True)] * 2
+  cb = [c for c in graph_lib.casts(g, [BF16, FP16, FP32]) if c.layer == 1]
+  assert {(c.src, c.dst) for c in cb} == {("bfloat16", "float16")}
+  first = graph_lib.casts(g, [FP16, FP32, FP32])[0]
+  assert (first.layer, first.src, first.dst, first.backward) == (
+      0, "float32", "float16", False)
+
+
+# --------------------------------------------------------------------------
+# Hand-made graphs and profiles for the timeline.
+# --------------------------------------------------------------------------
+
+
+def _chain(n_layers: int, weight: int = 256) -> graph_lib.ModelGraph:
+  nodes = []
+  for i in range(n_layers):
+    nodes.append(graph_lib.LayerNode(
+        path=f"l{i}", kind="Linear",
+        operands=(graph_lib.Operand((4, 16), (i - 1,), False, i > 0),),
+        weight_shape=(weight // 16, 16), out_shape=(4, 16), flops=1.0,
+        floored=False))
+  return graph_lib.ModelGraph(tuple(nodes), n_layers * weight, (4, 16))
+
+
+def _profile(g, fwd, bwd, kind="v100", optimizer=0.0, rest=(0.0, 0.0),
+             host=None):
+  layers = {n.path: {"fp32": (fwd[i], fwd[i] + bwd[i]),
+                     "fp16": (fwd[i] / 2, (fwd[i] + bwd[i]) / 2)}
+            for i, n in enumerate(g.nodes)}
+  zero = casting.CastModel({f"{s}->{d}": (0.0, 0.0)
+                            for s, d in casting.cast_pairs()})
+  mem = memory.MemoryModel(1000.0, memory.analytic_deltas(g))
+  return profile_lib.Profile(kind, "analytic", {}, layers,
+                             {"float32": rest, "float16": rest}, optimizer,
+                             zero, mem, host or {})
+
+
+def _workers(g, prof, n, precision=FP32, name="w"):
+  return [simulate.SimWorker(f"{name}[{i}]", prof, {p: precision
+                                                    for p in g.paths})
+          for i in range(n)]
+
+
+def test_buckets_overlap_the_rest_of_the_backward_pass():
+  # Three layers, 1 KiB of gradient each; backward runs l2, l1, l0 for 3 s
+  # each after a 3 s forward. Buckets of 2 KiB: {l2, l1} ready at t=9,
+  # {l0} ready at t=12. Each all-reduce takes 1 + bytes * 0.001 s.
+  g = _chain(3)
+  prof = _profile(g, [1.0] * 3, [3.0] * 3, optimizer=0.5)
+  link = (0.5, 0.001)  # n = 2: time = 2 * alpha + bytes * beta
+  pred = simulate.simulate(g, _workers(g, prof, 2), bucket_bytes=2048,
+                           link=link)
+  b0, b1 = pred.buckets
+  assert b0["bytes"] == 2048 and b0["ready_s"] == pytest.approx(9.0)
+  assert b0["start_s"] == pytest.approx(9.0)
+  assert b0["end_s"] == pytest.approx(9.0 + 1.0 + 2.048)
+  assert b1["ready_s"] == pytest.approx(12.0)
+  # The first all-reduce ended (12.048) after the second bucket was ready.
+  assert b1["start_s"] == pytest.approx(12.048)
+  assert b1["end_s"] == pytest.approx(12.048 + 1.0 + 1.024)
+  assert pred.step_time_s == pytest.approx(14.072 + 0.5)
+  assert pred.exposed_comm_s == pytest.approx(2.072)
+  # One bucket after the backward pass (the trainer's way) overlaps nothing.
+  single = simulate.simulate(g, _workers(g, prof, 2), bucket_bytes=None,
+                             link=link)
+  assert single.step_time_s == pytest.approx(12.0 + 1.0 + 3.072 + 0.5)
+  assert single.step_time_s > pred.step_time_s
+
+
+def test_hybrid_buckets_wait_for_the_slowest_worker():
+  g = _chain(2, weight=512)  # 2 KiB of gradient per layer
+  fast = _profile(g, [1.0, 1.0], [1.0, 1.0], optimizer=0.1)
+  slow = _profile(g, [2.0, 2.0], [3.0, 3.0], kind="t4", optimizer=0.2)
+  workers = _workers(g, fast, 2, name="v100") + _workers(g, slow, 2,
+                                                         name="t4")
+  link = (0.0, 0.001)
+  pred = simulate.simulate(g, workers, bucket_bytes=2048, link=link)
+  # Bucket 0 (l1) is ready at 2+1=3 on v100 and 4+3=7 on t4: starts at 7.
+  assert pred.buckets[0]["ready_s"] == pytest.approx(7.0)
+  assert pred.buckets[0]["start_s"] == pytest.approx(7.0)
+  dur = simulate.ring_allreduce_time(2048, 4, *link)
+  assert pred.buckets[1]["start_s"] == pytest.approx(max(7 + dur, 10.0))
+  assert pred.step_time_s == pytest.approx(
+      pred.buckets[1]["end_s"] + 0.2)
+  assert pred.critical_path[0].startswith("t4[")
+  assert pred.worker_times_s[0] == pytest.approx(4.0 + 0.1)
+  # Each worker alone would take less than the synchronous step.
+  assert max(pred.worker_times_s) < pred.step_time_s
+
+
+def test_mixed_precision_plan_costs_what_its_layers_cost():
+  g = _chain(2)
+  prof = _profile(g, [1.0, 2.0], [2.0, 4.0])
+  mixed = [simulate.SimWorker("w", prof, {"l0": FP16, "l1": FP32})]
+  pred = simulate.simulate(g, mixed, bucket_bytes=None, link=(0, 0))
+  assert pred.step_time_s == pytest.approx(1.5 + 6.0)
+
+
+def _host(layer_speedup, rest_speedup=2.0, update=None):
+  return {"concurrency": {"layers": {"l0": {"fp32": {1: 1.0,
+                                                     2: layer_speedup}}},
+                          "rest": {"float32": {1: 1.0, 2: rest_speedup}}},
+          "allreduce": [0.0, 0.0], "step_overhead_s": {1: 0.01, 2: 0.02},
+          **({"update_s": update} if update else {})}
+
+
+def test_shared_host_slows_each_piece_by_its_own_measured_sharing():
+  g = _chain(1)
+  prof = _profile(g, [1.0], [2.0], optimizer=0.3, rest=(0.5, 1.5),
+                  host=_host(1.5))
+  one = simulate.simulate(g, _workers(g, prof, 1), bucket_bytes=None,
+                          shared_host=True)
+  assert one.step_time_s == pytest.approx(3.0 + 1.5 + 0.3 + 0.01)
+  two = simulate.simulate(g, _workers(g, prof, 2), bucket_bytes=None,
+                          shared_host=True)
+  # Two copies of the layer (3 s alone) ran at 1.5x together: 4 s; the rest
+  # (1.5 s alone) at 2x: 1.5 s; two optimizer passes share bandwidth.
+  assert two.step_time_s == pytest.approx(4.0 + 1.5 + 0.6 + 0.02)
+  assert host_interp() == pytest.approx(1.5)
+
+
+def host_interp():
+  return simulate.host_value({1: 1.0, 2: 2.0}, 3) / 2  # beyond: linear
+
+
+def test_shared_host_uses_the_timed_update_program():
+  g = _chain(1)
+  prof = _profile(g, [1.0], [2.0], optimizer=9.0,
+                  host=_host(2.0, update={1: 0.25, 2: 0.5}))
+  two = simulate.simulate(g, _workers(g, prof, 2), bucket_bytes=None,
+                          shared_host=True)
+  # The measured update program replaces the all-reduce and optimizer.
+  assert two.step_time_s == pytest.approx(3.0 + 0.5 + 0.02)
+  assert simulate.host_value({1: 1.0, 4: 4.0}, 2) == pytest.approx(2.0)
+
+
+def test_ring_allreduce_time_follows_alpha_beta():
+  assert simulate.ring_allreduce_time(1000, 1, 1.0, 1.0) == 0.0
+  assert simulate.ring_allreduce_time(1000, 4, 1e-3, 1e-6) == (
+      pytest.approx(6e-3 + 1.5e-3))
+
+
+def test_cluster_link_uses_the_network_across_kinds():
+  alpha, beta = simulate.cluster_link(["v100"] * 4)
+  assert beta == pytest.approx(1 / devices.DEVICES["v100"].link_bandwidth)
+  alpha, beta = simulate.cluster_link(["v100", "t4"])
+  assert beta == pytest.approx(1 / min(devices.NETWORK_BANDWIDTH,
+                                       devices.DEVICES["t4"].link_bandwidth))
+
+
+# --------------------------------------------------------------------------
+# Errors.
+# --------------------------------------------------------------------------
+
+
+def test_unknown_device_kind_is_a_clear_error():
+  with pytest.raises(ValueError, match="unknown device kind 'p100'.*a100"):
+    devices.device_spec("p100")
+  with pytest.raises(ValueError, match="unknown device kind"):
+    simulate.cluster_link(["v100", "p100"])
+  with pytest.raises(ValueError, match="v100 does not support int8"):
+    devices.DEVICES["v100"].flops_rate(INT8)
+
+
+def test_plan_naming_a_missing_layer_is_a_clear_error(cascade_graph):
+  _, g = cascade_graph
+  prof = _profile(g, [1.0] * 3, [1.0] * 3)
+  plan = PrecisionPlan([("conv9", "fp16")])
+  with pytest.raises(PlanError, match="conv9"):
+    simulate.predict(g, "v100:2", {"v100": plan}, {"v100": prof})
+  with pytest.raises(PlanError, match="t4"):
+    simulate.predict(g, "t4:1", {"t4": PrecisionPlan(default="bf16")},
+                     {"t4": prof})
+  with pytest.raises(ValueError, match="no profile for device kind"):
+    simulate.predict(g, "v100:1,t4:1", {}, {"v100": prof})
+  with pytest.raises(ValueError, match="unknown layer.*nope"):
+    simulate.simulate(g, [simulate.SimWorker(
+        "w", prof, {"proj": FP32, "scores": FP32, "nope": FP32})])
+
+
+def test_predict_resolves_forced_precisions(cascade_graph):
+  _, g = cascade_graph
+  eff = simulate.resolve_plan(g, PrecisionPlan(default="int8"), "t4")
+  assert eff == {"proj": INT8, "scores": FP16, "head": FP32}
+
+
+# --------------------------------------------------------------------------
+# Memory, casts and measured profiles (small, on this CPU).
+# --------------------------------------------------------------------------
+
+
+def test_residual_bytes_scale_with_precision(cascade_graph):
+  _, g = cascade_graph
+  proj = g.nodes[0]
+  assert memory.residual_bytes(proj, FP32) == 4 * 64
+  assert memory.residual_bytes(proj, FP16) == 2 * (64 + 64)
+  assert memory.residual_bytes(proj, INT8) == 64 + 64
+
+
+def test_analytic_profile_prefers_faster_precisions_on_a_gpu():
+  model = qs_models().create_model("cnn", rngs=nnx.Rngs(0))
+  g = graph_lib.trace_graph(model, model.input_spec(256))
+  t4 = profile_lib.analytic_profile(g, "t4")
+  f32 = sum(t4.layer_cost("conv2", FP32))
+  f16 = sum(t4.layer_cost("conv2", FP16))
+  assert f16 < f32
+  with pytest.raises(ValueError, match="does not support bf16"):
+    profile_lib.analytic_profile(g, "t4", precisions=["bf16"])
+  pred = simulate.predict(g, "v100:2,t4:2", {"t4": PrecisionPlan(
+      default="fp16")}, {"v100": profile_lib.analytic_profile(g, "v100"),
+                         "t4": t4})
+  assert len(pred.worker_memory_bytes) == 4 and pred.step_time_s > 0
+
+
+def qs_models():
+  from qsync_jax import models
+  return models
+
+
+@pytest.fixture(scope="module")
+def measured_cnn():
+  model = qs_models().create_model("cnn", rngs=nnx.Rngs(0))
+  x = np.random.default_rng(0).standard_normal((8, 8, 8, 1)).astype(
+      np.float32)
+  y = np.zeros((8,), np.int32)
+  prof = profile_lib.profile(model, (x, y), precisions=["fp32", "int8"],
+                             host_devices=jax.devices()[:2], repeats=2)
+  return model, (x, y), prof
+
+
+def test_measured_profile_covers_every_piece(measured_cnn, tmp_path):
+  model, batch, prof = measured_cnn
+  assert set(prof.layers) == {"conv1", "conv2", "fc", "head"}
+  for per in prof.layers.values():
+    assert set(per) == {"fp32", "int8"}
+    for f, fb in per.values():
+      assert 0 <= f <= fb
+  assert set(prof.rest) == {"float32"} and prof.optimizer_s > 0
+  sharing = prof.host["concurrency"]
+  assert set(sharing["layers"]["conv2"]["int8"]) == {1, 2}
+  assert set(sharing["rest"]["float32"]) == {1, 2}
+  assert set(prof.host["update_s"]) == {1, 2}
+  path = str(tmp_path / "p.json")
+  prof.save(path)
+  again = profile_lib.Profile.load(path)
+  assert _plain(again.to_dict()) == _plain(prof.to_dict())
+
+
+def test_profiles_are_cached(measured_cnn, tmp_path, monkeypatch):
+  model, batch, _ = measured_cnn
+  first = profile_lib.profile(model, batch, precisions=["fp32"], repeats=1,
+                              cache_dir=str(tmp_path))
+  monkeypatch.setattr(timing, "interleaved", lambda *a, **k: 1 / 0)
+  second = profile_lib.profile(model, batch, precisions=["fp32"],
+                               cache_dir=str(tmp_path))
+  assert _plain(second.to_dict()) == _plain(first.to_dict())
+
+
+def _plain(d):
+  return json.loads(json.dumps(d))
+
+
+def test_predicted_memory_is_close_to_the_compiled_step(measured_cnn):
+  model, batch, prof = measured_cnn
+  g = graph_lib.trace_graph(model, model.input_spec(8))
+  for precisions in ({"conv1": INT8, "conv2": FP32, "fc": INT8,
+                      "head": FP32},
+                     {"conv1": FP32, "conv2": INT8, "fc": FP32,
+                      "head": FP32}):
+    predicted = prof.memory.predict(g.paths, [precisions[p]
+                                              for p in g.paths])
+    measured = memory.compiled_step_bytes(model, precisions, batch)
+    assert abs(predicted - measured) / measured < 0.10
+
+
+def test_cast_model_fit_is_linear_and_positive():
+  model = casting.fit_cast_model(sizes=(2**12, 2**16, 2**18),
+                                 pairs=[("float32", "float16")])
+  a, b = model.coefficients["float32->float16"]
+  assert a > 0
+  assert model.time("float32", "float16", 2**20) > model.time(
+      "float32", "float16", 2**12)
+  assert model.time("float32", "float32", 10**6) == 0.0
+  gpu = casting.analytic_cast_model(devices.DEVICES["t4"])
+  assert gpu.time("float32", "float16", 1e6) == pytest.approx(
+      6e6 / devices.DEVICES["t4"].bandwidth + devices.KERNEL_LAUNCH_S)
+
+
+def test_layer_functions_keep_the_forward_and_differentiate_the_weight(
+    cascade_graph):
+  _, g = cascade_graph
+  proj = g.nodes[0]
+  fwd, fb = profile_lib.layer_functions(proj, INT8)
+  x = jnp.ones((2, 4, 8))
+  w = jnp.ones((8, 8))
+  out, grads = fb(x, w, jnp.ones((2, 4, 8)))
+  assert out.shape == (2, 4, 8) and len(grads) == 1  # only the weight
+  assert grads[0].shape == (8, 8)
+  jaxpr = str(jax.make_jaxpr(fwd)(x, w))
+  assert "i8" in jaxpr
+
+
+def test_stand_in_step_has_no_contraction(measured_cnn):
+  model, batch, _ = measured_cnn
+  g = graph_lib.trace_graph(model, model.input_spec(8))
+  _, grad_fn, flat, rest = profile_lib.stand_in_step_functions(
+      model, g, losses.cross_entropy, "float32")
+  text = grad_fn.lower(flat[None], rest, jnp.ones((1,)), *batch).as_text()
+  assert "convolution" not in text and "dot_general" not in text
+
+
+def test_accuracy_check_writes_every_case(tmp_path):
+  from qsync_jax.predictor import accuracy
+  result = accuracy.evaluate(
+      ["cnn"], model_kwargs={"cnn": {}}, batch_sizes={"cnn": 4},
+      workers=(1, 2), rounds=1, burst=1, precisions=("fp32", "fp16", "int8"),
+      plan_names=("fp32", "int8/fp16 alternating"), log=lambda m: None)
+  assert [(c["plan"], c["workers"]) for c in result["cases"]] == [
+      ("fp32", 1), ("fp32", 2), ("int8/fp16 alternating", 1),
+      ("int8/fp16 alternating", 2)]
+  for c in result["cases"]:
+    assert c["predicted_s"] > 0 and c["measured_s"] > 0
+    assert c["rel_error"] == pytest.approx(
+        (c["predicted_s"] - c["measured_s"]) / c["measured_s"])
+  assert result["max_abs_rel_error"] >= result["mean_abs_rel_error"]
+  accuracy.plot(result, str(tmp_path / "scatter.png"))
+  assert (tmp_path / "scatter.png").stat().st_size > 0
