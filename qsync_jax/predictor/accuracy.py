@@ -123,7 +123,8 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
     ``{"cases": [{"model", "plan", "workers", "predicted_s", "measured_s",
     "rel_error", "predicted_memory_bytes", "measured_memory_bytes",
     "memory_rel_error"}], "mean_abs_rel_error", "max_abs_rel_error",
-    "max_abs_memory_rel_error", "simulate_ms", "device", "jax"}``.
+    "max_abs_memory_rel_error", "simulate_ms", "profiles": {model: the
+    measured profile}, "device", "jax"}``.
 
   Raises:
     ValueError: more workers than local devices, or a bad model spec.
@@ -140,8 +141,12 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
   precisions = [Precision.parse(p) for p in precisions]
   tx = optax.adam(1e-3)
   cases: list[dict[str, Any]] = []
+  profiles: dict[str, Any] = {}
   sim_ms = []
   for spec in models:
+    # Every piece is compiled once per device: drop the previous model's
+    # executables, or a long run exhausts the JIT's memory mappings.
+    jax.clear_caches()
     factory = models_lib.load_model_factory(spec)
     model = factory(rngs=nnx.Rngs(0), **kwargs_of.get(spec, {}))
     batch = sample_batch(model, batch_of.get(spec, 32))
@@ -167,6 +172,7 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
     raw = timing.interleaved({**job.calls, **steps}, rounds,
                              subtract_overhead=False, burst=burst)
     prof = job.finish(raw)
+    profiles[spec] = prof.to_dict()
     log(f"{spec}: timed in {time.perf_counter() - start:.0f} s")
     floored = {n.path for n in g.nodes if n.floored}
     for name, plan in plans.items():
@@ -200,7 +206,7 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
           "max_abs_memory_rel_error": float(np.max(np.abs(
               [c["memory_rel_error"] for c in cases]))),
           "simulate_ms": float(np.median(sim_ms)),
-          "rounds": rounds, "burst": burst,
+          "rounds": rounds, "burst": burst, "profiles": profiles,
           "device": str(devices[0].device_kind), "jax": jax.__version__}
 
 

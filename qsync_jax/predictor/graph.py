@@ -26,6 +26,7 @@ qsync.md section 4.4, as they hold for the JAX ops of :mod:`qsync_jax.ops`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from typing import Any, Callable, Sequence
@@ -52,6 +53,11 @@ def output_dtype(precision: Precision) -> str:
 
 def promote(dtypes: Sequence[str]) -> str:
   """JAX's type promotion of activation dtypes (f16 with bf16 is f32)."""
+  return _promote(tuple(sorted(set(dtypes))))
+
+
+@functools.lru_cache(maxsize=None)
+def _promote(dtypes: tuple[str, ...]) -> str:
   return str(jnp.result_type(*[jnp.dtype(d) for d in dtypes]))
 
 
@@ -138,8 +144,9 @@ class ModelGraph:
   def input_spec(self) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(self.input_shape, jnp.dtype(self.input_dtype))
 
-  @property
+  @functools.cached_property
   def paths(self) -> list[str]:
+    """The layer paths in forward order (do not modify)."""
     return [n.path for n in self.nodes]
 
   def index(self, path: str) -> int:
@@ -156,8 +163,12 @@ class ModelGraph:
 
   def check_precisions(self, precisions: dict[str, Precision]) -> None:
     """Raises ValueError naming missing or unknown layers."""
+    if len(precisions) == len(self.paths) and all(
+        p in precisions for p in self.paths):
+      return
+    known = set(self.paths)
     missing = [p for p in self.paths if p not in precisions]
-    unknown = [p for p in precisions if p not in set(self.paths)]
+    unknown = [p for p in precisions if p not in known]
     if missing or unknown:
       parts = []
       if unknown:

@@ -243,12 +243,14 @@ def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
   ready = np.zeros((len(bounds), n))
   bwd_end = np.zeros(n)
   fwd_end = np.zeros(n)
+  positions = np.array([pos for pos, _ in bounds])
+  timelines: dict[int, tuple] = {}  # workers with one plan share a timeline
   for j, c in enumerate(costs):
-    fwd_end[j] = c.fwd.sum()
-    bwd_cum = fwd_end[j] + np.cumsum(c.bwd[order])
-    bwd_end[j] = bwd_cum[-1]
-    for b, (pos, _) in enumerate(bounds):
-      ready[b, j] = bwd_cum[pos]
+    if id(c) not in timelines:
+      f = c.fwd.sum()
+      bwd_cum = f + np.cumsum(c.bwd[order])
+      timelines[id(c)] = (f, bwd_cum[-1], bwd_cum[positions])
+    fwd_end[j], bwd_end[j], ready[:, j] = timelines[id(c)]
 
   buckets, prev_end, comm = [], 0.0, 0.0
   for b, (_, nbytes) in enumerate(bounds):
