@@ -140,36 +140,25 @@ class Profile:
       return cls.from_dict(json.load(f))
 
 
+def _map_counts(tree: Any, key: Callable[[Any], Any]) -> Any:
+  """Maps the worker-count keys (the innermost dict keys) of a host tree."""
+  if isinstance(tree, Mapping):
+    inner = all(not isinstance(v, Mapping) for v in tree.values())
+    return {(key(k) if inner else k): (float(v) if inner else
+                                       _map_counts(v, key))
+            for k, v in tree.items()}
+  return tree
+
+
 def _host_to_json(host: Mapping[str, Any]) -> dict[str, Any]:
-  if not host:
-    return {}
-  out = dict(host)
-  conc = host["concurrency"]
-  out["concurrency"] = {
-      "layers": {path: {p: {str(k): v for k, v in curve.items()}
-                        for p, curve in per.items()}
-                 for path, per in conc["layers"].items()},
-      "rest": {dt: {str(k): v for k, v in curve.items()}
-               for dt, curve in conc["rest"].items()}}
-  for name in ("step_overhead_s", "update_s"):
-    out[name] = {str(k): v for k, v in host[name].items()}
-  return out
+  """JSON needs string keys: worker counts become strings."""
+  return {k: _map_counts(v, str) if isinstance(v, Mapping) else v
+          for k, v in host.items()}
 
 
 def _host_from_json(host: Mapping[str, Any]) -> dict[str, Any]:
-  if not host:
-    return {}
-  out = dict(host)
-  conc = host["concurrency"]
-  out["concurrency"] = {
-      "layers": {path: {p: {int(k): float(v) for k, v in curve.items()}
-                        for p, curve in per.items()}
-                 for path, per in conc["layers"].items()},
-      "rest": {dt: {int(k): float(v) for k, v in curve.items()}
-               for dt, curve in conc["rest"].items()}}
-  for name in ("step_overhead_s", "update_s"):
-    out[name] = {int(k): float(v) for k, v in host[name].items()}
-  return out
+  return {k: _map_counts(v, int) if isinstance(v, Mapping) else v
+          for k, v in host.items()}
 
 
 # --------------------------------------------------------------------------
@@ -255,17 +244,6 @@ def layer_calls(node: graph_lib.LayerNode, precision: Precision,
   return (lambda: fwd(*arrays)), (lambda: fb(*arrays, ct))
 
 
-def measure_layer(node: graph_lib.LayerNode, precision: Precision,
-                  device: jax.Device | None = None,
-                  quant: QuantConfig | None = None, repeats: int = 7
-                  ) -> tuple[float, float]:
-  """(forward_s, forward_and_backward_s) of one layer on ``device``."""
-  device = device or jax.devices()[0]
-  f, fb = layer_calls(node, precision, device, quant)
-  t = timing.interleaved({"f": f, "fb": fb}, repeats, device)
-  return t["f"], max(t["fb"], t["f"])
-
-
 def _stand_in(out_shape: tuple[int, ...], dtype: str):
   """An op emitting ``out_shape`` in ``dtype`` at (almost) no cost.
 
@@ -343,8 +321,7 @@ def stand_in_step_functions(model: nnx.Module, g: graph_lib.ModelGraph,
   return forward, grad_fn, flat, s_rest
 
 
-def _batch_arrays(model: nnx.Module, g: graph_lib.ModelGraph, sample_batch,
-                  device):
+def _batch_arrays(sample_batch, device):
   x, y = sample_batch
   return (jax.device_put(jnp.asarray(x), device),
           jax.device_put(jnp.asarray(y), device))
@@ -356,22 +333,12 @@ def rest_calls(model: nnx.Module, g: graph_lib.ModelGraph, sample_batch,
   """(forward, gradient) zero-argument calls of the stand-in step."""
   forward, grad_fn, flat, rest = stand_in_step_functions(model, g, loss_fn,
                                                          dtype)
-  x, y = _batch_arrays(model, g, sample_batch, device)
+  x, y = _batch_arrays(sample_batch, device)
   row = jax.device_put(flat[None], device)
   rest = jax.device_put(rest, device)
   scale = jax.device_put(jnp.ones((1,), jnp.float32), device)
   return (lambda: forward(row, rest, x, y),
           lambda: grad_fn(row, rest, scale, x, y))
-
-
-def measure_rest(model: nnx.Module, g: graph_lib.ModelGraph, sample_batch,
-                 loss_fn, dtype: str, device: jax.Device | None = None,
-                 repeats: int = 7) -> tuple[float, float]:
-  """(forward_s, forward_and_backward_s) of the step without its layers."""
-  device = device or jax.devices()[0]
-  f, fb = rest_calls(model, g, sample_batch, loss_fn, dtype, device)
-  t = timing.interleaved({"f": f, "fb": fb}, repeats, device)
-  return t["f"], max(t["fb"], t["f"])
 
 
 def update_function(unravel, tx: optax.GradientTransformation):
