@@ -22,12 +22,43 @@ LP-PyTorch, reference/qsync.md section 6.3):
 
 Gradients always come back in the primal dtype (float32 master weights), so
 every worker's gradient has the same shapes and dtype whatever its plan.
+
+Kernel dispatch (issue #8). The forward contraction of an INT8 or FP8
+``dot_general`` (and so of ``Einsum``) can run as a Pallas kernel from
+:mod:`pallas_kernels` (``int8_matmul`` / ``fp8_matmul``: GEMM with the
+dequantize epilogue fused) instead of XLA's dot. The backend is
+:func:`get_kernel_backend`: :func:`set_kernel_backend` or the
+:func:`kernel_backend` context manager, else the ``QSYNC_KERNELS``
+environment variable, else ``"auto"``:
+
+* ``"xla"``: never the kernel.
+* ``"auto"``: the kernel when the default backend is a CUDA GPU of compute
+  capability sm_80+ (int8) or sm_89+ (fp8), the Triton floor, and the
+  contraction reduces to GEMMs with M, N and K all >= 16 (smaller ones would
+  mostly be padding); XLA otherwise, so the same plan runs everywhere.
+* ``"pallas"``: the kernel for every INT8 / FP8 ``dot_general`` whatever its
+  shape (interpret mode off GPU; slow, for checking numerics); a GPU below
+  the Triton floor raises ``ValueError``.
+
+Any ``dot_general`` qualifies: operands are transposed and reshaped to
+(batch, M, K) x (batch, K, N), batch dimensions ``vmap`` the kernel (one more
+grid axis), per-channel scales become per-row / per-column epilogue scales.
+Rules that hold under every setting: convolutions always run through XLA (no
+conv kernel; forcing ``"pallas"`` does not make a conv plan fail); FP16,
+BF16, TF32 and FP32 layers always run through XLA; the backward pass is
+unchanged (XLA, from the saved int8 / fp8 operands). The int8 kernel's output
+equals XLA's bit for bit (exact int32 accumulation, same epilogue
+association); fp8 differs only by float32 summation order. The setting is
+read when an op is traced: functions already jitted keep their choice.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+import math
+import os
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +151,131 @@ def _hashable(x):
 
 
 # --------------------------------------------------------------------------
+# Kernel dispatch: Pallas int8 / fp8 GEMMs for dot_general (module docstring).
+# --------------------------------------------------------------------------
+
+KERNEL_BACKENDS = ("auto", "pallas", "xla")
+_KERNEL_ENV = "QSYNC_KERNELS"
+_kernel_backend: str | None = None  # None: QSYNC_KERNELS, else "auto"
+# Triton's floor: sm_80 for int8 mma, sm_89 for fp8 (Ada / Hopper).
+_MIN_CAPABILITY = {Precision.INT8: (8, 0), Precision.FP8: (8, 9)}
+_MIN_GEMM_DIM = 16
+
+
+def _check_backend(name: str, source: str) -> str:
+  if name not in KERNEL_BACKENDS:
+    raise ValueError(f"{source} must be one of {', '.join(KERNEL_BACKENDS)}, "
+                     f"got {name!r}")
+  return name
+
+
+def get_kernel_backend() -> str:
+  """The kernel backend in force: set, else ``$QSYNC_KERNELS``, else auto."""
+  if _kernel_backend is not None:
+    return _kernel_backend
+  env = os.environ.get(_KERNEL_ENV, "").strip().lower()
+  return _check_backend(env, _KERNEL_ENV) if env else "auto"
+
+
+def set_kernel_backend(name: str | None) -> None:
+  """Sets ``"auto"``, ``"pallas"`` or ``"xla"``; ``None`` defers to the env.
+
+  Raises:
+    ValueError: an unknown name.
+  """
+  global _kernel_backend
+  _kernel_backend = None if name is None else _check_backend(
+      name, "kernel backend")
+
+
+@contextlib.contextmanager
+def kernel_backend(name: str) -> Iterator[None]:
+  """Context manager form of :func:`set_kernel_backend` (restores on exit)."""
+  global _kernel_backend
+  previous = _kernel_backend
+  set_kernel_backend(name)
+  try:
+    yield
+  finally:
+    _kernel_backend = previous
+
+
+def _gpu_capability() -> tuple[int, int] | None:
+  """(major, minor) of the default CUDA device, None off CUDA GPUs."""
+  if jax.default_backend() != "gpu":
+    return None
+  cc = getattr(jax.devices()[0], "compute_capability", None)
+  try:
+    major, minor = str(cc).split(".")[:2]
+    return int(major), int(minor)
+  except ValueError:
+    return None  # ROCm and others: no CUDA capability, use XLA in auto
+
+
+def _gemm_dims(spec, lhs, rhs) -> tuple[int, int, int]:
+  """(M, N, K) of the GEMMs a dot_general reduces to."""
+  (lc, _), (lb, _) = spec.dimension_numbers
+  k = math.prod(lhs.shape[d] for d in lc)
+  per_gemm = max(k * math.prod(lhs.shape[d] for d in lb), 1)
+  return lhs.size // per_gemm, rhs.size // per_gemm, k
+
+
+def _use_kernel(spec, compute: Precision, ql, qr) -> bool:
+  """Whether this forward contraction runs as a Pallas kernel."""
+  backend = get_kernel_backend()
+  if backend == "xla" or not isinstance(spec, _DotSpec):
+    return False
+  cc = _gpu_capability()
+  floor = _MIN_CAPABILITY[compute]
+  if backend == "pallas":
+    if jax.default_backend() == "gpu" and (cc is None or cc < floor):
+      raise ValueError(
+          f"QSYNC_KERNELS=pallas: the Triton {compute.value} kernel needs a "
+          f"CUDA GPU of capability sm_{floor[0]}{floor[1]}+, this device has "
+          f"{cc}; use 'auto' or 'xla'")
+    return True
+  if cc is None or cc < floor:
+    return False
+  return min(_gemm_dims(spec, ql, qr)) >= _MIN_GEMM_DIM
+
+
+def _kernel_contract(spec, compute: Precision, ql, sl, qr, sr):
+  """The forward contraction through ``pallas_kernels`` (float32 output)."""
+  from pallas_kernels import _common as kc  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.fp8_matmul import fp8_matmul  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.int8_matmul import int8_matmul  # pylint: disable=g-import-not-at-top
+
+  (lc, rc), (lb, rb) = spec.dimension_numbers
+  lfree = [d for d in range(ql.ndim) if d not in lc and d not in lb]
+  rfree = [d for d in range(qr.ndim) if d not in rc and d not in rb]
+  bshape = [ql.shape[d] for d in lb]
+  b = math.prod(bshape)
+  k = math.prod(ql.shape[d] for d in lc)
+  m = math.prod(ql.shape[d] for d in lfree)
+  n = math.prod(qr.shape[d] for d in rfree)
+  x = jnp.transpose(ql, (*lb, *lfree, *lc)).reshape(b, m, k)
+  w = jnp.transpose(qr, (*rb, *rc, *rfree)).reshape(b, k, n)
+  per_tensor = sl.ndim == 0
+  if per_tensor:
+    sx, sw = sl, sr
+  else:  # per channel: size 1 along the contracting axes
+    sx = jnp.transpose(sl, (*lb, *lfree, *lc)).reshape(b, m)
+    sw = jnp.transpose(sr, (*rb, *rc, *rfree)).reshape(b, n)
+  kernel = int8_matmul if compute is Precision.INT8 else fp8_matmul
+  blocks = dict(block_m=kc.pick_block(m), block_n=kc.pick_block(n),
+                block_k=kc.pick_block(k))
+  gemm = lambda x, w, sx, sw: kernel(x, w, sx, sw, **blocks)
+  if not lb:
+    y = gemm(x[0], w[0], sx if per_tensor else sx[0],
+             sw if per_tensor else sw[0])
+  else:
+    scale_axis = None if per_tensor else 0
+    y = jax.vmap(gemm, in_axes=(0, 0, scale_axis, scale_axis))(x, w, sx, sw)
+  return y.reshape(*bshape, *(ql.shape[d] for d in lfree),
+                   *(qr.shape[d] for d in rfree))
+
+
+# --------------------------------------------------------------------------
 # The low-precision contraction with its custom backward pass.
 # --------------------------------------------------------------------------
 
@@ -147,6 +303,8 @@ def _forward(spec, compute, config, lhs, rhs):
     l, r = lhs.astype(dt), rhs.astype(dt)
     return spec.apply(l, r), (l, None, r, None)
   ql, sl, qr, sr = _quantize_operands(spec, compute, config, lhs, rhs)
+  if _use_kernel(spec, compute, ql, qr):
+    return _kernel_contract(spec, compute, ql, sl, qr, sr), (ql, sl, qr, sr)
   acc_type = jnp.int32 if compute is Precision.INT8 else jnp.float32
   acc = spec.apply(ql, qr, preferred_element_type=acc_type)
   y = acc.astype(jnp.float32) * spec.out_scale(sl, sr, lhs.ndim, rhs.ndim)

@@ -118,8 +118,25 @@ def hash_uniform(x: jax.Array, salt: int = 0) -> jax.Array:
   independent noise and no PRNG key is needed.
   """
   idx = lax.iota(jnp.uint32, x.size).reshape(x.shape)
+  return hash_uniform_at(idx, x, jnp.uint32(salt & 0xFFFFFFFF))
+
+
+def hash_uniform_at(idx: jax.Array, x: jax.Array, salt: jax.Array
+                    ) -> jax.Array:
+  """:func:`hash_uniform` with the flat indices given (a kernel's tile).
+
+  ``h = idx * 0x9E3779B9 ^ bits(x) ^ salt`` followed by the ``lowbias32``
+  finalizer (C. Wellons, "Prospecting for hash functions", 2018); only
+  uint32 multiply, xor and logical shifts, so it also runs inside Pallas
+  kernels (:mod:`pallas_kernels`).
+
+  Args:
+    idx: uint32 flat element indices (wrap mod 2**32).
+    x: the values; their float32 bit patterns are mixed in.
+    salt: a uint32 scalar (or broadcastable array).
+  """
   bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-  h = idx * jnp.uint32(0x9E3779B9) ^ bits ^ jnp.uint32(salt & 0xFFFFFFFF)
+  h = idx * jnp.uint32(0x9E3779B9) ^ bits ^ salt
   h = h ^ (h >> 16)
   h = h * jnp.uint32(0x7FEB352D)
   h = h ^ (h >> 15)
