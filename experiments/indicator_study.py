@@ -23,6 +23,7 @@ Writes --out (JSON): {"layers": [...], "precisions": [...], "num_batches",
 PNG bar chart of the scores per layer (one panel per method, normalized).
 """
 
+import dataclasses
 import json
 
 from absl import app
@@ -35,6 +36,7 @@ from qsync_jax import data as data_lib
 from qsync_jax import indicator
 from qsync_jax import losses
 from qsync_jax import models as models_lib
+from qsync_jax import planning
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "resnet18", "Built-in model or module:factory.")
@@ -49,27 +51,12 @@ flags.DEFINE_integer("seed", 0, "Model and method seed.")
 flags.DEFINE_string("out", None, "Output JSON path.")
 
 
-def _byte_category(b: np.ndarray) -> np.ndarray:
-  ch = b.astype(np.uint8)
-  letter = ((ch >= 65) & (ch <= 90)) | ((ch >= 97) & (ch <= 122))
-  digit = (ch >= 48) & (ch <= 57)
-  space = np.isin(ch, [9, 10, 13, 32])
-  punct = (ch >= 33) & (ch <= 126) & ~letter & ~digit
-  return np.select([letter, digit, space, punct], [0, 1, 2, 3], 4).astype(
-      np.int32)
-
-
 def _batches(model, dataset, num_batches, batch_size):
-  x, y = dataset.x_train, dataset.y_train
   if model.task == "classification" and dataset.task == "lm":
-    y = _byte_category(y[:, -1])
-  need = num_batches * batch_size
-  if len(x) < need:
-    raise ValueError(f"dataset {dataset.name!r} has {len(x)} training "
-                     f"examples; {num_batches} batches of {batch_size} need "
-                     f"{need}")
-  return [(x[i * batch_size:(i + 1) * batch_size],
-           y[i * batch_size:(i + 1) * batch_size]) for i in range(num_batches)]
+    dataset = dataclasses.replace(
+        dataset, y_train=data_lib.byte_category(dataset.y_train[:, -1]),
+        y_test=data_lib.byte_category(dataset.y_test[:, -1]))
+  return planning.indicator_batches(dataset, num_batches, batch_size)
 
 
 def plot(result: dict, path: str) -> None:

@@ -3,8 +3,12 @@ r"""The main job: synchronous training over a hybrid cluster of workers.
 Usage:
   python -m experiments.train --out_dir=runs/default \
       [--config=experiments/configs/default.py] [--config.steps=200] \
-      [--model=resnet18] [--cluster=v100:2,t4:2] [--plan=t4=t4_plan.json]
-      [--resume]
+      [--model=resnet18] [--cluster=v100:2,t4:2] [--plan=auto]
+      [--plan=t4=t4_plan.json] [--resume]
+
+  --plan=auto (the default config's plan_mode) runs the indicator, the
+  predictor and the allocator before training and writes the result to
+  <out_dir>/allocation/ (summary.json, scores.json, one plan per kind).
 
   Multi-process (one device per process; the launcher SIGKILLs every worker
   if one dies):
@@ -21,6 +25,7 @@ Writes to --out_dir:
     examples_per_s, loss_scale, sync_rounds, comm_bytes, eval_loss,
     eval_accuracy).
   plans/<kind>.json: each device kind's PrecisionPlan.
+  allocation/: with --plan=auto, the allocator's summary, scores and plans.
   curves.png: training loss and accuracy, eval accuracy.
   checkpoints/: orbax checkpoints; --resume continues the newest one.
 
@@ -52,8 +57,10 @@ flags.DEFINE_string("model", None, "Overrides config.model.")
 flags.DEFINE_string("cluster", None, "Overrides config.cluster.")
 flags.DEFINE_bool("resume", None, "Overrides config.resume.")
 flags.DEFINE_multi_string(
-    "plan", [], "KIND=PLAN.json: the precision plan of one device kind "
-    "(repeatable); replaces that kind's entry in config.plans.")
+    "plan", [], "'auto' (the allocator chooses every kind's plan; the "
+    "default config's mode) or KIND=PLAN.json: the precision plan of one "
+    "device kind (repeatable; sets config.plan_mode=manual, and kinds not "
+    "named train in FP32).")
 config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG,
                                 "Path to a get_config() file.",
                                 lock_config=True)
@@ -62,6 +69,9 @@ config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG,
 def _parse_plan_flags(values):
   plans = {}
   for value in values:
+    if value == "auto":
+      raise ValueError("--plan=auto cannot be combined with KIND=PLAN.json "
+                       "plans")
     kind, sep, path = value.partition("=")
     if not sep or not kind or not path:
       raise ValueError(f"--plan={value!r}: expected KIND=PLAN.json, e.g. "
@@ -79,8 +89,12 @@ def main(argv):
       if getattr(FLAGS, name) is not None:
         config[name] = getattr(FLAGS, name)
   with cli.bad_input_exits():
-    if FLAGS.plan:
+    if FLAGS.plan == ["auto"]:
       with config.unlocked():
+        config.plan_mode = "auto"
+    elif FLAGS.plan:
+      with config.unlocked():
+        config.plan_mode = "manual"
         config.plans = ml_collections.ConfigDict(
             {**training.to_plain(config.plans), **_parse_plan_flags(
                 FLAGS.plan)})

@@ -10,11 +10,13 @@ Typical use::
   qs.apply_plan(model, plan, device_kind="t4")
 """
 
+from qsync_jax import allocator
 from qsync_jax import indicator
 from qsync_jax import linen
 from qsync_jax import ops
 from qsync_jax import predictor
 from qsync_jax import quant
+from qsync_jax.allocator import allocate
 from qsync_jax.layers import MatMul
 from qsync_jax.policy import apply_plan
 from qsync_jax.policy import describe
@@ -36,7 +38,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEVICE_PRECISIONS", "Granularity", "Layer", "MatMul", "PlanError",
-    "Precision", "PrecisionPlan", "QuantConfig", "Rounding", "apply_plan",
+    "Precision", "PrecisionPlan", "QuantConfig", "Rounding", "allocate",
+    "allocator", "apply_plan",
     "describe", "device_kinds", "effective_precisions", "indicator",
     "layer_paths",
     "linen", "model_layers", "ops", "predictor", "quant",

@@ -27,6 +27,7 @@ import optax
 from qsync_jax import cluster as cluster_lib
 from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
+from qsync_jax import planning
 from qsync_jax.checkpoint import Checkpointer
 from qsync_jax.precision import PrecisionPlan
 from qsync_jax.trainer import HybridTrainer, Worker
@@ -63,14 +64,14 @@ def to_plain(value: Any) -> Any:
   return value
 
 
-def make_workers(config: ml_collections.ConfigDict,
-                 devices=None) -> list[Worker]:
+def make_workers(config: ml_collections.ConfigDict, devices=None,
+                 plans: Mapping[str, Any] | None = None) -> list[Worker]:
   """Builds the workers of ``config.cluster`` with their plans and batches.
 
-  ``config.plans`` maps a device kind to a plan (a mapping, JSON text or a
-  file path); kinds it does not name train in FP32, and entries for kinds
-  the cluster does not have are unused. ``config.batch_mode`` is
-  ``"equal"`` (``config.batch_size`` each) or ``"dynamic"`` (QSync's DB
+  ``plans`` (default ``config.plans``) maps a device kind to a plan (a
+  mapping, JSON text or a file path); kinds it does not name train in FP32,
+  and entries for kinds the cluster does not have are unused.
+  ``config.batch_mode`` is ``"equal"`` (``config.batch_size`` each) or ``"dynamic"`` (QSync's DB
   baseline: the global batch ``batch_size * num_workers`` split in proportion
   to ``config.speeds``).
 
@@ -80,7 +81,8 @@ def make_workers(config: ml_collections.ConfigDict,
   """
   spec = cluster_lib.parse_cluster(config.cluster)
   devices = cluster_lib.assign_devices(spec, devices)
-  plans = to_plain(config.get("plans", {})) or {}
+  if plans is None:
+    plans = to_plain(config.get("plans", {})) or {}
   plan_of = {kind: load_plan(plans[kind]) if kind in plans else
              PrecisionPlan() for kind in spec.groups()}
   n = spec.num_workers
@@ -98,6 +100,49 @@ def make_workers(config: ml_collections.ConfigDict,
                      "equal, dynamic")
   return [Worker(d, k, plan_of[k], b)
           for d, k, b in zip(devices, spec.kinds, sizes)]
+
+
+def auto_plans(config: ml_collections.ConfigDict, model: nnx.Module,
+               dataset: data_lib.Dataset) -> planning.PlanningResult:
+  """The allocator's plans for ``config.cluster`` (``plan_mode="auto"``).
+
+  Scores ``model`` with ``config.allocator.indicator`` on the first training
+  batches, predicts the step of the timing model (``model`` rebuilt with
+  ``config.allocator.timing_model_kwargs`` at ``timing_batch_size`` per
+  worker) on the cluster's GPU kinds, and runs the allocator. The kinds must
+  be in the GPU catalog (:data:`qsync_jax.predictor.DEVICES`): their
+  profiles are analytic. Every process of a multi-process run computes the
+  same plans (the same model, batches and seed).
+
+  Raises:
+    ValueError: a bad allocator setting, or a timing model whose layers
+      differ from ``model``'s.
+    qsync_jax.allocator.AllocationError: no plan fits.
+  """
+  from qsync_jax.predictor import devices  # local: only auto plans need it
+  outside = [k for k in cluster_lib.parse_cluster(config.cluster).groups()
+             if k not in devices.DEVICES]
+  if outside:
+    raise ValueError(
+        f"plan_mode=auto predicts steps with the GPU catalog "
+        f"({', '.join(sorted(devices.DEVICES))}), which has no "
+        f"{', '.join(outside)}; give plans with --plan=KIND=PLAN.json")
+  a = config.allocator
+  scores = planning.compute_scores(model, dataset, a.indicator,
+                                   num_batches=a.num_batches,
+                                   batch_size=config.batch_size,
+                                   seed=config.seed)
+  factory = models_lib.load_model_factory(config.model)
+  timing_kwargs = {**to_plain(config.get("model_kwargs", {})),
+                   **to_plain(a.get("timing_model_kwargs", {}))}
+  timing_model = factory(rngs=nnx.Rngs(config.seed), **timing_kwargs)
+  return planning.plan_cluster(
+      timing_model, config.cluster, scores.values,
+      a.get("timing_batch_size", 0) or config.batch_size,
+      indicator_name=a.indicator, method=a.method,
+      compression=a.get("compression"),
+      candidates=tuple(a.get("candidates", ("int8", "fp16", "fp32"))),
+      baselines=False)
 
 
 def make_optimizer(config: ml_collections.ConfigDict
@@ -171,7 +216,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   factory = models_lib.load_model_factory(config.model)
   model = factory(rngs=nnx.Rngs(config.seed),
                   **to_plain(config.get("model_kwargs", {})))
-  workers = make_workers(config)
+  plan_mode = config.get("plan_mode", "manual")
+  if plan_mode == "auto" and len(
+      cluster_lib.parse_cluster(config.cluster).groups()) == 1:
+    plans = {}
+    logging.info("one device kind in %s: nothing to allocate, FP32",
+                 config.cluster)
+  elif plan_mode == "auto":
+    result = auto_plans(config, model, dataset)
+    plans = dict(result.allocation.plans)
+    logging.info("allocator (%s, %s indicator) on %s in %.2f s:\n%s",
+                 result.allocation.method, result.indicator, config.cluster,
+                 result.allocation.search_time_s, result.table())
+    if writer:
+      planning.write(result, os.path.join(out_dir, "allocation"))
+  elif plan_mode == "manual":
+    plans = None
+  else:
+    raise ValueError(f"unknown plan_mode {plan_mode!r}; valid: auto, manual")
+  workers = make_workers(config, plans=plans)
   trainer = HybridTrainer(model, workers, make_optimizer(config))
   batcher = data_lib.WorkerBatcher(dataset.x_train, dataset.y_train,
                                    [w.batch_size for w in workers],

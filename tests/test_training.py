@@ -10,6 +10,7 @@ import time
 import pytest
 
 from experiments.configs import default as default_config
+import qsync_jax as qs
 from qsync_jax import training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,6 +40,7 @@ def test_small_cnn_with_half_its_layers_int8_learns_digits(tmp_path):
   config = default_config.get_config()
   config.cluster = "t4:1"
   # Half of the four layers INT8 (both convolutions); the rest FP32.
+  config.plan_mode = "manual"
   config.plans = {"t4": {"rules": [[r"conv\d", "int8"]], "default": "fp32"}}
   config.batch_size = 64
   config.eval_every = 0
@@ -64,8 +66,19 @@ def test_main_job_defaults_reach_93_percent_and_write_every_file(tmp_path):
   assert summary["steps"] == summary["sync_rounds"] == 400
   assert [w["kind"] for w in summary["workers"]] == ["v100"] * 2 + ["t4"] * 2
   assert {"kind", "device", "batch_size", "plan"} <= set(summary["workers"][0])
-  assert summary["precisions"][2]["conv1"] == "int8"
-  assert summary["loss_scaling"] is True
+  # The allocator chose the plans: the T4 workers run its T4 plan, the
+  # training devices FP32, and some T4 layer is quantized.
+  allocation = json.loads((tmp_path / "allocation" / "summary.json"
+                           ).read_text())
+  assert allocation["training_kinds"] == ["v100"]
+  t4 = qs.PrecisionPlan.from_json(
+      (tmp_path / "allocation" / "t4.json").read_text())
+  assert summary["precisions"][2] == {
+      p: t4.precision_of(p).value for p in summary["precisions"][2]}
+  assert set(summary["precisions"][0].values()) == {"fp32"}
+  assert allocation["quantized_layers"]["t4"] >= 1
+  assert summary["loss_scaling"] == ("fp16" in summary["precisions"][2]
+                                     .values())
   rows = [json.loads(l) for l in
           (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert rows[-1]["step"] == 400 and "eval_accuracy" in rows[-1]
@@ -187,6 +200,9 @@ def test_launcher_ends_a_training_run_whose_worker_dies(tmp_path):
     (["--model=nosuch"], "invalid model spec 'nosuch'"),
     (["--cluster=k80:1"], "unknown device kind 'k80'"),
     (["--cluster=t4:0"], "count must be positive"),
+    (["--cluster=cpu:1,t4:1"], "GPU catalog (a10, a100, h100, l4, l40s, "
+     "t4, v100), which has no cpu"),
+    (["--plan=auto", "--plan=t4={int8}"], "--plan=auto cannot be combined"),
 ])
 def test_binary_bad_input_is_one_clear_error(tmp_path, args, message):
   int8 = tmp_path / "int8.json"

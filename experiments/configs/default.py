@@ -4,7 +4,8 @@ Run:
   python -m experiments.train --out_dir=/tmp/qsync_run
 Override any field from the command line, e.g. --config.steps=100.
 On a CPU-only machine the four workers are fake CPU devices, each labelled
-with its kind; the T4 workers compute their plan's precisions for real.
+with its kind; the T4 workers compute the precisions the allocator chose for
+a T4 for real.
 """
 
 import ml_collections
@@ -18,14 +19,25 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset = "digits"
   config.dataset_kwargs = ml_collections.ConfigDict()
   config.cluster = "v100:2,t4:2"
-  # Plans per device kind (a plan mapping, JSON text or a .json path); kinds
-  # not named train in FP32. Until the allocator lands the T4 plan is written
-  # by hand: its two convolutions INT8, the fc layer FP16 (the head stays
-  # FP32 because no rule names it). An FP16 layer turns on loss scaling.
-  config.plans = ml_collections.ConfigDict({
-      "t4": {"rules": [[r"conv\d", "int8"], ["fc", "fp16"]],
-             "default": "fp32"},
-  })
+  # Precision plans. "auto": the allocator chooses each device kind's plan
+  # (QSync: indicator on the first training batches, analytic profiles of
+  # the cluster's GPU kinds, greedy search); "manual": config.plans, a plan
+  # per kind (a mapping, JSON text or a .json path; kinds not named train in
+  # FP32). An FP16 layer turns on loss scaling.
+  config.plan_mode = "auto"
+  config.plans = ml_collections.ConfigDict()
+  config.allocator = ml_collections.ConfigDict()
+  config.allocator.indicator = "qsync"
+  config.allocator.method = "greedy"   # or "memory", "ilp"
+  config.allocator.num_batches = 4
+  config.allocator.compression = ml_collections.config_dict.placeholder(float)
+  config.allocator.candidates = ("int8", "fp16", "fp32")
+  # The step is predicted for the CNN as it would be deployed on the real
+  # GPUs (CIFAR-size images, wider layers, batch 128 per worker); the
+  # digits-size twin trained here has the same layers and takes its plan.
+  config.allocator.timing_model_kwargs = ml_collections.ConfigDict(dict(
+      image_size=32, in_channels=3, widths=(128, 256), hidden=1024))
+  config.allocator.timing_batch_size = 128  # 0: config.batch_size
   config.batch_size = 32          # per worker; global = batch_size * workers
   config.batch_mode = "equal"     # or "dynamic": QSync's DB baseline
   config.speeds = "v100:1.3,t4:1.0"  # relative throughput, batch_mode=dynamic

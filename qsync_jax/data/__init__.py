@@ -16,12 +16,14 @@ from qsync_jax.data.cifar10 import load_cifar10
 from qsync_jax.data.digits import load_digits
 from qsync_jax.data.mnist1d import load_mnist1d
 from qsync_jax.data.synthetic import load_synthetic, load_synthetic_regression
-from qsync_jax.data.text import load_text, make_lm_windows
+from qsync_jax.data.text import byte_category, load_text, load_text_classes
+from qsync_jax.data.text import make_lm_windows
 
 _LOADERS: dict[str, Callable[..., Dataset]] = {
     "digits": load_digits,
     "mnist1d": load_mnist1d,
     "text": load_text,
+    "text_classes": load_text_classes,
     "synthetic": load_synthetic,
     "synthetic_regression": load_synthetic_regression,
     "cifar10": load_cifar10,
@@ -58,6 +60,7 @@ __all__ = [
     "TASKS",
     "Dataset",
     "WorkerBatcher",
+    "byte_category",
     "eval_batches",
     "load_cifar10",
     "load_dataset",
@@ -66,5 +69,6 @@ __all__ = [
     "load_synthetic",
     "load_synthetic_regression",
     "load_text",
+    "load_text_classes",
     "make_lm_windows",
 ]

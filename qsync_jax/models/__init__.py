@@ -37,6 +37,16 @@ MODELS: dict[str, type[nnx.Module]] = {
 }
 
 
+#: Config overrides that make a built-in model its paper size (QSync's
+#: workloads, reference qsync.md section 7.1): ResNet-50 on 224 x 224 ImageNet
+#: and BERT-base on 384-token SQuAD windows.
+PAPER_SIZE_KWARGS: dict[str, dict[str, Any]] = {
+    'resnet50': {'image_size': 224, 'cifar_stem': False, 'num_classes': 1000},
+    'bert': {'num_layers': 12, 'num_heads': 12, 'hidden': 768,
+             'mlp_dim': 3072, 'max_len': 384, 'vocab_size': 30522},
+}
+
+
 def _builtin_names() -> str:
   return ', '.join(MODELS)
 
@@ -113,6 +123,7 @@ def load_model_factory(spec: str) -> Callable[..., nnx.Module]:
 
 
 __all__ = [
+    "PAPER_SIZE_KWARGS",
     'MODELS',
     'BertConfig',
     'BertEncoderClassifier',

@@ -241,8 +241,7 @@ def plot(result: Mapping[str, Any], path: str) -> None:
 
 
 #: ImageNet-size configs for the simulation-speed check.
-PAPER_SIZE_KWARGS = {"resnet50": {"image_size": 224, "cifar_stem": False,
-                                  "num_classes": 1000}}
+PAPER_SIZE_KWARGS = models_lib.PAPER_SIZE_KWARGS
 
 
 def simulation_speed(model_name: str = "resnet50", batch_size: int = 32,

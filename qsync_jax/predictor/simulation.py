@@ -52,10 +52,14 @@ class SimWorker:
     name: a label such as ``"t4[3]"``.
     profile: the costs of its device kind.
     precisions: ``{layer path: precision}`` (effective, every layer).
+    graph: the model graph at this worker's batch size, when it differs from
+      the one :func:`simulate` gets (dynamic batch sizing); its profile must
+      be for that graph.
   """
   name: str
   profile: Profile
   precisions: Mapping[str, Precision]
+  graph: graph_lib.ModelGraph | None = None
 
 
 @dataclasses.dataclass
@@ -188,7 +192,8 @@ def _precision_list(g, w: SimWorker) -> list[Precision]:
 def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
              bucket_bytes: float | None = DEFAULT_BUCKET_BYTES,
              link: tuple[float, float] | None = None,
-             shared_host: bool = False) -> Prediction:
+             shared_host: bool = False,
+             costs_cache: dict | None = None) -> Prediction:
   """Simulates one synchronous data-parallel step.
 
   Args:
@@ -201,6 +206,8 @@ def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
       when ``shared_host``.
     shared_host: the workers are fake devices of one host (see the module
       docstring).
+    costs_cache: a dict kept across calls that simulate the same graph and
+      profiles (the allocator's search): each worker plan is costed once.
 
   Returns:
     The :class:`Prediction`.
@@ -214,13 +221,14 @@ def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
     raise ValueError("simulate needs at least one worker")
   n = len(workers)
   shared = n if shared_host else 1
-  cache: dict = {}
+  cache: dict = {} if costs_cache is None else costs_cache
   costs = []
   for w in workers:
     precs = _precision_list(g, w)
-    key = (id(w.profile), tuple(precs))
+    wg = w.graph if w.graph is not None else g
+    key = (id(w.profile), id(wg), shared, tuple(precs))
     if key not in cache:
-      cache[key] = worker_costs(g, w.profile, precs, shared)
+      cache[key] = worker_costs(wg, w.profile, precs, shared)
     costs.append(cache[key])
   host = workers[0].profile.host if shared_host else {}
   if link is None:

@@ -1,0 +1,266 @@
+"""Planning: from a model, some data and a cluster to per-device plans.
+
+This module owns the pipeline that ``experiments/allocate.py`` and the main
+job's ``--plan=auto`` run (QSync, arXiv 2407.02327, section 5):
+
+1. indicator scores from a few training batches (:func:`compute_scores`);
+2. the layer graph at the per-worker batch and one analytic profile per
+   device kind of the cluster (the GPU catalog; the kinds need not be
+   present);
+3. the allocator (:func:`qsync_jax.allocator.allocate`);
+4. the baselines it is compared with, predicted the same way: all FP32,
+   uniform low precision on the weak kinds, dynamic batch sizing, and the
+   training devices alone (:func:`plan_cluster`).
+
+The model whose step is predicted (the *timing model*) may be a bigger
+version of the one scored and trained, as long as both have the same layer
+paths: e.g. plan for ResNet-50 at 224 x 224 on v100:8,t4:8 and train a narrow
+ResNet-50 on digits with that plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from qsync_jax import allocator as allocator_lib
+from qsync_jax import indicator
+from qsync_jax import losses
+from qsync_jax.cluster import ClusterSpec, parse_cluster
+from qsync_jax.data.base import Dataset
+from qsync_jax.precision import Precision, PrecisionPlan
+from qsync_jax.predictor import graph as graph_lib
+from qsync_jax.predictor import profiling
+from qsync_jax.predictor import simulation
+
+
+def indicator_batches(dataset: Dataset, num_batches: int, batch_size: int
+                      ) -> list[tuple[np.ndarray, np.ndarray]]:
+  """The first ``num_batches`` training batches of ``dataset``.
+
+  Raises:
+    ValueError: the dataset is too small.
+  """
+  need = num_batches * batch_size
+  if len(dataset.x_train) < need:
+    raise ValueError(f"dataset {dataset.name!r} has {len(dataset.x_train)} "
+                     f"training examples; {num_batches} batches of "
+                     f"{batch_size} need {need}")
+  return [(dataset.x_train[i * batch_size:(i + 1) * batch_size],
+           dataset.y_train[i * batch_size:(i + 1) * batch_size])
+          for i in range(num_batches)]
+
+
+def compute_scores(model, dataset: Dataset, method: str = "qsync", *,
+                   num_batches: int = 4, batch_size: int = 32,
+                   precisions: Sequence[Precision | str] = ("int8", "fp16",
+                                                            "bf16"),
+                   seed: int = 0) -> indicator.Scores:
+  """Indicator scores of ``model`` on the first training batches."""
+  return indicator.compute(model, losses.cross_entropy,
+                           indicator_batches(dataset, num_batches,
+                                             batch_size),
+                           method, precisions, seed=seed)
+
+
+@dataclasses.dataclass
+class PlanningResult:
+  """An allocation and the baselines it is compared with.
+
+  Attributes:
+    allocation: the allocator's :class:`~qsync_jax.allocator.Allocation`.
+    graph: the timing model's graph at the per-worker batch.
+    profiles: ``{kind: Profile}`` used.
+    scores: the indicator scores (``{layer: {precision: score}}``).
+    indicator: the indicator's name.
+    cluster: the cluster.
+    baselines: ``{name: {"step_time_s", "memory_bytes": {kind: bytes},
+      "quantized_layers": {kind: n}, "indicator_sum": {kind: x}}}`` for
+      ``fp32``, ``uniform_low``, ``dynamic_batch`` (with ``batch_sizes``)
+      and ``training_only`` (the training kinds alone, no weak workers).
+  """
+  allocation: allocator_lib.Allocation
+  graph: graph_lib.ModelGraph
+  profiles: dict[str, profiling.Profile]
+  scores: Mapping[str, Mapping[str, float]]
+  indicator: str
+  cluster: ClusterSpec
+  baselines: dict[str, dict[str, Any]]
+
+  def summary(self) -> dict[str, Any]:
+    """``summary.json`` of ``experiments/allocate.py``."""
+    a = self.allocation
+    steps = {"qsync": a.prediction.step_time_s,
+             **{k: v["step_time_s"] for k, v in self.baselines.items()}}
+    memory = {"qsync": dict(a.memory_bytes),
+              **{k: v["memory_bytes"] for k, v in self.baselines.items()}}
+    out = a.summary()
+    out.pop("step_time_s")
+    out.pop("memory_bytes")
+    return {"cluster": str(self.cluster), "indicator": self.indicator,
+            **out, "predicted_step_time_s": steps,
+            "predicted_memory_bytes": memory,
+            "baselines": {k: {kk: vv for kk, vv in v.items()
+                              if kk not in ("step_time_s", "memory_bytes")}
+                          for k, v in self.baselines.items()},
+            "layers": len(self.graph.nodes),
+            "batch_shape": list(self.graph.input_shape)}
+
+  def table(self) -> str:
+    """One line per layer: shape, precision per kind, score, cost."""
+    a = self.allocation
+    kinds = list(a.precisions)
+    weak = [k for k in kinds if k not in a.training_kinds]
+    rows = [["layer", "weight shape"] + kinds
+            + [f"score ({k})" for k in weak]
+            + [f"fwd+bwd ms ({k})" for k in weak]]
+    for node in self.graph.nodes:
+      row = [node.path, "x".join(map(str, node.weight_shape)) or "-"]
+      row += [a.precisions[k][node.path].value for k in kinds]
+      for k in weak:
+        p = a.precisions[k][node.path]
+        row.append(f"{allocator_lib.indicator_of(self.scores, node.path, p):.3g}")
+      for k in weak:
+        p = a.precisions[k][node.path]
+        row.append(f"{self.profiles[k].layer_cost(node.path, p)[1] * 1e3:.3f}")
+      rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+                     for r in rows)
+
+
+def _plan_stats(g, scores, precisions: Mapping[str, Mapping[str, Precision]],
+                profiles) -> dict[str, Any]:
+  return {
+      "memory_bytes": {k: allocator_lib.plan_memory(
+          g, profiles[k], [p[path] for path in g.paths])
+                       for k, p in precisions.items()},
+      "quantized_layers": {k: sum(v not in (Precision.FP32, Precision.TF32)
+                                  for v in p.values())
+                           for k, p in precisions.items()},
+      "indicator_sum": {k: float(sum(allocator_lib.indicator_of(
+          scores, path, v) for path, v in p.items()))
+                        for k, p in precisions.items()}}
+
+
+def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
+                 batch_size: int, *, indicator_name: str = "qsync",
+                 method: str = "greedy",
+                 memory_limits: Mapping[str, float] | None = None,
+                 compression: float | None = None,
+                 candidates: Sequence[Precision | str] = (
+                     allocator_lib.DEFAULT_CANDIDATES),
+                 baselines: bool = True) -> PlanningResult:
+  """Allocates plans for ``cluster`` and predicts the baselines.
+
+  Args:
+    timing_model: the NNX model whose step is predicted (with an
+      ``input_spec(batch_size)`` method).
+    cluster: e.g. ``"v100:8,t4:8"``; every kind must be in the GPU catalog.
+    scores: indicator scores over the same layer paths.
+    batch_size: the per-worker batch.
+    indicator_name: the scores' method, for the summary.
+    method: the allocator's search (``"greedy"``, ``"memory"``, ``"ilp"``).
+    memory_limits: ``{kind: bytes}``.
+    compression: instead of limits, give each weak kind the budget that
+      saves this fraction of its FP32 residual bytes
+      (:func:`qsync_jax.allocator.compression_budget`; QSync's ablation
+      uses 0.6).
+    candidates: precisions the weak kinds may use.
+    baselines: also predict the baselines.
+
+  Raises:
+    ValueError: the scores do not cover the timing model's layers, a kind
+      outside the catalog, or both memory_limits and compression.
+    qsync_jax.allocator.AllocationError: no plan fits.
+  """
+  from qsync_jax import predictor  # local: keeps import order simple
+  spec = parse_cluster(cluster) if isinstance(cluster, str) else cluster
+  g = predictor.trace_graph(timing_model, timing_model.input_spec(batch_size))
+  table = scores if isinstance(scores, Mapping) else scores.values
+  if set(table) != set(g.paths):
+    extra = sorted(set(table) - set(g.paths))
+    lack = sorted(set(g.paths) - set(table))
+    raise ValueError("the indicator scores and the timing model have "
+                     f"different layers (scores only: {extra[:5]}, timing "
+                     f"model only: {lack[:5]}); score a model with the same "
+                     "layer paths")
+  profiles = {k: predictor.analytic_profile(g, k) for k in spec.groups()}
+  if compression is not None:
+    if memory_limits:
+      raise ValueError("give memory_limits or compression, not both")
+    training = allocator_lib.training_kinds_of(g, spec, profiles)
+    memory_limits = {k: allocator_lib.compression_budget(g, profiles[k],
+                                                         compression)
+                     for k in spec.groups() if k not in training}
+  alloc = allocator_lib.allocate(g, spec, table, profiles,
+                                 memory_limits=memory_limits, method=method,
+                                 candidates=candidates)
+  out: dict[str, dict[str, Any]] = {}
+  if baselines:
+    training = alloc.training_kinds
+    link = simulation.cluster_link(spec.kinds)
+    fp32 = {k: {p: Precision.FP32 for p in g.paths} for k in spec.groups()}
+    out["fp32"] = {"step_time_s": predictor.predict(
+        g, spec, {}, profiles, link=link).step_time_s,
+                   **_plan_stats(g, table, fp32, profiles)}
+    low_plans = allocator_lib.uniform_low_plans(spec, training)
+    low = {k: predictor.resolve_plan(g, low_plans.get(k, PrecisionPlan()), k)
+           for k in spec.groups()}
+    out["uniform_low"] = {"step_time_s": predictor.predict(
+        g, spec, low_plans, profiles, link=link).step_time_s,
+                          **_plan_stats(g, table, low, profiles)}
+    graphs = {batch_size: g}
+
+    def graph_at(b):
+      if b not in graphs:
+        graphs[b] = predictor.trace_graph(timing_model,
+                                          timing_model.input_spec(b))
+      return graphs[b]
+
+    profile_cache = {(id(g), k): v for k, v in profiles.items()}
+
+    def profile_for(graph, kind):
+      key = (id(graph), kind)
+      if key not in profile_cache:
+        profile_cache[key] = predictor.analytic_profile(graph, kind)
+      return profile_cache[key]
+
+    db, sizes = allocator_lib.predict_dynamic_batch(graph_at, spec,
+                                                    batch_size, profile_for)
+    out["dynamic_batch"] = {
+        "step_time_s": db.step_time_s,
+        "memory_bytes": {k: max(m for m, kk in zip(db.worker_memory_bytes,
+                                                   spec.kinds) if kk == k)
+                         for k in spec.groups()},
+        "quantized_layers": {k: 0 for k in spec.groups()},
+        "indicator_sum": {k: 0.0 for k in spec.groups()},
+        "batch_sizes": {k: max(b for b, kk in zip(sizes, spec.kinds)
+                               if kk == k) for k in spec.groups()}}
+    alone = ClusterSpec(tuple(k for k in spec.kinds if k in training))
+    out["training_only"] = {
+        "step_time_s": predictor.predict(g, alone, {}, profiles).step_time_s,
+        **_plan_stats(g, table, {k: fp32[k] for k in training}, profiles),
+        "cluster": str(alone)}
+  return PlanningResult(alloc, g, profiles, dict(table), indicator_name, spec,
+                        out)
+
+
+def write(result: PlanningResult, out_dir: str) -> dict[str, Any]:
+  """Writes ``<kind>.json`` per device kind, ``summary.json`` and
+  ``scores.json`` to ``out_dir``; returns the summary."""
+  os.makedirs(out_dir, exist_ok=True)
+  for kind, plan in result.allocation.plans.items():
+    with open(os.path.join(out_dir, f"{kind}.json"), "w") as f:
+      f.write(plan.to_json())
+  summary = result.summary()
+  with open(os.path.join(out_dir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  with open(os.path.join(out_dir, "scores.json"), "w") as f:
+    json.dump({"method": result.indicator, "values": result.scores}, f,
+              indent=2)
+  return summary
