@@ -18,7 +18,9 @@ Writes to --out: <kind>.json (a PrecisionPlan per device kind, usable with
 `experiments.train --plan=KIND=FILE`), scores.json and summary.json
 {"search_time_s", "quantized_layers": {kind: n}, "indicator_sum": {kind: x},
 "predicted_step_time_s": {"qsync", "fp32", "uniform_low", "dynamic_batch",
-"training_only"}, "predicted_memory_bytes": {same keys: {kind: bytes}}, ...},
+"training_only", "qsync_shuffled"}, "predicted_memory_bytes": {same keys:
+{kind: bytes}}, "baselines": {name: {"quantized_layers", "indicator_sum",
+...}}, ...},
 and prints a per-layer table.
 """
 

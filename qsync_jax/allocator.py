@@ -9,7 +9,7 @@ gets a plan. This module owns :func:`allocate` and its three searches:
   the most indicator, one layer and one precision level at a time, keeping a
   step only if the predicted hybrid step time stays at or below the target
   (the step time the cluster would have if every worker were a training
-  device) and memory still fits (:func:`greedy_recovery`).
+  device) and memory still fits.
 * ``"memory"``: the memory-scarce variant: from FP32, lower the layers whose
   indicator grows least per byte saved until the plan fits
   (:func:`lower_to_fit`).
@@ -38,6 +38,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 from scipy import optimize
 
+from qsync_jax import cluster as cluster_lib
 from qsync_jax.cluster import ClusterSpec, parse_cluster
 from qsync_jax.precision import Precision, PrecisionPlan, supported_precisions
 from qsync_jax.predictor import graph as graph_lib
@@ -121,7 +122,8 @@ class Allocation(Mapping[str, PrecisionPlan]):
 # --------------------------------------------------------------------------
 
 
-def _score_table(scores: Any) -> Mapping[str, Mapping[str, float]]:
+def score_table(scores: Any) -> Mapping[str, Mapping[str, float]]:
+  """``{layer: {precision: score}}`` of an indicator.Scores or a mapping."""
   values = scores if isinstance(scores, Mapping) else getattr(
       scores, "values", None)
   if not isinstance(values, Mapping):
@@ -134,7 +136,7 @@ def indicator_of(scores: Any, path: str, precision: Precision) -> float:
   """The indicator of computing ``path`` at ``precision`` (FP32 scores 0)."""
   if precision in _ZERO:
     return 0.0
-  return float(_score_table(scores)[path][precision.value])
+  return float(score_table(scores)[path][precision.value])
 
 
 def ladders(g: graph_lib.ModelGraph, kind: str, profile: Profile, scores: Any,
@@ -152,7 +154,7 @@ def ladders(g: graph_lib.ModelGraph, kind: str, profile: Profile, scores: Any,
     AllocationError: ``scores`` lacks a layer of the model, or a precision a
       layer could take.
   """
-  table = _score_table(scores)
+  table = score_table(scores)
   missing = [p for p in g.paths if p not in table]
   if missing:
     raise AllocationError(f"the indicator scores have no entry for layer(s) "
@@ -192,6 +194,23 @@ def plan_memory(g: graph_lib.ModelGraph, profile: Profile,
                 precisions: Sequence[Precision]) -> float:
   """Predicted step bytes of one worker (``precisions`` in node order)."""
   return profile.memory.predict(g.paths, precisions)
+
+
+def plan_stats(g: graph_lib.ModelGraph, scores: Any,
+               precisions: Mapping[str, Mapping[str, Precision]],
+               profiles: Mapping[str, Profile]) -> dict[str, dict]:
+  """Per kind of ``precisions`` (``{kind: {layer: precision}}``): the plan's
+  ``indicator_sum``, ``quantized_layers`` (below FP32) and ``memory_bytes``.
+  """
+  return {
+      "indicator_sum": {k: float(sum(indicator_of(scores, path, v)
+                                     for path, v in p.items()))
+                        for k, p in precisions.items()},
+      "quantized_layers": {k: sum(v not in _ZERO for v in p.values())
+                           for k, p in precisions.items()},
+      "memory_bytes": {k: plan_memory(g, profiles[k],
+                                      [p[path] for path in g.paths])
+                       for k, p in precisions.items()}}
 
 
 def compression_budget(g: graph_lib.ModelGraph, profile: Profile,
@@ -392,7 +411,7 @@ class _Cluster:
                                link=self.link, costs_cache=self.cache)
 
 
-def greedy_recovery(cl: _Cluster, start: Mapping[str, list[Precision]],
+def _greedy_recovery(cl: _Cluster, start: Mapping[str, list[Precision]],
                     ladder: Mapping[str, Sequence[Sequence[Precision]]],
                     scores: Any, target_s: float,
                     memory_limits: Mapping[str, float | None]
@@ -452,7 +471,7 @@ def greedy_recovery(cl: _Cluster, start: Mapping[str, list[Precision]],
 
 
 def _with_training(cl: _Cluster, weak: Mapping[str, Sequence[Precision]]
-                        ) -> dict[str, Sequence[Precision]]:
+                   ) -> dict[str, Sequence[Precision]]:
   fp32 = [Precision.FP32] * len(cl.g.nodes)
   return {k: weak.get(k, fp32) for k in cl.spec.groups()}
 
@@ -548,7 +567,7 @@ def fp32_speeds(g: graph_lib.ModelGraph, spec: ClusterSpec | str,
                 profiles: Mapping[str, Profile]) -> dict[str, float]:
   """``{kind: examples per second}`` of each kind's FP32 forward + backward
   (relative speeds for the dynamic-batch baseline)."""
-  spec = parse_cluster(spec) if isinstance(spec, str) else spec
+  spec = parse_cluster(spec)
   return {k: g.input_shape[0] / _fp32_compute_s(g, profiles[k])
           for k in spec.groups()}
 
@@ -603,7 +622,7 @@ def allocate(g: graph_lib.ModelGraph, cluster: ClusterSpec | str,
   if method not in METHODS:
     raise ValueError(f"unknown allocation method {method!r}; valid: "
                      f"{', '.join(METHODS)}")
-  spec = parse_cluster(cluster) if isinstance(cluster, str) else cluster
+  spec = parse_cluster(cluster)
   kinds = list(spec.groups())
   missing = [k for k in kinds if k not in profiles]
   if missing:
@@ -650,8 +669,8 @@ def allocate(g: graph_lib.ModelGraph, cluster: ClusterSpec | str,
       fastest = cl.simulate(_with_training(cl, weak_precs)).step_time_s
       target = max(pace, fastest)
       straggling = fastest > pace * (1 + 1e-9)
-      weak_precs, trials = greedy_recovery(cl, weak_precs, ladder, scores,
-                                           target, limits)
+      weak_precs, trials = _greedy_recovery(cl, weak_precs, ladder, scores,
+                                            target, limits)
   else:
     for k in weak:
       if limits[k] is None:
@@ -672,13 +691,7 @@ def allocate(g: graph_lib.ModelGraph, cluster: ClusterSpec | str,
       plans=plans, precisions=precisions, prediction=prediction,
       target_s=target, training_pace_s=pace, straggling=straggling,
       training_kinds=tuple(training),
-      indicator_sum={k: float(sum(indicator_of(scores, p, v)
-                                  for p, v in precisions[k].items()))
-                     for k in kinds},
-      quantized_layers={k: sum(v not in _ZERO for v in precisions[k].values())
-                        for k in kinds},
-      memory_bytes={k: plan_memory(g, profiles[k], final[k]) for k in kinds},
-      memory_limits=limits, search_time_s=time.perf_counter() - start,
+      **plan_stats(g, scores, precisions, profiles), memory_limits=limits, search_time_s=time.perf_counter() - start,
       trials=trials, method=method)
 
 
@@ -689,7 +702,7 @@ def shuffled_scores(scores: Any, seed: int = 0) -> dict[str, dict[str, float]]:
   indicator's distribution but not which layer it belongs to. Layers with
   the same set of precisions are permuted among themselves.
   """
-  table = _score_table(scores)
+  table = score_table(scores)
   rng = np.random.default_rng(seed)
   by_keys: dict[tuple, list[str]] = {}
   for path, row in table.items():
@@ -712,7 +725,7 @@ def uniform_low_plans(spec: ClusterSpec | str,
   """Uniform low precision on every non-training kind: INT8 where the kind
   has it, else FP16 (embeddings and attention matmuls stay 16-bit and the
   head FP32, as the policy forces)."""
-  spec = parse_cluster(spec) if isinstance(spec, str) else spec
+  spec = parse_cluster(spec)
   out = {}
   for k in spec.groups():
     if k in training_kinds:
@@ -723,7 +736,7 @@ def uniform_low_plans(spec: ClusterSpec | str,
   return out
 
 
-def dynamic_batch_sizes(g: graph_lib.ModelGraph, spec: ClusterSpec | str,
+def dynamic_batch_split(g: graph_lib.ModelGraph, spec: ClusterSpec | str,
                         profiles: Mapping[str, Profile]) -> list[int]:
   """Per-worker batch sizes of the dynamic-batch baseline (all FP32).
 
@@ -731,8 +744,7 @@ def dynamic_batch_sizes(g: graph_lib.ModelGraph, spec: ClusterSpec | str,
   to each kind's predicted FP32 throughput, as
   :func:`qsync_jax.cluster.dynamic_batch_sizes` does for the trainer.
   """
-  from qsync_jax import cluster as cluster_lib  # same split as the trainer
-  spec = parse_cluster(spec) if isinstance(spec, str) else spec
+  spec = parse_cluster(spec)
   speed = fp32_speeds(g, spec, profiles)
   return cluster_lib.dynamic_batch_sizes(
       g.input_shape[0] * spec.num_workers, [speed[k] for k in spec.kinds])
@@ -757,10 +769,10 @@ def predict_dynamic_batch(graph_at, spec: ClusterSpec | str, batch_size: int,
   Returns:
     (the prediction, the per-worker batch sizes).
   """
-  spec = parse_cluster(spec) if isinstance(spec, str) else spec
+  spec = parse_cluster(spec)
   graphs = {batch_size: graph_at(batch_size)}
   nominal = graphs[batch_size]
-  sizes = dynamic_batch_sizes(
+  sizes = dynamic_batch_split(
       nominal, spec, {k: profile_for(nominal, k) for k in spec.groups()})
   profs: dict[tuple[int, str], Profile] = {}
   workers = []

@@ -40,7 +40,9 @@ def _spmd_step_fn(model: nnx.Module, tx: optax.GradientTransformation):
   return step, params
 
 
-def _timed_rounds(run_block, steps_per_round: int) -> float:
+def seconds_per_call(run_block, steps_per_round: int) -> float:
+  """Seconds per call of ``run_block(n)``, which dispatches ``n`` calls and
+  waits for the last: throughput with dispatch pipelined."""
   start = time.perf_counter()
   run_block(steps_per_round)
   return (time.perf_counter() - start) / steps_per_round
@@ -116,8 +118,8 @@ def trainer_overhead(model_name: str, batch_per_worker: int, *,
   run_spmd(2)
   hybrid, spmd = [], []
   for _ in range(rounds):
-    hybrid.append(_timed_rounds(run_hybrid, steps_per_round))
-    spmd.append(_timed_rounds(run_spmd, steps_per_round))
+    hybrid.append(seconds_per_call(run_hybrid, steps_per_round))
+    spmd.append(seconds_per_call(run_spmd, steps_per_round))
   h, s = statistics.median(hybrid), statistics.median(spmd)
   return {"model": model_name, "num_workers": num_workers,
           "batch_per_worker": batch_per_worker, "hybrid_step_s": h,

@@ -46,13 +46,17 @@ class ClusterSpec:
     return ",".join(f"{k}:{n}" for k, n in self.groups().items())
 
 
-def parse_cluster(spec: str) -> ClusterSpec:
+def parse_cluster(spec: "str | ClusterSpec") -> ClusterSpec:
   """Parses ``"kind:count,kind:count,..."`` into a :class:`ClusterSpec`.
+
+  A :class:`ClusterSpec` is returned as it is.
 
   Raises:
     ValueError: an empty spec, a malformed group, an unknown kind, or a
       count that is not a positive integer.
   """
+  if isinstance(spec, ClusterSpec):
+    return spec
   if not spec or not spec.strip():
     raise ValueError("empty cluster spec; expected e.g. 'v100:2,t4:2'")
   kinds: list[str] = []

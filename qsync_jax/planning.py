@@ -9,8 +9,9 @@ job's ``--plan=auto`` run (QSync, arXiv 2407.02327, section 5):
    present);
 3. the allocator (:func:`qsync_jax.allocator.allocate`);
 4. the baselines it is compared with, predicted the same way: all FP32,
-   uniform low precision on the weak kinds, dynamic batch sizing, and the
-   training devices alone (:func:`plan_cluster`).
+   uniform low precision on the weak kinds, dynamic batch sizing, the
+   training devices alone, and the search with a shuffled indicator
+   (:func:`plan_cluster`).
 
 The model whose step is predicted (the *timing model*) may be a bigger
 version of the one scored and trained, as long as both have the same layer
@@ -21,6 +22,7 @@ ResNet-50 on digits with that plan.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Any, Mapping, Sequence
@@ -81,7 +83,9 @@ class PlanningResult:
     baselines: ``{name: {"step_time_s", "memory_bytes": {kind: bytes},
       "quantized_layers": {kind: n}, "indicator_sum": {kind: x}}}`` for
       ``fp32``, ``uniform_low``, ``dynamic_batch`` (with ``batch_sizes``)
-      and ``training_only`` (the training kinds alone, no weak workers).
+      ``training_only`` (the training kinds alone, no weak workers) and
+      ``qsync_shuffled`` (the same search with the scores shuffled among the
+      layers).
   """
   allocation: allocator_lib.Allocation
   graph: graph_lib.ModelGraph
@@ -133,20 +137,6 @@ class PlanningResult:
                      for r in rows)
 
 
-def _plan_stats(g, scores, precisions: Mapping[str, Mapping[str, Precision]],
-                profiles) -> dict[str, Any]:
-  return {
-      "memory_bytes": {k: allocator_lib.plan_memory(
-          g, profiles[k], [p[path] for path in g.paths])
-                       for k, p in precisions.items()},
-      "quantized_layers": {k: sum(v not in (Precision.FP32, Precision.TF32)
-                                  for v in p.values())
-                           for k, p in precisions.items()},
-      "indicator_sum": {k: float(sum(allocator_lib.indicator_of(
-          scores, path, v) for path, v in p.items()))
-                        for k, p in precisions.items()}}
-
-
 def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
                  batch_size: int, *, indicator_name: str = "qsync",
                  method: str = "greedy",
@@ -179,9 +169,9 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
     qsync_jax.allocator.AllocationError: no plan fits.
   """
   from qsync_jax import predictor  # local: keeps import order simple
-  spec = parse_cluster(cluster) if isinstance(cluster, str) else cluster
+  spec = parse_cluster(cluster)
   g = predictor.trace_graph(timing_model, timing_model.input_spec(batch_size))
-  table = scores if isinstance(scores, Mapping) else scores.values
+  table = allocator_lib.score_table(scores)
   if set(table) != set(g.paths):
     extra = sorted(set(table) - set(g.paths))
     lack = sorted(set(g.paths) - set(table))
@@ -190,30 +180,36 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
                      f"model only: {lack[:5]}); score a model with the same "
                      "layer paths")
   profiles = {k: predictor.analytic_profile(g, k) for k in spec.groups()}
+  training = allocator_lib.training_kinds_of(g, spec, profiles)
   if compression is not None:
     if memory_limits:
       raise ValueError("give memory_limits or compression, not both")
-    training = allocator_lib.training_kinds_of(g, spec, profiles)
     memory_limits = {k: allocator_lib.compression_budget(g, profiles[k],
                                                          compression)
                      for k in spec.groups() if k not in training}
-  alloc = allocator_lib.allocate(g, spec, table, profiles,
-                                 memory_limits=memory_limits, method=method,
-                                 candidates=candidates)
+
+  def run_allocator(table):
+    return allocator_lib.allocate(g, spec, table, profiles,
+                                  memory_limits=memory_limits, method=method,
+                                  candidates=candidates,
+                                  training_kinds=training)
+
+  alloc = run_allocator(table)
   out: dict[str, dict[str, Any]] = {}
   if baselines:
-    training = alloc.training_kinds
+    stats = functools.partial(allocator_lib.plan_stats, g, table,
+                              profiles=profiles)
     link = simulation.cluster_link(spec.kinds)
     fp32 = {k: {p: Precision.FP32 for p in g.paths} for k in spec.groups()}
     out["fp32"] = {"step_time_s": predictor.predict(
         g, spec, {}, profiles, link=link).step_time_s,
-                   **_plan_stats(g, table, fp32, profiles)}
+                   **stats(fp32)}
     low_plans = allocator_lib.uniform_low_plans(spec, training)
     low = {k: predictor.resolve_plan(g, low_plans.get(k, PrecisionPlan()), k)
            for k in spec.groups()}
     out["uniform_low"] = {"step_time_s": predictor.predict(
         g, spec, low_plans, profiles, link=link).step_time_s,
-                          **_plan_stats(g, table, low, profiles)}
+                          **stats(low)}
     graphs = {batch_size: g}
 
     def graph_at(b):
@@ -244,8 +240,12 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
     alone = ClusterSpec(tuple(k for k in spec.kinds if k in training))
     out["training_only"] = {
         "step_time_s": predictor.predict(g, alone, {}, profiles).step_time_s,
-        **_plan_stats(g, table, {k: fp32[k] for k in training}, profiles),
-        "cluster": str(alone)}
+        **stats({k: fp32[k] for k in training}), "cluster": str(alone)}
+    # QSync's indicator ablation: the same search with the scores shuffled
+    # among the layers (judged by the true scores).
+    shuffled = run_allocator(allocator_lib.shuffled_scores(table))
+    out["qsync_shuffled"] = {"step_time_s": shuffled.prediction.step_time_s,
+                             **stats(shuffled.precisions)}
   return PlanningResult(alloc, g, profiles, dict(table), indicator_name, spec,
                         out)
 

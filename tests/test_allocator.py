@@ -269,7 +269,7 @@ def test_allocation_on_a_model_applies_and_beats_the_baselines():
           g, allocator.uniform_low_plans("v100:2,t4:2", ["v100"])["t4"]
       ).items())
   assert low.step_time_s > 0
-  sizes = allocator.dynamic_batch_sizes(g, "v100:2,t4:2", profs)
+  sizes = allocator.dynamic_batch_split(g, "v100:2,t4:2", profs)
   assert sum(sizes) == 4 * 256 and sizes[0] > sizes[-1]
 
 
@@ -298,7 +298,8 @@ def test_allocate_binary_writes_plans_summary_and_table(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   summary = json.loads((out / "summary.json").read_text())
   assert set(summary["predicted_step_time_s"]) == {
-      "qsync", "fp32", "uniform_low", "dynamic_batch", "training_only"}
+      "qsync", "fp32", "uniform_low", "dynamic_batch", "training_only",
+      "qsync_shuffled"}
   assert set(summary["predicted_memory_bytes"]["qsync"]) == {"v100", "t4"}
   assert summary["quantized_layers"]["v100"] == 0
   assert summary["quantized_layers"]["t4"] >= 1

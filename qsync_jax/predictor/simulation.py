@@ -350,8 +350,7 @@ def predict(g: graph_lib.ModelGraph, cluster: ClusterSpec | str,
     qsync_jax.PlanError: a plan names a layer the model lacks, or a
       precision its device kind lacks.
   """
-  if isinstance(cluster, str):
-    cluster = parse_cluster(cluster)
+  cluster = parse_cluster(cluster)
   kinds = cluster.groups()
   stray = [k for k in plans if k not in kinds]
   if stray:
