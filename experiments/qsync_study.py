@@ -23,7 +23,6 @@ import os
 
 from absl import app
 from absl import flags
-import jax
 
 from qsync_jax import cli
 
@@ -39,11 +38,7 @@ flags.DEFINE_bool("predict", True, "Predict paper-size step times.")
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  # Four workers on fake CPU devices; set before the backend starts.
-  jax.config.update("jax_num_cpu_devices", 4)
-  jax.config.update("jax_compilation_cache_dir",
-                    os.path.join(FLAGS.out, "jax_cache"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  cli.start_study_backend(FLAGS.out, num_devices=4)  # four workers
   from experiments.configs import default
   from qsync_jax import allocation_study
   with cli.bad_input_exits():

@@ -5,6 +5,12 @@ Usage:
       [--config=experiments/configs/default.py] [--config.steps=200] \
       [--model=resnet18] [--cluster=v100:2,t4:2] [--plan=auto]
       [--plan=t4=t4_plan.json] [--resume]
+      [--sync=dp|local|postlocal|qsr] [--h_base=4] [--alpha=0.01]
+      [--compress=none|fp16|bf16|gqsgd|gqsgd_exp|qsgd]
+
+  --sync=qsr with --config.lr_schedule=cosine is QSR local SGD: the period
+  grows as the learning rate decays. --compress quantizes what each average
+  sends (gradients under dp, the parameters' change under local SGD).
 
   --plan=auto (the default config's plan_mode) runs the indicator, the
   predictor and the allocator before training and writes the result to
@@ -17,12 +23,14 @@ Usage:
 
 Writes to --out_dir:
   summary.json: final_eval_accuracy, final_eval_loss, final_train_loss, steps,
-    sync_rounds, comm_bytes (bytes each worker sent, ring all-reduce model),
+    sync, compress, error_feedback, sync_rounds, comm_bytes (bytes each
+    worker sent, ring all-reduce model),
     wall_time_s, examples_per_s, loss_scaling, skipped_steps, params_sha256,
     cluster, num_processes, workers [{kind, device, batch_size, plan}],
     precisions (per worker: {layer: precision}).
   metrics.jsonl: one row per log/eval step (step, loss, accuracy,
-    examples_per_s, loss_scale, sync_rounds, comm_bytes, eval_loss,
+    examples_per_s, loss_scale, H (the period of the step's round),
+    sync_rounds, comm_bytes, eval_loss,
     eval_accuracy).
   plans/<kind>.json: each device kind's PrecisionPlan.
   allocation/: with --plan=auto, the allocator's summary, scores and plans.
@@ -56,6 +64,15 @@ flags.DEFINE_string("out_dir", None, "Run directory for outputs.")
 flags.DEFINE_string("model", None, "Overrides config.model.")
 flags.DEFINE_string("cluster", None, "Overrides config.cluster.")
 flags.DEFINE_bool("resume", None, "Overrides config.resume.")
+flags.DEFINE_enum("sync", None, ["dp", "local", "postlocal", "qsr"],
+                  "Overrides config.sync: when workers average.")
+flags.DEFINE_integer("h_base", None, "Overrides config.h_base: the local-SGD "
+                     "period, or QSR's smallest one.")
+flags.DEFINE_float("alpha", None, "Overrides config.alpha: QSR's growth "
+                   "coefficient, H = max(h_base, floor((alpha / lr)^2)).")
+flags.DEFINE_enum("compress", None,
+                  ["none", "fp16", "bf16", "gqsgd", "gqsgd_exp", "qsgd"],
+                  "Overrides config.compress: what goes on the wire.")
 flags.DEFINE_multi_string(
     "plan", [], "'auto' (the allocator chooses every kind's plan; the "
     "default config's mode) or KIND=PLAN.json: the precision plan of one "
@@ -85,7 +102,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   config = FLAGS.config
   with config.unlocked():
-    for name in ("model", "cluster", "resume"):
+    for name in ("model", "cluster", "resume", "sync", "h_base", "alpha",
+                 "compress"):
       if getattr(FLAGS, name) is not None:
         config[name] = getattr(FLAGS, name)
   with cli.bad_input_exits():

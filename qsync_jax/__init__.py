@@ -11,11 +11,13 @@ Typical use::
 """
 
 from qsync_jax import allocator
+from qsync_jax import comm
 from qsync_jax import indicator
 from qsync_jax import linen
 from qsync_jax import ops
 from qsync_jax import predictor
 from qsync_jax import quant
+from qsync_jax import sync
 from qsync_jax.allocator import allocate
 from qsync_jax.layers import MatMul
 from qsync_jax.policy import apply_plan
@@ -39,9 +41,9 @@ __version__ = "0.1.0"
 __all__ = [
     "DEVICE_PRECISIONS", "Granularity", "Layer", "MatMul", "PlanError",
     "Precision", "PrecisionPlan", "QuantConfig", "Rounding", "allocate",
-    "allocator", "apply_plan",
+    "allocator", "apply_plan", "comm",
     "describe", "device_kinds", "effective_precisions", "indicator",
     "layer_paths",
     "linen", "model_layers", "ops", "predictor", "quant",
-    "supported_precisions",
+    "supported_precisions", "sync",
 ]

@@ -29,6 +29,7 @@ import ml_collections
 import numpy as np
 
 from qsync_jax import allocator as allocator_lib
+from qsync_jax import cli
 from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
 from qsync_jax import planning
@@ -201,13 +202,8 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
   Raises:
     ValueError: an unknown task or configuration.
   """
-  unknown = [t for t in tasks if t not in TASKS]
-  if unknown:
-    raise ValueError(f"unknown task(s) {unknown}; valid: {', '.join(TASKS)}")
-  bad = [c for c in configs if c not in CONFIGS]
-  if bad:
-    raise ValueError(f"unknown configuration(s) {bad}; valid: "
-                     f"{', '.join(CONFIGS)}")
+  cli.check_names("task", tasks, TASKS)
+  cli.check_names("configuration", configs, CONFIGS)
   os.makedirs(out_dir, exist_ok=True)
   result = {"cluster": CLUSTER, "paper_cluster": PAPER_CLUSTER,
             "configs": {c: CONFIGS[c] for c in configs}, "tasks": {}}

@@ -7,8 +7,9 @@ binary with one line naming the problem and exit status 1, not a traceback.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
-from typing import Iterator
+from typing import Iterable, Iterator, Sequence
 
 #: Exceptions that mean "the input is wrong", as raised by the library.
 BAD_INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError)
@@ -22,3 +23,33 @@ def bad_input_exits() -> Iterator[None]:
   except BAD_INPUT_ERRORS as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(1) from None
+
+
+def check_names(what: str, names: Sequence[str],
+                valid: Iterable[str]) -> None:
+  """Raises ``ValueError`` naming every entry of ``names`` not in ``valid``.
+
+  Args:
+    what: what the names are, for the message (e.g. ``"task"``).
+    names: the names asked for.
+    valid: the names that exist.
+  """
+  valid = list(valid)
+  unknown = [n for n in names if n not in valid]
+  if unknown:
+    raise ValueError(f"unknown {what}(s) {unknown}; valid: "
+                     f"{', '.join(valid)}")
+
+
+def start_study_backend(out_dir: str, num_devices: int) -> None:
+  """JAX settings of a study binary; call before the backend starts.
+
+  ``num_devices`` fake CPU devices (one per worker; no effect on GPU
+  backends), and compiled programs cached under ``out_dir/jax_cache`` so
+  reruns and later seeds compile less.
+  """
+  import jax  # local: the rest of this module needs no backend
+  jax.config.update("jax_num_cpu_devices", num_devices)
+  jax.config.update("jax_compilation_cache_dir",
+                    os.path.join(out_dir, "jax_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

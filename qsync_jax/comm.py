@@ -38,7 +38,24 @@ the two workers of each pair. Pass ``key`` (the same key on every worker, a
 fresh one per step) to control it; without it the key is derived from the
 strategy's ``seed`` and the bits of the step's scales (for Global-QSGD the
 global scales, which every worker shares and which change from step to
-step). Worker noise is then ``fold_in(key, axis_index)``.
+step). Worker noise is then keyed by ``fold_in(key, axis_index)``, a merge's
+by the key folded with the stage and the pair's block.
+
+Each quantizer's ``noise`` field picks how a key becomes one uniform per
+element. ``"hash"`` (the default) draws one 32-bit salt from the key and
+hashes each element's flat index, the bits of the value being rounded and
+the salt with :func:`qsync_jax.quant.hash_uniform_at` (the counter hash of
+the Pallas kernels; for Global-QSGD the codes equal those of
+``pallas_kernels.gqsgd_encode`` with ``seed`` the salt). ``"threefry"``
+draws ``jax.random.uniform(key, shape)``. Both give 24 (hash) or 23
+(threefry) random bits per element, so rounding is unbiased to float32
+resolution, and workers with distinct keys get unrelated noise. The hash
+is a few integer operations per element, fused into the quantizer's pass;
+XLA:CPU spends about 35 ns of CPU per element on threefry (jax 0.10, 2**24
+elements), about ten times a float32 copy and several times the rest of
+Global-QSGD, which made it slower than the float32 mean
+(``qsync_jax.compression_bench``). The hash is a statistical generator, not
+a cryptographic one, which stochastic rounding does not need.
 
 Non-finite inputs (an overflowing loss-scaled FP16 gradient) stay non-finite
 in the mean, so the trainer's finiteness check still skips the step: the
@@ -56,6 +73,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from qsync_jax import quant
+
 # Integer wire formats of the standard-dithering all-reduce: the largest code
 # magnitude the summed type holds.
 _WIRE_MAX = {"int8": 127, "int16": 32767, "int32": 2**31 - 1}
@@ -66,6 +85,8 @@ _MAX_LEVELS = 2**24
 # Exponential dithering codes a magnitude 2**-k in 7 bits; k <= 126 keeps
 # every decoded power of two a normal float32.
 _EXP_MAX_K = 126
+# How a key becomes per-element uniform noise (module docstring).
+_NOISES = ("hash", "threefry")
 
 
 class Averager(Protocol):
@@ -131,14 +152,30 @@ def _from_buckets(yb: jax.Array, like: jax.Array) -> jax.Array:
   return yb.reshape(-1)[:like.size].reshape(like.shape)
 
 
-def _bucket_absmax(yb: jax.Array) -> jax.Array:
-  """Per-row max |y|, or inf where a row holds a non-finite value.
+def _bucket_absmax(yb: jax.Array, weight: jax.Array | float = 1.0
+                   ) -> jax.Array:
+  """Per-row max ``|weight * y|``, or inf where a row holds a non-finite
+  value.
 
   ``inf`` survives ``pmax`` on every backend, whereas NaN ordering in a
   max-reduction is backend dependent.
+
+  One pass over ``yb``: a two-output reduction (row max and row min) of
+  ``yb`` itself, scaled by ``|weight|`` afterwards, which equals the max of
+  the rounded products because rounding is monotonic. XLA:CPU runs it at
+  memory speed, where a max of ``|y|`` or of any other elementwise
+  expression goes through a slower reduction that, moreover, drops NaN
+  (XLA:CPU's YNNPACK reductions, jax 0.10). The reducer is XLA's
+  ``maximum``/``minimum``, which propagate NaN; a NaN row max or min maps to
+  ``inf``.
   """
-  finite = jnp.all(jnp.isfinite(yb), axis=1)
-  return jnp.where(finite, jnp.max(jnp.abs(yb), axis=1), jnp.inf)
+  neg_inf, pos_inf = jnp.array(-jnp.inf, yb.dtype), jnp.array(jnp.inf,
+                                                              yb.dtype)
+  hi, lo = lax.reduce(
+      (yb, yb), (neg_inf, pos_inf),
+      lambda a, b: (jnp.maximum(a[0], b[0]), jnp.minimum(a[1], b[1])), (1,))
+  m = jnp.maximum(hi, -lo) * jnp.abs(weight)
+  return jnp.where(jnp.isnan(m), jnp.inf, m)
 
 
 def _base_key(key: jax.Array | None, seed: int,
@@ -156,11 +193,39 @@ def _base_key(key: jax.Array | None, seed: int,
   return jax.random.fold_in(jax.random.key(seed), checksum)
 
 
-def _worker_uniform(key: jax.Array, axis_name: str,
-                    shape: tuple[int, ...]) -> jax.Array:
-  """Uniform [0, 1) noise, independent per worker."""
+def _check_noise(noise: str) -> None:
+  if noise not in _NOISES:
+    raise ValueError(f"noise must be one of {list(_NOISES)}, got {noise!r}")
+
+
+def _uniform(key: jax.Array, shape: tuple[int, ...], noise: str,
+             values: jax.Array | None = None) -> jax.Array:
+  """Uniform [0, 1) noise of ``shape`` from ``key``.
+
+  Args:
+    key: the PRNG key; equal keys give equal noise.
+    shape: the noise's shape.
+    noise: ``"hash"`` or ``"threefry"`` (module docstring).
+    values: for ``"hash"``, float32 values of ``shape`` whose bits are mixed
+      into the hash (the values being rounded); None mixes in zeros.
+  """
+  if noise == "threefry":
+    return jax.random.uniform(key, shape, jnp.float32)
+  salt = jax.random.bits(key, (), jnp.uint32)
+  size = 1
+  for dim in shape:
+    size *= dim
+  idx = lax.iota(jnp.uint32, size).reshape(shape)
+  return quant.hash_uniform_at(
+      idx, jnp.float32(0) if values is None else values, salt)
+
+
+def _worker_uniform(key: jax.Array, axis_name: str, shape: tuple[int, ...],
+                    noise: str, values: jax.Array | None = None
+                    ) -> jax.Array:
+  """Uniform [0, 1) noise, independent per worker (see :func:`_uniform`)."""
   worker_key = jax.random.fold_in(key, lax.axis_index(axis_name))
-  return jax.random.uniform(worker_key, shape, jnp.float32)
+  return _uniform(worker_key, shape, noise, values)
 
 
 def _nan_where(bad: jax.Array, values: jax.Array) -> jax.Array:
@@ -265,12 +330,17 @@ class GlobalQSGD(_Reducing):
       buckets are more accurate and cost one float32 per bucket in the
       scale ``pmax``.
     seed: seeds the rounding noise when no ``key`` is passed.
+    noise: ``"hash"`` or ``"threefry"``: how the rounding noise is drawn
+      (module docstring). With ``"hash"`` a worker's codes are
+      ``pallas_kernels.gqsgd_encode`` of its bucketed ``w_i x_i``, with the
+      worker's salt as ``seed``.
     name: the strategy's name.
   """
 
   wire: str = "int8"
   bucket_size: int | None = 1 << 16
   seed: int = 0
+  noise: str = "hash"
   name: str = "gqsgd"
 
   def __post_init__(self):
@@ -279,6 +349,7 @@ class GlobalQSGD(_Reducing):
                        f"got {self.wire!r}")
     if self.bucket_size is not None and self.bucket_size < 1:
       raise ValueError(f"bucket_size must be positive, got {self.bucket_size}")
+    _check_noise(self.noise)
 
   def levels(self, num_workers: int) -> int:
     """Levels per worker, ``floor(qmax / n)`` (capped at 2**24).
@@ -308,16 +379,20 @@ class GlobalQSGD(_Reducing):
       ValueError: more workers than the wire has levels for.
     """
     s = self.levels(lax.axis_size(axis_name))
-    yb = _to_buckets(x.astype(jnp.float32) * weight, self.bucket_size)
-    m = lax.pmax(_bucket_absmax(yb), axis_name)
+    xb = _to_buckets(x.astype(jnp.float32), self.bucket_size)
+    m = lax.pmax(_bucket_absmax(xb, weight), axis_name)
+    yb = xb * weight
     bad = ~jnp.isfinite(m)
     scale = jnp.where((m > 0) & ~bad, m / s, 1.0)[:, None]
-    u = _worker_uniform(_base_key(key, self.seed, m), axis_name, yb.shape)
+    v = yb / scale
+    u = _worker_uniform(_base_key(key, self.seed, m), axis_name, yb.shape,
+                        self.noise, v)
     # |y| / scale <= s up to the rounding of m / s; the clip keeps that
     # last ulp from ever producing the code s + 1.
-    q = jnp.clip(jnp.floor(yb / scale + u), -s, s)
+    q = jnp.clip(jnp.floor(v + u), -s, s)
     total = lax.psum(q.astype(self.wire), axis_name)
-    mean = _nan_where(bad, total.astype(jnp.float32) * scale)
+    # NaN in the decode scale marks the non-finite buckets in the same pass.
+    mean = total.astype(jnp.float32) * jnp.where(bad[:, None], jnp.nan, scale)
     return _from_buckets(mean, x), _from_buckets(q * scale, x)
 
   def wire_bytes(self, num_elements: int, num_workers: int) -> float:
@@ -406,16 +481,21 @@ class GlobalQSGDExp(_Reducing):
   Attributes:
     bucket_size: elements sharing one scale (``None``: one per call).
     seed: seeds the rounding noise when no ``key`` is passed.
+    noise: ``"hash"`` or ``"threefry"`` (module docstring). A merge's noise
+      comes from the pair's shared key alone (with ``"hash"``: zeros mixed
+      in), so both workers of a pair draw the same values.
     name: the strategy's name.
   """
 
   bucket_size: int | None = 1 << 16
   seed: int = 0
+  noise: str = "hash"
   name: str = "gqsgd_exp"
 
   def __post_init__(self):
     if self.bucket_size is not None and self.bucket_size < 1:
       raise ValueError(f"bucket_size must be positive, got {self.bucket_size}")
+    _check_noise(self.noise)
 
   @staticmethod
   def _stages(num_workers: int) -> int:
@@ -439,13 +519,15 @@ class GlobalQSGDExp(_Reducing):
     """
     n = lax.axis_size(axis_name)
     stages = self._stages(n)
-    yb = _to_buckets(x.astype(jnp.float32) * weight, self.bucket_size)
-    m = lax.pmax(_bucket_absmax(yb), axis_name)
+    xb = _to_buckets(x.astype(jnp.float32), self.bucket_size)
+    m = lax.pmax(_bucket_absmax(xb, weight), axis_name)
+    yb = xb * weight
     bad = ~jnp.isfinite(m)
     norm = jnp.where((m > 0) & ~bad, 2.0 * n * m, 1.0)[:, None]
     compress_key, merge_key = jax.random.split(_base_key(key, self.seed, m))
-    sent = _exp_compress(yb / norm,
-                         _worker_uniform(compress_key, axis_name, yb.shape))
+    a = yb / norm
+    sent = _exp_compress(
+        a, _worker_uniform(compress_key, axis_name, yb.shape, self.noise, a))
     code, worker = sent, lax.axis_index(axis_name)
     for t in range(stages):
       partner = lax.ppermute(code, axis_name,
@@ -453,7 +535,7 @@ class GlobalQSGDExp(_Reducing):
       block_key = jax.random.fold_in(jax.random.fold_in(merge_key, t),
                                      worker >> (t + 1))
       code = _exp_merge(code, partner,
-                        jax.random.uniform(block_key, yb.shape, jnp.float32))
+                        _uniform(block_key, yb.shape, self.noise))
     mean = _nan_where(bad, _exp_decode(code) * norm)
     return _from_buckets(mean, x), _from_buckets(_exp_decode(sent) * norm, x)
 
@@ -488,6 +570,7 @@ class QSGD(_Reducing):
     norm: ``"l2"`` (the paper's) or ``"linf"`` (the Global-QSGD baseline's).
     bucket_size: elements sharing one norm (``None``: one per call).
     seed: seeds the rounding noise when no ``key`` is passed.
+    noise: ``"hash"`` or ``"threefry"`` (module docstring).
     name: the strategy's name.
   """
 
@@ -495,6 +578,7 @@ class QSGD(_Reducing):
   norm: str = "l2"
   bucket_size: int | None = 512
   seed: int = 0
+  noise: str = "hash"
   name: str = "qsgd"
 
   def __post_init__(self):
@@ -505,6 +589,7 @@ class QSGD(_Reducing):
       raise ValueError(f"QSGD norm must be 'l2' or 'linf', got {self.norm!r}")
     if self.bucket_size is not None and self.bucket_size < 1:
       raise ValueError(f"bucket_size must be positive, got {self.bucket_size}")
+    _check_noise(self.noise)
 
   def reduce(self, x: jax.Array, weight: jax.Array, axis_name: str,
              key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -516,19 +601,23 @@ class QSGD(_Reducing):
       axis_name: the workers' axis.
       key: PRNG key, the same on every worker; fresh per call.
     """
-    yb = _to_buckets(x.astype(jnp.float32) * weight, self.bucket_size)
+    xb = _to_buckets(x.astype(jnp.float32), self.bucket_size)
+    yb = xb * weight
     if self.norm == "l2":
       norm = jnp.sqrt(jnp.sum(yb * yb, axis=1))
     else:
-      norm = jnp.max(jnp.abs(yb), axis=1)
-    # A NaN norm (non-finite bucket) makes every decoded value of that bucket
-    # NaN on all workers.
-    norm = jnp.where(jnp.all(jnp.isfinite(yb), axis=1), norm, jnp.nan)
+      norm = _bucket_absmax(xb, weight)
+    # A non-finite bucket has a non-finite norm (a NaN or inf element makes
+    # the sum of squares or the max non-finite); a NaN norm makes every
+    # decoded value of that bucket NaN on all workers.
+    norm = jnp.where(jnp.isfinite(norm), norm, jnp.nan)
     scale = (jnp.where(norm == 0, 1.0, norm) / self.levels)[:, None]
     # No shared value exists before the gather: the local norms vary the
     # default key per step and fold_in(axis_index) separates the workers.
-    u = _worker_uniform(_base_key(key, self.seed, norm), axis_name, yb.shape)
-    q = jnp.clip(jnp.floor(yb / scale + u), -self.levels, self.levels)
+    v = yb / scale
+    u = _worker_uniform(_base_key(key, self.seed, norm), axis_name, yb.shape,
+                        self.noise, v)
+    q = jnp.clip(jnp.floor(v + u), -self.levels, self.levels)
     codes = lax.all_gather(q.astype(_code_dtype(self.levels)), axis_name)
     scales = lax.all_gather(scale, axis_name)
     mean = jnp.sum(codes.astype(jnp.float32) * scales, axis=0)

@@ -18,6 +18,8 @@ Every schedule provides
 * ``sync_steps(total_steps) -> list[int]``: every sync step in
   ``1..total_steps``, the same answers as ``is_sync_step``, known before
   training;
+* ``round_length(t) -> int``: ``H``, the number of steps in the round that
+  contains step ``t`` (1 for a step that averages gradients);
 * ``state_dict()`` / ``load_state_dict(state)``: JSON-able state so a
   resumed run continues the same schedule. Stateless schedules return ``{}``
   and ignore what they are given, so a run may resume under another
@@ -50,6 +52,9 @@ class Schedule(Protocol):
   def sync_steps(self, total_steps: int) -> list[int]:
     ...
 
+  def round_length(self, step: int) -> int:
+    ...
+
   def state_dict(self) -> dict[str, Any]:
     ...
 
@@ -64,6 +69,15 @@ def _is_int(value: Any) -> bool:
 def _check_period(h: int, what: str = "h") -> None:
   if not _is_int(h) or h < 1:
     raise ValueError(f"{what} must be a positive integer, got {h!r}")
+
+
+def _periodic_round(step: int, offset: int, h: int,
+                    total_steps: int | None) -> int:
+  """Length of the round holding ``step`` when rounds of ``h`` start at
+  ``offset`` and the last one ends at ``total_steps``."""
+  start = offset + (step - offset - 1) // h * h
+  end = start + h if total_steps is None else min(start + h, total_steps)
+  return max(end - start, 1)
 
 
 class _Stateless:
@@ -103,6 +117,11 @@ class EveryStep(_Stateless):
     del step
     return True
 
+  def round_length(self, step: int) -> int:
+    """Returns 1: every round is one step."""
+    del step
+    return 1
+
 
 @dataclasses.dataclass(frozen=True)
 class ConstantLocalSGD(_Stateless):
@@ -129,6 +148,10 @@ class ConstantLocalSGD(_Stateless):
   def is_sync_step(self, step: int) -> bool:
     """Whether parameters are averaged after step ``step`` (1-based)."""
     return step >= 1 and (step % self.h == 0 or step == self.total_steps)
+
+  def round_length(self, step: int) -> int:
+    """``h``, or less for a last round cut at ``total_steps``."""
+    return _periodic_round(step, 0, self.h, self.total_steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +194,12 @@ class PostLocalSGD(_Stateless):
     return (step <= self.switch_step
             or (step - self.switch_step) % self.h == 0
             or step == self.total_steps)
+
+  def round_length(self, step: int) -> int:
+    """1 up to the switch, then ``h`` (less for a cut last round)."""
+    if step <= self.switch_step:
+      return 1
+    return _periodic_round(step, self.switch_step, self.h, self.total_steps)
 
 
 LearningRate = float | Callable[[int], Any]
@@ -276,6 +305,18 @@ class QSR:
       self._next_sync = start + self._h
     return step == self._next_sync
 
+  def round_length(self, step: int) -> int:
+    """The period ``H`` of the round that contains step ``step``."""
+    self.is_sync_step(step)  # advances the state to step's round if ahead
+    if self._next_sync - self._h < step <= self._next_sync:
+      return self._h
+    s = 0
+    while True:  # an earlier round: replay
+      h = self.period(s)
+      if step <= s + h:
+        return h
+      s += h
+
   def _replay(self, total_steps: int) -> list[int]:
     """The sync steps in ``1..total_steps`` from a fresh start."""
     steps, s = [], 0
@@ -307,3 +348,54 @@ class QSR:
       raise ValueError("a QSR state holds exactly 'h' and 'next_sync', got "
                        f"{sorted(state)}")
     self._h, self._next_sync = int(state["h"]), int(state["next_sync"])
+
+
+SCHEDULES = ("dp", "local", "postlocal", "qsr")
+
+
+def make_schedule(name: str, *, total_steps: int,
+                  lr_schedule: LearningRate | None = None, h_base: int = 1,
+                  alpha: float = 0.0, gamma: float = 2.0,
+                  warmup_steps: int = 0, switch_step: int = 0) -> Schedule:
+  """Builds a schedule by name, as the trainer's ``--sync`` flag names it.
+
+  Args:
+    name: ``"dp"`` (average gradients every step), ``"local"`` (average
+      parameters every ``h_base`` steps), ``"postlocal"`` (``dp`` for
+      ``switch_step`` steps, then ``local``) or ``"qsr"``
+      (:class:`QSR` with ``alpha``, ``gamma``, ``h_base`` and
+      ``warmup_steps``).
+    total_steps: the number of training steps; local schedules end with an
+      average at the last one.
+    lr_schedule: the optax learning-rate schedule (or constant) QSR reads.
+    h_base: the constant period, or QSR's smallest one.
+    alpha: QSR's growth coefficient.
+    gamma: QSR's exponent (1 linear, 2 QSR, 3 cubic).
+    warmup_steps: QSR keeps ``h_base`` during LR warmup.
+    switch_step: post-local SGD's data-parallel steps.
+
+  Returns:
+    The schedule.
+
+  Raises:
+    ValueError: an unknown name, or QSR without a learning rate or with
+      ``alpha <= 0`` (which is constant ``H``: use ``"local"``).
+  """
+  if name == "dp":
+    return EveryStep()
+  if name == "local":
+    return ConstantLocalSGD(h_base, total_steps=total_steps)
+  if name == "postlocal":
+    return PostLocalSGD(switch_step, h_base, total_steps=total_steps)
+  if name == "qsr":
+    if lr_schedule is None:
+      raise ValueError("the qsr schedule needs the learning-rate schedule")
+    if not alpha > 0:
+      raise ValueError(f"the qsr schedule needs alpha > 0, got {alpha} "
+                       "(alpha = 0 is a constant period: use sync=local)")
+    name_of = {1.0: "qsr_linear", 2.0: "qsr", 3.0: "qsr_cubic"}
+    return QSR(lr_schedule, total_steps=total_steps, alpha=alpha,
+               h_base=h_base, gamma=gamma, warmup_steps=warmup_steps,
+               name=name_of.get(float(gamma), f"qsr_gamma{gamma:g}"))
+  raise ValueError(f"unknown sync schedule {name!r}; valid: "
+                   f"{', '.join(SCHEDULES)}")

@@ -7,6 +7,16 @@ for its device from its plan. The workers meet in one separate jitted
 ``jax.shard_map`` over a mesh of all workers, which averages the gradients and
 applies the (identical) optax update on every worker.
 
+Synchronization follows a schedule (:mod:`qsync_jax.sync`). A step that
+averages gradients runs the averaging program above. Any other step is a
+local step: every worker applies its own gradient with its own optimizer
+state, with no collective. After a local step that ends a round, the workers
+average their parameters: each sends its change since the last
+synchronization (a pseudo-gradient, whose magnitudes suit the quantizing
+averagers of :mod:`qsync_jax.comm` where the raw parameters would not) and
+adds the averaged change to the common starting point. Optimizer state stays
+local, as in the QSR reference code.
+
 State layout, chosen so a step costs few host operations:
 
 * parameters are one flat float32 vector per worker, stacked into a global
@@ -15,7 +25,10 @@ State layout, chosen so a step costs few host operations:
   global array is assembled with one ``make_array_from_single_device_arrays``;
 * optimizer state and the loss scale are stacked the same way and only ever
   touched inside the shard_map program;
-* the rest of the model state (BatchNorm statistics) stays local per worker.
+* the rest of the model state (BatchNorm statistics) stays local per worker;
+* the parameters at the last synchronization (the *anchor* of local SGD) are
+  a reference to an earlier ``params`` array, not a copy, so data
+  parallelism pays nothing for them.
 
 Every worker's parameters and optimizer state stay identical under data
 parallelism; the stacked layout is what local SGD (per-worker parameters)
@@ -132,6 +145,16 @@ class HybridTrainer:
       a layer in FP16), ``True`` or ``False``.
     sample_input: an input the model accepts, to trace layer paths (default
       ``model.input_spec``).
+    error_feedback: keep each worker's compression error and send it again
+      with the next average (:func:`qsync_jax.comm.compress_with_feedback`).
+      The residual is kept in unscaled units, so a changing loss scale does
+      not distort it.
+    seed: seeds the averagers' rounding noise (a fresh key per average,
+      the same on every worker).
+
+  With local steps and loss scaling, each worker keeps its own loss scale
+  and skips only its own non-finite steps; :attr:`skipped_steps` and
+  :attr:`current_loss_scale` report the first local worker.
 
   Raises:
     ValueError: no worker, two workers on one device, or a bad batch size.
@@ -144,7 +167,8 @@ class HybridTrainer:
                averager: Any = None, schedule: Any = None,
                grad_weights: Sequence[float] | None = None,
                loss_scaling: bool | str = "auto",
-               sample_input: Any = None):
+               sample_input: Any = None, error_feedback: bool = False,
+               seed: int = 0):
     if not workers:
       raise ValueError("HybridTrainer needs at least one worker")
     devices = [w.device for w in workers]
@@ -159,6 +183,8 @@ class HybridTrainer:
     self.loss_fn = loss_fn
     self.averager = averager or comm.MeanAverager()
     self.schedule = schedule or sync.EveryStep()
+    self.error_feedback = bool(error_feedback)
+    self.seed = int(seed)
     self.mesh = Mesh(np.array(devices), (AXIS,))
     self.sharding = NamedSharding(self.mesh, P(AXIS))
     self.local_workers = [i for i, w in enumerate(workers)
@@ -205,8 +231,11 @@ class HybridTrainer:
     for gd in self._graphdef_of:
       self._grad_fns.setdefault(id(gd), self._make_grad_fn(gd))
     self._update = self._make_update()
+    self._local_update = self._make_local_update()
+    self._average_params = self._make_average_params()
     self._eval_fn = self._make_eval_fn()
     self._mean_rest = None
+    self._mean_params = None
 
     # Initial state: the same parameters on every worker.
     self.params = _stack_local(
@@ -220,6 +249,12 @@ class HybridTrainer:
                   else ls.LossScale.disabled())
     self.opt_state, self.loss_scale = self._make_init(init_scale)(self.params)
     self._weights = self._stacked_constant(self.grad_weights)
+    # Counts averages; keys each one's rounding noise (same on all workers).
+    self._counter = self._stacked_constant(np.zeros(n, np.uint32))
+    self.residual = (self._zeros_like_params()
+                     if self.error_feedback else None)
+    self._anchor = self.params
+    self._finite = None
     self.step = 0
     self.sync_rounds = 0
     self.comm_bytes = 0.0
@@ -233,6 +268,10 @@ class HybridTrainer:
         {self.workers[i].device: jax.device_put(values[i:i + 1],
                                                 self.workers[i].device)
          for i in self.local_workers}, values.shape, self.sharding)
+
+  def _zeros_like_params(self) -> jax.Array:
+    # out_shardings: an output that reads no input would land on one device.
+    return jax.jit(jnp.zeros_like, out_shardings=self.sharding)(self.params)
 
   def _shard_map(self, fn, num_in: int, out_specs=P(AXIS)):
     return jax.jit(jax.shard_map(fn, mesh=self.mesh,
@@ -253,27 +292,77 @@ class HybridTrainer:
   def _make_grad_fn(self, graphdef):
     return grad_function(graphdef, self._unravel, self.loss_fn)
 
+  def _average(self, x, weight, counter, residual):
+    """``sum_i w_i x_i`` through the averager; error feedback if on.
+
+    Runs inside the shard_map programs. Returns ``(mean, new_residual)``.
+    """
+    key = jax.random.fold_in(jax.random.key(self.seed), counter)
+    if residual is None:
+      return self.averager(x, weight, AXIS, key), None
+    return comm.compress_with_feedback(self.averager, x, residual, weight,
+                                       AXIS, key)
+
+  def _apply(self, params, opt_state, scale, g, finite):
+    """One optax step on gradient ``g``, skipped where not ``finite``."""
+    unravel, tx = self._unravel, self.tx
+    opt = jax.tree.map(lambda x: x[0], opt_state)
+    p = unravel(params[0])
+    updates, new_opt = tx.update(unravel(g), opt, p)
+    new_p = ravel_pytree(optax.apply_updates(p, updates))[0]
+    new_p = jnp.where(finite, new_p, params[0])
+    new_opt = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_opt, opt)
+    new_scale = ls.update(jax.tree.map(lambda x: x[0], scale), finite)
+    expand = lambda x: jnp.asarray(x)[None]
+    return (new_p[None], jax.tree.map(expand, new_opt),
+            jax.tree.map(expand, new_scale), finite[None])
+
   def _make_update(self):
-    unravel, tx, averager = self._unravel, self.tx, self.averager
+    """The data-parallel step: average gradients, then the optax update."""
+    feedback = self.error_feedback
 
-    def update(params, opt_state, scale, grads, weight):
-      g = averager(grads[0], weight[0], AXIS)
-      finite = jnp.all(jnp.isfinite(g))
-      g = g / scale.scale[0]
-      opt = jax.tree.map(lambda x: x[0], opt_state)
-      p = unravel(params[0])
-      updates, new_opt = tx.update(unravel(g), opt, p)
-      new_p = ravel_pytree(optax.apply_updates(p, updates))[0]
+    def update(params, opt_state, scale, grads, weight, counter, residual):
+      s = scale.scale[0]
+      if feedback:
+        # The residual is unscaled: average g / s, not the scaled gradient.
+        g, new_res = self._average(grads[0] / s, weight[0], counter[0],
+                                   residual[0])
+      else:
+        g, new_res = self._average(grads[0], weight[0], counter[0], None)
+        g = g / s
       # A non-finite gradient on any worker skips the step everywhere.
-      new_p = jnp.where(finite, new_p, params[0])
-      new_opt = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_opt,
-                             opt)
-      new_scale = ls.update(jax.tree.map(lambda x: x[0], scale), finite)
-      expand = lambda x: jnp.asarray(x)[None]
-      return (new_p[None], jax.tree.map(expand, new_opt),
-              jax.tree.map(expand, new_scale), finite[None])
+      finite = jnp.all(jnp.isfinite(g))
+      out = self._apply(params, opt_state, scale, g, finite)
+      if feedback:
+        new_res = jnp.where(finite, new_res, residual[0])[None]
+      else:
+        new_res = residual
+      return (*out, counter + 1, new_res)
 
-    return self._shard_map(update, 5)
+    return self._shard_map(update, 7)
+
+  def _make_local_update(self):
+    """A local step: each worker applies its own gradient; no collective."""
+
+    def local_update(params, opt_state, scale, grads):
+      g = grads[0] / scale.scale[0]
+      return self._apply(params, opt_state, scale, g,
+                         jnp.all(jnp.isfinite(g)))
+
+    return self._shard_map(local_update, 4)
+
+  def _make_average_params(self):
+    """Averages the parameters' change since the last synchronization."""
+
+    def average(params, anchor, weight, counter, residual):
+      delta, new_res = self._average(params[0] - anchor[0], weight[0],
+                                     counter[0],
+                                     None if residual is None else residual[0])
+      new_p = anchor[0] + delta
+      new_res = residual if new_res is None else new_res[None]
+      return new_p[None], counter + 1, new_res
+
+    return self._shard_map(average, 5)
 
   def _make_eval_fn(self):
     unravel, graphdef, loss_fn = self._unravel, self._eval_graphdef, (
@@ -320,13 +409,34 @@ class HybridTrainer:
       grad_rows[w.device] = g
       metrics[i] = {"loss": loss, "accuracy": acc}
     grads = _stack_local(grad_rows, self.params.shape, self.sharding)
-    self.params, self.opt_state, self.loss_scale, self._finite = self._update(
-        self.params, self.opt_state, self.loss_scale, grads, self._weights)
-    self.step += 1
-    self.sync_rounds += 1
-    self.comm_bytes += self.averager.wire_bytes(self.num_params,
-                                                self.num_workers)
+    step = self.step + 1
+    wire = self.averager.wire_bytes(self.num_params, self.num_workers)
+    if self.schedule.averages_gradients_at(step):
+      (self.params, self.opt_state, self.loss_scale, self._finite,
+       self._counter, self.residual) = self._update(
+           self.params, self.opt_state, self.loss_scale, grads, self._weights,
+           self._counter, self.residual)
+      synced = True
+    else:
+      self.params, self.opt_state, self.loss_scale, self._finite = (
+          self._local_update(self.params, self.opt_state, self.loss_scale,
+                             grads))
+      synced = self.schedule.is_sync_step(step)
+      if synced:
+        self.params, self._counter, self.residual = self._average_params(
+            self.params, self._anchor, self._weights, self._counter,
+            self.residual)
+    self.step = step
+    if synced:
+      self._anchor = self.params
+      self.sync_rounds += 1
+      self.comm_bytes += wire
     return metrics
+
+  @property
+  def in_sync(self) -> bool:
+    """Whether every worker holds the same parameters (after a sync)."""
+    return self._anchor is self.params
 
   def update_call(self) -> Callable[[], Any]:
     """A call that runs the update program once on zero gradients.
@@ -334,15 +444,21 @@ class HybridTrainer:
     The state is left unchanged; the predictor times this call (averaging
     plus optimizer, no layers) as one piece of a profile.
     """
-    zeros = jax.jit(jnp.zeros_like)(self.params)
+    zeros = self._zeros_like_params()
 
     def run():
       return self._update(self.params, self.opt_state, self.loss_scale, zeros,
-                          self._weights)
+                          self._weights, self._counter, self.residual)
     return run
 
   def last_step_finite(self) -> bool:
-    """Whether the last step's averaged gradient was finite (not skipped)."""
+    """Whether the last step's gradient was finite (the step not skipped).
+
+    After a data-parallel step this is the averaged gradient, the same on
+    every worker; after a local step, the first local worker's.
+    """
+    if self._finite is None:
+      raise ValueError("no step has run yet")
     return bool(_local_scalar(self._finite))
 
   @property
@@ -394,17 +510,32 @@ class HybridTrainer:
     return jax.tree.map(lambda a: _rows(a)[first][0],
                         self._mean_rest(stacked))
 
+  def _evaluated_params(self) -> jax.Array:
+    """The stacked parameters to evaluate: the workers' weighted mean.
+
+    In sync that is every worker's own row; in the middle of a local-SGD
+    round the workers' exact float32 mean, which leaves training untouched
+    (no wire bytes, no sync round).
+    """
+    if self.in_sync:
+      return self.params
+    if self._mean_params is None:
+      self._mean_params = self._shard_map(
+          lambda p, w: jax.lax.psum(p * w[0], AXIS), 2)
+    return self._mean_params(self.params, self._weights)
+
   def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 256
                ) -> dict[str, float]:
     """Mean loss and accuracy over (x, y) with FP32 compute.
 
-    BatchNorm statistics are averaged across workers first; the first local
-    worker's device runs the evaluation.
+    The model evaluated is the workers' average: BatchNorm statistics are
+    averaged across workers first, and so are the parameters in the middle
+    of a local-SGD round. The first local worker's device runs it.
     """
     from qsync_jax import data as data_lib  # local: data imports are heavy
     rest = self._averaged_rest()
     first = self.workers[self.local_workers[0]].device
-    row = _rows(self.params)[first]
+    row = _rows(self._evaluated_params())[first]
     loss_sum = correct = count = 0.0
     for xb, yb in data_lib.eval_batches(x, y, batch_size):
       xb, yb = jax.device_put((xb, yb), first)
@@ -426,14 +557,19 @@ class HybridTrainer:
 
   def state_tree(self) -> dict[str, Any]:
     """The arrays a checkpoint holds (global arrays over the workers)."""
-    return {"params": self.params, "opt_state": self.opt_state,
-            "loss_scale": self.loss_scale, "rest": self._stacked_rest()}
+    tree = {"params": self.params, "opt_state": self.opt_state,
+            "loss_scale": self.loss_scale, "rest": self._stacked_rest(),
+            "anchor": self._anchor, "counter": self._counter}
+    if self.residual is not None:
+      tree["residual"] = self.residual
+    return tree
 
   def state_meta(self) -> dict[str, Any]:
     """The host-side state a checkpoint holds (JSON)."""
     return {"step": self.step, "sync_rounds": self.sync_rounds,
             "comm_bytes": self.comm_bytes,
             "schedule": self.schedule.state_dict(),
+            "in_sync": self.in_sync,
             "plans": [w.plan.to_dict() for w in self.workers],
             "kinds": [w.kind for w in self.workers]}
 
@@ -451,6 +587,12 @@ class HybridTrainer:
           f"(kinds {meta.get('kinds')} vs {kinds}); resume with the same "
           "cluster and plans, or start a new run directory")
     self.params = tree["params"]
+    # A synced checkpoint's anchor is its params: keep them one array.
+    self._anchor = (self.params if meta.get("in_sync", True)
+                    else tree["anchor"])
+    self._counter = tree["counter"]
+    if self.residual is not None:
+      self.residual = tree["residual"]
     self.opt_state = tree["opt_state"]
     self.loss_scale = ls.LossScale(*tree["loss_scale"])
     leaves, treedef = jax.tree.flatten(tree["rest"])

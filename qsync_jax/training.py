@@ -25,9 +25,11 @@ import numpy as np
 import optax
 
 from qsync_jax import cluster as cluster_lib
+from qsync_jax import comm
 from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
 from qsync_jax import planning
+from qsync_jax import sync
 from qsync_jax.checkpoint import Checkpointer
 from qsync_jax.precision import PrecisionPlan
 from qsync_jax.trainer import HybridTrainer, Worker
@@ -145,18 +147,60 @@ def auto_plans(config: ml_collections.ConfigDict, model: nnx.Module,
       baselines=False)
 
 
+def make_learning_rate(config: ml_collections.ConfigDict) -> optax.ScalarOrSchedule:
+  """The learning rate: a constant, or an optax warmup-cosine schedule.
+
+  The cosine warms up linearly from 0 over ``config.warmup_steps`` and
+  decays to ``config.final_learning_rate`` at ``config.steps``.
+  """
+  if config.lr_schedule == "constant":
+    return config.learning_rate
+  if config.lr_schedule == "cosine":
+    end = config.get("final_learning_rate", 0.0)
+    if not config.warmup_steps:  # optax warns about an empty warmup
+      return optax.cosine_decay_schedule(
+          config.learning_rate, config.steps,
+          alpha=end / config.learning_rate if config.learning_rate else 0.0)
+    return optax.warmup_cosine_decay_schedule(
+        0.0, config.learning_rate, config.warmup_steps, config.steps,
+        end_value=end)
+  raise ValueError(f"unknown lr_schedule {config.lr_schedule!r}; valid: "
+                   "constant, cosine")
+
+
 def make_optimizer(config: ml_collections.ConfigDict
                    ) -> optax.GradientTransformation:
-  """Adam with a constant or warmup-cosine learning rate."""
-  if config.lr_schedule == "constant":
-    lr = config.learning_rate
-  elif config.lr_schedule == "cosine":
-    lr = optax.warmup_cosine_decay_schedule(
-        0.0, config.learning_rate, config.warmup_steps, config.steps)
-  else:
-    raise ValueError(f"unknown lr_schedule {config.lr_schedule!r}; valid: "
-                     "constant, cosine")
-  return optax.adam(lr)
+  """``config.optimizer``: Adam, or SGD with ``config.momentum`` (0: none)."""
+  lr = make_learning_rate(config)
+  name = config.get("optimizer", "adam")
+  if name == "adam":
+    return optax.adam(lr)
+  if name == "sgd":
+    return optax.sgd(lr, momentum=config.get("momentum", 0.0) or None)
+  raise ValueError(f"unknown optimizer {name!r}; valid: adam, sgd")
+
+
+def make_schedule(config: ml_collections.ConfigDict) -> sync.Schedule:
+  """The synchronization schedule of ``config.sync`` (see sync.make_schedule).
+
+  QSR reads the learning-rate schedule and keeps ``h_base`` during warmup.
+  """
+  return sync.make_schedule(
+      config.get("sync", "dp"), total_steps=config.steps,
+      lr_schedule=make_learning_rate(config),
+      h_base=config.get("h_base", 1), alpha=config.get("alpha", 0.0),
+      gamma=config.get("gamma", 2.0), warmup_steps=config.warmup_steps,
+      switch_step=config.get("switch_step", 0))
+
+
+def make_averager(config: ml_collections.ConfigDict) -> comm.Averager:
+  """The averaging strategy of ``config.compress`` (see comm.make_averager),
+  with ``config.compress_kwargs`` and the run's seed for its noise."""
+  kwargs = to_plain(config.get("compress_kwargs", {})) or {}
+  name = config.get("compress", "none")
+  if name in ("gqsgd", "gqsgd_exp", "qsgd"):
+    kwargs.setdefault("seed", config.seed)
+  return comm.make_averager(name, **kwargs)
 
 
 def _write_json(path: str, value: Any) -> None:
@@ -235,7 +279,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   else:
     raise ValueError(f"unknown plan_mode {plan_mode!r}; valid: auto, manual")
   workers = make_workers(config, plans=plans)
-  trainer = HybridTrainer(model, workers, make_optimizer(config))
+  schedule = make_schedule(config)
+  trainer = HybridTrainer(model, workers, make_optimizer(config),
+                          averager=make_averager(config), schedule=schedule,
+                          error_feedback=config.get("error_feedback", False),
+                          seed=config.seed)
   batcher = data_lib.WorkerBatcher(dataset.x_train, dataset.y_train,
                                    [w.batch_size for w in workers],
                                    seed=config.seed)
@@ -264,6 +312,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     logging.info("worker %d: %s on %s, batch %d, plan %s", i, w.kind,
                  w.device, w.batch_size, w.plan)
   logging.info("loss scaling: %s", trainer.loss_scaling)
+  logging.info("sync %s (%d sync rounds planned over %d steps), averaging %s",
+               schedule.name, len(schedule.sync_steps(config.steps)),
+               config.steps, trainer.averager.name)
 
   global_batch = sum(w.batch_size for w in workers)
   start = time.perf_counter()
@@ -286,6 +337,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       last_train = {"loss": loss, "accuracy": acc}
       row = {"step": done, "loss": loss, "accuracy": acc,
              "examples_per_s": rate, "loss_scale": trainer.current_loss_scale,
+             "H": schedule.round_length(done),
              "sync_rounds": trainer.sync_rounds,
              "comm_bytes": trainer.comm_bytes}
       logging.info("step %d/%d loss %.4f accuracy %.3f %.0f examples/s",
@@ -319,6 +371,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       "final_train_loss": last_train.get("loss"),
       "steps": trainer.step,
       "steps_this_run": trainer.step - start_step,
+      "sync": schedule.name,
+      "compress": trainer.averager.name,
+      "error_feedback": trainer.error_feedback,
       "sync_rounds": trainer.sync_rounds,
       "comm_bytes": trainer.comm_bytes,
       "wall_time_s": wall,

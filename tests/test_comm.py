@@ -158,15 +158,46 @@ def test_levels_fill_the_wire_without_overflow():
     comm.GlobalQSGD(wire="int4")
 
 
-@pytest.mark.parametrize("wire", ["int8", "int16"])
-def test_gqsgd_is_unbiased_with_unequal_weights(wire):
+@pytest.mark.parametrize("wire,noise", [("int8", "hash"), ("int16", "hash"),
+                                        ("int8", "threefry")])
+def test_gqsgd_is_unbiased_with_unequal_weights(wire, noise):
   x, w, exact = problem(8)
-  out = draws(comm.GlobalQSGD(wire=wire), x, w, 2000)
+  out = draws(comm.GlobalQSGD(wire=wire, noise=noise), x, w, 2000)
   assert_replicas_identical(out)
   assert_unbiased(out, exact)
   # The per-element standard deviation respects sqrt(n) * scale / 2.
   scale = np.abs(x * w[:, None]).max() / comm.GlobalQSGD(wire=wire).levels(8)
   assert float(out[:, 0].std(axis=0).max()) <= np.sqrt(8) * scale / 2
+
+
+def test_gqsgd_hash_codes_are_the_pallas_encode():
+  # With hash noise a worker's codes are pallas_kernels.gqsgd_encode of its
+  # bucketed w_i x_i, seeded with the worker's salt.
+  import pallas_kernels as pk
+  n, d, bucket = 4, 96, 32
+  x, w, _ = problem(n, d=d)
+  key = jax.random.key(7)
+  averager = comm.GlobalQSGD(bucket_size=bucket)
+  _, sent = jax.jit(jax.vmap(lambda xi, wi: averager.reduce(xi, wi, AXIS, key),
+                             axis_name=AXIS))(x, w)
+  yb = (x * w[:, None]).reshape(n, d // bucket, bucket)
+  m = np.abs(yb).max(axis=(0, 2))
+  s = averager.levels(n)
+  for i in range(n):
+    salt = jax.random.bits(jax.random.fold_in(key, i), (), jnp.uint32)
+    codes = pk.gqsgd_encode_reference(yb[i], m, s, seed=salt)
+    np.testing.assert_array_equal(
+        np.asarray(sent[i]), pk.gqsgd_decode(codes, m, s).reshape(-1))
+
+
+def test_hash_noise_differs_per_worker_and_per_key():
+  x = np.broadcast_to(np.linspace(-1, 1, 256, dtype=np.float32), (4, 256))
+  averager = comm.GlobalQSGD()
+  run = jax.jit(jax.vmap(lambda xi, k: averager.reduce(xi, 0.25, AXIS, k)[1],
+                         in_axes=(0, None), axis_name=AXIS))
+  a = np.asarray(run(x, jax.random.key(0)))
+  b = np.asarray(run(x, jax.random.key(1)))
+  assert len({row.tobytes() for row in np.concatenate([a, b])}) == 8
 
 
 def test_statistical_test_catches_a_biased_estimate():
@@ -231,6 +262,22 @@ def test_non_finite_inputs_stay_non_finite():
     assert not np.isfinite(np.asarray(out)).all(), averager.name
 
 
+@pytest.mark.parametrize("averager", [
+    comm.GlobalQSGD(), comm.GlobalQSGDExp(),
+    comm.QSGD(norm="linf", bucket_size=1 << 16)], ids=lambda a: a.name)
+def test_non_finite_values_inside_large_buckets_are_caught(averager):
+  # XLA:CPU reduces large rows with YNNPACK, whose max drops NaN: the bucket
+  # maxima must still see a NaN (or inf) in the middle of a 2**16 bucket.
+  bucket = 1 << 16
+  x = np.random.default_rng(0).normal(size=(4, 3 * bucket)).astype(np.float32)
+  x[1, bucket + 12345] = np.nan
+  x[2, 2 * bucket + 777] = -np.inf
+  out = np.asarray(simulate(averager, x, np.full(4, 0.25, np.float32),
+                            jax.random.key(0))[0]).reshape(3, bucket)
+  assert np.isfinite(out[0]).all()
+  assert np.isnan(out[1]).all() and np.isnan(out[2]).all()
+
+
 # ----------------------------------------------------------------------------
 # Global-QSGD, exponential dithering.
 # ----------------------------------------------------------------------------
@@ -268,10 +315,11 @@ def test_exponential_merge_is_exactly_unbiased_and_symmetric():
   assert (np.asarray(ab)[:, a + b == 0] == 0).all()
 
 
-@pytest.mark.parametrize("n", [1, 2, 8])
-def test_exponential_dithering_is_unbiased_and_bit_identical(n):
+@pytest.mark.parametrize("n,noise", [(1, "hash"), (2, "hash"), (8, "hash"),
+                                     (8, "threefry")])
+def test_exponential_dithering_is_unbiased_and_bit_identical(n, noise):
   x, w, exact = problem(n)
-  out = draws(comm.GlobalQSGDExp(), x, w, 3000)
+  out = draws(comm.GlobalQSGDExp(noise=noise), x, w, 3000)
   assert_replicas_identical(out)
   assert_unbiased(out, exact)
 
@@ -296,10 +344,13 @@ def test_exponential_dithering_needs_a_power_of_two():
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("norm,levels", [("l2", 127), ("linf", 15)])
-def test_qsgd_is_unbiased(norm, levels):
+@pytest.mark.parametrize("norm,levels,noise", [("l2", 127, "hash"),
+                                              ("linf", 15, "hash"),
+                                              ("l2", 127, "threefry")])
+def test_qsgd_is_unbiased(norm, levels, noise):
   x, w, exact = problem(8)
-  out = draws(comm.QSGD(levels=levels, norm=norm, bucket_size=16), x, w, 2000)
+  out = draws(comm.QSGD(levels=levels, norm=norm, bucket_size=16,
+                        noise=noise), x, w, 2000)
   assert_replicas_identical(out)
   assert_unbiased(out, exact)
 
@@ -381,3 +432,6 @@ def test_make_averager():
     comm.CastAverager("float8")
   with pytest.raises(ValueError, match="norm must be"):
     comm.QSGD(norm="l1")
+  for strategy in (comm.GlobalQSGD, comm.GlobalQSGDExp, comm.QSGD):
+    with pytest.raises(ValueError, match="noise must be one of"):
+      strategy(noise="philox")

@@ -139,3 +139,51 @@ def test_every_step_keeps_its_attribute():
   s = sync.EveryStep()
   assert s.averages_gradients and s.averages_gradients_at(7)
   assert s.is_sync_step(3) and s.sync_steps(3) == [1, 2, 3]
+
+
+def _rounds_from(syncs):
+  """H at every step from a list of sync steps."""
+  out, prev = [], 0
+  for s in syncs:
+    out += [s - prev] * (s - prev)
+    prev = s
+  return out
+
+
+def test_round_length_is_the_period_of_each_steps_round():
+  q = qsr_cosine()
+  assert [q.round_length(t) for t in range(1, 101)] == _rounds_from(
+      COSINE_SYNCS)
+  fresh = qsr_cosine()  # asked in order, as the trainer does, after a sync
+  lengths = []
+  for t in range(1, 101):
+    fresh.is_sync_step(t)
+    lengths.append(fresh.round_length(t))
+  assert lengths == _rounds_from(COSINE_SYNCS)
+  assert fresh.round_length(3) == 2  # an earlier round replays
+  local = sync.ConstantLocalSGD(4, total_steps=10)
+  assert [local.round_length(t) for t in range(1, 11)] == [4] * 8 + [2] * 2
+  post = sync.PostLocalSGD(3, 4, total_steps=12)
+  assert [post.round_length(t) for t in range(1, 13)] == _rounds_from(
+      post.sync_steps(12))
+  assert sync.EveryStep().round_length(7) == 1
+
+
+def test_make_schedule_builds_each_rule_and_rejects_bad_ones():
+  lr = cosine_lr()
+  q = sync.make_schedule("qsr", total_steps=100, lr_schedule=lr, h_base=2,
+                         alpha=0.2, warmup_steps=10)
+  assert q.sync_steps(100) == COSINE_SYNCS and q.name == "qsr"
+  assert sync.make_schedule("qsr", total_steps=100, lr_schedule=lr,
+                            alpha=0.2, gamma=3.0).name == "qsr_cubic"
+  assert sync.make_schedule("local", total_steps=10,
+                            h_base=4).sync_steps(10) == [4, 8, 10]
+  assert sync.make_schedule("postlocal", total_steps=10, h_base=4,
+                            switch_step=2).sync_steps(10) == [1, 2, 6, 10]
+  assert sync.make_schedule("dp", total_steps=3).sync_steps(3) == [1, 2, 3]
+  with pytest.raises(ValueError, match="alpha > 0"):
+    sync.make_schedule("qsr", total_steps=10, lr_schedule=lr)
+  with pytest.raises(ValueError, match="needs the learning-rate"):
+    sync.make_schedule("qsr", total_steps=10, alpha=0.1)
+  with pytest.raises(ValueError, match="unknown sync schedule 'ring'"):
+    sync.make_schedule("ring", total_steps=10)

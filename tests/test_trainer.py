@@ -213,3 +213,137 @@ def test_trainer_overhead_benchmark_reports_both_step_times():
                                   steps_per_round=2)
   assert r["hybrid_step_s"] > 0 and r["spmd_step_s"] > 0
   assert r["ratio"] == pytest.approx(r["hybrid_step_s"] / r["spmd_step_s"])
+
+
+# ----------------------------------------------------------------------
+# Synchronization schedules and averagers inside the trainer.
+# ----------------------------------------------------------------------
+
+
+def test_local_sgd_with_h1_and_plain_sgd_equals_data_parallel():
+  # x0 + mean_i(-lr g_i) == x0 - lr mean_i(g_i): equal up to float32
+  # rounding, and never bit-identical by construction (the sums differ).
+  sizes = [8, 8, 8, 8]
+  dp = HybridTrainer(_cnn(), _workers(sizes), optax.sgd(0.1))
+  local = HybridTrainer(_cnn(), _workers(sizes), optax.sgd(0.1),
+                        schedule=qs.sync.ConstantLocalSGD(1))
+  for step in range(4):
+    batches = _split(*_batch(32, seed=step), sizes)
+    dp.train_step(batches)
+    local.train_step(batches)
+  np.testing.assert_allclose(np.asarray(local.params), np.asarray(dp.params),
+                             rtol=0, atol=2e-6)
+  assert local.sync_rounds == dp.sync_rounds == 4
+  assert local.comm_bytes == dp.comm_bytes
+
+
+def test_local_sgd_rounds_keep_workers_apart_until_the_average():
+  sizes = [8, 8, 8, 8]
+  trainer = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2),
+                          schedule=qs.sync.ConstantLocalSGD(3, total_steps=7))
+  start = np.asarray(trainer.params)[0]
+  local_rows = []
+  for step in range(1, 8):
+    trainer.train_step(_split(*_batch(32, seed=step), sizes))
+    rows = np.asarray(trainer.params)
+    identical = all(np.array_equal(r, rows[0]) for r in rows[1:])
+    assert identical == (step in (3, 6, 7)) == trainer.in_sync, step
+    if step == 2:
+      local_rows = rows
+  # Step 3 ends the round: the average of the workers' local progress from
+  # the shared start, with the step-3 updates in it.
+  assert trainer.sync_rounds == 3
+  assert trainer.comm_bytes == pytest.approx(3 * 1.5 * 4 * trainer.num_params)
+  assert not np.allclose(local_rows[0], start)
+  # Adam's moments stay local: each worker saw its own gradients.
+  mu = np.asarray(jax.tree.leaves(trainer.opt_state)[1])
+  assert mu.shape[0] == 4 and not np.allclose(mu[0], mu[1])
+
+
+def test_evaluation_in_the_middle_of_a_round_uses_the_mean_model():
+  sizes = [8, 8, 8, 8]
+  trainer = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2),
+                          schedule=qs.sync.ConstantLocalSGD(4))
+  for step in range(2):
+    trainer.train_step(_split(*_batch(32, seed=step), sizes))
+  assert not trainer.in_sync
+  x, y = _batch(64, seed=9)
+  got = trainer.evaluate(x, y)
+  ref = _cnn()
+  mean = np.asarray(trainer.params).mean(0)
+  nnx.update(ref, trainer._unravel(mean))
+  ref.eval()
+  logits = ref(x)
+  assert got["loss"] == pytest.approx(
+      float(losses.cross_entropy(logits, y)), rel=1e-5)
+  assert trainer.sync_rounds == 0 and not trainer.in_sync  # untouched
+
+
+@pytest.mark.parametrize("compress", ["gqsgd", "gqsgd_exp", "qsgd", "fp16"])
+def test_compressed_averages_keep_workers_identical_and_count_their_bytes(
+    compress):
+  sizes = [8, 8, 8, 8]
+  averager = qs.comm.make_averager(compress)
+  trainer = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2),
+                          averager=averager)
+  for step in range(3):
+    trainer.train_step(_split(*_batch(32, seed=step), sizes))
+  rows = np.asarray(trainer.params)
+  for r in rows[1:]:
+    np.testing.assert_array_equal(r, rows[0])
+  assert trainer.comm_bytes == pytest.approx(
+      3 * averager.wire_bytes(trainer.num_params, 4))
+  assert trainer.comm_bytes < 3 * 1.5 * 4 * trainer.num_params
+
+
+def test_gqsgd_noise_changes_from_step_to_step():
+  # The trainer keys every average afresh: the same change averaged at the
+  # next count rounds differently (a fixed key would repeat the error).
+  sizes = [8, 8, 8, 8]
+  trainer = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2),
+                          averager=qs.comm.make_averager("gqsgd"))
+  trainer.train_step(_split(*_batch(32), sizes))
+  assert np.asarray(trainer._counter).tolist() == [1, 1, 1, 1]
+  rng = np.random.default_rng(0)
+  delta = jax.device_put(rng.normal(size=trainer.params.shape).astype(
+      np.float32), trainer.sharding)
+  moved = jax.jit(lambda a, b: a + b)(trainer.params, delta)
+  a, b = (np.asarray(trainer._average_params(
+      moved, trainer.params, trainer._weights, counter, None)[0])
+          for counter in (trainer._counter, trainer._counter + 1))
+  assert not np.array_equal(a, b)
+  exact = np.asarray(trainer.params)[0] + np.asarray(delta).mean(0)
+  for got in (a, b):
+    assert np.abs(got[0] - exact).max() < 4 * np.abs(np.asarray(delta)).max()
+
+
+def test_qsr_checkpoint_mid_round_resumes_bit_identically(tmp_path):
+  sizes = [8, 8, 8, 8]
+  lr = optax.cosine_decay_schedule(1e-2, 12)
+
+  def make():
+    schedule = qs.sync.QSR(lr, total_steps=12, alpha=2e-2, h_base=2)
+    return HybridTrainer(_cnn(), _workers(sizes), optax.adam(lr),
+                         schedule=schedule, error_feedback=True,
+                         averager=qs.comm.make_averager("gqsgd"))
+
+  batches = [_split(*_batch(32, seed=s), sizes) for s in range(12)]
+  straight = make()
+  for b in batches:
+    straight.train_step(b)
+  assert straight.in_sync  # QSR ends with an average
+  first = make()
+  for b in batches[:5]:
+    first.train_step(b)
+  assert not first.in_sync  # rounds of 2 and 2, then a longer one
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  ckpt.save(first)
+  resumed = make()
+  ckpt.restore_latest(resumed)
+  assert not resumed.in_sync and resumed.step == 5
+  for b in batches[5:]:
+    resumed.train_step(b)
+  assert resumed.params_digest() == straight.params_digest()
+  assert resumed.sync_rounds == straight.sync_rounds
+  assert resumed.sync_rounds == len(straight.schedule.sync_steps(12))
+  ckpt.close()

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import optax
 import pytest
 
 from experiments.configs import default as default_config
@@ -84,6 +85,59 @@ def test_main_job_defaults_reach_93_percent_and_write_every_file(tmp_path):
   assert rows[-1]["step"] == 400 and "eval_accuracy" in rows[-1]
   assert (tmp_path / "plans" / "t4.json").exists()
   assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+def test_qsr_with_global_qsgd_logs_h_rounds_and_wire_bytes(tmp_path):
+  result = _train(tmp_path, "--cluster=cpu:4", "--sync=qsr", "--h_base=2",
+                  "--alpha=0.004", "--compress=gqsgd",
+                  "--config.lr_schedule=cosine", "--config.steps=40",
+                  "--config.log_every=5", "--config.eval_every=20",
+                  "--config.checkpoint_every=0")
+  assert result.returncode == 0, result.stderr[-3000:]
+  summary = _summary(tmp_path)
+  assert summary["sync"] == "qsr" and summary["compress"] == "gqsgd"
+  lr = optax.cosine_decay_schedule(3e-3, 40)
+  planned = qs.sync.QSR(lr, total_steps=40, alpha=0.004, h_base=2)
+  assert summary["sync_rounds"] == len(planned.sync_steps(40)) < 20
+  per_round = qs.comm.GlobalQSGD().wire_bytes(_num_params(), 4)
+  assert summary["comm_bytes"] == pytest.approx(
+      summary["sync_rounds"] * per_round)
+  rows = [json.loads(l) for l in
+          (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  hs = [r["H"] for r in rows if "H" in r]
+  assert hs == [planned.round_length(r["step"]) for r in rows if "H" in r]
+  assert hs[0] == 2 and hs[-1] > 2  # the period grew as the LR decayed
+  assert summary["final_eval_accuracy"] > 0.5
+
+
+def _num_params():
+  from flax import nnx
+  from jax.flatten_util import ravel_pytree
+  from qsync_jax import models
+  model = models.create_model("cnn", rngs=nnx.Rngs(0))
+  return ravel_pytree(nnx.state(model, nnx.Param))[0].size
+
+
+def test_qsr_study_binary_writes_runs_and_plots(tmp_path):
+  result = _run("-m", "experiments.qsr_study", f"--out={tmp_path}",
+                "--tasks=cnn", "--configs=dp,qsr,qsr_linear", "--seeds=1",
+                "--steps=12")
+  assert result.returncode == 0, result.stderr[-3000:]
+  study = json.loads((tmp_path / "study.json").read_text())
+  assert [r["name"] for r in study["runs"]] == ["dp", "qsr", "qsr_linear"]
+  for r in study["runs"]:
+    assert {"sync", "compress", "seed", "final_eval", "sync_rounds",
+            "comm_bytes"} <= set(r)
+  task = study["tasks"]["cnn"]
+  dp, qsr, linear = study["runs"]
+  assert dp["sync_rounds"] == 12
+  # alpha is set from the round budget: floor(0.15 * 12) = 1 round.
+  assert qsr["sync_rounds"] == task["qsr_rounds"] == 1
+  assert linear["sync_rounds"] == qsr["sync_rounds"]
+  assert task["summary"]["qsr"]["rounds_vs_dp"] == pytest.approx(1 / 12)
+  assert len(task["h_curves"]["qsr"]) == 12
+  for png in ("h.png", "eval.png"):
+    assert (tmp_path / png).stat().st_size > 1000
 
 
 def test_dynamic_batching_baseline_runs(tmp_path):
@@ -203,6 +257,10 @@ def test_launcher_ends_a_training_run_whose_worker_dies(tmp_path):
     (["--cluster=cpu:1,t4:1"], "GPU catalog (a10, a100, h100, l4, l40s, "
      "t4, v100), which has no cpu"),
     (["--plan=auto", "--plan=t4={int8}"], "--plan=auto cannot be combined"),
+    (["--sync=qsr"], "the qsr schedule needs alpha > 0"),
+    (["--config.compress=zip"], "unknown averager 'zip'"),
+    (["--cluster=cpu:3", "--compress=gqsgd_exp"], "power-of-two"),
+    (["--config.optimizer=lamb"], "unknown optimizer 'lamb'"),
 ])
 def test_binary_bad_input_is_one_clear_error(tmp_path, args, message):
   int8 = tmp_path / "int8.json"

@@ -42,9 +42,30 @@ def get_config() -> ml_collections.ConfigDict:
   config.batch_mode = "equal"     # or "dynamic": QSync's DB baseline
   config.speeds = "v100:1.3,t4:1.0"  # relative throughput, batch_mode=dynamic
   config.steps = 400
+  config.optimizer = "adam"       # or "sgd" (with config.momentum)
+  config.momentum = 0.0
   config.learning_rate = 3e-3
   config.lr_schedule = "constant"  # or "cosine" (with warmup_steps)
   config.warmup_steps = 0
+  config.final_learning_rate = 0.0  # where the cosine ends
+  # Synchronization (QSR, arXiv 2310.14423): "dp" averages gradients every
+  # step; "local" averages parameters every h_base steps; "postlocal" is dp
+  # for switch_step steps, then local; "qsr" sets each round's period to
+  # max(h_base, floor((alpha / lr) ** gamma)) (gamma 1: linear rule, 3:
+  # cubic). Local rounds keep the optimizer state local.
+  config.sync = "dp"
+  config.h_base = 4
+  config.alpha = 0.0
+  config.gamma = 2.0
+  config.switch_step = 0
+  # What goes on the wire (Global-QSGD, arXiv 2305.18627): none (float32
+  # mean), fp16, bf16, gqsgd (standard dithering, int8 sums that cannot
+  # wrap), gqsgd_exp (exponential dithering), qsgd (per-worker scales,
+  # all-gather). compress_kwargs sets the strategy's fields, e.g.
+  # --config.compress_kwargs.wire=int16.
+  config.compress = "none"
+  config.compress_kwargs = ml_collections.ConfigDict()
+  config.error_feedback = False
   config.seed = 0
   config.log_every = 50
   config.eval_every = 100
