@@ -101,13 +101,20 @@ def absmax_scale(x: jax.Array, qmax: float,
       The result keeps reduced axes as size 1 so it broadcasts against ``x``.
 
   Returns:
-    A float32 scale; all-zero slices get scale 1 so they quantize to 0.
+    A float32 scale; all-zero slices get scale 1 so they quantize to 0, and
+    slices holding a NaN or an infinity get a NaN or infinite scale, so the
+    quantized layer's output is not finite either (loss scaling then skips
+    the step) instead of the bad value being rounded into a valid code.
   """
   axes = tuple(range(x.ndim)) if reduce_axes is None else tuple(reduce_axes)
-  amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=True)
+  x = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+  # XLA:CPU's max-reduction can drop NaN (jax 0.10, large rows): test for it.
+  amax = jnp.where(jnp.any(jnp.isnan(x), axis=axes, keepdims=True), jnp.nan,
+                   amax)
   if reduce_axes is None:
     amax = amax.reshape(())
-  return jnp.where(amax > 0, amax / qmax, 1.0).astype(jnp.float32)
+  return jnp.where(amax == 0, 1.0, amax / qmax).astype(jnp.float32)
 
 
 def hash_uniform(x: jax.Array, salt: int = 0) -> jax.Array:

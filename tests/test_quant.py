@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from qsync_jax import ops
 from qsync_jax import quant
 
 
@@ -86,3 +87,18 @@ def test_config_rejects_unknown_values():
     quant.QuantConfig(granularity="row")
   assert quant.QuantConfig.from_dict({"rounding": "truncate"}).rounding is (
       quant.Rounding.TRUNCATE)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_value_makes_its_scale_and_the_int8_output_non_finite(
+    bad):
+  # Large rows: XLA:CPU's max-reduction drops NaN there (jax 0.10).
+  x = np.random.default_rng(0).normal(size=(256, 4096)).astype(np.float32)
+  x[100, 7] = bad
+  assert not np.isfinite(float(quant.absmax_scale(x, 127.0)))
+  per_row = np.asarray(quant.absmax_scale(x, 127.0, reduce_axes=(1,)))
+  assert not np.isfinite(per_row[100, 0])
+  assert np.isfinite(np.delete(per_row, 100, axis=0)).all()
+  w = np.ones((4096, 8), np.float32)
+  y = ops.dot_general(x, w, (((1,), (0,)), ((), ())), compute="int8")
+  assert not np.isfinite(np.asarray(y)).all()
