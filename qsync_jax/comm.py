@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Protocol
 
 import jax
@@ -212,10 +213,7 @@ def _uniform(key: jax.Array, shape: tuple[int, ...], noise: str,
   if noise == "threefry":
     return jax.random.uniform(key, shape, jnp.float32)
   salt = jax.random.bits(key, (), jnp.uint32)
-  size = 1
-  for dim in shape:
-    size *= dim
-  idx = lax.iota(jnp.uint32, size).reshape(shape)
+  idx = lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
   return quant.hash_uniform_at(
       idx, jnp.float32(0) if values is None else values, salt)
 

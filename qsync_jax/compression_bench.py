@@ -50,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
 from qsync_jax import benchmarks
+from qsync_jax import cli
 from qsync_jax import comm
 from qsync_jax import distributed
 
@@ -159,6 +160,18 @@ def _first_row(out: jax.Array) -> np.ndarray:
   return np.asarray(out.addressable_shards[0].data)[0]
 
 
+def _check_arguments(sizes: Sequence[int], repeats: int,
+                     strategies: Sequence[str] | None) -> list[str]:
+  """Validates the shared arguments; returns the strategy names to run."""
+  names = list(STRATEGIES) if strategies is None else list(strategies)
+  cli.check_names("strategy", names, STRATEGIES)
+  if not sizes or min(int(d) for d in sizes) < 1:
+    raise ValueError(f"sizes must be positive, got {list(sizes)}")
+  if repeats < 1:
+    raise ValueError(f"repeats must be >= 1, got {repeats}")
+  return names
+
+
 def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
                strategies: Sequence[str] | None = None, *,
                devices: Sequence[jax.Device] | None = None, seed: int = 0,
@@ -190,15 +203,7 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
   Raises:
     ValueError: an unknown strategy, a size below 1 or ``repeats`` below 1.
   """
-  names = list(STRATEGIES) if strategies is None else list(strategies)
-  unknown = [s for s in names if s not in STRATEGIES]
-  if unknown:
-    raise ValueError(f"unknown strategies {unknown}; valid: "
-                     f"{', '.join(STRATEGIES)}")
-  if any(int(d) < 1 for d in sizes):
-    raise ValueError(f"sizes must be positive, got {list(sizes)}")
-  if repeats < 1:
-    raise ValueError(f"repeats must be >= 1, got {repeats}")
+  names = _check_arguments(sizes, repeats, strategies)
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices)
   mesh = Mesh(np.array(devices), (AXIS,))
@@ -420,16 +425,8 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
   if bad or not settings:
     raise ValueError(f"settings must be a non-empty subset of "
                      f"{', '.join(SETTINGS)}, got {settings}")
-  names = list(STRATEGIES) if strategies is None else list(strategies)
-  unknown = [s for s in names if s not in STRATEGIES]
-  if unknown:
-    raise ValueError(f"unknown strategies {unknown}; valid: "
-                     f"{', '.join(STRATEGIES)}")
+  names = _check_arguments(sizes, repeats, strategies)
   sizes = [int(d) for d in sizes]
-  if not sizes or min(sizes) < 1:
-    raise ValueError(f"sizes must be positive, got {sizes}")
-  if repeats < 1:
-    raise ValueError(f"repeats must be >= 1, got {repeats}")
   if num_workers < 1:
     raise ValueError(f"num_workers must be >= 1, got {num_workers}")
 

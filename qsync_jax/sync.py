@@ -299,15 +299,19 @@ class QSR:
       return False
     if step <= self._next_sync - self._h:
       return step in self._replay(step)
+    self._advance_to(step)
+    return step == self._next_sync
+
+  def _advance_to(self, step: int) -> None:
+    """Moves the state forward to the round containing ``step``."""
     while self._next_sync < step:
       start = self._next_sync
       self._h = self.period(start)
       self._next_sync = start + self._h
-    return step == self._next_sync
 
   def round_length(self, step: int) -> int:
     """The period ``H`` of the round that contains step ``step``."""
-    self.is_sync_step(step)  # advances the state to step's round if ahead
+    self._advance_to(step)
     if self._next_sync - self._h < step <= self._next_sync:
       return self._h
     s = 0

@@ -410,7 +410,6 @@ class HybridTrainer:
       metrics[i] = {"loss": loss, "accuracy": acc}
     grads = _stack_local(grad_rows, self.params.shape, self.sharding)
     step = self.step + 1
-    wire = self.averager.wire_bytes(self.num_params, self.num_workers)
     if self.schedule.averages_gradients_at(step):
       (self.params, self.opt_state, self.loss_scale, self._finite,
        self._counter, self.residual) = self._update(
@@ -430,7 +429,8 @@ class HybridTrainer:
     if synced:
       self._anchor = self.params
       self.sync_rounds += 1
-      self.comm_bytes += wire
+      self.comm_bytes += self.averager.wire_bytes(self.num_params,
+                                                  self.num_workers)
     return metrics
 
   @property
