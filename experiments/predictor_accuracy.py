@@ -9,7 +9,8 @@ For each model (default: the small CNN, the BERT-style encoder and a
 ResNet-18 that nothing was tuned on) and each of 8 plans (uniform FP32, BF16,
 FP16, INT8 and 4 mixed ones), profiles the model's pieces on this host,
 predicts the HybridTrainer step with 1 and 4 workers (fake devices of this
-host) and measures those steps in the same interleaved timing rounds.
+host) and measures those steps in the same interleaved timing rounds (one
+phase per worker count and --plans_per_phase plans).
 
 --model takes built-in names or package.module:factory specs (a callable
 taking rngs and the --model_kwargs entry of that spec, returning an NNX module
@@ -17,8 +18,9 @@ with input_spec(batch_size) and a `task` attribute).
 
 Writes --out (JSON): {"cases": [{"model", "plan", "workers", "predicted_s",
 "measured_s", "rel_error", "predicted_memory_bytes", "measured_memory_bytes",
-"memory_rel_error"}], "mean_abs_rel_error", "max_abs_rel_error",
-"max_abs_memory_rel_error", "simulation_speed": {"simulate_ms", ...}, ...}
+"memory_rel_error", "steal_fraction"}], "mean_abs_rel_error",
+"max_abs_rel_error", "max_abs_memory_rel_error", "steal_fraction",
+"simulation_speed": {"simulate_ms", ...}, ...}
 and, next to it, a PNG
 scatter of predicted against measured step times.
 """
@@ -43,6 +45,9 @@ flags.DEFINE_string("batch_sizes", "{}", "JSON {model spec: batch size}.")
 flags.DEFINE_list("workers", ["1", "4"], "Worker counts (fake devices).")
 flags.DEFINE_integer("rounds", 15, "Interleaved timing rounds.")
 flags.DEFINE_integer("burst", 5, "Calls per burst (the fastest counts).")
+flags.DEFINE_integer("plans_per_phase", 4,
+                     "Real steps timed alongside one profile (fewer: fewer "
+                     "executables alive at once).")
 flags.DEFINE_string("speed_model", "resnet50",
                     "Also time simulating one plan of this model on "
                     "v100:8,t4:8 (empty: skip).")
@@ -59,7 +64,8 @@ def main(argv):
     result = accuracy.evaluate(
         FLAGS.model, model_kwargs=json.loads(FLAGS.model_kwargs),
         batch_sizes=json.loads(FLAGS.batch_sizes), workers=workers,
-        rounds=FLAGS.rounds, burst=FLAGS.burst)
+        rounds=FLAGS.rounds, burst=FLAGS.burst,
+        plans_per_phase=FLAGS.plans_per_phase)
     if FLAGS.speed_model:
       result["simulation_speed"] = accuracy.simulation_speed(
           FLAGS.speed_model)
@@ -69,7 +75,8 @@ def main(argv):
   accuracy.plot(result, os.path.splitext(FLAGS.out)[0] + ".png")
   print(f"mean |rel error| {result['mean_abs_rel_error']:.4f}, max "
         f"{result['max_abs_rel_error']:.4f}, max memory |rel error| "
-        f"{result['max_abs_memory_rel_error']:.4f}")
+        f"{result['max_abs_memory_rel_error']:.4f}; the hypervisor stole "
+        f"{result['steal_fraction']:.1%} of the CPU while timing")
   if "simulation_speed" in result:
     speed = result["simulation_speed"]
     print(f"simulating one plan of {speed['model']} ({speed['layers']} "

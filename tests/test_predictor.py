@@ -6,6 +6,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from qsync_jax import losses, policy
@@ -431,5 +432,114 @@ def test_accuracy_check_writes_every_case(tmp_path):
     assert c["rel_error"] == pytest.approx(
         (c["predicted_s"] - c["measured_s"]) / c["measured_s"])
   assert result["max_abs_rel_error"] >= result["mean_abs_rel_error"]
+  # One phase per worker count, each with its own profile.
+  assert set(result["profiles"]["cnn"]) == {"1", "2"}
+  assert "concurrency" in result["profiles"]["cnn"]["2"]["host"]
+  assert "concurrency" not in result["profiles"]["cnn"]["1"]["host"]
   accuracy.plot(result, str(tmp_path / "scatter.png"))
   assert (tmp_path / "scatter.png").stat().st_size > 0
+
+
+def test_accuracy_check_rejects_an_empty_phase():
+  from qsync_jax.predictor import accuracy
+  with pytest.raises(ValueError, match="plans_per_phase"):
+    accuracy.evaluate(["cnn"], workers=(1,), plans_per_phase=0)
+
+
+class Repeated(nnx.Module):
+  """fc1 (on the data) -> fc2 -> fc3, where fc2 and fc3 are the same piece."""
+
+  def __init__(self):
+    rngs = nnx.Rngs(0)
+    self.fc1 = nnx.Linear(8, 8, rngs=rngs)
+    self.fc2 = nnx.Linear(8, 8, rngs=rngs)
+    self.fc3 = nnx.Linear(8, 8, rngs=rngs)
+    self.task = "classification"
+
+  def input_spec(self, batch):
+    return jax.ShapeDtypeStruct((batch, 8), jnp.float32)
+
+  def __call__(self, x):
+    return self.fc3(jax.nn.relu(self.fc2(jax.nn.relu(self.fc1(x)))))
+
+
+def test_layers_with_equal_pieces_are_timed_once():
+  model = Repeated()
+  g = graph_lib.trace_graph(model, model.input_spec(4))
+  fc1, fc2, fc3 = g.nodes
+  sig = profile_lib.piece_signature
+  assert sig(fc2) == sig(fc3)
+  assert sig(fc1) != sig(fc2)  # fc1's input needs no gradient
+  batch = (np.ones((4, 8), np.float32), np.zeros((4,), np.int32))
+  job = profile_lib.profile_job(
+      model, batch, g, {}, device=jax.devices()[0], device_kind="cpu",
+      precisions=[FP32, INT8], loss_fn=losses.cross_entropy,
+      tx=optax.sgd(0.1), host_devices=jax.devices()[:2])
+  timed = {k[1] for k in job.calls if k[0] == "layer"}
+  shared = {k[2] for k in job.calls if k[:2] == ("shared", "layer")}
+  assert timed == shared == {"fc1", "fc2"}
+  raw = {k: 1e-3 * (i + 1) for i, k in enumerate(job.calls)}
+  prof = job.finish(raw)
+  assert prof.layers["fc3"] == prof.layers["fc2"] != prof.layers["fc1"]
+  sharing = prof.host["concurrency"]["layers"]
+  assert sharing["fc3"] == sharing["fc2"]
+
+
+def _fake_proc_stat(path, ticks):
+  user = ticks["total"] - ticks["steal"]
+  path.write_text(f"cpu  {user} 0 0 0 0 0 0 {ticks['steal']} 0 0\n"
+                  "cpu0 0 0 0 0 0 0 0 0 0 0\n")
+
+
+def test_interleaved_repeats_a_burst_the_hypervisor_stole_from(
+    tmp_path, monkeypatch):
+  import time
+  stat = tmp_path / "stat"
+  ticks = {"total": 0, "steal": 0}
+  _fake_proc_stat(stat, ticks)
+  monkeypatch.setattr(timing.StealMeter, "PATH", str(stat))
+  calls = []
+
+  def fn():
+    calls.append(1)
+    ticks["total"] += 10
+    if len(calls) == 3:  # the first timed burst loses half the CPU
+      ticks["steal"] += 5
+      time.sleep(0.02)
+    _fake_proc_stat(stat, ticks)
+    return jnp.zeros(())
+
+  meter = timing.StealMeter()
+  assert meter.available
+  t = timing.interleaved({"a": fn}, rounds=1, burst=1, retries=3,
+                         subtract_overhead=False, meter=meter)
+  assert len(calls) == 4  # two warm-up calls, the stolen burst, its retry
+  assert t["a"] < 0.01  # the clean attempt counts
+  assert meter.overall_fraction == pytest.approx(5 / 20)
+
+
+def test_interleaved_gives_up_on_retries_when_steal_persists(
+    tmp_path, monkeypatch):
+  stat = tmp_path / "stat"
+  ticks = {"total": 0, "steal": 0}
+  _fake_proc_stat(stat, ticks)
+  monkeypatch.setattr(timing.StealMeter, "PATH", str(stat))
+  calls = []
+
+  def fn():
+    calls.append(1)
+    ticks["total"] += 10
+    ticks["steal"] += 5
+    _fake_proc_stat(stat, ticks)
+    return jnp.zeros(())
+
+  t = timing.interleaved({"a": fn}, rounds=2, burst=1, retries=2,
+                         subtract_overhead=False)
+  assert len(calls) == 2 + 2 * 3 and t["a"] >= 0
+
+
+def test_steal_meter_without_proc_stat_counts_nothing(monkeypatch):
+  monkeypatch.setattr(timing.StealMeter, "PATH", "/nonexistent/stat")
+  meter = timing.StealMeter()
+  assert not meter.available
+  assert meter.fraction_since(meter.mark()) == 0.0

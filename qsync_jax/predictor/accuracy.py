@@ -5,7 +5,8 @@ This module owns :func:`evaluate`, the library side of
 the model's pieces (:func:`.profiling.profile_job`), predicts the step time of
 :class:`qsync_jax.HybridTrainer` with one worker and with several workers on
 fake devices of this host (:func:`.simulation.simulate`), and measures those
-steps. Profile pieces and real steps are timed in the same interleaved rounds
+steps. Each phase (a worker count and a few plans) times its profile pieces
+and its real steps in the same interleaved rounds
 (:func:`.timing.interleaved`) so that both see the same machine load;
 nothing of a real step's time enters a prediction. Memory is checked against
 ``memory_analysis`` of the compiled step (:func:`.memory.compiled_step_bytes`).
@@ -24,7 +25,8 @@ import optax
 
 from qsync_jax import losses, models as models_lib, policy
 from qsync_jax.precision import Precision, PrecisionPlan
-from qsync_jax.predictor import graph as graph_lib, memory, simulation, timing
+from qsync_jax.predictor import casting, graph as graph_lib, memory
+from qsync_jax.predictor import simulation, timing
 from qsync_jax.predictor import profiling as profile_lib
 from qsync_jax.trainer import HybridTrainer, Worker
 
@@ -103,8 +105,18 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
              burst: int = 5,
              precisions: Sequence[str] = ("fp32", "bf16", "fp16", "int8"),
              plan_names: Sequence[str] | None = None,
+             plans_per_phase: int = 4,
              log: Callable[[str], None] = print) -> dict[str, Any]:
   """Predicted against measured step time and memory.
+
+  Each model is checked in phases: one per worker count and group of at
+  most ``plans_per_phase`` plans. A phase profiles the model's pieces (with
+  host sharing up to that worker count) and times them in the same
+  interleaved rounds as its real steps, then frees them all. Phases bound
+  how many executables are alive at once: a trainer step compiles one
+  program per worker, and XLA:CPU maps thousands of memory regions per
+  ResNet-18 step over four workers, against a per-process limit
+  (``vm.max_map_count``, often 65530).
 
   Args:
     models: built-in model names or ``package.module:factory`` specs.
@@ -117,23 +129,31 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
     burst: calls per burst (the fastest counts).
     precisions: precisions to profile.
     plan_names: a subset of :func:`plans_for`'s plans (default: all).
+    plans_per_phase: real steps timed alongside one profile.
     log: progress messages.
 
   Returns:
     ``{"cases": [{"model", "plan", "workers", "predicted_s", "measured_s",
     "rel_error", "predicted_memory_bytes", "measured_memory_bytes",
-    "memory_rel_error"}], "mean_abs_rel_error", "max_abs_rel_error",
-    "max_abs_memory_rel_error", "simulate_ms", "profiles": {model: the
-    measured profile}, "device", "jax"}``.
+    "memory_rel_error", "steal_fraction"}], "mean_abs_rel_error",
+    "max_abs_rel_error", "max_abs_memory_rel_error", "simulate_ms",
+    "steal_fraction", "profiles": {model: {workers: the profile of that
+    worker count's first phase}}, "device", "jax"}``; ``steal_fraction`` is
+    the share of the CPUs' time the hypervisor stole while timing (bursts
+    that lost more than 5 % were run again, :func:`.timing.interleaved`).
 
   Raises:
-    ValueError: more workers than local devices, or a bad model spec.
+    ValueError: more workers than local devices, a bad model spec, an
+      unknown plan name or ``plans_per_phase < 1``.
   """
   devices = jax.local_devices()
   if max(workers) > len(devices):
     raise ValueError(
         f"{max(workers)} workers need as many devices, this host has "
         f"{len(devices)} (set jax_num_cpu_devices)")
+  if plans_per_phase < 1:
+    raise ValueError(f"plans_per_phase must be at least 1, got "
+                     f"{plans_per_phase}")
   kwargs_of = dict(DEFAULT_MODEL_KWARGS)
   kwargs_of.update(model_kwargs or {})
   batch_of = dict(DEFAULT_BATCH)
@@ -143,62 +163,81 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
   cases: list[dict[str, Any]] = []
   profiles: dict[str, Any] = {}
   sim_ms = []
+  all_steal: list[tuple[int, int]] = []
   for spec in models:
-    # Every piece is compiled once per device: drop the previous model's
-    # executables, or a long run exhausts the JIT's memory mappings.
-    jax.clear_caches()
     factory = models_lib.load_model_factory(spec)
     model = factory(rngs=nnx.Rngs(0), **kwargs_of.get(spec, {}))
     batch = sample_batch(model, batch_of.get(spec, 32))
     g = graph_lib.trace_graph(model, model.input_spec(batch[0].shape[0]))
     key = profile_lib.profile_key(g, spec, "cpu", precisions, "adam")
-    job = profile_lib.profile_job(
-        model, batch, g, key, device=devices[0], device_kind="cpu",
-        precisions=precisions, loss_fn=losses.cross_entropy, tx=tx,
-        host_devices=devices[:max(workers)])
     plans = plans_for(g)
     if plan_names is not None:
       unknown = [p for p in plan_names if p not in plans]
       if unknown:
         raise ValueError(f"unknown plan(s) {unknown}; plans: {list(plans)}")
       plans = {p: plans[p] for p in plan_names}
-    steps = {("step", name, n): _step_call(model, plan, devices[:n], batch,
-                                            tx)
-             for name, plan in plans.items() for n in workers}
-    log(f"{spec}: {len(g.nodes)} layers, {g.num_params} parameters; timing "
-        f"{len(job.calls)} profile pieces and {len(steps)} steps in "
-        f"{rounds} rounds")
-    start = time.perf_counter()
-    raw = timing.interleaved({**job.calls, **steps}, rounds,
-                             subtract_overhead=False, burst=burst)
-    prof = job.finish(raw)
-    profiles[spec] = prof.to_dict()
-    log(f"{spec}: timed in {time.perf_counter() - start:.0f} s")
     floored = {n.path for n in g.nodes if n.floored}
-    for name, plan in plans.items():
-      eff = policy.resolve_with_forced(g.paths, floored, plan)
-      measured_mem = memory.compiled_step_bytes(model, eff, batch,
-                                                losses.cross_entropy, tx)
-      for n in workers:
-        sim_workers = [simulation.SimWorker(f"cpu[{i}]", prof, eff)
-                       for i in range(n)]
-        t0 = time.perf_counter()
-        pred = simulation.simulate(g, sim_workers, bucket_bytes=None,
-                                 shared_host=True)
-        sim_ms.append((time.perf_counter() - t0) * 1e3)
-        measured = raw[("step", name, n)]
-        pm = pred.worker_memory_bytes[0]
-        case = {"model": spec, "plan": name, "workers": n,
-                "predicted_s": pred.step_time_s, "measured_s": measured,
-                "rel_error": (pred.step_time_s - measured) / measured,
-                "predicted_memory_bytes": pm,
-                "measured_memory_bytes": measured_mem,
-                "memory_rel_error": (pm - measured_mem) / measured_mem}
-        cases.append(case)
-        log(f"  {name:<22} x{n}: predicted {pred.step_time_s * 1e3:8.2f} ms"
-            f"  measured {measured * 1e3:8.2f} ms  "
-            f"error {case['rel_error']:+.3f}  memory error "
-            f"{case['memory_rel_error']:+.3f}")
+    effective = {name: policy.resolve_with_forced(g.paths, floored, plan)
+                 for name, plan in plans.items()}
+    measured_mem = {name: memory.compiled_step_bytes(
+        model, eff, batch, losses.cross_entropy, tx)
+                    for name, eff in effective.items()}
+    casts = casting.fit_cast_model(devices[0])
+    memory_model = memory.measure_memory_model(
+        model, g, batch, losses.cross_entropy, tx, precisions)
+    log(f"{spec}: {len(g.nodes)} layers, {g.num_params} parameters")
+    names = list(plans)
+    model_cases: list[dict[str, Any]] = []
+    for n in workers:
+      for first in range(0, len(names), plans_per_phase):
+        group = names[first:first + plans_per_phase]
+        jax.clear_caches()  # free the previous phase's executables
+        job = profile_lib.profile_job(
+            model, batch, g, key, device=devices[0], device_kind="cpu",
+            precisions=precisions, loss_fn=losses.cross_entropy, tx=tx,
+            host_devices=devices[:n], casts=casts,
+            memory_model=memory_model)
+        steps = {("step", name): _step_call(model, plans[name], devices[:n],
+                                            batch, tx) for name in group}
+        start = time.perf_counter()
+        meter = timing.StealMeter()
+        raw = timing.interleaved({**job.calls, **steps}, rounds,
+                                 subtract_overhead=False, burst=burst,
+                                 meter=meter)
+        steal = meter.overall_fraction
+        all_steal.append((meter.total_stolen, meter.total_ticks))
+        prof = job.finish(raw)
+        profiles.setdefault(spec, {}).setdefault(str(n), prof.to_dict())
+        log(f"{spec} x{n}: timed {len(job.calls)} profile pieces and "
+            f"{len(steps)} steps in {rounds} rounds, "
+            f"{time.perf_counter() - start:.0f} s, {steal:.1%} of the CPU "
+            "stolen by the hypervisor")
+        del job, steps
+        for name in group:
+          sim_workers = [simulation.SimWorker(f"cpu[{i}]", prof,
+                                              effective[name])
+                         for i in range(n)]
+          t0 = time.perf_counter()
+          pred = simulation.simulate(g, sim_workers, bucket_bytes=None,
+                                     shared_host=True)
+          sim_ms.append((time.perf_counter() - t0) * 1e3)
+          measured = raw[("step", name)]
+          pm = pred.worker_memory_bytes[0]
+          mm = measured_mem[name]
+          case = {"model": spec, "plan": name, "workers": n,
+                  "predicted_s": pred.step_time_s, "measured_s": measured,
+                  "rel_error": (pred.step_time_s - measured) / measured,
+                  "predicted_memory_bytes": pm,
+                  "measured_memory_bytes": mm,
+                  "memory_rel_error": (pm - mm) / mm,
+                  "steal_fraction": steal}
+          model_cases.append(case)
+          log(f"  {name:<22} x{n}: predicted "
+              f"{pred.step_time_s * 1e3:8.2f} ms  measured "
+              f"{measured * 1e3:8.2f} ms  error {case['rel_error']:+.3f}  "
+              f"memory error {case['memory_rel_error']:+.3f}")
+    cases += sorted(model_cases, key=lambda c: (names.index(c["plan"]),
+                                                c["workers"]))
   errors = np.abs([c["rel_error"] for c in cases])
   return {"cases": cases,
           "mean_abs_rel_error": float(errors.mean()),
@@ -206,6 +245,8 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
           "max_abs_memory_rel_error": float(np.max(np.abs(
               [c["memory_rel_error"] for c in cases]))),
           "simulate_ms": float(np.median(sim_ms)),
+          "steal_fraction": (sum(a for a, _ in all_steal)
+                             / max(sum(b for _, b in all_steal), 1)),
           "rounds": rounds, "burst": burst, "profiles": profiles,
           "device": str(devices[0].device_kind), "jax": jax.__version__}
 

@@ -11,8 +11,10 @@ This module owns :class:`Profile` and the two ways to get one:
   dtype), the optimizer update, the cast costs (fitted, :mod:`.casting`), the
   memory of the compiled step at each uniform precision, and for hosts that
   carry several workers, how their concurrent steps share the host and what a
-  host all-reduce costs. Profiles are cached as JSON keyed by model graph,
-  batch shape, device kind and jax version.
+  host all-reduce costs. Layers whose pieces are the same computation
+  (:func:`piece_signature`: a ResNet's repeated blocks) are timed once.
+  Profiles are cached as JSON keyed by model graph, batch shape, device kind
+  and jax version.
 * :func:`analytic_profile` derives the same table for a GPU kind that is not
   present from the catalog (:mod:`.devices`): a roofline per layer from its
   FLOPs and bytes, the non-layer rest from XLA's byte count of the stand-in
@@ -233,15 +235,41 @@ def layer_functions(node: graph_lib.LayerNode, precision: Precision,
 
 
 def layer_calls(node: graph_lib.LayerNode, precision: Precision,
-                device: jax.Device, quant: QuantConfig | None = None
+                device: jax.Device, quant: QuantConfig | None = None,
+                functions: tuple[Callable[..., Any], Callable[..., Any]]
+                | None = None
                 ) -> tuple[Callable[[], Any], Callable[[], Any]]:
-  """(forward, forward_and_backward) zero-argument calls of one layer."""
+  """(forward, forward_and_backward) zero-argument calls of one layer.
+
+  ``functions`` reuses :func:`layer_functions`' jitted pair (calls on
+  several devices then share one function and its per-device executables).
+  """
   arrays = _random_operands(node, device)
-  fwd, fb = layer_functions(node, precision, quant)
+  fwd, fb = functions or layer_functions(node, precision, quant)
   out = jax.eval_shape(fwd, *arrays)
   ct = jax.device_put(np.random.default_rng(1).standard_normal(
       out.shape).astype(out.dtype), device)
   return (lambda: fwd(*arrays)), (lambda: fb(*arrays, ct))
+
+
+def piece_signature(node: graph_lib.LayerNode) -> str:
+  """What a layer's profile pieces compute, as a comparable string.
+
+  Two layers with equal signatures (the same op, operand shapes, static
+  arguments and differentiated operands; e.g. the repeated blocks of a
+  ResNet or the projections of a transformer) have the same pieces, so a
+  profile times them once. The forward pass lowered at FP32 carries the op,
+  shapes and static arguments; which operands the backward differentiates is
+  added.
+  """
+  avals = [jax.ShapeDtypeStruct(op.shape, jnp.float32)
+           for op in node.operands]
+  if node.weight_shape:
+    avals.append(jax.ShapeDtypeStruct(node.weight_shape, jnp.float32))
+  fwd, _ = layer_functions(node, Precision.FP32)
+  text = fwd.lower(*avals).as_text()
+  return "|".join([node.kind, str(_grad_positions(node)), str(node.floored),
+                   text])
 
 
 def _stand_in(out_shape: tuple[int, ...], dtype: str):
@@ -525,8 +553,9 @@ def profile(model: nnx.Module, sample_batch: tuple[Any, Any], *,
     model_name: the model's name in the cache key (default: class name).
     cache_dir: if given, load the profile from / save it to this directory.
     host_devices: devices sharing this host for co-located workers: when
-      more than one, host sharing, host all-reduce and trainer overhead are
-      measured too.
+      given, the trainer's update program and host overhead per step are
+      measured for each worker count (:func:`host_counts`); with more than
+      one, host sharing and the host all-reduce too.
     quant: operand quantization of INT8 / FP8 layers.
     repeats: timed calls per measurement (at least).
     graph: the model's graph if already traced at this batch.
@@ -589,34 +618,49 @@ def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
                 precisions: Sequence[Precision], loss_fn,
                 tx: optax.GradientTransformation,
                 host_devices: Sequence[jax.Device] = (),
-                quant: QuantConfig | None = None) -> ProfileJob:
-  """Builds the calls of :func:`profile` (see there); keys are tuples."""
+                quant: QuantConfig | None = None,
+                casts: casting.CastModel | None = None,
+                memory_model: memory.MemoryModel | None = None
+                ) -> ProfileJob:
+  """Builds the calls of :func:`profile` (see there); keys are tuples.
+
+  ``casts`` and ``memory_model``, when given, are reused instead of fitted
+  and compiled again (for several jobs on one model).
+  """
   calls: dict[tuple, Callable[[], Any]] = {}
+  host_devices = list(host_devices)
+  # Layers with equal pieces are timed once, under the first one's path:
+  # fewer timings, and fewer live executables (a process can map only so
+  # many; each piece is compiled once per host device).
+  first_of: dict[str, str] = {}
+  timed_as = {node.path: first_of.setdefault(piece_signature(node), node.path)
+              for node in g.nodes}
   for node in g.nodes:
+    if timed_as[node.path] != node.path:
+      continue
     for p in precisions:
       if node.floored and p.bits < 16:
         continue
-      f, fb = layer_calls(node, p, device, quant)
+      functions = layer_functions(node, p, quant)
+      f, fb = layer_calls(node, p, device, quant, functions)
       calls[("layer", node.path, p.value, "f")] = f
       calls[("layer", node.path, p.value, "fb")] = fb
+      if len(host_devices) > 1:
+        # This piece's slowdown when k workers run it at once (host
+        # sharing).
+        make = (lambda d, i, node=node, p=p, functions=functions, fb=fb:
+                fb if d == device else
+                layer_calls(node, p, d, quant, functions)[1])
+        for k, c in concurrency_calls(make, host_devices).items():
+          if k > 1:
+            calls[("shared", "layer", node.path, p.value, k)] = c
   dtypes = sorted({graph_lib.output_dtype(p) for p in precisions})
   for dt in dtypes:
     f, fb = rest_calls(model, g, sample_batch, loss_fn, dt, device)
     calls[("rest", dt, "f")] = f
     calls[("rest", dt, "fb")] = fb
   calls[("optimizer",)] = optimizer_call(model, tx, device)
-  host_devices = list(host_devices)
   if len(host_devices) > 1:
-    # Each piece's slowdown when k workers run it at once (host sharing).
-    for node in g.nodes:
-      for p in precisions:
-        if node.floored and p.bits < 16:
-          continue
-        make = (lambda d, i, node=node, p=p:
-                layer_calls(node, p, d, quant)[1])
-        for k, c in concurrency_calls(make, host_devices).items():
-          if k > 1:
-            calls[("shared", "layer", node.path, p.value, k)] = c
     for dt in dtypes:
       make = (lambda d, i, dt=dt:
               rest_calls(model, g, sample_batch, loss_fn, dt, d)[1])
@@ -625,6 +669,7 @@ def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
           calls[("shared", "rest", dt, k)] = c
     for kn, c in allreduce_calls(host_devices).items():
       calls[("allreduce", *kn)] = c
+  if host_devices:
     for k, c in step_overhead_calls(host_devices).items():
       calls[("overhead", k)] = c
     for k, c in update_calls(model, tx, host_devices, g.input_spec).items():
@@ -636,24 +681,30 @@ def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
          if k[0] in ("layer", "rest", "optimizer", "allreduce")}
     layers: dict[str, dict[str, tuple[float, float]]] = {}
     for node in g.nodes:
+      q = timed_as[node.path]
       layers[node.path] = {
-          p.value: (t[("layer", node.path, p.value, "f")],
-                    max(t[("layer", node.path, p.value, "fb")],
-                        t[("layer", node.path, p.value, "f")]))
+          p.value: (t[("layer", q, p.value, "f")],
+                    max(t[("layer", q, p.value, "fb")],
+                        t[("layer", q, p.value, "f")]))
           for p in precisions if not (node.floored and p.bits < 16)}
     rest = {dt: (t[("rest", dt, "f")], max(t[("rest", dt, "fb")],
                                             t[("rest", dt, "f")]))
             for dt in dtypes}
     host = {}
-    if len(host_devices) > 1:
+    if host_devices:
       ks = host_counts(len(host_devices))
-      host = {
+      host = {"step_overhead_s": {k: raw[("overhead", k)] for k in ks},
+              "update_s": {k: raw[("update", k)] for k in ks}}
+    if len(host_devices) > 1:
+      host.update({
           "concurrency": {
               "layers": {
                   node.path: {
-                      p.value: {k: k * raw[("layer", node.path, p.value, "fb")]
-                                / raw[("shared", "layer", node.path, p.value,
-                                       k)] if k > 1 else 1.0 for k in ks}
+                      p.value: {k: k * raw[("layer", timed_as[node.path],
+                                            p.value, "fb")]
+                                / raw[("shared", "layer", timed_as[node.path],
+                                       p.value, k)] if k > 1 else 1.0
+                                for k in ks}
                       for p in precisions
                       if not (node.floored and p.bits < 16)}
                   for node in g.nodes},
@@ -661,14 +712,12 @@ def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
                             / raw[("shared", "rest", dt, k)] if k > 1
                             else 1.0 for k in ks} for dt in dtypes}},
           "allreduce": list(fit_allreduce(
-              {k[1:]: v for k, v in t.items() if k[0] == "allreduce"})),
-          "step_overhead_s": {k: raw[("overhead", k)] for k in ks},
-          "update_s": {k: raw[("update", k)] for k in ks}}
+              {k[1:]: v for k, v in t.items() if k[0] == "allreduce"}))})
     return Profile(
         device_kind, "measured", key, layers, rest, t[("optimizer",)],
-        casting.fit_cast_model(device),
-        memory.measure_memory_model(model, g, sample_batch, loss_fn, tx,
-                                    precisions, quant), host)
+        casts or casting.fit_cast_model(device),
+        memory_model or memory.measure_memory_model(
+            model, g, sample_batch, loss_fn, tx, precisions, quant), host)
 
   return ProfileJob(calls, finish)
 
