@@ -543,3 +543,10 @@ def test_steal_meter_without_proc_stat_counts_nothing(monkeypatch):
   meter = timing.StealMeter()
   assert not meter.available
   assert meter.fraction_since(meter.mark()) == 0.0
+
+
+def test_steal_meter_needs_the_steal_column(tmp_path, monkeypatch):
+  stat = tmp_path / "stat"
+  stat.write_text("cpu  1 2 3 4\n")  # an old kernel: no steal column
+  monkeypatch.setattr(timing.StealMeter, "PATH", str(stat))
+  assert not timing.StealMeter().available

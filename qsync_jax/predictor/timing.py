@@ -106,6 +106,8 @@ class StealMeter:
     except OSError:
       return None
     # cpu user nice system idle iowait irq softirq steal ...
+    if len(fields) < 9:  # a kernel without the steal column
+      return None
     ticks = [int(v) for v in fields[1:9]]
     return ticks[7], sum(ticks)
 
