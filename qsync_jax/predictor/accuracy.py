@@ -164,6 +164,7 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
   profiles: dict[str, Any] = {}
   sim_ms = []
   all_steal: list[tuple[int, int]] = []
+  casts = casting.fit_cast_model(devices[0])  # the device's, not a model's
   for spec in models:
     factory = models_lib.load_model_factory(spec)
     model = factory(rngs=nnx.Rngs(0), **kwargs_of.get(spec, {}))
@@ -182,7 +183,6 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
     measured_mem = {name: memory.compiled_step_bytes(
         model, eff, batch, losses.cross_entropy, tx)
                     for name, eff in effective.items()}
-    casts = casting.fit_cast_model(devices[0])
     memory_model = memory.measure_memory_model(
         model, g, batch, losses.cross_entropy, tx, precisions)
     log(f"{spec}: {len(g.nodes)} layers, {g.num_params} parameters")

@@ -24,6 +24,16 @@ _OVERHEAD: dict[Any, float] = {}
 BURST = 3
 
 
+def _fastest(run: Callable[[], Any], calls: int) -> float:
+  """Seconds of the fastest of ``calls`` blocking calls of ``run``."""
+  best = float("inf")
+  for _ in range(calls):
+    t = time.perf_counter()
+    jax.block_until_ready(run())
+    best = min(best, time.perf_counter() - t)
+  return best
+
+
 def burst_median(run: Callable[[], Any], repeats: int, min_s: float = 0.0
                  ) -> float:
   """Median over repeats of the fastest of ``BURST`` blocking calls.
@@ -39,12 +49,7 @@ def burst_median(run: Callable[[], Any], repeats: int, min_s: float = 0.0
   start = time.perf_counter()
   while len(bursts) < repeats or (time.perf_counter() - start < min_s
                                   and len(bursts) < 20 * repeats):
-    best = float("inf")
-    for _ in range(BURST):
-      t = time.perf_counter()
-      jax.block_until_ready(run())
-      best = min(best, time.perf_counter() - t)
-    bursts.append(best)
+    bursts.append(_fastest(run, BURST))
   return float(np.median(bursts))
 
 
@@ -169,11 +174,7 @@ def interleaved(calls: Mapping[Hashable, Callable[[], Any]], rounds: int = 9,
       chosen, least = float("inf"), float("inf")
       for _ in range(1 + retries):
         mark = meter.mark()
-        best = float("inf")
-        for _ in range(burst):
-          t = time.perf_counter()
-          jax.block_until_ready(fn())
-          best = min(best, time.perf_counter() - t)
+        best = _fastest(fn, burst)
         stolen = meter.fraction_since(mark)
         if stolen < least:
           chosen, least = best, stolen
