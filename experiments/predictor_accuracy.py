@@ -18,8 +18,9 @@ with input_spec(batch_size) and a `task` attribute).
 
 Writes --out (JSON): {"cases": [{"model", "plan", "workers", "predicted_s",
 "measured_s", "rel_error", "predicted_memory_bytes", "measured_memory_bytes",
-"memory_rel_error", "steal_fraction"}], "mean_abs_rel_error",
-"max_abs_rel_error", "max_abs_memory_rel_error", "steal_fraction",
+"memory_rel_error", "uniform", "steal_fraction"}], "mean_abs_rel_error",
+"max_abs_rel_error", "mixed_mean_abs_rel_error", "mixed_max_abs_rel_error",
+"max_abs_memory_rel_error", "steal_fraction",
 "simulation_speed": {"simulate_ms", ...}, ...}
 and, next to it, a PNG
 scatter of predicted against measured step times.
@@ -74,7 +75,12 @@ def main(argv):
     json.dump(result, f, indent=1)
   accuracy.plot(result, os.path.splitext(FLAGS.out)[0] + ".png")
   print(f"mean |rel error| {result['mean_abs_rel_error']:.4f}, max "
-        f"{result['max_abs_rel_error']:.4f}, max memory |rel error| "
+        f"{result['max_abs_rel_error']:.4f}", end="")
+  if result["mixed_mean_abs_rel_error"] is not None:
+    print(f" (mixed plans alone: mean "
+          f"{result['mixed_mean_abs_rel_error']:.4f}, max "
+          f"{result['mixed_max_abs_rel_error']:.4f})", end="")
+  print(f", max memory |rel error| "
         f"{result['max_abs_memory_rel_error']:.4f}; the hypervisor stole "
         f"{result['steal_fraction']:.1%} of the CPU while timing")
   if "simulation_speed" in result:

@@ -1,5 +1,6 @@
 """Tests of the predictor: graph and cascades, casts, timeline, memory."""
 
+import dataclasses
 import json
 
 from flax import nnx
@@ -16,6 +17,7 @@ from qsync_jax.predictor import casting, devices, graph as graph_lib
 from qsync_jax.predictor import memory, profiling as profile_lib
 from qsync_jax.predictor import simulation as simulate
 from qsync_jax.predictor import timing
+from jaxpr_utils import contractions_of
 
 FP32, FP16, BF16, INT8 = (Precision.FP32, Precision.FP16, Precision.BF16,
                           Precision.INT8)
@@ -205,26 +207,43 @@ def test_mixed_precision_plan_costs_what_its_layers_cost():
   assert pred.step_time_s == pytest.approx(1.5 + 6.0)
 
 
-def _host(layer_speedup, rest_speedup=2.0, update=None):
-  return {"concurrency": {"layers": {"l0": {"fp32": {1: 1.0,
-                                                     2: layer_speedup}}},
-                          "rest": {"float32": {1: 1.0, 2: rest_speedup}}},
-          "allreduce": [0.0, 0.0], "step_overhead_s": {1: 0.01, 2: 0.02},
+def _host(update=None):
+  return {"allreduce": [0.0, 0.0], "step_overhead_s": {1: 0.01, 2: 0.02},
           **({"update_s": update} if update else {})}
 
 
-def test_shared_host_slows_each_piece_by_its_own_measured_sharing():
-  g = _chain(1)
-  prof = _profile(g, [1.0], [2.0], optimizer=0.3, rest=(0.5, 1.5),
-                  host=_host(1.5))
-  one = simulate.simulate(g, _workers(g, prof, 1), bucket_bytes=None,
-                          shared_host=True)
-  assert one.step_time_s == pytest.approx(3.0 + 1.5 + 0.3 + 0.01)
-  two = simulate.simulate(g, _workers(g, prof, 2), bucket_bytes=None,
-                          shared_host=True)
-  # Two copies of the layer (3 s alone) ran at 1.5x together: 4 s; the rest
-  # (1.5 s alone) at 2x: 1.5 s; two optimizer passes share bandwidth.
-  assert two.step_time_s == pytest.approx(4.0 + 1.5 + 0.6 + 0.02)
+def test_pieces_are_scaled_to_the_measured_uniform_passes():
+  # l0, l1 and the head l2 (forced FP32): 3 s each at FP32, 1.5 s at FP16.
+  g = _chain(3)
+  prof = _profile(g, [1.0] * 3, [2.0] * 3, optimizer=0.3, host=_host())
+  # Whole passes: FP32 alone 4.5 s, two at once 6 s; FP16 (head at FP32)
+  # 3 s and 4.5 s.
+  prof.passes = {"fp32": {1: 4.5, 2: 6.0}, "fp16": {1: 3.0, 2: 4.5}}
+  assert simulate.pass_factors(g, prof, 1) == pytest.approx(
+      {"fp32": 0.5, "fp16": 0.5})
+  # FP16 at k = 2: the head's 3 s at the FP32 factor 2/3 leave 2.5 s for
+  # the two FP16 layers' 3 s.
+  assert simulate.pass_factors(g, prof, 2) == pytest.approx(
+      {"fp32": 2 / 3, "fp16": 2.5 / 3})
+
+  def step(plan, n, shared_host):
+    workers = [simulate.SimWorker(f"w{i}", prof, plan) for i in range(n)]
+    return simulate.simulate(g, workers, bucket_bytes=None, link=(0, 0),
+                             shared_host=shared_host).step_time_s
+
+  fp16 = {"l0": FP16, "l1": FP16, "l2": FP32}
+  assert step({p: FP32 for p in g.paths}, 1, False) == pytest.approx(4.8)
+  assert step(fp16, 1, False) == pytest.approx(3.0 + 0.3)
+  mixed = {"l0": FP32, "l1": FP16, "l2": FP32}
+  assert step(mixed, 1, False) == pytest.approx(3 * 0.5 + 1.5 * 0.5 + 3 * 0.5
+                                                + 0.3)
+  # Two workers on one host: the k = 2 factors, two optimizer passes sharing
+  # the memory bandwidth, the host overhead.
+  assert step(mixed, 2, True) == pytest.approx(
+      3 * 2 / 3 + 1.5 * 2.5 / 3 + 3 * 2 / 3 + 0.6 + 0.02)
+  # Without passes (analytic profiles) the pieces count as they are.
+  prof = dataclasses.replace(prof, passes={})
+  assert step(mixed, 1, False) == pytest.approx(3 + 1.5 + 3 + 0.3)
   assert host_interp() == pytest.approx(1.5)
 
 
@@ -235,7 +254,7 @@ def host_interp():
 def test_shared_host_uses_the_timed_update_program():
   g = _chain(1)
   prof = _profile(g, [1.0], [2.0], optimizer=9.0,
-                  host=_host(2.0, update={1: 0.25, 2: 0.5}))
+                  host=_host(update={1: 0.25, 2: 0.5}))
   two = simulate.simulate(g, _workers(g, prof, 2), bucket_bytes=None,
                           shared_host=True)
   # The measured update program replaces the all-reduce and optimizer.
@@ -345,9 +364,9 @@ def test_measured_profile_covers_every_piece(measured_cnn, tmp_path):
     for f, fb in per.values():
       assert 0 <= f <= fb
   assert set(prof.rest) == {"float32"} and prof.optimizer_s > 0
-  sharing = prof.host["concurrency"]
-  assert set(sharing["layers"]["conv2"]["int8"]) == {1, 2}
-  assert set(sharing["rest"]["float32"]) == {1, 2}
+  assert set(prof.passes) == {"fp32", "int8"}
+  for per_k in prof.passes.values():
+    assert set(per_k) == {1, 2} and min(per_k.values()) > 0
   assert set(prof.host["update_s"]) == {1, 2}
   path = str(tmp_path / "p.json")
   prof.save(path)
@@ -434,8 +453,8 @@ def test_accuracy_check_writes_every_case(tmp_path):
   assert result["max_abs_rel_error"] >= result["mean_abs_rel_error"]
   # One phase per worker count, each with its own profile.
   assert set(result["profiles"]["cnn"]) == {"1", "2"}
-  assert "concurrency" in result["profiles"]["cnn"]["2"]["host"]
-  assert "concurrency" not in result["profiles"]["cnn"]["1"]["host"]
+  assert set(result["profiles"]["cnn"]["2"]["passes"]["fp32"]) == {"1", "2"}
+  assert set(result["profiles"]["cnn"]["1"]["passes"]["fp32"]) == {"1"}
   accuracy.plot(result, str(tmp_path / "scatter.png"))
   assert (tmp_path / "scatter.png").stat().st_size > 0
 
@@ -463,6 +482,25 @@ class Repeated(nnx.Module):
     return self.fc3(jax.nn.relu(self.fc2(jax.nn.relu(self.fc1(x)))))
 
 
+def test_uniform_pass_computes_at_its_precision_on_a_copy():
+  model = Repeated()
+  g = graph_lib.trace_graph(model, model.input_spec(4))
+  grad_fn, flat, rest = profile_lib.pass_function(
+      model, g, losses.cross_entropy, INT8)
+  x = jnp.ones((4, 8), jnp.float32)
+  y = jnp.zeros((4,), jnp.int32)
+  found = contractions_of(grad_fn, flat[None], rest, jnp.ones((1,)), x, y)
+  forward = [ops for _, ops, _ in found if ops == ("int8", "int8")]
+  # fc1 and fc2 run on int8 operands; the head fc3 keeps FP32.
+  assert len(forward) == 2
+  assert ("float32", "float32") in [ops for _, ops, _ in found]
+  # The model itself still computes at FP32.
+  assert set(policy.effective_precisions(
+      model, PrecisionPlan(), model.input_spec(4)).values()) == {FP32}
+  assert all(ops != ("int8", "int8") for _, ops, _ in contractions_of(
+      lambda v: model(v), x))
+
+
 def test_layers_with_equal_pieces_are_timed_once():
   model = Repeated()
   g = graph_lib.trace_graph(model, model.input_spec(4))
@@ -476,13 +514,10 @@ def test_layers_with_equal_pieces_are_timed_once():
       precisions=[FP32, INT8], loss_fn=losses.cross_entropy,
       tx=optax.sgd(0.1), host_devices=jax.devices()[:2])
   timed = {k[1] for k in job.calls if k[0] == "layer"}
-  shared = {k[2] for k in job.calls if k[:2] == ("shared", "layer")}
-  assert timed == shared == {"fc1", "fc2"}
+  assert timed == {"fc1", "fc2"}
   raw = {k: 1e-3 * (i + 1) for i, k in enumerate(job.calls)}
   prof = job.finish(raw)
   assert prof.layers["fc3"] == prof.layers["fc2"] != prof.layers["fc1"]
-  sharing = prof.host["concurrency"]["layers"]
-  assert sharing["fc3"] == sharing["fc2"]
 
 
 def _fake_proc_stat(path, ticks):

@@ -41,6 +41,12 @@ DEFAULT_MODEL_KWARGS: dict[str, dict[str, Any]] = {
 DEFAULT_BATCH = {"cnn": 32, "bert": 16, "resnet18": 16}
 
 
+#: The uniform plans of :func:`plans_for`. Their whole passes are part of the
+#: profile (:func:`.simulation.pass_factors`), so the result also reports the
+#: error over the mixed plans alone, which nothing of theirs was fitted on.
+UNIFORM_PLANS = ("fp32", "bf16", "fp16", "int8")
+
+
 def plans_for(g: graph_lib.ModelGraph) -> dict[str, PrecisionPlan]:
   """The evaluated plans: four uniform ones and four mixed ones."""
   paths = [n.path for n in g.nodes if not n.floored]
@@ -135,8 +141,10 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
   Returns:
     ``{"cases": [{"model", "plan", "workers", "predicted_s", "measured_s",
     "rel_error", "predicted_memory_bytes", "measured_memory_bytes",
-    "memory_rel_error", "steal_fraction"}], "mean_abs_rel_error",
-    "max_abs_rel_error", "max_abs_memory_rel_error", "simulate_ms",
+    "memory_rel_error", "uniform", "steal_fraction"}], "mean_abs_rel_error",
+    "max_abs_rel_error", "mixed_mean_abs_rel_error",
+    "mixed_max_abs_rel_error" (over the mixed plans alone),
+    "max_abs_memory_rel_error", "simulate_ms",
     "steal_fraction", "profiles": {model: {workers: the profile of that
     worker count's first phase}}, "device", "jax"}``; ``steal_fraction`` is
     the share of the CPUs' time the hypervisor stole while timing (bursts
@@ -230,6 +238,7 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
                   "predicted_memory_bytes": pm,
                   "measured_memory_bytes": mm,
                   "memory_rel_error": (pm - mm) / mm,
+                  "uniform": name in UNIFORM_PLANS,
                   "steal_fraction": steal}
           model_cases.append(case)
           log(f"  {name:<22} x{n}: predicted "
@@ -239,9 +248,14 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
     cases += sorted(model_cases, key=lambda c: (names.index(c["plan"]),
                                                 c["workers"]))
   errors = np.abs([c["rel_error"] for c in cases])
+  mixed = np.abs([c["rel_error"] for c in cases if not c["uniform"]])
   return {"cases": cases,
           "mean_abs_rel_error": float(errors.mean()),
           "max_abs_rel_error": float(errors.max()),
+          "mixed_mean_abs_rel_error": (float(mixed.mean()) if mixed.size
+                                       else None),
+          "mixed_max_abs_rel_error": (float(mixed.max()) if mixed.size
+                                      else None),
           "max_abs_memory_rel_error": float(np.max(np.abs(
               [c["memory_rel_error"] for c in cases]))),
           "simulate_ms": float(np.median(sim_ms)),

@@ -9,9 +9,10 @@ This module owns :class:`Profile` and the two ways to get one:
   (the same gradient function the trainer compiles, with every layer's op
   replaced by a stand-in that only emits an output of the right shape and
   dtype), the optimizer update, the cast costs (fitted, :mod:`.casting`), the
-  memory of the compiled step at each uniform precision, and for hosts that
-  carry several workers, how their concurrent steps share the host and what a
-  host all-reduce costs. Layers whose pieces are the same computation
+  memory of the compiled step at each uniform precision, the whole gradient
+  pass at each uniform precision (alone, and on hosts that carry several
+  workers as k copies at once: how they share the host), and what a host
+  all-reduce costs. Layers whose pieces are the same computation
   (:func:`piece_signature`: a ResNet's repeated blocks) are timed once.
   Profiles are cached as JSON keyed by model graph, batch shape, device kind
   and jax version.
@@ -20,8 +21,11 @@ This module owns :class:`Profile` and the two ways to get one:
   FLOPs and bytes, the non-layer rest from XLA's byte count of the stand-in
   step, an optimizer pass from the parameter bytes.
 
-No whole-step timing of the profiled model enters a profile: the predictions
-of :mod:`.simulation` are built from isolated pieces only.
+The step times :mod:`.simulation` predicts are built from the isolated
+pieces, scaled per precision to the model's whole gradient pass at that
+uniform precision (:func:`.simulation.pass_factors`), as QSync's replayer
+builds mixed plans on uniform-precision traces. No mixed plan is ever timed
+whole.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ DEFAULT_PRECISIONS = (Precision.FP32, Precision.BF16, Precision.FP16,
 #: The dtype activation operands arrive in when layers are profiled: NNX
 #: layers promote their input to their float32 parameters' dtype.
 PROFILED_INPUT_DTYPE = "float32"
+#: Version of what a profile holds; a cached profile of another is measured
+#: again (2: whole uniform passes, host sharing no longer per piece).
+PROFILE_FORMAT = 2
 
 
 @dataclasses.dataclass
@@ -69,12 +76,14 @@ class Profile:
     optimizer_s: one optimizer update of all parameters.
     casts: the cast model.
     memory: see :class:`qsync_jax.predictor.memory.MemoryModel`.
-    host: for measured profiles, how co-located workers share the host:
-      ``{"concurrency": {"layers": {path: {precision: {k: speedup}}},
-      "rest": {dtype: {k: speedup}}}`` where ``speedup = k t_1 / t_k`` for
-      k copies of that piece run at once on k of the host's devices,
-      "allreduce": [alpha_s, seconds_per_byte], "step_overhead_s": {k: s},
-      "update_s": {k: the trainer's update program over k workers}}``.
+    host: for measured profiles of a host that carries several workers:
+      ``{"allreduce": [alpha_s, seconds_per_byte], "step_overhead_s": {k:
+      s}, "update_s": {k: the trainer's update program over k workers}}``.
+    passes: for measured profiles, ``{precision: {k: seconds}}``: k copies
+      of the model's whole gradient pass at that uniform precision, run at
+      once on k of the host's devices (k = 1: one pass alone). The
+      simulation scales the pieces to these uniform passes
+      (:func:`.simulation.pass_factors`).
   """
   device_kind: str
   source: str
@@ -85,6 +94,8 @@ class Profile:
   casts: casting.CastModel
   memory: memory.MemoryModel
   host: dict[str, Any] = dataclasses.field(default_factory=dict)
+  passes: dict[str, dict[int, float]] = dataclasses.field(
+      default_factory=dict)
 
   @property
   def precisions(self) -> list[Precision]:
@@ -115,7 +126,8 @@ class Profile:
             "key": self.key, "layers": self.layers, "rest": self.rest,
             "optimizer_s": self.optimizer_s, "casts": self.casts.to_dict(),
             "memory": self.memory.to_dict(),
-            "host": _host_to_json(self.host)}
+            "host": _host_to_json(self.host),
+            "passes": _host_to_json(self.passes)}
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "Profile":
@@ -127,7 +139,8 @@ class Profile:
         rest={k: tuple(v) for k, v in d["rest"].items()},
         optimizer_s=float(d["optimizer_s"]),
         casts=casting.CastModel.from_dict(d["casts"]),
-        memory=memory.MemoryModel.from_dict(d["memory"]), host=host)
+        memory=memory.MemoryModel.from_dict(d["memory"]), host=host,
+        passes=_host_from_json(d.get("passes") or {}))
 
   def save(self, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -322,23 +335,39 @@ def _stand_in_wrapper(nodes: Sequence[graph_lib.LayerNode], dtype: str):
   return make_wrapper
 
 
-def stand_in_step_functions(model: nnx.Module, g: graph_lib.ModelGraph,
-                            loss_fn, dtype: str):
-  """(forward, gradient) functions of the step with stand-in layers.
+def _edited_grad_function(model: nnx.Module, loss_fn,
+                          edit: Callable[[nnx.Module], None]):
+  """The trainer's gradient function of a copy of ``model`` that ``edit``
+  changed in place (``model`` is left unchanged).
 
-  The gradient function is :func:`qsync_jax.trainer.grad_function` (what the
-  trainer runs), on a copy of the model whose layers emit ``dtype``.
+  Returns:
+    ``(grad_fn, graphdef, unravel, flat_params, rest)`` of the copy;
+    ``grad_fn`` is :func:`qsync_jax.trainer.grad_function` (what the trainer
+    runs).
   """
-  layer_list = policy.model_layers(model, g.input_spec)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   copy = nnx.merge(graphdef, params, rest)
-  found = policy.addressable_modules(copy)
-  policy.instrument(copy, [policy.Layer(l.path, found[l.path], l.kind)
-                           for l in layer_list],
-                    _stand_in_wrapper(g.nodes, dtype))
-  s_graphdef, s_params, s_rest = nnx.split(copy, nnx.Param, ...)
-  flat, unravel = ravel_pytree(s_params)
-  grad_fn = trainer.grad_function(s_graphdef, unravel, loss_fn)
+  edit(copy)
+  c_graphdef, c_params, c_rest = nnx.split(copy, nnx.Param, ...)
+  flat, unravel = ravel_pytree(c_params)
+  return (trainer.grad_function(c_graphdef, unravel, loss_fn), c_graphdef,
+          unravel, flat, c_rest)
+
+
+def stand_in_step_functions(model: nnx.Module, g: graph_lib.ModelGraph,
+                            loss_fn, dtype: str):
+  """(forward, gradient) functions of the step with stand-in layers: on a
+  copy of the model whose layers only emit ``dtype``."""
+  layer_list = policy.model_layers(model, g.input_spec)
+
+  def stand_in(copy):
+    found = policy.addressable_modules(copy)
+    policy.instrument(copy, [policy.Layer(l.path, found[l.path], l.kind)
+                             for l in layer_list],
+                      _stand_in_wrapper(g.nodes, dtype))
+
+  grad_fn, s_graphdef, unravel, flat, s_rest = _edited_grad_function(
+      model, loss_fn, stand_in)
 
   @jax.jit
   def forward(params_row, rest_state, x, y):
@@ -347,6 +376,22 @@ def stand_in_step_functions(model: nnx.Module, g: graph_lib.ModelGraph,
     return loss_fn(m(x), y)
 
   return forward, grad_fn, flat, s_rest
+
+
+def pass_function(model: nnx.Module, g: graph_lib.ModelGraph, loss_fn,
+                  precision: Precision, quant: QuantConfig | None = None):
+  """(gradient function, flat parameters, rest) of the whole model's pass
+  at one uniform precision (forced precisions applied): what a worker with
+  that plan computes, on a copy of the model."""
+  plan = PrecisionPlan.uniform(precision, quant)
+
+  def set_plan(copy):
+    layer_list = policy.model_layers(copy, g.input_spec)
+    policy.set_precisions(layer_list, policy.resolve_layers(layer_list, plan),
+                          plan.quant)
+
+  grad_fn, _, _, flat, rest = _edited_grad_function(model, loss_fn, set_plan)
+  return grad_fn, flat, rest
 
 
 def _batch_arrays(sample_batch, device):
@@ -418,6 +463,25 @@ def concurrency_calls(make_call: Callable[[jax.Device, int], Callable],
   calls = [make_call(d, i) for i, d in enumerate(local_devices)]
   return {k: (lambda k=k: [c() for c in calls[:k]])
           for k in host_counts(len(calls))}
+
+
+def pass_concurrency_calls(model: nnx.Module, g: graph_lib.ModelGraph,
+                           sample_batch, loss_fn, precision: Precision,
+                           quant: QuantConfig | None,
+                           local_devices: Sequence[jax.Device]
+                           ) -> dict[int, Callable[[], Any]]:
+  """:func:`concurrency_calls` of the model's whole gradient pass at one
+  uniform precision (:func:`pass_function`), one copy per host device."""
+  fn, flat, rest = pass_function(model, g, loss_fn, precision, quant)
+
+  def make(d, i):
+    x, y = _batch_arrays(sample_batch, d)
+    row = jax.device_put(flat[None], d)
+    rest_d = jax.device_put(rest, d)
+    scale = jax.device_put(jnp.ones((1,), jnp.float32), d)
+    return lambda: fn(row, rest_d, scale, x, y)
+
+  return concurrency_calls(make, local_devices)
 
 
 def host_counts(num_devices: int) -> list[int]:
@@ -518,7 +582,8 @@ def profile_key(g: graph_lib.ModelGraph, model_name: str, device_kind: str,
   return {"model": model_name, "graph": g.fingerprint(),
           "batch_shape": list(g.input_shape), "device_kind": device_kind,
           "precisions": [p.value for p in precisions],
-          "optimizer": optimizer, "jax": jax.__version__}
+          "optimizer": optimizer, "jax": jax.__version__,
+          "format": PROFILE_FORMAT}
 
 
 def _cache_path(cache_dir: str, key: dict) -> str:
@@ -645,28 +710,23 @@ def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
       f, fb = layer_calls(node, p, device, quant, functions)
       calls[("layer", node.path, p.value, "f")] = f
       calls[("layer", node.path, p.value, "fb")] = fb
-      if len(host_devices) > 1:
-        # This piece's slowdown when k workers run it at once (host
-        # sharing).
-        make = (lambda d, i, node=node, p=p, functions=functions, fb=fb:
-                fb if d == device else
-                layer_calls(node, p, d, quant, functions)[1])
-        for k, c in concurrency_calls(make, host_devices).items():
-          if k > 1:
-            calls[("shared", "layer", node.path, p.value, k)] = c
   dtypes = sorted({graph_lib.output_dtype(p) for p in precisions})
   for dt in dtypes:
     f, fb = rest_calls(model, g, sample_batch, loss_fn, dt, device)
     calls[("rest", dt, "f")] = f
     calls[("rest", dt, "fb")] = fb
   calls[("optimizer",)] = optimizer_call(model, tx, device)
+  # The whole pass at each uniform precision, alone and (several workers
+  # on this host) as k copies at once. Copies of one isolated piece
+  # overstated the slowdown of sharing (ResNet-18 on 4 workers: predicted
+  # 18-27 % too slow): in real steps the workers are at different pieces,
+  # and one's serial stretch fills the cores another leaves idle.
+  pass_devices = host_devices if len(host_devices) > 1 else [device]
+  for p in precisions:
+    for k, c in pass_concurrency_calls(model, g, sample_batch, loss_fn, p,
+                                       quant, pass_devices).items():
+      calls[("pass", p.value, k)] = c
   if len(host_devices) > 1:
-    for dt in dtypes:
-      make = (lambda d, i, dt=dt:
-              rest_calls(model, g, sample_batch, loss_fn, dt, d)[1])
-      for k, c in concurrency_calls(make, host_devices).items():
-        if k > 1:
-          calls[("shared", "rest", dt, k)] = c
     for kn, c in allreduce_calls(host_devices).items():
       calls[("allreduce", *kn)] = c
   if host_devices:
@@ -678,7 +738,7 @@ def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
   def finish(raw: Mapping[tuple, float]) -> Profile:
     over = timing.call_overhead(device)
     t = {k: max(raw[k] - over, 0.0) for k in calls
-         if k[0] in ("layer", "rest", "optimizer", "allreduce")}
+         if k[0] in ("layer", "rest", "optimizer", "allreduce", "pass")}
     layers: dict[str, dict[str, tuple[float, float]]] = {}
     for node in g.nodes:
       q = timed_as[node.path]
@@ -697,27 +757,16 @@ def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
               "update_s": {k: raw[("update", k)] for k in ks}}
     if len(host_devices) > 1:
       host.update({
-          "concurrency": {
-              "layers": {
-                  node.path: {
-                      p.value: {k: k * raw[("layer", timed_as[node.path],
-                                            p.value, "fb")]
-                                / raw[("shared", "layer", timed_as[node.path],
-                                       p.value, k)] if k > 1 else 1.0
-                                for k in ks}
-                      for p in precisions
-                      if not (node.floored and p.bits < 16)}
-                  for node in g.nodes},
-              "rest": {dt: {k: k * raw[("rest", dt, "fb")]
-                            / raw[("shared", "rest", dt, k)] if k > 1
-                            else 1.0 for k in ks} for dt in dtypes}},
           "allreduce": list(fit_allreduce(
               {k[1:]: v for k, v in t.items() if k[0] == "allreduce"}))})
     return Profile(
         device_kind, "measured", key, layers, rest, t[("optimizer",)],
         casts or casting.fit_cast_model(device),
         memory_model or memory.measure_memory_model(
-            model, g, sample_batch, loss_fn, tx, precisions, quant), host)
+            model, g, sample_batch, loss_fn, tx, precisions, quant), host,
+        {p.value: {k: t[("pass", p.value, k)]
+                   for k in host_counts(len(pass_devices))}
+         for p in precisions})
 
   return ProfileJob(calls, finish)
 

@@ -15,12 +15,12 @@ All-reduce times follow the alpha-beta model of a ring: ``2 (n-1) alpha + 2
 (n-1)/n bytes beta`` (:func:`ring_allreduce_time`).
 
 Workers that share one host (fake devices of the machine at hand) also share
-its cores: every piece of their step is slowed down as much as that many
-copies of the piece slowed each other down when profiled
-(``host["concurrency"]``), the trainer's update program over that many
-workers (timed whole, ``host["update_s"]``) follows, and the trainer's host
-overhead per step is added. That is how the
-predictor is checked against real steps on this machine.
+its cores: every layer's share of their pass is slowed down as much as that
+many copies of the whole pass at the layer's precision slowed each other
+down when profiled (``host["concurrency"]``), the trainer's update program
+over that many workers (timed whole, ``host["update_s"]``) follows, and the
+trainer's host overhead per step is added. That is how the predictor is
+checked against real steps on this machine.
 """
 
 from __future__ import annotations
@@ -133,44 +133,97 @@ def _tables(g: graph_lib.ModelGraph):
   return cached
 
 
-def worker_costs(g: graph_lib.ModelGraph, prof: Profile,
-                 precisions: Sequence[Precision], shared: int = 1) -> _Costs:
-  """Per-layer forward and backward seconds of one worker's plan.
-
-  The non-layer rest is spread over layers by output size, at the dtype each
-  layer emits; casts are the difference between the dtype that arrives and
-  the float32 the profile was measured with. With ``shared`` > 1 workers on
-  one host, each piece is slowed down as much as ``shared`` copies of it
-  slowed each other down when profiled (``host["concurrency"]``).
-  """
+def _piece_costs(g: graph_lib.ModelGraph, prof: Profile,
+                 precisions: Sequence[Precision]
+                 ) -> tuple[np.ndarray, np.ndarray]:
+  """Per-layer (forward, backward) seconds from the pieces alone: each
+  layer's op, its share of the non-layer rest (spread by output size, at the
+  dtype the layer emits) and the casts the plan inserts (the difference
+  between the dtype that arrives and the float32 the op was timed with)."""
   t = _tables(g)
   n = len(g.nodes)
   fwd = np.empty(n)
   bwd = np.empty(n)
   rest32 = prof.rest["float32"]
   share = t["rest_share"]
-  conc = prof.host.get("concurrency", {}) if shared > 1 else {}
-
-  def slowdown(curve):
-    return shared / host_value(curve, shared) if curve else 1.0
-
   for i, (path, p) in enumerate(zip(t["paths"], precisions)):
     f, b = prof.layer_cost(path, p)
-    dt = graph_lib.output_dtype(p)
-    rf, rfb = prof.rest.get(dt, rest32)
-    s_layer = slowdown(conc.get("layers", {}).get(path, {}).get(p.value))
-    s_rest = slowdown(conc.get("rest", {}).get(dt if dt in prof.rest
-                                               else "float32"))
-    fwd[i] = f * s_layer + share[i] * rf * s_rest
-    bwd[i] = b * s_layer + share[i] * (rfb - rf) * s_rest
+    rf, rfb = prof.rest.get(graph_lib.output_dtype(p), rest32)
+    fwd[i] = f + share[i] * rf
+    bwd[i] = b + share[i] * (rfb - rf)
   for c in graph_lib.casts(g, precisions):
     base_f = prof.casts.time(PROFILED_INPUT_DTYPE, c.dst, c.numel)
     fwd[c.layer] += prof.casts.time(c.src, c.dst, c.numel) - base_f
     if c.backward:
       base_b = prof.casts.time(c.dst, PROFILED_INPUT_DTYPE, c.numel)
       bwd[c.layer] += prof.casts.time(c.dst, c.src, c.numel) - base_b
-  mem = prof.memory.predict(t["paths"], precisions)
-  return _Costs(fwd, bwd, t["grad_bytes"], mem)
+  return fwd, bwd
+
+
+#: The least a pass factor can be, as a share of the pieces' own time.
+MIN_PASS_FACTOR = 0.25
+
+
+def pass_factors(g: graph_lib.ModelGraph, prof: Profile, k: int = 1
+                 ) -> dict[str, float]:
+  """How much to scale the pieces of each precision, with k workers sharing
+  the host, so that uniform plans cost what their whole passes measured.
+
+  Isolated pieces miss what XLA does across layer boundaries in a whole
+  pass (fusing casts and element-wise work into neighbours, one dispatch),
+  and k copies of one piece overstate how k workers share the host's cores.
+  QSync's replayer builds a mixed plan on uniform-precision traces of the
+  model (reference qsync.md, "predictor / replayer"); likewise, the layers at
+  precision ``p`` are scaled by the factor that makes the uniform plan at
+  ``p`` add up to ``prof.passes[p]`` (at k copies). Uniform plans keep the
+  forced precisions (the head at FP32, 16-bit floors), so precisions are
+  solved from the widest down, each with its forced layers at the factors
+  already found. A precision the profile has no pass for keeps factor 1.
+
+  Args:
+    g: the model graph of the profile.
+    prof: the profile; analytic ones have no passes (all factors 1).
+    k: co-located workers (host sharing; interpolated between the counts
+      measured, :func:`host_value`).
+
+  Returns:
+    ``{precision value: factor}``, at least :data:`MIN_PASS_FACTOR`.
+  """
+  cache = prof.__dict__.setdefault("_pass_factor_cache", {})
+  key = (id(g), k, repr(prof.passes))  # passes may be replaced or edited
+  if key in cache:
+    return cache[key]
+  factors: dict[str, float] = {}
+  for p in sorted((Precision(v) for v in prof.passes),
+                  key=lambda q: -q.bits):
+    precs = [resolve_plan(g, PrecisionPlan.uniform(p))[path]
+             for path in g.paths]
+    fwd, bwd = _piece_costs(g, prof, precs)
+    total = fwd + bwd
+    own = np.array([q is p for q in precs])
+    forced = sum(total[i] * factors.get(q.value, 1.0)
+                 for i, q in enumerate(precs) if q is not p)
+    own_s = float(total[own].sum())
+    target = host_value(prof.passes[p.value], k)
+    factors[p.value] = (max((target - forced) / own_s, MIN_PASS_FACTOR)
+                        if own_s > 0 else 1.0)
+  cache[key] = factors
+  return factors
+
+
+def worker_costs(g: graph_lib.ModelGraph, prof: Profile,
+                 precisions: Sequence[Precision], shared: int = 1) -> _Costs:
+  """Per-layer forward and backward seconds of one worker's plan.
+
+  The pieces' costs (:func:`_piece_costs`), each layer's scaled by the
+  :func:`pass_factors` of its precision with ``shared`` workers on the
+  host.
+  """
+  fwd, bwd = _piece_costs(g, prof, precisions)
+  factors = pass_factors(g, prof, shared)
+  slow = np.array([factors.get(p.value, 1.0) for p in precisions])
+  mem = prof.memory.predict(_tables(g)["paths"], precisions)
+  return _Costs(fwd * slow, bwd * slow, _tables(g)["grad_bytes"], mem)
 
 
 def host_value(per_k: Mapping[int, float], k: int) -> float:
