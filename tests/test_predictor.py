@@ -526,22 +526,31 @@ def _fake_proc_stat(path, ticks):
                   "cpu0 0 0 0 0 0 0 0 0 0 0\n")
 
 
-def test_interleaved_repeats_a_burst_the_hypervisor_stole_from(
-    tmp_path, monkeypatch):
-  import time
+@pytest.fixture
+def fake_cpu(tmp_path, monkeypatch):
+  """A fake /proc/stat; ``tick(steal)`` advances it by 10 ticks."""
   stat = tmp_path / "stat"
   ticks = {"total": 0, "steal": 0}
   _fake_proc_stat(stat, ticks)
   monkeypatch.setattr(timing.StealMeter, "PATH", str(stat))
+
+  def tick(steal):
+    ticks["total"] += 10
+    ticks["steal"] += steal
+    _fake_proc_stat(stat, ticks)
+
+  return tick
+
+
+def test_interleaved_repeats_a_burst_the_hypervisor_stole_from(fake_cpu):
+  import time
   calls = []
 
   def fn():
     calls.append(1)
-    ticks["total"] += 10
     if len(calls) == 3:  # the first timed burst loses half the CPU
-      ticks["steal"] += 5
       time.sleep(0.02)
-    _fake_proc_stat(stat, ticks)
+    fake_cpu(5 if len(calls) == 3 else 0)
     return jnp.zeros(())
 
   meter = timing.StealMeter()
@@ -553,19 +562,12 @@ def test_interleaved_repeats_a_burst_the_hypervisor_stole_from(
   assert meter.overall_fraction == pytest.approx(5 / 20)
 
 
-def test_interleaved_gives_up_on_retries_when_steal_persists(
-    tmp_path, monkeypatch):
-  stat = tmp_path / "stat"
-  ticks = {"total": 0, "steal": 0}
-  _fake_proc_stat(stat, ticks)
-  monkeypatch.setattr(timing.StealMeter, "PATH", str(stat))
+def test_interleaved_gives_up_on_retries_when_steal_persists(fake_cpu):
   calls = []
 
   def fn():
     calls.append(1)
-    ticks["total"] += 10
-    ticks["steal"] += 5
-    _fake_proc_stat(stat, ticks)
+    fake_cpu(5)
     return jnp.zeros(())
 
   t = timing.interleaved({"a": fn}, rounds=2, burst=1, retries=2,

@@ -248,17 +248,11 @@ def layer_functions(node: graph_lib.LayerNode, precision: Precision,
 
 
 def layer_calls(node: graph_lib.LayerNode, precision: Precision,
-                device: jax.Device, quant: QuantConfig | None = None,
-                functions: tuple[Callable[..., Any], Callable[..., Any]]
-                | None = None
+                device: jax.Device, quant: QuantConfig | None = None
                 ) -> tuple[Callable[[], Any], Callable[[], Any]]:
-  """(forward, forward_and_backward) zero-argument calls of one layer.
-
-  ``functions`` reuses :func:`layer_functions`' jitted pair (calls on
-  several devices then share one function and its per-device executables).
-  """
+  """(forward, forward_and_backward) zero-argument calls of one layer."""
   arrays = _random_operands(node, device)
-  fwd, fb = functions or layer_functions(node, precision, quant)
+  fwd, fb = layer_functions(node, precision, quant)
   out = jax.eval_shape(fwd, *arrays)
   ct = jax.device_put(np.random.default_rng(1).standard_normal(
       out.shape).astype(out.dtype), device)
@@ -706,8 +700,7 @@ def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
     for p in precisions:
       if node.floored and p.bits < 16:
         continue
-      functions = layer_functions(node, p, quant)
-      f, fb = layer_calls(node, p, device, quant, functions)
+      f, fb = layer_calls(node, p, device, quant)
       calls[("layer", node.path, p.value, "f")] = f
       calls[("layer", node.path, p.value, "fb")] = fb
   dtypes = sorted({graph_lib.output_dtype(p) for p in precisions})

@@ -14,13 +14,14 @@ and the step time is the maximum over workers.
 All-reduce times follow the alpha-beta model of a ring: ``2 (n-1) alpha + 2
 (n-1)/n bytes beta`` (:func:`ring_allreduce_time`).
 
-Workers that share one host (fake devices of the machine at hand) also share
-its cores: every layer's share of their pass is slowed down as much as that
-many copies of the whole pass at the layer's precision slowed each other
-down when profiled (``host["concurrency"]``), the trainer's update program
-over that many workers (timed whole, ``host["update_s"]``) follows, and the
-trainer's host overhead per step is added. That is how the predictor is
-checked against real steps on this machine.
+A measured profile also holds the model's whole pass at each uniform
+precision; each precision's pieces are scaled so that its uniform plan costs
+that pass (:func:`pass_factors`). Workers that share one host (fake devices
+of the machine at hand) also share its cores: the factors then come from as
+many copies of the pass run at once, the trainer's update program over that
+many workers (timed whole, ``host["update_s"]``) follows, and the trainer's
+host overhead per step is added. That is how the predictor is checked
+against real steps on this machine.
 """
 
 from __future__ import annotations
