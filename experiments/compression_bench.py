@@ -3,7 +3,7 @@ r"""Time, wire bytes and error of every gradient-averaging strategy.
 Usage:
   python -m experiments.compression_bench --out=compression_bench.json \
       [--sizes=1048576,4194304,16777216] [--repeats=11] \
-      [--settings=fake_devices,multiprocess] [--num_workers=4]
+      [--settings=fake_devices,multiprocess] [--num_workers=4] [--donate]
 
 For each strategy of qsync_jax.comm (none = float32 mean, fp16, bf16, gqsgd,
 gqsgd_int16, gqsgd_threefry, gqsgd_exp, qsgd) and each size, one all-reduce of
@@ -34,6 +34,9 @@ flags.DEFINE_integer("repeats", compression_bench.DEFAULT_REPEATS,
 flags.DEFINE_list("settings", list(compression_bench.SETTINGS),
                   "Subset of fake_devices,multiprocess.")
 flags.DEFINE_integer("num_workers", 4, "Workers: fake devices or processes.")
+flags.DEFINE_bool("donate", False,
+                  "Each all-reduce takes its input buffer (as a training "
+                  "step's dead gradient), so its output may reuse it.")
 
 
 def main(argv):
@@ -47,7 +50,7 @@ def main(argv):
     except ValueError:
       raise ValueError(f"--sizes must be integers, got {FLAGS.sizes}") from None
     report = compression_bench.run(sizes, FLAGS.repeats, FLAGS.settings,
-                                   FLAGS.num_workers)
+                                   FLAGS.num_workers, donate=FLAGS.donate)
     with open(FLAGS.out, "w") as f:
       json.dump(report, f, indent=2)
   for setting in FLAGS.settings:

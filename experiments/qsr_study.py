@@ -2,7 +2,8 @@ r"""QSR local SGD and Global-QSGD against data parallelism at small scale.
 
 Usage:
   python -m experiments.qsr_study --out=runs/qsr_study [--tasks=cnn,lm] \
-      [--configs=dp,local,qsr,...] [--seeds=3] [--steps=N]
+      [--configs=dp,local,qsr,...] [--seeds=3] [--steps=N] \
+      [--learning_rate=LR] [--h_base=H]
 
 Trains four workers (fake CPU devices) per task (the CNN on digits, a
 2-layer byte-level LM on Python source) under every configuration of
@@ -31,6 +32,9 @@ flags.DEFINE_list("tasks", ["cnn", "lm"], "Tasks to run.")
 flags.DEFINE_list("configs", None, "Configurations (default: all).")
 flags.DEFINE_integer("seeds", 3, "Seeds per configuration.")
 flags.DEFINE_integer("steps", None, "Override every task's training steps.")
+flags.DEFINE_float("learning_rate", None,
+                   "Override every task's peak learning rate.")
+flags.DEFINE_integer("h_base", None, "Override every task's H_base.")
 
 
 def main(argv):
@@ -42,7 +46,8 @@ def main(argv):
   with cli.bad_input_exits():
     result = qsr_study.run(FLAGS.out, default.get_config(), FLAGS.tasks,
                            FLAGS.configs or list(qsr_study.CONFIGS),
-                           FLAGS.seeds, FLAGS.steps)
+                           FLAGS.seeds, FLAGS.steps, FLAGS.learning_rate,
+                           FLAGS.h_base)
   for tname, entry in result["tasks"].items():
     for name, s in entry["summary"].items():
       print(f"{tname:4s} {name:14s} eval {s['final_eval_mean']:.4f} "

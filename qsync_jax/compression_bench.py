@@ -32,6 +32,11 @@ process of the multi-process run must make the same calls. The same rounds
 also give ``cpu_s``, the timing process's CPU time per call: on a machine
 with fewer cores than busy threads the wall time follows the total CPU work,
 and ``cpu_s`` shows where it goes even when other load blurs ``time_s``.
+
+With ``donate`` the program takes its input buffer (``donate_argnums``), as
+a training step does with a gradient that is dead after averaging, so XLA
+may write the result into it instead of a fresh allocation; each call then
+gets its own copy of the data, made before the round's timer starts.
 """
 
 from __future__ import annotations
@@ -145,14 +150,16 @@ class _Case:
   error: str | None = None
 
 
-def _all_reduce_fn(averager, mesh):
-  """The jitted shard_map: one (1, d) row per worker in, the mean out."""
+def _all_reduce_fn(averager, mesh, donate: bool = False):
+  """The jitted shard_map: one (1, d) row per worker in, the mean out;
+  ``donate`` gives the input rows' buffer to the program."""
 
   def body(x, w):
     return averager(x[0], w[0], AXIS)[None]
 
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
-                               out_specs=P(AXIS)))
+                               out_specs=P(AXIS)),
+                 donate_argnums=(0,) if donate else ())
 
 
 def _first_row(out: jax.Array) -> np.ndarray:
@@ -175,7 +182,8 @@ def _check_arguments(sizes: Sequence[int], repeats: int,
 def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
                strategies: Sequence[str] | None = None, *,
                devices: Sequence[jax.Device] | None = None, seed: int = 0,
-               report: bool = True, on_size=None) -> list[dict[str, Any]]:
+               report: bool = True, on_size=None,
+               donate: bool = False) -> list[dict[str, Any]]:
   """Measures the strategies over a mesh of ``devices``, one worker each.
 
   In a multi-process run every process calls this with the same arguments
@@ -191,6 +199,8 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
     seed: the data seed.
     report: print one line per result (from process 0 only).
     on_size: called with the results so far after each size.
+    donate: each call takes (a fresh copy of) its input buffer (module
+      docstring).
 
   Returns:
     One dict per (size, strategy): {setting, strategy, num_elements,
@@ -218,6 +228,12 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
     w = jax.make_array_from_process_local_data(
         sharding, np.full(len(local), 1.0 / n, np.float32), (n,))
     del rows
+
+    def inputs(k, x=x):
+      """The inputs of ``k`` calls: ``x`` itself, or one copy per call."""
+      if not donate:
+        return [x] * k
+      return jax.block_until_ready([x.copy() for _ in range(k)])
     exact = exact_mean(d, n, seed) if jax.process_index() == 0 else None
     calls = calls_per_round(d)
     cases = []
@@ -227,8 +243,8 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
       factory, kwargs = STRATEGIES[name]
       try:
         case.averager = comm.make_averager(factory, **kwargs)
-        case.fn = _all_reduce_fn(case.averager, mesh)
-        out = case.fn(x, w)  # compile, warm up
+        case.fn = _all_reduce_fn(case.averager, mesh, donate)
+        out = case.fn(inputs(1)[0], w)  # compile, warm up
         out.block_until_ready()
       except Exception as e:  # pylint: disable=broad-except
         # Every process fails alike (same program), so all skip the case.
@@ -243,10 +259,12 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
         if case.fn is None:
           continue
 
-        def run_block(k, case=case, x=x, w=w):
+        xs = inputs(calls)
+
+        def run_block(k, case=case, xs=xs, w=w):
           out = None
-          for _ in range(k):
-            out = case.fn(x, w)
+          for i in range(k):
+            out = case.fn(xs[i], w)
           out.block_until_ready()
 
         cpu = time.process_time()
@@ -281,7 +299,8 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
 
 def run_fake_devices(sizes: Sequence[int], repeats: int, num_workers: int,
                      strategies: Sequence[str] | None = None, *,
-                     seed: int = 0) -> list[dict[str, Any]]:
+                     seed: int = 0,
+                     donate: bool = False) -> list[dict[str, Any]]:
   """The ``fake_devices`` setting: this process's first ``num_workers``
   CPU devices.
 
@@ -296,7 +315,8 @@ def run_fake_devices(sizes: Sequence[int], repeats: int, num_workers: int,
         f"process has {len(devices)}; call jax.config.update("
         f"'jax_num_cpu_devices', {num_workers}) before JAX starts")
   return bench_mesh(sizes, repeats, "fake_devices", strategies,
-                    devices=devices[:num_workers], seed=seed)
+                    devices=devices[:num_workers], seed=seed,
+                    donate=donate)
 
 
 def _worker_main(spec_path: str) -> None:
@@ -323,14 +343,15 @@ def _worker_main(spec_path: str) -> None:
     os.replace(tmp, spec["out"])
 
   bench_mesh(spec["sizes"], spec["repeats"], "multiprocess",
-             spec["strategies"], seed=spec["seed"], on_size=write)
+             spec["strategies"], seed=spec["seed"], on_size=write,
+             donate=spec.get("donate", False))
   distributed.shutdown()
 
 
 def run_multiprocess(sizes: Sequence[int], repeats: int, num_workers: int,
                      strategies: Sequence[str] | None = None, *,
-                     seed: int = 0, timeout_s: float = 3600
-                     ) -> list[dict[str, Any]]:
+                     seed: int = 0, timeout_s: float = 3600,
+                     donate: bool = False) -> list[dict[str, Any]]:
   """The ``multiprocess`` setting: ``num_workers`` localhost processes.
 
   The processes run this module (``python -m qsync_jax.compression_bench
@@ -344,7 +365,7 @@ def run_multiprocess(sizes: Sequence[int], repeats: int, num_workers: int,
   names = list(STRATEGIES) if strategies is None else list(strategies)
   with tempfile.TemporaryDirectory(prefix="compression_bench_") as tmp:
     spec = {"sizes": [int(d) for d in sizes], "repeats": int(repeats),
-            "strategies": names, "seed": int(seed),
+            "strategies": names, "seed": int(seed), "donate": bool(donate),
             "out": os.path.join(tmp, "results.json")}
     spec_path = os.path.join(tmp, "spec.json")
     with open(spec_path, "w") as f:
@@ -398,7 +419,7 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
         repeats: int = DEFAULT_REPEATS,
         settings: Sequence[str] = SETTINGS, num_workers: int = 4,
         strategies: Sequence[str] | None = None, *, seed: int = 0,
-        timeout_s: float = 3600) -> dict[str, Any]:
+        timeout_s: float = 3600, donate: bool = False) -> dict[str, Any]:
   """Runs the benchmark in each setting; returns the JSON-ready report.
 
   Args:
@@ -409,6 +430,7 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
     strategies: names from :data:`STRATEGIES` (default: all).
     seed: the data seed.
     timeout_s: the multi-process run's time limit.
+    donate: every call takes its input buffer (module docstring).
 
   Returns:
     {"settings": {...}, "results": [...] (see :func:`bench_mesh`),
@@ -440,6 +462,7 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
       "repeats": repeats,
       "calls_per_round": {str(d): calls_per_round(d) for d in sizes},
       "seed": seed,
+      "donate": donate,
       "data": _DATA_DOC,
       "strategies": {name: repr(comm.make_averager(f, **kw))
                      for name, (f, kw) in STRATEGIES.items()
@@ -470,10 +493,11 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
     start, load = time.monotonic(), _loadavg()
     if setting == "fake_devices":
       results += run_fake_devices(sizes, repeats, num_workers, names,
-                                  seed=seed)
+                                  seed=seed, donate=donate)
     else:
       results += run_multiprocess(sizes, repeats, num_workers, names,
-                                  seed=seed, timeout_s=timeout_s)
+                                  seed=seed, timeout_s=timeout_s,
+                                  donate=donate)
     info["loadavg"][setting] = {"start": load, "end": _loadavg()}
     info["wall_s"][setting] = round(time.monotonic() - start, 1)
   for r in results:

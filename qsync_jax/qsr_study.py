@@ -27,7 +27,8 @@ import json
 import math
 import os
 import time
-from typing import Any, Mapping, Sequence
+import types
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from absl import logging
 import ml_collections
@@ -38,21 +39,48 @@ from qsync_jax import training
 
 CLUSTER = "cpu:4"
 
-#: Each configuration: (sync, gamma or None, compress, description).
-CONFIGS: dict[str, tuple[str, float | None, str, str]] = {
-    "dp": ("dp", None, "none", "data parallel, float32 gradient mean"),
-    "local": ("local", None, "none", "local SGD, constant H = h_base"),
-    "local_matched": ("local", None, "none",
-                      "local SGD, constant H with QSR's sync rounds"),
-    "qsr": ("qsr", 2.0, "none", "QSR, H = max(h_base, (alpha/lr)^2)"),
-    "qsr_linear": ("qsr", 1.0, "none", "linear rule, H ~ 1/lr, QSR's rounds"),
-    "qsr_cubic": ("qsr", 3.0, "none", "cubic rule, H ~ 1/lr^3, QSR's rounds"),
-    "dp_gqsgd": ("dp", None, "gqsgd",
-                 "data parallel, Global-QSGD standard dithering (int8)"),
-    "dp_gqsgd_exp": ("dp", None, "gqsgd_exp",
-                     "data parallel, Global-QSGD exponential dithering"),
-    "qsr_gqsgd": ("qsr", 2.0, "gqsgd",
-                  "QSR with Global-QSGD on the parameter averages"),
+class StudyConfig(NamedTuple):
+  """One configuration of the study.
+
+  Attributes:
+    sync: the schedule (``config.sync``).
+    gamma: the growth rule's exponent for ``"qsr"``; None otherwise.
+    compress: the averaging strategy (``config.compress``).
+    description: one line for the report.
+    compress_kwargs: the strategy's fields (``config.compress_kwargs``).
+  """
+  sync: str
+  gamma: float | None
+  compress: str
+  description: str
+  compress_kwargs: Mapping[str, Any] = types.MappingProxyType({})
+
+
+CONFIGS: dict[str, StudyConfig] = {
+    "dp": StudyConfig("dp", None, "none",
+                      "data parallel, float32 gradient mean"),
+    "local": StudyConfig("local", None, "none",
+                         "local SGD, constant H = h_base"),
+    "local_matched": StudyConfig(
+        "local", None, "none", "local SGD, constant H with QSR's sync rounds"),
+    "qsr": StudyConfig("qsr", 2.0, "none",
+                       "QSR, H = max(h_base, (alpha/lr)^2)"),
+    "qsr_linear": StudyConfig("qsr", 1.0, "none",
+                              "linear rule, H ~ 1/lr, QSR's rounds"),
+    "qsr_cubic": StudyConfig("qsr", 3.0, "none",
+                             "cubic rule, H ~ 1/lr^3, QSR's rounds"),
+    "dp_gqsgd": StudyConfig(
+        "dp", None, "gqsgd",
+        "data parallel, Global-QSGD standard dithering (int8)"),
+    "dp_gqsgd_int16": StudyConfig(
+        "dp", None, "gqsgd",
+        "data parallel, Global-QSGD standard dithering (int16 wire)",
+        {"wire": "int16"}),
+    "dp_gqsgd_exp": StudyConfig(
+        "dp", None, "gqsgd_exp",
+        "data parallel, Global-QSGD exponential dithering"),
+    "qsr_gqsgd": StudyConfig("qsr", 2.0, "gqsgd",
+                             "QSR with Global-QSGD on the parameter averages"),
 }
 
 #: The two tasks: main-job config fields, plus ``h_base`` and
@@ -145,11 +173,12 @@ def configure(config: ml_collections.ConfigDict, name: str,
   if name not in CONFIGS:
     raise ValueError(f"unknown configuration {name!r}; valid: "
                      f"{', '.join(CONFIGS)}")
-  schedule, gamma, compress, _ = CONFIGS[name]
+  study = CONFIGS[name]
   c = copy.deepcopy(config)
-  c.sync, c.compress = schedule, compress
-  if gamma is not None:
-    c.gamma, c.alpha = gamma, alphas[gamma]
+  c.sync, c.compress = study.sync, study.compress
+  c.compress_kwargs = ml_collections.ConfigDict(dict(study.compress_kwargs))
+  if study.gamma is not None:
+    c.gamma, c.alpha = study.gamma, alphas[study.gamma]
   if name == "local_matched":
     c.h_base = matched_h
   return c
@@ -216,7 +245,9 @@ def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def run(out_dir: str, base: ml_collections.ConfigDict,
         tasks: Sequence[str] = tuple(TASKS),
         configs: Sequence[str] = tuple(CONFIGS), seeds: int = 3,
-        steps: int | None = None) -> dict[str, Any]:
+        steps: int | None = None,
+        learning_rate: float | None = None,
+        h_base: int | None = None) -> dict[str, Any]:
   """Runs the study; writes ``study.json``, ``h.png`` and ``eval.png``.
 
   Args:
@@ -226,6 +257,10 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
     configs: names of :data:`CONFIGS`.
     seeds: seeds per configuration (0, 1, ...).
     steps: override every task's training steps.
+    learning_rate: override every task's peak learning rate (QSR's
+      ``alpha`` follows, as it is set from the round budget).
+    h_base: override every task's ``H_base`` (the local schedules' period
+      floor).
 
   Returns:
     ``{"cluster", "configs", "runs": [{"task", "name", "sync", "compress",
@@ -241,18 +276,27 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
   cli.check_names("configuration", configs, CONFIGS)
   os.makedirs(out_dir, exist_ok=True)
   result = {"cluster": CLUSTER,
-            "configs": {c: CONFIGS[c][3] for c in configs},
+            "configs": {c: CONFIGS[c].description for c in configs},
             "runs": [], "tasks": {}}
   path = os.path.join(out_dir, "study.json")
   for tname in tasks:
     task = copy.deepcopy(TASKS[tname])
     if steps is not None:
       task["steps"] = steps
+    if learning_rate is not None:
+      if not learning_rate > 0:
+        raise ValueError(f"learning_rate must be positive, got {learning_rate}")
+      task["learning_rate"] = learning_rate
+    if h_base is not None:
+      if h_base < 1:
+        raise ValueError(f"h_base must be >= 1, got {h_base}")
+      task["h_base"] = h_base
     config0 = task_config(base, task, 0)
     alphas, qsr_rounds, matched_h = plan_alphas(config0,
                                                 task["rounds_fraction"])
     entry = {"model": task["model"], "dataset": task["dataset"],
              "steps": task["steps"], "h_base": task["h_base"],
+             "learning_rate": task["learning_rate"],
              "alphas": {f"gamma{g:g}": a for g, a in alphas.items()},
              "qsr_rounds": qsr_rounds, "matched_h": matched_h,
              "h_curves": {}, "eval_curves": {}}
@@ -309,7 +353,7 @@ def plot(result: Mapping[str, Any], out_dir: str) -> None:
       ax = axes[0, j]
       for name, curve in result["tasks"][tname][key].items():
         if key == "h_curves":
-          if CONFIGS[name][2] != "none" and CONFIGS[name][0] == "dp":
+          if CONFIGS[name].compress != "none" and CONFIGS[name].sync == "dp":
             continue  # same H as dp
           ax.plot(range(1, len(curve) + 1), curve, label=name)
         else:

@@ -121,7 +121,7 @@ def _num_params():
 def test_qsr_study_binary_writes_runs_and_plots(tmp_path):
   result = _run("-m", "experiments.qsr_study", f"--out={tmp_path}",
                 "--tasks=cnn", "--configs=dp,qsr,qsr_linear", "--seeds=1",
-                "--steps=12")
+                "--steps=12", "--learning_rate=0.002", "--h_base=2")
   assert result.returncode == 0, result.stderr[-3000:]
   study = json.loads((tmp_path / "study.json").read_text())
   assert [r["name"] for r in study["runs"]] == ["dp", "qsr", "qsr_linear"]
@@ -129,6 +129,7 @@ def test_qsr_study_binary_writes_runs_and_plots(tmp_path):
     assert {"sync", "compress", "seed", "final_eval", "sync_rounds",
             "comm_bytes"} <= set(r)
   task = study["tasks"]["cnn"]
+  assert task["learning_rate"] == 0.002 and task["h_base"] == 2
   dp, qsr, linear = study["runs"]
   assert dp["sync_rounds"] == 12
   # alpha is set from the round budget: floor(0.15 * 12) = 1 round.
@@ -138,6 +139,23 @@ def test_qsr_study_binary_writes_runs_and_plots(tmp_path):
   assert len(task["h_curves"]["qsr"]) == 12
   for png in ("h.png", "eval.png"):
     assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_qsr_study_configs_set_the_averager():
+  from qsync_jax import qsr_study
+  config = qsr_study.task_config(default_config.get_config(),
+                                 qsr_study.TASKS["cnn"], seed=0)
+  int16 = qsr_study.configure(config, "dp_gqsgd_int16", {}, 1)
+  averager = training.make_averager(int16)
+  assert isinstance(averager, qs.comm.GlobalQSGD) and averager.wire == "int16"
+  assert int16.sync == "dp"
+  # The default int8 configuration keeps the strategy's own wire.
+  assert training.make_averager(
+      qsr_study.configure(config, "dp_gqsgd", {}, 1)).wire == "int8"
+  qsr = qsr_study.configure(config, "qsr", {2.0: 0.01}, 1)
+  assert (qsr.sync, qsr.gamma, qsr.alpha) == ("qsr", 2.0, 0.01)
+  with pytest.raises(ValueError, match="unknown configuration"):
+    qsr_study.configure(config, "dp_int4", {}, 1)
 
 
 def test_dynamic_batching_baseline_runs(tmp_path):
