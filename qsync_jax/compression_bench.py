@@ -234,6 +234,7 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
       if not donate:
         return [x] * k
       return jax.block_until_ready([x.copy() for _ in range(k)])
+
     exact = exact_mean(d, n, seed) if jax.process_index() == 0 else None
     calls = calls_per_round(d)
     cases = []
