@@ -74,13 +74,12 @@ def main(argv):
   with open(FLAGS.out, "w") as f:
     json.dump(result, f, indent=1)
   accuracy.plot(result, os.path.splitext(FLAGS.out)[0] + ".png")
+  mixed = ("" if result["mixed_mean_abs_rel_error"] is None else
+           f" (mixed plans alone: mean "
+           f"{result['mixed_mean_abs_rel_error']:.4f}, max "
+           f"{result['mixed_max_abs_rel_error']:.4f})")
   print(f"mean |rel error| {result['mean_abs_rel_error']:.4f}, max "
-        f"{result['max_abs_rel_error']:.4f}", end="")
-  if result["mixed_mean_abs_rel_error"] is not None:
-    print(f" (mixed plans alone: mean "
-          f"{result['mixed_mean_abs_rel_error']:.4f}, max "
-          f"{result['mixed_max_abs_rel_error']:.4f})", end="")
-  print(f", max memory |rel error| "
+        f"{result['max_abs_rel_error']:.4f}{mixed}, max memory |rel error| "
         f"{result['max_abs_memory_rel_error']:.4f}; the hypervisor stole "
         f"{result['steal_fraction']:.1%} of the CPU while timing")
   if "simulation_speed" in result:

@@ -41,10 +41,13 @@ DEFAULT_MODEL_KWARGS: dict[str, dict[str, Any]] = {
 DEFAULT_BATCH = {"cnn": 32, "bert": 16, "resnet18": 16}
 
 
-#: The uniform plans of :func:`plans_for`. Their whole passes are part of the
-#: profile (:func:`.simulation.pass_factors`), so the result also reports the
-#: error over the mixed plans alone, which nothing of theirs was fitted on.
-UNIFORM_PLANS = ("fp32", "bf16", "fp16", "int8")
+#: The precisions of :func:`plans_for`'s uniform plans (named by value).
+#: Their whole passes are part of the profile
+#: (:func:`.simulation.pass_factors`), so the result also reports the error
+#: over the mixed plans alone, which nothing of theirs was fitted on.
+UNIFORM_PRECISIONS = (Precision.FP32, Precision.BF16, Precision.FP16,
+                      Precision.INT8)
+UNIFORM_PLANS = tuple(p.value for p in UNIFORM_PRECISIONS)
 
 
 def plans_for(g: graph_lib.ModelGraph) -> dict[str, PrecisionPlan]:
@@ -54,12 +57,9 @@ def plans_for(g: graph_lib.ModelGraph) -> dict[str, PrecisionPlan]:
          for i, p in enumerate(paths)}
   half = len(paths) // 2
   rng = np.random.default_rng(0)
-  choices = [Precision.FP32, Precision.BF16, Precision.FP16, Precision.INT8]
+  choices = UNIFORM_PRECISIONS
   return {
-      "fp32": PrecisionPlan(),
-      "bf16": PrecisionPlan(default=Precision.BF16),
-      "fp16": PrecisionPlan(default=Precision.FP16),
-      "int8": PrecisionPlan(default=Precision.INT8),
+      **{p.value: PrecisionPlan.uniform(p) for p in UNIFORM_PRECISIONS},
       "int8/fp16 alternating": PrecisionPlan.from_precisions(low),
       "first half int8": PrecisionPlan.from_precisions(
           {p: Precision.INT8 if i < half else Precision.FP32

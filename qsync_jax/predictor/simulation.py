@@ -223,8 +223,9 @@ def worker_costs(g: graph_lib.ModelGraph, prof: Profile,
   fwd, bwd = _piece_costs(g, prof, precisions)
   factors = pass_factors(g, prof, shared)
   slow = np.array([factors.get(p.value, 1.0) for p in precisions])
-  mem = prof.memory.predict(_tables(g)["paths"], precisions)
-  return _Costs(fwd * slow, bwd * slow, _tables(g)["grad_bytes"], mem)
+  t = _tables(g)
+  mem = prof.memory.predict(t["paths"], precisions)
+  return _Costs(fwd * slow, bwd * slow, t["grad_bytes"], mem)
 
 
 def host_value(per_k: Mapping[int, float], k: int) -> float:
