@@ -3,7 +3,8 @@ r"""Time, wire bytes and error of every gradient-averaging strategy.
 Usage:
   python -m experiments.compression_bench --out=compression_bench.json \
       [--sizes=1048576,4194304,16777216] [--repeats=11] \
-      [--settings=fake_devices,multiprocess] [--num_workers=4] [--donate]
+      [--settings=fake_devices,multiprocess] [--num_workers=4] [--donate] \
+      [--parts]
 
 For each strategy of qsync_jax.comm (none = float32 mean, fp16, bf16, gqsgd,
 gqsgd_int16, gqsgd_threefry, gqsgd_exp, qsgd) and each size, one all-reduce of
@@ -14,6 +15,12 @@ qsync_jax.compression_bench). Writes JSON {"settings": {...}, "results":
 time_vs_fp32, ...}], "gqsgd_vs_fp32_time_ratio_16M_<setting>": float} and
 prints one line per result. The goal: gqsgd at 16M floats in <= 0.4x the
 float32 mean's time in the multiprocess setting.
+
+--parts also times, across the processes, the pieces of gqsgd's all-reduce
+(the int8 and float32 all-reduces alone, gqsgd's passes without collectives,
+one read and one read-and-write pass over the data) and writes "gqsgd_floor": per size, how much of gqsgd's
+time the passes take and the floor no implementation of gqsgd gets under on
+this machine (see qsync_jax.compression_bench.floor_analysis).
 """
 
 import json
@@ -37,6 +44,9 @@ flags.DEFINE_integer("num_workers", 4, "Workers: fake devices or processes.")
 flags.DEFINE_bool("donate", False,
                   "Each all-reduce takes its input buffer (as a training "
                   "step's dead gradient), so its output may reuse it.")
+flags.DEFINE_bool("parts", False,
+                  "Also time the pieces of gqsgd's all-reduce across the "
+                  "processes (multiprocess setting) and report its floor.")
 
 
 def main(argv):
@@ -50,12 +60,25 @@ def main(argv):
     except ValueError:
       raise ValueError(f"--sizes must be integers, got {FLAGS.sizes}") from None
     report = compression_bench.run(sizes, FLAGS.repeats, FLAGS.settings,
-                                   FLAGS.num_workers, donate=FLAGS.donate)
+                                   FLAGS.num_workers, donate=FLAGS.donate,
+                                   parts=FLAGS.parts)
     with open(FLAGS.out, "w") as f:
       json.dump(report, f, indent=2)
   for setting in FLAGS.settings:
     key = f"gqsgd_vs_fp32_time_ratio_16M_{setting}"
     print(f"{key}: {report.get(key)}")
+  for floor in report.get("gqsgd_floor", []):
+    if floor is None:
+      print("gqsgd_floor: a part or strategy was not measured (see above)")
+      continue
+    print(f"gqsgd_floor {floor['num_elements']}: passes "
+          f"{floor['passes_s'] * 1e3:.1f} ms + int8 all-reduce "
+          f"{floor['allreduce_int8_s'] * 1e3:.1f} ms = "
+          f"{floor['parts_sum_vs_whole']:.2f}x gqsgd; floor (int8 all-reduce "
+          f"+ 2 reads of {floor['read_s'] * 1e3:.1f} ms + a write pass of "
+          f"{floor['write_s'] * 1e3:.1f} ms) = "
+          f"{floor['floor_vs_fp32']:.2f}x the float32 mean "
+          f"({floor['cpu_floor_vs_fp32']:.2f}x in CPU time)")
 
 
 if __name__ == "__main__":

@@ -37,11 +37,18 @@ With ``donate`` the program takes its input buffer (``donate_argnums``), as
 a training step does with a gradient that is dead after averaging, so XLA
 may write the result into it instead of a fresh allocation; each call then
 gets its own copy of the data, made before the round's timer starts.
+
+With ``parts`` the multi-process run also times the pieces of Global-QSGD's
+all-reduce (:data:`PARTS`, :func:`bench_parts`): the int8 and float32
+all-reduces alone, Global-QSGD's own passes without any collective, and a
+read and a read-and-write pass over the data. :func:`floor_analysis` turns
+them into a floor under Global-QSGD's time on the machine at hand.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -76,6 +83,16 @@ STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gqsgd_exp": ("gqsgd_exp", {}),
     "qsgd": ("qsgd", {}),
 }
+#: The pieces of the headline strategy's all-reduce, timed with ``parts``
+#: (multiprocess setting): a ``psum`` of the float32 data alone and of int8
+#: codes alone; Global-QSGD over a one-worker mesh of each process's own
+#: device, which keeps its bucket max, encode and decode passes and drops its
+#: collectives; the bucket max alone, one read of the float32 data at the
+#: speed XLA:CPU reads it (``comm._bucket_absmax``); and ``2 x``, one read and
+#: one write of it, into a fresh buffer or (donating) in place, as the
+#: decode's output is.
+PARTS = ("allreduce_f32", "allreduce_int8", "gqsgd_passes", "bucket_absmax",
+         "scale_f32")
 #: The headline: Global-QSGD (int8) against the float32 mean at 2**24 floats.
 HEADLINE_STRATEGY = "gqsgd"
 HEADLINE_SIZE = 1 << 24
@@ -140,14 +157,51 @@ def _error_text(e: BaseException) -> str:
 
 @dataclasses.dataclass
 class _Case:
-  """One strategy at one size: its program and what was measured."""
+  """One strategy (or part) at one size: its program and what was measured.
+
+  ``args(k)`` gives the arguments of ``k`` calls of ``fn``, one tuple each.
+  """
   name: str
   averager: Any = None
   fn: Any = None
+  args: Any = None
   rel_error: float | None = None
   rounds: list[float] = dataclasses.field(default_factory=list)
   cpu_rounds: list[float] = dataclasses.field(default_factory=list)
   error: str | None = None
+
+
+def _time_rounds(cases: Sequence[_Case], repeats: int, calls: int) -> None:
+  """Times ``repeats`` rounds of ``calls`` calls, cases interleaved."""
+  for _ in range(repeats):
+    for case in cases:
+      if case.fn is None:
+        continue
+      args = case.args(calls)
+
+      def run_block(k, case=case, args=args):
+        out = None
+        for i in range(k):
+          out = case.fn(*args[i])
+        jax.block_until_ready(out)
+
+      cpu = time.process_time()
+      case.rounds.append(benchmarks.seconds_per_call(run_block, calls))
+      case.cpu_rounds.append((time.process_time() - cpu) / calls)
+
+
+def _timing_fields(case: _Case, calls: int) -> dict[str, Any]:
+  return {"time_s": statistics.median(case.rounds), "rounds_s": case.rounds,
+          "cpu_s": statistics.median(case.cpu_rounds),
+          "calls_per_round": calls}
+
+
+def _copies(x: jax.Array, k: int, donate: bool) -> list[jax.Array]:
+  """The inputs of ``k`` calls: ``x`` itself, or (donating) one copy each,
+  made before any timer starts."""
+  if not donate:
+    return [x] * k
+  return jax.block_until_ready([x.copy() for _ in range(k)])
 
 
 def _all_reduce_fn(averager, mesh, donate: bool = False):
@@ -229,11 +283,8 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
         sharding, np.full(len(local), 1.0 / n, np.float32), (n,))
     del rows
 
-    def inputs(k, x=x):
-      """The inputs of ``k`` calls: ``x`` itself, or one copy per call."""
-      if not donate:
-        return [x] * k
-      return jax.block_until_ready([x.copy() for _ in range(k)])
+    def args(k, x=x, w=w):
+      return [(xi, w) for xi in _copies(x, k, donate)]
 
     exact = exact_mean(d, n, seed) if jax.process_index() == 0 else None
     calls = calls_per_round(d)
@@ -245,7 +296,8 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
       try:
         case.averager = comm.make_averager(factory, **kwargs)
         case.fn = _all_reduce_fn(case.averager, mesh, donate)
-        out = case.fn(inputs(1)[0], w)  # compile, warm up
+        case.args = args
+        out = case.fn(*args(1)[0])  # compile, warm up
         out.block_until_ready()
       except Exception as e:  # pylint: disable=broad-except
         # Every process fails alike (same program), so all skip the case.
@@ -255,22 +307,7 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
       if exact is not None:
         case.rel_error = relative_error(_first_row(out), exact)
       del out
-    for _ in range(repeats):
-      for case in cases:
-        if case.fn is None:
-          continue
-
-        xs = inputs(calls)
-
-        def run_block(k, case=case, xs=xs, w=w):
-          out = None
-          for i in range(k):
-            out = case.fn(xs[i], w)
-          out.block_until_ready()
-
-        cpu = time.process_time()
-        case.rounds.append(benchmarks.seconds_per_call(run_block, calls))
-        case.cpu_rounds.append((time.process_time() - cpu) / calls)
+    _time_rounds(cases, repeats, calls)
     for case in cases:
       result = {"setting": setting, "strategy": case.name,
                 "num_elements": d, "num_workers": n}
@@ -280,11 +317,9 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
           print(f"{setting:12s} {case.name:14s} {d:9d}: error: {case.error}",
                 flush=True)
       else:
-        result.update(
-            time_s=statistics.median(case.rounds), rounds_s=case.rounds,
-            cpu_s=statistics.median(case.cpu_rounds), calls_per_round=calls,
-            wire_bytes=float(case.averager.wire_bytes(d, n)),
-            rel_error=case.rel_error)
+        result.update(_timing_fields(case, calls),
+                      wire_bytes=float(case.averager.wire_bytes(d, n)),
+                      rel_error=case.rel_error)
         if say:
           print(f"{setting:12s} {case.name:14s} {d:9d}: "
                 f"{result['time_s'] * 1e3:9.2f} ms  "
@@ -296,6 +331,173 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
     if on_size is not None:
       on_size(results)
   return results
+
+
+def _psum_fn(mesh, donate: bool):
+  """The jitted shard_map of a bare ``psum``: one (1, d) row per worker."""
+  return jax.jit(jax.shard_map(lambda x: jax.lax.psum(x[0], AXIS)[None],
+                               mesh=mesh, in_specs=P(AXIS),
+                               out_specs=P(AXIS)),
+                 donate_argnums=(0,) if donate else ())
+
+
+def _codes(rows: np.ndarray, levels: int) -> np.ndarray:
+  """int8 codes of ``rows`` on ``levels`` levels (round to nearest)."""
+  scale = np.abs(rows).max(axis=1, keepdims=True) / levels
+  return np.clip(np.round(rows / scale), -levels, levels).astype(np.int8)
+
+
+def _part_args(data: jax.Array, rest: tuple, donate: bool,
+               k: int) -> list[tuple]:
+  """The arguments of ``k`` calls: ``(data copy, *rest)`` each."""
+  return [(a, *rest) for a in _copies(data, k, donate)]
+
+
+def bench_parts(sizes: Sequence[int], repeats: int, *, seed: int = 0,
+                donate: bool = False, report: bool = True,
+                on_size=None) -> list[dict[str, Any]]:
+  """Times the :data:`PARTS` of the headline strategy's all-reduce.
+
+  Every process of a multi-process run calls this with the same arguments.
+  The all-reduces run over all of ``jax.devices()``; the local parts run on
+  each process's own devices, all processes at once, so they meet the same
+  contention for the host's cores as the whole all-reduce does. Each part
+  follows a collective in the round (its order in :data:`PARTS`), which
+  keeps the processes in step.
+
+  Args:
+    sizes: vector lengths (float32 elements).
+    repeats: timed rounds per part and size (median reported).
+    seed: the data seed.
+    donate: every call takes a fresh copy of its input (as in
+      :func:`bench_mesh`); the bucket max reads its input and never takes it.
+    report: print one line per part (from process 0 only).
+    on_size: called with the rows so far after each size.
+
+  Returns:
+    One dict per (size, part): {setting: "multiprocess", strategy (the
+    part's name), part: True, num_elements, num_workers, time_s, rounds_s,
+    cpu_s, calls_per_round}, or an ``error`` instead of the timings.
+
+  Raises:
+    ValueError: a size below 1 or ``repeats`` below 1.
+  """
+  _check_arguments(sizes, repeats, [])
+  devices = jax.devices()
+  n = len(devices)
+  mesh = Mesh(np.array(devices), (AXIS,))
+  sharding = NamedSharding(mesh, P(AXIS))
+  local = [i for i, dev in enumerate(devices)
+           if dev.process_index == jax.process_index()]
+  local_mesh = Mesh(np.array([devices[i] for i in local]), (AXIS,))
+  local_sharding = NamedSharding(local_mesh, P(AXIS))
+  factory, kwargs = STRATEGIES[HEADLINE_STRATEGY]
+  gqsgd = comm.make_averager(factory, **kwargs)
+  say = report and jax.process_index() == 0
+  psum = _psum_fn(mesh, donate)
+  programs = {
+      "allreduce_f32": psum,
+      "allreduce_int8": psum,
+      "gqsgd_passes": _all_reduce_fn(gqsgd, local_mesh, donate),
+      "bucket_absmax": jax.jit(lambda x: comm._bucket_absmax(  # pylint: disable=protected-access
+          comm._to_buckets(x[0], gqsgd.bucket_size))),  # pylint: disable=protected-access
+      "scale_f32": jax.jit(lambda x: 2 * x,
+                           donate_argnums=(0,) if donate else ()),
+  }
+  rows_out = []
+  for d in map(int, sizes):
+    rows = np.stack([worker_data(d, i, seed) for i in local])
+    x = jax.make_array_from_process_local_data(sharding, rows, (n, d))
+    codes = jax.make_array_from_process_local_data(
+        sharding, _codes(rows, gqsgd.levels(n)), (n, d))
+    x_local = jax.device_put(rows, local_sharding)
+    w_local = jax.device_put(np.full(len(local), 1.0 / n, np.float32),
+                             local_sharding)
+    del rows
+    # Each call's arguments: (copies of) the float32 rows or the int8
+    # codes of all workers, or this process's own rows.
+    args = {
+        "allreduce_f32": functools.partial(_part_args, x, (), donate),
+        "allreduce_int8": functools.partial(_part_args, codes, (), donate),
+        "gqsgd_passes": functools.partial(_part_args, x_local, (w_local,),
+                                          donate),
+        "bucket_absmax": functools.partial(_part_args, x_local, (), False),
+        "scale_f32": functools.partial(_part_args, x_local, (), donate),
+    }
+    calls = calls_per_round(d)
+    cases = []
+    for name in PARTS:
+      case = _Case(name, fn=programs[name], args=args[name])
+      cases.append(case)
+      try:
+        jax.block_until_ready(case.fn(*case.args(1)[0]))  # compile, warm up
+      except Exception as e:  # pylint: disable=broad-except
+        case.error = _error_text(e)
+        case.fn = None
+    _time_rounds(cases, repeats, calls)
+    for case in cases:
+      row = {"setting": "multiprocess", "strategy": case.name, "part": True,
+             "num_elements": d, "num_workers": n}
+      if case.error is not None:
+        row["error"] = case.error
+      else:
+        row.update(_timing_fields(case, calls))
+      if say:
+        print(f"{'part':12s} {case.name:14s} {d:9d}: " + (
+            f"error: {case.error}" if case.error is not None else
+            f"{row['time_s'] * 1e3:9.2f} ms  (cpu {row['cpu_s'] * 1e3:8.2f} "
+            "ms)"), flush=True)
+      rows_out.append(row)
+    del x, codes, x_local, cases
+    if on_size is not None:
+      on_size(rows_out)
+  return rows_out
+
+
+def floor_analysis(results: Sequence[dict[str, Any]],
+                   num_elements: int = HEADLINE_SIZE) -> dict[str, Any] | None:
+  """What the parts say about the headline strategy at one size.
+
+  ``passes_s`` is Global-QSGD's passes without collectives and
+  ``parts_sum_s`` adds the int8 all-reduce: the two together should come
+  close to the whole (``parts_sum_vs_whole``). ``floor_s`` is the int8
+  all-reduce, two reads of the float32 data at the speed of the bucket max
+  (the fastest pass XLA:CPU makes over it) and one read-and-write pass
+  (``scale_f32``): Global-QSGD must read the data once for the scales and
+  once to encode it, and write as much when it decodes, so no
+  implementation of it, however its passes are written, takes less on this
+  machine. ``floor_vs_fp32`` is that floor over the float32 mean's time.
+  ``cpu_floor_vs_fp32`` is the same ratio of CPU times (``cpu_s``), which
+  wall time follows where the processes outnumber the cores and which other
+  load on the machine blurs less.
+
+  Returns:
+    {num_elements, passes_s, allreduce_int8_s, allreduce_f32_s, read_s,
+    write_s, parts_sum_s, parts_sum_vs_whole, floor_s, floor_vs_fp32,
+    cpu_floor_vs_fp32}, or None if a needed multiprocess row is missing or
+    failed.
+  """
+  rows = {r["strategy"]: r for r in results
+          if r["setting"] == "multiprocess"
+          and r["num_elements"] == num_elements}
+  need = (*PARTS, HEADLINE_STRATEGY, "none")
+  if any("time_s" not in rows.get(name, {}) for name in need):
+    return None
+  t = {name: rows[name]["time_s"] for name in need}
+  cpu = {name: rows[name]["cpu_s"] for name in need}
+
+  def floor(v):
+    return v["allreduce_int8"] + 2 * v["bucket_absmax"] + v["scale_f32"]
+
+  parts_sum = t["gqsgd_passes"] + t["allreduce_int8"]
+  return {"num_elements": num_elements, "passes_s": t["gqsgd_passes"],
+          "allreduce_int8_s": t["allreduce_int8"],
+          "allreduce_f32_s": t["allreduce_f32"],
+          "read_s": t["bucket_absmax"], "write_s": t["scale_f32"],
+          "parts_sum_s": parts_sum,
+          "parts_sum_vs_whole": parts_sum / t[HEADLINE_STRATEGY],
+          "floor_s": floor(t), "floor_vs_fp32": floor(t) / t["none"],
+          "cpu_floor_vs_fp32": floor(cpu) / cpu["none"]}
 
 
 def run_fake_devices(sizes: Sequence[int], repeats: int, num_workers: int,
@@ -343,31 +545,41 @@ def _worker_main(spec_path: str) -> None:
                  "backend": jax.default_backend()}, f)
     os.replace(tmp, spec["out"])
 
-  bench_mesh(spec["sizes"], spec["repeats"], "multiprocess",
-             spec["strategies"], seed=spec["seed"], on_size=write,
-             donate=spec.get("donate", False))
+  donate = spec.get("donate", False)
+  results = bench_mesh(spec["sizes"], spec["repeats"], "multiprocess",
+                       spec["strategies"], seed=spec["seed"], on_size=write,
+                       donate=donate)
+  if spec.get("parts", False):
+    bench_parts(spec["sizes"], spec["repeats"], seed=spec["seed"],
+                donate=donate, on_size=lambda rows: write(results + rows))
   distributed.shutdown()
 
 
 def run_multiprocess(sizes: Sequence[int], repeats: int, num_workers: int,
                      strategies: Sequence[str] | None = None, *,
                      seed: int = 0, timeout_s: float = 3600,
-                     donate: bool = False) -> list[dict[str, Any]]:
+                     donate: bool = False,
+                     parts: bool = False) -> list[dict[str, Any]]:
   """The ``multiprocess`` setting: ``num_workers`` localhost processes.
 
   The processes run this module (``python -m qsync_jax.compression_bench
   SPEC``) under :func:`qsync_jax.distributed.launch`, which relays their
   output and SIGKILLs them all if one fails or ``timeout_s`` runs out.
 
+  Args (beyond :func:`bench_mesh`'s):
+    parts: also time the :data:`PARTS` (:func:`bench_parts`), after the
+      strategies.
+
   Returns:
-    Process 0's results; every (size, strategy) the run did not measure
-    gets an ``error`` naming the launcher's exit status.
+    Process 0's results (then the parts' rows); every (size, strategy or
+    part) the run did not measure gets an ``error`` naming the launcher's
+    exit status.
   """
   names = list(STRATEGIES) if strategies is None else list(strategies)
   with tempfile.TemporaryDirectory(prefix="compression_bench_") as tmp:
     spec = {"sizes": [int(d) for d in sizes], "repeats": int(repeats),
             "strategies": names, "seed": int(seed), "donate": bool(donate),
-            "out": os.path.join(tmp, "results.json")}
+            "parts": bool(parts), "out": os.path.join(tmp, "results.json")}
     spec_path = os.path.join(tmp, "spec.json")
     with open(spec_path, "w") as f:
       json.dump(spec, f)
@@ -387,11 +599,12 @@ def run_multiprocess(sizes: Sequence[int], repeats: int, num_workers: int,
   why = ("timed out" if code == distributed.TIMEOUT_EXIT_CODE
          else f"exited with code {code}")
   for d in spec["sizes"]:
-    for name in names:
+    for name in names + (list(PARTS) if parts else []):
       if (name, d) not in done:
         measured.append({
             "setting": "multiprocess", "strategy": name, "num_elements": d,
             "num_workers": num_workers,
+            **({"part": True} if name in PARTS else {}),
             "error": f"the {num_workers}-process run {why} before measuring "
                      "this (its output above says why)"})
   return measured
@@ -420,7 +633,8 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
         repeats: int = DEFAULT_REPEATS,
         settings: Sequence[str] = SETTINGS, num_workers: int = 4,
         strategies: Sequence[str] | None = None, *, seed: int = 0,
-        timeout_s: float = 3600, donate: bool = False) -> dict[str, Any]:
+        timeout_s: float = 3600, donate: bool = False,
+        parts: bool = False) -> dict[str, Any]:
   """Runs the benchmark in each setting; returns the JSON-ready report.
 
   Args:
@@ -432,16 +646,21 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
     seed: the data seed.
     timeout_s: the multi-process run's time limit.
     donate: every call takes its input buffer (module docstring).
+    parts: also time the :data:`PARTS` in the multiprocess setting, which
+      must be among ``settings``.
 
   Returns:
-    {"settings": {...}, "results": [...] (see :func:`bench_mesh`),
-     "gqsgd_vs_fp32_time_ratio_16M_<setting>": float or None per setting}.
-    Each result also gets ``time_vs_fp32``, its time over the float32
-    mean's at the same size and setting.
+    {"settings": {...}, "results": [...] (see :func:`bench_mesh`, then
+    :func:`bench_parts`), "gqsgd_vs_fp32_time_ratio_16M_<setting>": float
+    or None per setting}, and with ``parts`` "gqsgd_floor": one
+    :func:`floor_analysis` per size (None where a row is missing). Each
+    result also gets ``time_vs_fp32``, its time over the float32 mean's at
+    the same size and setting.
 
   Raises:
     ValueError: an unknown setting or strategy, a bad size, repeat count or
-      worker count.
+      worker count, or ``parts`` without the multiprocess setting or
+      without both the float32 mean and the headline strategy.
   """
   settings = list(settings)
   bad = [s for s in settings if s not in SETTINGS]
@@ -452,18 +671,28 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
   sizes = [int(d) for d in sizes]
   if num_workers < 1:
     raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+  if parts and "multiprocess" not in settings:
+    raise ValueError("parts are timed in the multiprocess setting only; add "
+                     f"it to settings (got {settings})")
+  if parts and not {"none", HEADLINE_STRATEGY} <= set(names):
+    raise ValueError(f"parts are compared with the strategies 'none' and "
+                     f"{HEADLINE_STRATEGY!r}; include both (got {names})")
 
   info = {
       "jax_version": jax.__version__,
       "backend": jax.default_backend(),
       "device": str(jax.devices()[0].device_kind),
       "cpu_count": os.cpu_count(),
+      # The workers inherit it; glibc.malloc.hugetlb=1 backs big buffers
+      # with transparent huge pages (see docs/RESULTS.md).
+      "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
       "num_workers": num_workers,
       "sizes": sizes,
       "repeats": repeats,
       "calls_per_round": {str(d): calls_per_round(d) for d in sizes},
       "seed": seed,
       "donate": donate,
+      "parts": list(PARTS) if parts else [],
       "data": _DATA_DOC,
       "strategies": {name: repr(comm.make_averager(f, **kw))
                      for name, (f, kw) in STRATEGIES.items()
@@ -498,7 +727,7 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
     else:
       results += run_multiprocess(sizes, repeats, num_workers, names,
                                   seed=seed, timeout_s=timeout_s,
-                                  donate=donate)
+                                  donate=donate, parts=parts)
     info["loadavg"][setting] = {"start": load, "end": _loadavg()}
     info["wall_s"][setting] = round(time.monotonic() - start, 1)
   for r in results:
@@ -509,6 +738,8 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
   for setting in SETTINGS:
     report[f"gqsgd_vs_fp32_time_ratio_16M_{setting}"] = (
         time_ratio(results, setting) if setting in settings else None)
+  if parts:
+    report["gqsgd_floor"] = [floor_analysis(results, d) for d in sizes]
   return report
 
 

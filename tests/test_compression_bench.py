@@ -111,6 +111,11 @@ def test_bad_arguments():
     cb.run([SIZE], settings=["fake_devices"], strategies=["int4"])
   with pytest.raises(ValueError, match="sizes"):
     cb.run([0], settings=["fake_devices"])
+  with pytest.raises(ValueError, match="multiprocess setting only"):
+    cb.run([SIZE], settings=["fake_devices"], parts=True)
+  with pytest.raises(ValueError, match="include both"):
+    cb.run([SIZE], settings=["multiprocess"], strategies=["gqsgd"],
+           parts=True)
   with pytest.raises(ValueError, match="CPU devices"):
     cb.run([SIZE], repeats=1, settings=["fake_devices"], num_workers=64)
 
@@ -130,11 +135,31 @@ def test_multiprocess_smoke():
   start = time.monotonic()
   report = cb.run([SIZE], repeats=1, settings=["multiprocess"],
                   num_workers=2, strategies=["none", "gqsgd", "gqsgd_exp"],
-                  timeout_s=90)
+                  timeout_s=90, parts=True)
   elapsed = time.monotonic() - start
   print(f"2-process compression bench took {elapsed:.1f} s")
   results = by_strategy(report, "multiprocess")
-  assert set(results) == {"none", "gqsgd", "gqsgd_exp"}
+  assert set(results) == {"none", "gqsgd", "gqsgd_exp", *cb.PARTS}
   check_measured({k: results[k] for k in ("none", "gqsgd")}, 2)
   assert "error" not in results["gqsgd_exp"]
   assert report["settings"]["wall_s"]["multiprocess"] > 0
+  # The parts were timed across both processes, after the strategies.
+  for name in cb.PARTS:
+    part = results[name]
+    assert "error" not in part, (name, part["error"])
+    assert part["part"] is True and part["num_workers"] == 2
+    assert part["time_s"] > 0 and part["time_vs_fp32"] > 0
+  assert report["settings"]["parts"] == list(cb.PARTS)
+  (floor,) = report["gqsgd_floor"]
+  t = {name: r["time_s"] for name, r in results.items()}
+  assert floor["num_elements"] == SIZE
+  assert floor["floor_s"] == pytest.approx(
+      t["allreduce_int8"] + 2 * t["bucket_absmax"] + t["scale_f32"])
+  assert floor["floor_vs_fp32"] == pytest.approx(floor["floor_s"] /
+                                                 t["none"])
+  cpu = {name: r["cpu_s"] for name, r in results.items()}
+  assert floor["cpu_floor_vs_fp32"] == pytest.approx(
+      (cpu["allreduce_int8"] + 2 * cpu["bucket_absmax"] + cpu["scale_f32"])
+      / cpu["none"])
+  assert floor["parts_sum_vs_whole"] == pytest.approx(
+      (t["gqsgd_passes"] + t["allreduce_int8"]) / t["gqsgd"])
