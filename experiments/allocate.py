@@ -57,6 +57,10 @@ flags.DEFINE_float("compression", None, "Instead of --memory_limit: save this "
 flags.DEFINE_integer("num_batches", 4, "Indicator batches.")
 flags.DEFINE_integer("score_batch_size", 32, "Indicator batch size.")
 flags.DEFINE_string("scores", None, "Load indicator scores from this JSON.")
+flags.DEFINE_integer("optimizer_state_copies", 2,
+                     "Float32 copies of the parameters the optimizer keeps: "
+                     "2 for Adam(W) (QSync trains BERT with AdamW), 1 for "
+                     "SGD with momentum (QSync's CNNs), 0 for plain SGD.")
 flags.DEFINE_integer("seed", 0, "Model and indicator seed.")
 flags.DEFINE_string("out", None, "Output directory.")
 
@@ -109,7 +113,8 @@ def main(argv):
         timing_model, FLAGS.cluster, scores, FLAGS.batch_size,
         indicator_name=name, method=FLAGS.method,
         memory_limits=_memory_limits(FLAGS.memory_limit) or None,
-        compression=FLAGS.compression, candidates=FLAGS.candidates)
+        compression=FLAGS.compression, candidates=FLAGS.candidates,
+        optimizer_state_copies=FLAGS.optimizer_state_copies)
     summary = planning.write(result, FLAGS.out)
   print(result.table())
   print(f"\nsearch {summary['search_time_s']:.3f} s, {summary['trials']} "

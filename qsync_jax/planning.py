@@ -111,6 +111,8 @@ class PlanningResult:
             "baselines": {k: {kk: vv for kk, vv in v.items()
                               if kk not in ("step_time_s", "memory_bytes")}
                           for k, v in self.baselines.items()},
+            "optimizer_update_s": {k: prof.optimizer_s
+                                   for k, prof in self.profiles.items()},
             "layers": len(self.graph.nodes),
             "batch_shape": list(self.graph.input_shape)}
 
@@ -144,7 +146,8 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
                  compression: float | None = None,
                  candidates: Sequence[Precision | str] = (
                      allocator_lib.DEFAULT_CANDIDATES),
-                 baselines: bool = True) -> PlanningResult:
+                 baselines: bool = True,
+                 optimizer_state_copies: int = 2) -> PlanningResult:
   """Allocates plans for ``cluster`` and predicts the baselines.
 
   Args:
@@ -162,13 +165,22 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
       uses 0.6).
     candidates: precisions the weak kinds may use.
     baselines: also predict the baselines.
+    optimizer_state_copies: float32 copies of the parameters the optimizer
+      keeps, which set its update time and memory: 2 for Adam(W) (QSync's
+      BERT), 1 for SGD with momentum (QSync's CNNs), 0 for plain SGD.
 
   Raises:
     ValueError: the scores do not cover the timing model's layers, a kind
-      outside the catalog, or both memory_limits and compression.
+      outside the catalog, both memory_limits and compression, or a negative
+      optimizer_state_copies.
     qsync_jax.allocator.AllocationError: no plan fits.
   """
   from qsync_jax import predictor  # local: keeps import order simple
+  if optimizer_state_copies < 0:
+    raise ValueError("optimizer_state_copies must be >= 0, got "
+                     f"{optimizer_state_copies}")
+  analytic = functools.partial(predictor.analytic_profile,
+                               optimizer_state_copies=optimizer_state_copies)
   spec = parse_cluster(cluster)
   g = predictor.trace_graph(timing_model, timing_model.input_spec(batch_size))
   table = allocator_lib.score_table(scores)
@@ -179,7 +191,7 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
                      f"different layers (scores only: {extra[:5]}, timing "
                      f"model only: {lack[:5]}); score a model with the same "
                      "layer paths")
-  profiles = {k: predictor.analytic_profile(g, k) for k in spec.groups()}
+  profiles = {k: analytic(g, k) for k in spec.groups()}
   training = allocator_lib.training_kinds_of(g, spec, profiles)
   if compression is not None:
     if memory_limits:
@@ -223,7 +235,7 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
     def profile_for(graph, kind):
       key = (id(graph), kind)
       if key not in profile_cache:
-        profile_cache[key] = predictor.analytic_profile(graph, kind)
+        profile_cache[key] = analytic(graph, kind)
       return profile_cache[key]
 
     db, sizes = allocator_lib.predict_dynamic_batch(graph_at, spec,

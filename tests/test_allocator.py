@@ -273,6 +273,30 @@ def test_allocation_on_a_model_applies_and_beats_the_baselines():
   assert sum(sizes) == 4 * 256 and sizes[0] > sizes[-1]
 
 
+def test_plan_cluster_costs_the_optimizer_it_is_given():
+  from qsync_jax import planning
+  model = models.create_model("resnet18", rngs=nnx.Rngs(0), width=8,
+                              image_size=32)
+  g = predictor.trace_graph(model, model.input_spec(64))
+  scores = {p: {"int8": 2.0, "fp16": 1.0} for p in g.paths}
+  runs = {c: planning.plan_cluster(model, "v100:1,t4:1", scores, 64,
+                                   baselines=False, optimizer_state_copies=c)
+          for c in (0, 1, 2)}
+  update = {c: r.summary()["optimizer_update_s"] for c, r in runs.items()}
+  for kind in ("v100", "t4"):
+    # Bytes moved per parameter: params, grads and the new params, plus a
+    # read and a write per state copy (the launch term is the same).
+    assert (update[2][kind] - update[1][kind]) == pytest.approx(
+        update[1][kind] - update[0][kind])
+    assert update[2][kind] > update[1][kind] > update[0][kind]
+  # Each state copy is a float32 copy of the parameters in memory too.
+  mem = {c: r.allocation.memory_bytes["v100"] for c, r in runs.items()}
+  assert mem[2] - mem[1] == pytest.approx(4.0 * g.num_params)
+  with pytest.raises(ValueError, match="optimizer_state_copies"):
+    planning.plan_cluster(model, "v100:1,t4:1", scores, 64,
+                          optimizer_state_copies=-1)
+
+
 # --------------------------------------------------------------------------
 # The binaries.
 # --------------------------------------------------------------------------
