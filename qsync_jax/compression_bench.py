@@ -58,6 +58,7 @@ import time
 from typing import Any, Sequence
 
 import jax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
@@ -160,11 +161,14 @@ class _Case:
   """One strategy (or part) at one size: its program and what was measured.
 
   ``args(k)`` gives the arguments of ``k`` calls of ``fn``, one tuple each.
+  With ``barrier`` every process waits for the others before the case's
+  timer starts (a program without collectives does not keep them in step).
   """
   name: str
   averager: Any = None
   fn: Any = None
   args: Any = None
+  barrier: bool = False
   rel_error: float | None = None
   rounds: list[float] = dataclasses.field(default_factory=list)
   cpu_rounds: list[float] = dataclasses.field(default_factory=list)
@@ -178,6 +182,8 @@ def _time_rounds(cases: Sequence[_Case], repeats: int, calls: int) -> None:
       if case.fn is None:
         continue
       args = case.args(calls)
+      if case.barrier:
+        multihost_utils.sync_global_devices(f"compression_bench {case.name}")
 
       def run_block(k, case=case, args=args):
         out = None
@@ -361,9 +367,8 @@ def bench_parts(sizes: Sequence[int], repeats: int, *, seed: int = 0,
   Every process of a multi-process run calls this with the same arguments.
   The all-reduces run over all of ``jax.devices()``; the local parts run on
   each process's own devices, all processes at once, so they meet the same
-  contention for the host's cores as the whole all-reduce does. Each part
-  follows a collective in the round (its order in :data:`PARTS`), which
-  keeps the processes in step.
+  contention for the host's cores as the whole all-reduce does; a barrier
+  before each local part's timer keeps the processes in step.
 
   Args:
     sizes: vector lengths (float32 elements).
@@ -427,7 +432,8 @@ def bench_parts(sizes: Sequence[int], repeats: int, *, seed: int = 0,
     calls = calls_per_round(d)
     cases = []
     for name in PARTS:
-      case = _Case(name, fn=programs[name], args=args[name])
+      case = _Case(name, fn=programs[name], args=args[name],
+                   barrier=not name.startswith("allreduce"))
       cases.append(case)
       try:
         jax.block_until_ready(case.fn(*case.args(1)[0]))  # compile, warm up
