@@ -20,8 +20,9 @@ Writes to --out: <kind>.json (a PrecisionPlan per device kind, usable with
 "predicted_step_time_s": {"qsync", "fp32", "uniform_low", "dynamic_batch",
 "training_only", "qsync_shuffled"}, "predicted_memory_bytes": {same keys:
 {kind: bytes}}, "baselines": {name: {"quantized_layers", "indicator_sum",
-...}}, ...},
-and prints a per-layer table.
+...}}, "optimizer_update_s": {kind: seconds}, ...},
+and prints a per-layer table. --optimizer_state_copies sets the optimizer the
+predictor costs (2: Adam, 1: SGD with momentum, 0: plain SGD).
 """
 
 import json

@@ -18,9 +18,10 @@ float32 mean's time in the multiprocess setting.
 
 --parts also times, across the processes, the pieces of gqsgd's all-reduce
 (the int8 and float32 all-reduces alone, gqsgd's passes without collectives,
-one read and one read-and-write pass over the data) and writes "gqsgd_floor": per size, how much of gqsgd's
-time the passes take and the floor no implementation of gqsgd gets under on
-this machine (see qsync_jax.compression_bench.floor_analysis).
+one read and one read-and-write pass over the data) and writes
+"gqsgd_floor": per size, how much of gqsgd's time the passes take and the
+floor no implementation of gqsgd gets under on this machine (see
+qsync_jax.compression_bench.floor_analysis).
 """
 
 import json
