@@ -196,10 +196,39 @@ def _time_rounds(cases: Sequence[_Case], repeats: int, calls: int) -> None:
       case.cpu_rounds.append((time.process_time() - cpu) / calls)
 
 
-def _timing_fields(case: _Case, calls: int) -> dict[str, Any]:
-  return {"time_s": statistics.median(case.rounds), "rounds_s": case.rounds,
+def _warm_up(case: _Case, build=None) -> Any:
+  """Builds the case (``build(case)``, which sets ``fn`` and ``args``) and
+  runs it once (compile, warm up); returns the output, or None with
+  ``case.error`` set. Every process fails alike (same program), so all skip
+  a failed case."""
+  try:
+    if build is not None:
+      build(case)
+    return jax.block_until_ready(case.fn(*case.args(1)[0]))
+  except Exception as e:  # pylint: disable=broad-except
+    case.error = _error_text(e)
+    case.fn = None
+    return None
+
+
+def _result_row(case: _Case, calls: int, **fields: Any) -> dict[str, Any]:
+  """``fields`` plus the case's error or its timings."""
+  if case.error is not None:
+    return {**fields, "error": case.error}
+  return {**fields, "time_s": statistics.median(case.rounds),
+          "rounds_s": case.rounds,
           "cpu_s": statistics.median(case.cpu_rounds),
           "calls_per_round": calls}
+
+
+def _print_row(label: str, row: dict[str, Any], detail: str = "") -> None:
+  """One line of a result row: its error, or its times and ``detail``."""
+  head = f"{label:12s} {row['strategy']:14s} {row['num_elements']:9d}: "
+  if "error" in row:
+    print(head + f"error: {row['error']}", flush=True)
+  else:
+    print(head + f"{row['time_s'] * 1e3:9.2f} ms  "
+          f"(cpu {row['cpu_s'] * 1e3:8.2f} ms){detail}", flush=True)
 
 
 def _copies(x: jax.Array, k: int, donate: bool) -> list[jax.Array]:
@@ -296,42 +325,29 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
     calls = calls_per_round(d)
     cases = []
     for name in names:
-      case = _Case(name)
+      case = _Case(name, args=args)
       cases.append(case)
       factory, kwargs = STRATEGIES[name]
-      try:
+
+      def build(case, factory=factory, kwargs=kwargs):
         case.averager = comm.make_averager(factory, **kwargs)
         case.fn = _all_reduce_fn(case.averager, mesh, donate)
-        case.args = args
-        out = case.fn(*args(1)[0])  # compile, warm up
-        out.block_until_ready()
-      except Exception as e:  # pylint: disable=broad-except
-        # Every process fails alike (same program), so all skip the case.
-        case.error = _error_text(e)
-        case.fn = None
-        continue
-      if exact is not None:
+
+      out = _warm_up(case, build)
+      if out is not None and exact is not None:
         case.rel_error = relative_error(_first_row(out), exact)
       del out
     _time_rounds(cases, repeats, calls)
     for case in cases:
-      result = {"setting": setting, "strategy": case.name,
-                "num_elements": d, "num_workers": n}
-      if case.error is not None:
-        result["error"] = case.error
-        if say:
-          print(f"{setting:12s} {case.name:14s} {d:9d}: error: {case.error}",
-                flush=True)
-      else:
-        result.update(_timing_fields(case, calls),
-                      wire_bytes=float(case.averager.wire_bytes(d, n)),
+      result = _result_row(case, calls, setting=setting, strategy=case.name,
+                           num_elements=d, num_workers=n)
+      if "error" not in result:
+        result.update(wire_bytes=float(case.averager.wire_bytes(d, n)),
                       rel_error=case.rel_error)
-        if say:
-          print(f"{setting:12s} {case.name:14s} {d:9d}: "
-                f"{result['time_s'] * 1e3:9.2f} ms  "
-                f"(cpu {result['cpu_s'] * 1e3:8.2f} ms)  "
-                f"{result['wire_bytes'] / 2**20:8.2f} MiB/worker  "
-                f"rel err {result['rel_error']:.3e}", flush=True)
+      if say:
+        _print_row(setting, result, "" if "error" in result else (
+            f"  {result['wire_bytes'] / 2**20:8.2f} MiB/worker  "
+            f"rel err {result['rel_error']:.3e}"))
       results.append(result)
     del x, w, cases
     if on_size is not None:
@@ -435,24 +451,14 @@ def bench_parts(sizes: Sequence[int], repeats: int, *, seed: int = 0,
       case = _Case(name, fn=programs[name], args=args[name],
                    barrier=not name.startswith("allreduce"))
       cases.append(case)
-      try:
-        jax.block_until_ready(case.fn(*case.args(1)[0]))  # compile, warm up
-      except Exception as e:  # pylint: disable=broad-except
-        case.error = _error_text(e)
-        case.fn = None
+      _warm_up(case)
     _time_rounds(cases, repeats, calls)
     for case in cases:
-      row = {"setting": "multiprocess", "strategy": case.name, "part": True,
-             "num_elements": d, "num_workers": n}
-      if case.error is not None:
-        row["error"] = case.error
-      else:
-        row.update(_timing_fields(case, calls))
+      row = _result_row(case, calls, setting="multiprocess",
+                        strategy=case.name, part=True, num_elements=d,
+                        num_workers=n)
       if say:
-        print(f"{'part':12s} {case.name:14s} {d:9d}: " + (
-            f"error: {case.error}" if case.error is not None else
-            f"{row['time_s'] * 1e3:9.2f} ms  (cpu {row['cpu_s'] * 1e3:8.2f} "
-            "ms)"), flush=True)
+        _print_row("part", row)
       rows_out.append(row)
     del x, codes, x_local, cases
     if on_size is not None:

@@ -270,10 +270,15 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
     accuracy (next-byte accuracy for the LM).
 
   Raises:
-    ValueError: an unknown task or configuration.
+    ValueError: an unknown task or configuration, a learning rate that is
+      not positive or an ``h_base`` below 1 (before anything is written).
   """
   cli.check_names("task", tasks, TASKS)
   cli.check_names("configuration", configs, CONFIGS)
+  if learning_rate is not None and not learning_rate > 0:
+    raise ValueError(f"learning_rate must be positive, got {learning_rate}")
+  if h_base is not None and h_base < 1:
+    raise ValueError(f"h_base must be >= 1, got {h_base}")
   os.makedirs(out_dir, exist_ok=True)
   result = {"cluster": CLUSTER,
             "configs": {c: CONFIGS[c].description for c in configs},
@@ -284,12 +289,8 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
     if steps is not None:
       task["steps"] = steps
     if learning_rate is not None:
-      if not learning_rate > 0:
-        raise ValueError(f"learning_rate must be positive, got {learning_rate}")
       task["learning_rate"] = learning_rate
     if h_base is not None:
-      if h_base < 1:
-        raise ValueError(f"h_base must be >= 1, got {h_base}")
       task["h_base"] = h_base
     config0 = task_config(base, task, 0)
     alphas, qsr_rounds, matched_h = plan_alphas(config0,

@@ -158,6 +158,16 @@ def test_qsr_study_configs_set_the_averager():
     qsr_study.configure(config, "dp_int4", {}, 1)
 
 
+def test_qsr_study_bad_overrides_write_nothing(tmp_path):
+  from qsync_jax import qsr_study
+  base = default_config.get_config()
+  with pytest.raises(ValueError, match="learning_rate must be positive"):
+    qsr_study.run(str(tmp_path / "a"), base, learning_rate=0.0)
+  with pytest.raises(ValueError, match="h_base must be >= 1"):
+    qsr_study.run(str(tmp_path / "b"), base, h_base=0)
+  assert not list(tmp_path.iterdir())
+
+
 def test_dynamic_batching_baseline_runs(tmp_path):
   result = _train(tmp_path, "--config.batch_mode=dynamic",
                   "--config.steps=10", "--config.eval_every=0",
