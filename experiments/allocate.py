@@ -34,7 +34,7 @@ from flax import nnx
 from qsync_jax import cli
 from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
-from qsync_jax import planning
+from qsync_jax.allocation import pipeline
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "resnet50", "Built-in model or module:factory.")
@@ -105,18 +105,18 @@ def main(argv):
       score_model = factory(rngs=nnx.Rngs(FLAGS.seed), **score_kwargs)
       dataset = data_lib.load_dataset(FLAGS.dataset,
                                       **_json_flag("dataset_kwargs"))
-      scores = planning.compute_scores(
+      scores = pipeline.compute_scores(
           score_model, dataset, FLAGS.indicator,
           num_batches=FLAGS.num_batches, batch_size=FLAGS.score_batch_size,
           seed=FLAGS.seed).values
       name = FLAGS.indicator
-    result = planning.plan_cluster(
+    result = pipeline.plan_cluster(
         timing_model, FLAGS.cluster, scores, FLAGS.batch_size,
         indicator_name=name, method=FLAGS.method,
         memory_limits=_memory_limits(FLAGS.memory_limit) or None,
         compression=FLAGS.compression, candidates=FLAGS.candidates,
         optimizer_state_copies=FLAGS.optimizer_state_copies)
-    summary = planning.write(result, FLAGS.out)
+    summary = pipeline.write(result, FLAGS.out)
   print(result.table())
   print(f"\nsearch {summary['search_time_s']:.3f} s, {summary['trials']} "
         f"trials; quantized layers {summary['quantized_layers']}")

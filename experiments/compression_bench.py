@@ -1,16 +1,16 @@
 r"""Time, wire bytes and error of every gradient-averaging strategy.
 
 Usage:
-  python -m experiments.compression_bench --out=compression_bench.json \
+  python -m experiments.compression_bench --out=compression.json \
       [--sizes=1048576,4194304,16777216] [--repeats=11] \
       [--settings=fake_devices,multiprocess] [--num_workers=4] [--donate] \
       [--parts]
 
-For each strategy of qsync_jax.comm (none = float32 mean, fp16, bf16, gqsgd,
+For each strategy of qsync_jax.parallel.averagers (none = float32 mean, fp16, bf16, gqsgd,
 gqsgd_int16, gqsgd_threefry, gqsgd_exp, qsgd) and each size, one all-reduce of
 gradient-like float32 data over num_workers workers: fake CPU devices in this
 process, and localhost processes with gloo collectives (see
-qsync_jax.compression_bench). Writes JSON {"settings": {...}, "results":
+experiments.benches.compression). Writes JSON {"settings": {...}, "results":
 [{setting, strategy, num_elements, time_s, cpu_s, wire_bytes, rel_error,
 time_vs_fp32, ...}], "gqsgd_vs_fp32_time_ratio_16M_<setting>": float} and
 prints one line per result. The goal: gqsgd at 16M floats in <= 0.4x the
@@ -21,7 +21,7 @@ float32 mean's time in the multiprocess setting.
 one read and one read-and-write pass over the data) and writes
 "gqsgd_floor": per size, how much of gqsgd's time the passes take and the
 floor no implementation of gqsgd gets under on this machine (see
-qsync_jax.compression_bench.floor_analysis).
+experiments.benches.compression.floor_analysis).
 """
 
 import json
@@ -31,15 +31,15 @@ from absl import flags
 import jax
 
 from qsync_jax import cli
-from qsync_jax import compression_bench
+from experiments.benches import compression
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output JSON file.")
-flags.DEFINE_list("sizes", [str(d) for d in compression_bench.DEFAULT_SIZES],
+flags.DEFINE_list("sizes", [str(d) for d in compression.DEFAULT_SIZES],
                   "Vector lengths in float32 elements.")
-flags.DEFINE_integer("repeats", compression_bench.DEFAULT_REPEATS,
+flags.DEFINE_integer("repeats", compression.DEFAULT_REPEATS,
                      "Timed rounds per case (median reported).")
-flags.DEFINE_list("settings", list(compression_bench.SETTINGS),
+flags.DEFINE_list("settings", list(compression.SETTINGS),
                   "Subset of fake_devices,multiprocess.")
 flags.DEFINE_integer("num_workers", 4, "Workers: fake devices or processes.")
 flags.DEFINE_bool("donate", False,
@@ -60,7 +60,7 @@ def main(argv):
       sizes = [int(s) for s in FLAGS.sizes]
     except ValueError:
       raise ValueError(f"--sizes must be integers, got {FLAGS.sizes}") from None
-    report = compression_bench.run(sizes, FLAGS.repeats, FLAGS.settings,
+    report = compression.run(sizes, FLAGS.repeats, FLAGS.settings,
                                    FLAGS.num_workers, donate=FLAGS.donate,
                                    parts=FLAGS.parts)
     with open(FLAGS.out, "w") as f:

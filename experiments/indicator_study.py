@@ -33,10 +33,10 @@ import numpy as np
 
 from qsync_jax import cli
 from qsync_jax import data as data_lib
-from qsync_jax import indicator
-from qsync_jax import losses
+from qsync_jax.sensitivity import indicator
+from qsync_jax.train import losses
 from qsync_jax import models as models_lib
-from qsync_jax import planning
+from qsync_jax.allocation import pipeline
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "resnet18", "Built-in model or module:factory.")
@@ -56,7 +56,7 @@ def _batches(model, dataset, num_batches, batch_size):
     dataset = dataclasses.replace(
         dataset, y_train=data_lib.byte_category(dataset.y_train[:, -1]),
         y_test=data_lib.byte_category(dataset.y_test[:, -1]))
-  return planning.indicator_batches(dataset, num_batches, batch_size)
+  return pipeline.indicator_batches(dataset, num_batches, batch_size)
 
 
 def plot(result: dict, path: str) -> None:

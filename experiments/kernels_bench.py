@@ -6,7 +6,7 @@ Usage:
 
 Writes JSON {device_kind, backend, jax_version, interpret_mode, [note],
 sizes, repeats, steps, results: [{size, kernels: {name: {seconds, tflops |
-gbps}}, ratios}]} (see pallas_kernels.bench.run) and prints one line per
+gbps}}, ratios}]} (see experiments.benches.kernels.run) and prints one line per
 size. Off a GPU the kernels run in Pallas interpret mode and the JSON says
 "interpret-mode figures on CPU are not meaningful".
 """
@@ -16,7 +16,7 @@ import json
 from absl import app
 from absl import flags
 
-from pallas_kernels import bench
+from experiments.benches import kernels
 from qsync_jax import cli
 
 FLAGS = flags.FLAGS
@@ -37,7 +37,7 @@ def main(argv):
       sizes = None if FLAGS.sizes is None else [int(s) for s in FLAGS.sizes]
     except ValueError:
       raise ValueError(f"--sizes must be integers, got {FLAGS.sizes}") from None
-    result = bench.run(sizes, repeats=FLAGS.repeats)
+    result = kernels.run(sizes, repeats=FLAGS.repeats)
     with open(FLAGS.out, "w") as f:
       json.dump(result, f, indent=2)
 

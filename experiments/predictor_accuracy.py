@@ -34,7 +34,7 @@ from absl import flags
 import jax
 
 from qsync_jax import cli
-from qsync_jax.predictor import accuracy
+from experiments.studies import predictor_accuracy
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("model", ["cnn", "bert", "resnet18"],

@@ -7,7 +7,7 @@ Usage:
 
 Trains four workers (fake CPU devices) per task (the CNN on digits, a
 2-layer byte-level LM on Python source) under every configuration of
-qsync_jax.qsr_study.CONFIGS: data parallel, constant-H local SGD, QSR, the
+experiments.studies.qsr.CONFIGS: data parallel, constant-H local SGD, QSR, the
 linear and cubic rules, and Global-QSGD (standard and exponential dithering,
 alone and under QSR). QSR's alpha is set from a sync-round budget before
 training, not tuned on accuracy.
@@ -42,10 +42,10 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   cli.start_study_backend(FLAGS.out, num_devices=4)  # four workers
   from experiments.configs import default
-  from qsync_jax import qsr_study
+  from experiments.studies import qsr
   with cli.bad_input_exits():
-    result = qsr_study.run(FLAGS.out, default.get_config(), FLAGS.tasks,
-                           FLAGS.configs or list(qsr_study.CONFIGS),
+    result = qsr.run(FLAGS.out, default.get_config(), FLAGS.tasks,
+                           FLAGS.configs or list(qsr.CONFIGS),
                            FLAGS.seeds, FLAGS.steps, FLAGS.learning_rate,
                            FLAGS.h_base)
   for tname, entry in result["tasks"].items():

@@ -7,7 +7,7 @@ Usage:
 
 Trains four workers (v100:2,t4:2, fake CPU devices) per task (a ResNet-18 on
 digits, a 4-layer encoder classifying the next byte of Python source) under
-every configuration of qsync_jax.allocation_study.CONFIGS: all FP32, uniform
+every configuration of experiments.studies.qsync.CONFIGS: all FP32, uniform
 INT8 on the T4s, the allocator's plan, dynamic batch sizing, and the ILP at a
 60% memory budget with three indicators. Then predicts each method's step
 time for ResNet-50 / BERT-base on v100:8,t4:8 (analytic profiles).
@@ -40,11 +40,11 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   cli.start_study_backend(FLAGS.out, num_devices=4)  # four workers
   from experiments.configs import default
-  from qsync_jax import allocation_study
+  from experiments.studies import qsync
   with cli.bad_input_exits():
-    result = allocation_study.run(
+    result = qsync.run(
         FLAGS.out, default.get_config(), FLAGS.tasks,
-        FLAGS.configs or list(allocation_study.CONFIGS), FLAGS.seeds,
+        FLAGS.configs or list(qsync.CONFIGS), FLAGS.seeds,
         FLAGS.steps, FLAGS.predict)
   for tname, entry in result["tasks"].items():
     for name, acc in entry["accuracy"].items():

@@ -52,9 +52,9 @@ import ml_collections
 from ml_collections import config_flags
 
 from qsync_jax import cli
-from qsync_jax import cluster as cluster_lib
-from qsync_jax import distributed
-from qsync_jax import training
+from qsync_jax.parallel import cluster as cluster_lib
+from qsync_jax.parallel import distributed
+from experiments import train_lib
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs",
                                "default.py")
@@ -114,14 +114,14 @@ def main(argv):
       with config.unlocked():
         config.plan_mode = "manual"
         config.plans = ml_collections.ConfigDict(
-            {**training.to_plain(config.plans), **_parse_plan_flags(
+            {**train_lib.to_plain(config.plans), **_parse_plan_flags(
                 FLAGS.plan)})
     if not distributed.initialize():
       # Single process: one fake CPU device per worker when running on CPU
       # (before the backend starts; it does not affect GPU backends).
       workers = cluster_lib.parse_cluster(config.cluster).num_workers
       jax.config.update("jax_num_cpu_devices", workers)
-    training.train_and_evaluate(config, FLAGS.out_dir)
+    train_lib.train_and_evaluate(config, FLAGS.out_dir)
 
 
 if __name__ == "__main__":

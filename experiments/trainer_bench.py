@@ -17,7 +17,7 @@ from absl import app
 from absl import flags
 import jax
 
-from qsync_jax import benchmarks
+from experiments.benches import trainer
 from qsync_jax import cli
 
 FLAGS = flags.FLAGS
@@ -42,7 +42,7 @@ def main(argv):
   with cli.bad_input_exits():
     results = []
     for model, batch, kwargs in CASES:
-      r = benchmarks.trainer_overhead(model, batch,
+      r = trainer.trainer_overhead(model, batch,
                                       num_workers=FLAGS.num_workers,
                                       rounds=FLAGS.rounds,
                                       model_kwargs=kwargs)

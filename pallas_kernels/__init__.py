@@ -13,8 +13,8 @@ This package owns the hand-written kernels behind the low-precision paths:
 
 Each kernel has a pure-jnp ``*_reference``. Kernels run through Triton on a
 GPU (sm_80+) and in Pallas interpret mode elsewhere (``interpret=None``);
-:mod:`qsync_jax.ops` dispatches INT8 / FP8 ``dot_general`` to the GEMMs
-(``QSYNC_KERNELS=auto|pallas|xla``). :mod:`pallas_kernels.bench` measures
+:mod:`qsync_jax.numerics.ops` dispatches INT8 / FP8 ``dot_general`` to the GEMMs
+(``QSYNC_KERNELS=auto|pallas|xla``). :mod:`experiments.benches.kernels` measures
 them against XLA's dots (``experiments/kernels_bench.py``).
 """
 

@@ -147,7 +147,7 @@ def _gemm_kernel(x_ref, w_ref, sx_ref, sw_ref, *rest, block_k: int,
     return acc + jnp.dot(xs, ws, preferred_element_type=acc_dtype)
 
   acc = lax.fori_loop(0, num_k, body, jnp.zeros((bm, bn), acc_dtype))
-  # Same association as qsync_jax.ops: acc * (s_row * s_col).
+  # Same association as qsync_jax.numerics.ops: acc * (s_row * s_col).
   y = acc.astype(jnp.float32) * (sx_ref[...] * sw_ref[...])
   if has_bias:
     y = y + b_ref[...]

@@ -9,7 +9,7 @@ max-abs of the bucket and ``s`` levels per worker,
 
 so ``E[q * scale] = y`` and the integer codes of ``n`` workers can be summed
 directly by the all-reduce. With ``s = floor(127 / n)``
-(:meth:`qsync_jax.comm.GlobalQSGD.levels`) every ``|q| <= s`` and the sum of
+(:meth:`qsync_jax.parallel.averagers.GlobalQSGD.levels`) every ``|q| <= s`` and the sum of
 ``n`` codes stays within ``n * s <= 127``: the int8 wire never wraps
 (reference/qsr_globalqsgd.md: the official code's ``127 / n`` levels do).
 
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _common
-from qsync_jax import quant
+from qsync_jax.numerics import quant
 
 _CODE_DTYPES = (jnp.int8, jnp.int16, jnp.int32)
 
@@ -104,7 +104,7 @@ def gqsgd_encode(y: jax.Array, global_max, levels: int, *, seed=0,
 
   Args:
     y: (num_buckets, bucket_size) float values (the weighted gradient,
-      bucketed and zero padded as ``qsync_jax.comm`` does), or one 1-D
+      bucketed and zero padded as ``qsync_jax.parallel.averagers`` does), or one 1-D
       bucket.
     global_max: (num_buckets,) float32 ``pmax`` over workers of each
       bucket's ``max |y|``.

@@ -1,7 +1,7 @@
 """Fused scale-and-round to int8, per tensor or per row.
 
 One pass over the input: ``q = clip(round(x / scale), -127, 127)`` as int8,
-with the rounding of :mod:`qsync_jax.quant` (QSync's LP-PyTorch numerics,
+with the rounding of :mod:`qsync_jax.numerics.quant` (QSync's LP-PyTorch numerics,
 reference/qsync.md section 6.2):
 
 * ``nearest``: ties to even, as ``jnp.round`` (built from ``floor``, since
@@ -13,8 +13,8 @@ reference/qsync.md section 6.2):
   grid of ``u``, so the rounding is unbiased; no ``jax.random`` key or state
   is needed inside the kernel.
 
-The noise is bit-identical to :func:`qsync_jax.quant.hash_uniform`, so the
-kernel equals ``qsync_jax.quant.quantize_int8`` element for element.
+The noise is bit-identical to :func:`qsync_jax.numerics.quant.hash_uniform`, so the
+kernel equals ``qsync_jax.numerics.quant.quantize_int8`` element for element.
 
 On a GPU, Triton lowers float32 division to the approximate ``div.full.f32``
 (at most 2 ulp), not XLA's correctly rounded division, so a code can differ
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _common
-from qsync_jax import quant
+from qsync_jax.numerics import quant
 
 INT8_MAX = 127
 ROUNDINGS = ("nearest", "stochastic", "truncate")
@@ -39,7 +39,7 @@ _FLOAT_INPUTS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def _rounding_name(rounding) -> str:
-  name = getattr(rounding, "value", rounding)  # qsync_jax.quant.Rounding
+  name = getattr(rounding, "value", rounding)  # qsync_jax.numerics.quant.Rounding
   if name not in ROUNDINGS:
     raise ValueError(f"unknown rounding {rounding!r}; valid: "
                      f"{', '.join(ROUNDINGS)}")
@@ -116,7 +116,7 @@ def quantize(x: jax.Array, scale, *, rounding="nearest", salt=0,
       (per row).
     scale: a scalar (per tensor), or (rows,) / (rows, 1) for a 2-D ``x``.
     rounding: ``nearest`` (ties to even), ``stochastic`` or ``truncate``
-      (strings or :class:`qsync_jax.quant.Rounding`).
+      (strings or :class:`qsync_jax.numerics.quant.Rounding`).
     salt: int or traced integer scalar mixed into the stochastic hash; use
       distinct salts for tensors (or steps) that need independent noise.
     block_rows, block_cols: tile (powers of two).
@@ -144,7 +144,7 @@ def quantize(x: jax.Array, scale, *, rounding="nearest", salt=0,
 
 def quantize_reference(x: jax.Array, scale, *, rounding="nearest",
                        salt=0) -> jax.Array:
-  """Pure-jnp :func:`quantize` (equal to ``qsync_jax.quant.quantize_int8``)."""
+  """Pure-jnp :func:`quantize` (equal to ``qsync_jax.numerics.quant.quantize_int8``)."""
   rounding = _rounding_name(rounding)
   x2, s2 = _as_2d(x, scale)
   v = x2.astype(jnp.float32) / s2

@@ -10,31 +10,31 @@ Typical use::
   qs.apply_plan(model, plan, device_kind="t4")
 """
 
-from qsync_jax import allocator
-from qsync_jax import comm
-from qsync_jax import indicator
-from qsync_jax import linen
-from qsync_jax import ops
+from qsync_jax.allocation import allocator
+from qsync_jax.parallel import averagers
+from qsync_jax.sensitivity import indicator
+from qsync_jax.plan import linen
+from qsync_jax.numerics import ops
 from qsync_jax import predictor
-from qsync_jax import quant
-from qsync_jax import sync
-from qsync_jax.allocator import allocate
-from qsync_jax.layers import MatMul
-from qsync_jax.policy import apply_plan
-from qsync_jax.policy import describe
-from qsync_jax.policy import effective_precisions
-from qsync_jax.policy import Layer
-from qsync_jax.policy import layer_paths
-from qsync_jax.policy import model_layers
-from qsync_jax.precision import DEVICE_PRECISIONS
-from qsync_jax.precision import device_kinds
-from qsync_jax.precision import PlanError
-from qsync_jax.precision import Precision
-from qsync_jax.precision import PrecisionPlan
-from qsync_jax.precision import supported_precisions
-from qsync_jax.quant import Granularity
-from qsync_jax.quant import QuantConfig
-from qsync_jax.quant import Rounding
+from qsync_jax.numerics import quant
+from qsync_jax.parallel import schedules
+from qsync_jax.allocation.allocator import allocate
+from qsync_jax.plan.layers import MatMul
+from qsync_jax.plan.policy import apply_plan
+from qsync_jax.plan.policy import describe
+from qsync_jax.plan.policy import effective_precisions
+from qsync_jax.plan.policy import Layer
+from qsync_jax.plan.policy import layer_paths
+from qsync_jax.plan.policy import model_layers
+from qsync_jax.plan.precision import DEVICE_PRECISIONS
+from qsync_jax.plan.precision import device_kinds
+from qsync_jax.plan.precision import PlanError
+from qsync_jax.plan.precision import Precision
+from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.plan.precision import supported_precisions
+from qsync_jax.numerics.quant import Granularity
+from qsync_jax.numerics.quant import QuantConfig
+from qsync_jax.numerics.quant import Rounding
 
 __version__ = "0.1.0"
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import qsync_jax as qs
-from qsync_jax import allocator
+from qsync_jax.allocation import allocator
 from qsync_jax import models
 from qsync_jax import predictor
-from qsync_jax.precision import Precision
+from qsync_jax.plan.precision import Precision
 from qsync_jax.predictor import casting
 from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor import memory
@@ -274,12 +274,12 @@ def test_allocation_on_a_model_applies_and_beats_the_baselines():
 
 
 def test_plan_cluster_costs_the_optimizer_it_is_given():
-  from qsync_jax import planning
+  from qsync_jax.allocation import pipeline
   model = models.create_model("resnet18", rngs=nnx.Rngs(0), width=8,
                               image_size=32)
   g = predictor.trace_graph(model, model.input_spec(64))
   scores = {p: {"int8": 2.0, "fp16": 1.0} for p in g.paths}
-  runs = {c: planning.plan_cluster(model, "v100:1,t4:1", scores, 64,
+  runs = {c: pipeline.plan_cluster(model, "v100:1,t4:1", scores, 64,
                                    baselines=False, optimizer_state_copies=c)
           for c in (0, 1, 2)}
   update = {c: r.summary()["optimizer_update_s"] for c, r in runs.items()}
@@ -293,7 +293,7 @@ def test_plan_cluster_costs_the_optimizer_it_is_given():
   mem = {c: r.allocation.memory_bytes["v100"] for c, r in runs.items()}
   assert mem[2] - mem[1] == pytest.approx(4.0 * g.num_params)
   with pytest.raises(ValueError, match="optimizer_state_copies"):
-    planning.plan_cluster(model, "v100:1,t4:1", scores, 64,
+    pipeline.plan_cluster(model, "v100:1,t4:1", scores, 64,
                           optimizer_state_copies=-1)
 
 

@@ -1,4 +1,4 @@
-"""Tests for the averaging strategies (qsync_jax.comm).
+"""Tests for the averaging strategies (qsync_jax.parallel.averagers).
 
 Up to 64 workers are simulated on one device with ``jax.vmap(...,
 axis_name=AXIS)``, under which psum / pmax / ppermute / all_gather /
@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
-from qsync_jax import comm
+from qsync_jax.parallel import averagers
 
 AXIS = "workers"
 Z_MAX = 5.0
@@ -75,9 +75,9 @@ def assert_replicas_identical(out):
 # shard_map agreement and wire formats.
 # ----------------------------------------------------------------------------
 
-ALL = [comm.MeanAverager(), comm.CastAverager("float16"),
-       comm.CastAverager("bfloat16"), comm.GlobalQSGD(),
-       comm.GlobalQSGDExp(), comm.QSGD()]
+ALL = [averagers.MeanAverager(), averagers.CastAverager("float16"),
+       averagers.CastAverager("bfloat16"), averagers.GlobalQSGD(),
+       averagers.GlobalQSGDExp(), averagers.QSGD()]
 
 
 def shard_mapped(averager, key):
@@ -109,12 +109,12 @@ def test_vmap_simulation_matches_shard_map(averager):
 
 
 @pytest.mark.parametrize("averager,wire,compiled", [
-    (comm.CastAverager("float16"), "f16", "f16"),
+    (averagers.CastAverager("float16"), "f16", "f16"),
     # XLA:CPU promotes a bf16 all-reduce to f32 (one rounding of the exact
     # sum); NCCL on GPU sums bf16 natively.
-    (comm.CastAverager("bfloat16"), "bf16", "f32"),
-    (comm.GlobalQSGD(), "i8", "s8"),
-    (comm.GlobalQSGD(wire="int16"), "i16", "s16"),
+    (averagers.CastAverager("bfloat16"), "bf16", "f32"),
+    (averagers.GlobalQSGD(), "i8", "s8"),
+    (averagers.GlobalQSGD(wire="int16"), "i16", "s16"),
 ])
 def test_all_reduce_runs_in_the_wire_dtype(averager, wire, compiled):
   x, w, _ = problem(4, d=40)
@@ -132,10 +132,10 @@ def test_all_reduce_runs_in_the_wire_dtype(averager, wire, compiled):
 
 def test_casts_are_close_to_the_float32_mean():
   x, w, exact = problem(8, d=256)
-  np.testing.assert_allclose(simulate(comm.MeanAverager(), x, w)[0], exact,
+  np.testing.assert_allclose(simulate(averagers.MeanAverager(), x, w)[0], exact,
                              rtol=1e-5, atol=1e-6)
-  for averager, tol in [(comm.CastAverager("float16"), 2e-3),
-                        (comm.CastAverager("bfloat16"), 2e-2)]:
+  for averager, tol in [(averagers.CastAverager("float16"), 2e-3),
+                        (averagers.CastAverager("bfloat16"), 2e-2)]:
     out = simulate(averager, x, w)
     assert_replicas_identical(out)
     err = np.abs(np.asarray(out[0]) - exact) / np.abs(exact).max()
@@ -148,25 +148,25 @@ def test_casts_are_close_to_the_float32_mean():
 
 
 def test_levels_fill_the_wire_without_overflow():
-  assert [comm.GlobalQSGD().levels(n) for n in (1, 2, 4, 8, 64, 127)] == [
+  assert [averagers.GlobalQSGD().levels(n) for n in (1, 2, 4, 8, 64, 127)] == [
       127, 63, 31, 15, 1, 1]
-  assert comm.GlobalQSGD(wire="int16").levels(64) == 32767 // 64
-  assert comm.GlobalQSGD(wire="int32").levels(64) == 2**24  # float32-exact
+  assert averagers.GlobalQSGD(wire="int16").levels(64) == 32767 // 64
+  assert averagers.GlobalQSGD(wire="int32").levels(64) == 2**24  # float32-exact
   with pytest.raises(ValueError, match="int8 wire sums at most 127"):
-    comm.GlobalQSGD().levels(128)
+    averagers.GlobalQSGD().levels(128)
   with pytest.raises(ValueError, match="wire must be one of"):
-    comm.GlobalQSGD(wire="int4")
+    averagers.GlobalQSGD(wire="int4")
 
 
 @pytest.mark.parametrize("wire,noise", [("int8", "hash"), ("int16", "hash"),
                                         ("int8", "threefry")])
 def test_gqsgd_is_unbiased_with_unequal_weights(wire, noise):
   x, w, exact = problem(8)
-  out = draws(comm.GlobalQSGD(wire=wire, noise=noise), x, w, 2000)
+  out = draws(averagers.GlobalQSGD(wire=wire, noise=noise), x, w, 2000)
   assert_replicas_identical(out)
   assert_unbiased(out, exact)
   # The per-element standard deviation respects sqrt(n) * scale / 2.
-  scale = np.abs(x * w[:, None]).max() / comm.GlobalQSGD(wire=wire).levels(8)
+  scale = np.abs(x * w[:, None]).max() / averagers.GlobalQSGD(wire=wire).levels(8)
   assert float(out[:, 0].std(axis=0).max()) <= np.sqrt(8) * scale / 2
 
 
@@ -177,7 +177,7 @@ def test_gqsgd_hash_codes_are_the_pallas_encode():
   n, d, bucket = 4, 96, 32
   x, w, _ = problem(n, d=d)
   key = jax.random.key(7)
-  averager = comm.GlobalQSGD(bucket_size=bucket)
+  averager = averagers.GlobalQSGD(bucket_size=bucket)
   _, sent = jax.jit(jax.vmap(lambda xi, wi: averager.reduce(xi, wi, AXIS, key),
                              axis_name=AXIS))(x, w)
   yb = (x * w[:, None]).reshape(n, d // bucket, bucket)
@@ -192,7 +192,7 @@ def test_gqsgd_hash_codes_are_the_pallas_encode():
 
 def test_hash_noise_differs_per_worker_and_per_key():
   x = np.broadcast_to(np.linspace(-1, 1, 256, dtype=np.float32), (4, 256))
-  averager = comm.GlobalQSGD()
+  averager = averagers.GlobalQSGD()
   run = jax.jit(jax.vmap(lambda xi, k: averager.reduce(xi, 0.25, AXIS, k)[1],
                          in_axes=(0, None), axis_name=AXIS))
   a = np.asarray(run(x, jax.random.key(0)))
@@ -204,7 +204,7 @@ def test_statistical_test_catches_a_biased_estimate():
   # Weights applied after the sum (the mean of x, not the weighted mean)
   # is what the design rules out: the test must reject it.
   x, w, exact = problem(8)
-  out = draws(comm.GlobalQSGD(), x, np.full(8, 1 / 8, np.float32), 2000)
+  out = draws(averagers.GlobalQSGD(), x, np.full(8, 1 / 8, np.float32), 2000)
   with pytest.raises(AssertionError, match="max"):
     assert_unbiased(out, exact)
 
@@ -225,7 +225,7 @@ def test_gqsgd_never_overflows_with_every_worker_at_the_maximum(n):
   d = 256
   mag = np.exp(np.random.default_rng(n).uniform(-20, 20, d)).astype(
       np.float32)
-  averager = comm.GlobalQSGD(bucket_size=1)
+  averager = averagers.GlobalQSGD(bucket_size=1)
   for sign in (1.0, -1.0):
     x = np.broadcast_to(sign * mag, (n, d))
     # bucket_size=1: every element is its bucket's maximum on every worker,
@@ -246,7 +246,7 @@ def test_gqsgd_never_overflows_with_every_worker_at_the_maximum(n):
 def test_default_noise_is_independent_per_worker():
   # Identical inputs on every worker must still get independent rounding.
   x = np.broadcast_to(np.linspace(-1, 1, 64, dtype=np.float32), (8, 64))
-  averager = comm.GlobalQSGD()
+  averager = averagers.GlobalQSGD()
   mean, sent = jax.jit(jax.vmap(lambda xi: averager.reduce(xi, 1 / 8, AXIS),
                                 axis_name=AXIS))(x)
   assert len({np.asarray(s).tobytes() for s in sent}) == 8
@@ -263,8 +263,8 @@ def test_non_finite_inputs_stay_non_finite():
 
 
 @pytest.mark.parametrize("averager", [
-    comm.GlobalQSGD(), comm.GlobalQSGDExp(),
-    comm.QSGD(norm="linf", bucket_size=1 << 16)], ids=lambda a: a.name)
+    averagers.GlobalQSGD(), averagers.GlobalQSGDExp(),
+    averagers.QSGD(norm="linf", bucket_size=1 << 16)], ids=lambda a: a.name)
 def test_non_finite_values_inside_large_buckets_are_caught(averager):
   # XLA:CPU reduces large rows with YNNPACK, whose max drops NaN: the bucket
   # maxima must still see a NaN (or inf) in the middle of a 2**16 bucket.
@@ -290,9 +290,9 @@ U_GRID = ((np.arange(4096, dtype=np.float32) + 0.5) / 4096)[:, None]
 def test_exponential_compress_is_exactly_unbiased():
   a = np.array([0.5, -0.3125, 0.1171875, 2.0**-20 * 1.5, 0.0, -0.25],
                np.float32)
-  codes = jax.jit(comm._exp_compress)(a[None, :], U_GRID)
+  codes = jax.jit(averagers._exp_compress)(a[None, :], U_GRID)
   assert codes.dtype == jnp.uint8
-  decoded = np.asarray(jax.jit(comm._exp_decode)(codes), np.float64)
+  decoded = np.asarray(jax.jit(averagers._exp_decode)(codes), np.float64)
   np.testing.assert_array_equal(decoded.mean(axis=0), a)
 
 
@@ -304,12 +304,12 @@ def test_exponential_merge_is_exactly_unbiased_and_symmetric():
   @jax.jit
   def merge(a, b, u):
     zero = jnp.zeros_like(a)  # u = 0 keeps powers of two exact
-    ca, cb = comm._exp_compress(a, zero), comm._exp_compress(b, zero)
-    return comm._exp_merge(ca, cb, u), comm._exp_merge(cb, ca, u)
+    ca, cb = averagers._exp_compress(a, zero), averagers._exp_compress(b, zero)
+    return averagers._exp_merge(ca, cb, u), averagers._exp_merge(cb, ca, u)
 
   ab, ba = merge(a[None], b[None], U_GRID)
   np.testing.assert_array_equal(ab, ba)
-  decoded = np.asarray(jax.jit(comm._exp_decode)(ab), np.float64)
+  decoded = np.asarray(jax.jit(averagers._exp_decode)(ab), np.float64)
   np.testing.assert_array_equal(decoded.mean(axis=0), a + b)
   # Zero has one code (no negative zero), so replicas cannot diverge.
   assert (np.asarray(ab)[:, a + b == 0] == 0).all()
@@ -319,14 +319,14 @@ def test_exponential_merge_is_exactly_unbiased_and_symmetric():
                                      (8, "threefry")])
 def test_exponential_dithering_is_unbiased_and_bit_identical(n, noise):
   x, w, exact = problem(n)
-  out = draws(comm.GlobalQSGDExp(noise=noise), x, w, 3000)
+  out = draws(averagers.GlobalQSGDExp(noise=noise), x, w, 3000)
   assert_replicas_identical(out)
   assert_unbiased(out, exact)
 
 
 def test_exponential_dithering_default_key_keeps_replicas_identical():
   x, w, exact = problem(16, d=300)
-  out = simulate(comm.GlobalQSGDExp(bucket_size=64), x, w)
+  out = simulate(averagers.GlobalQSGDExp(bucket_size=64), x, w)
   assert_replicas_identical(out)
   assert np.abs(out[0] - exact).mean() < np.abs(exact).mean()
 
@@ -334,9 +334,9 @@ def test_exponential_dithering_default_key_keeps_replicas_identical():
 def test_exponential_dithering_needs_a_power_of_two():
   x, w, _ = problem(3)
   with pytest.raises(ValueError, match="power-of-two"):
-    simulate(comm.GlobalQSGDExp(), x, w)
+    simulate(averagers.GlobalQSGDExp(), x, w)
   with pytest.raises(ValueError, match="power-of-two"):
-    comm.GlobalQSGDExp().wire_bytes(100, 6)
+    averagers.GlobalQSGDExp().wire_bytes(100, 6)
 
 
 # ----------------------------------------------------------------------------
@@ -349,7 +349,7 @@ def test_exponential_dithering_needs_a_power_of_two():
                                               ("l2", 127, "threefry")])
 def test_qsgd_is_unbiased(norm, levels, noise):
   x, w, exact = problem(8)
-  out = draws(comm.QSGD(levels=levels, norm=norm, bucket_size=16,
+  out = draws(averagers.QSGD(levels=levels, norm=norm, bucket_size=16,
                         noise=noise), x, w, 2000)
   assert_replicas_identical(out)
   assert_unbiased(out, exact)
@@ -360,11 +360,11 @@ def test_error_feedback_telescopes():
   # the compression error does not accumulate.
   n, steps = 8, 30
   x, w, exact = problem(n)
-  averager = comm.GlobalQSGD(wire="int8")
+  averager = averagers.GlobalQSGD(wire="int8")
 
   def step(residual, key):
     mean, residual = jax.vmap(
-        lambda xi, ri, wi: comm.compress_with_feedback(averager, xi, ri, wi,
+        lambda xi, ri, wi: averagers.compress_with_feedback(averager, xi, ri, wi,
                                                        AXIS, key),
         axis_name=AXIS)(x, residual, w)
     return residual, mean[0]
@@ -375,8 +375,8 @@ def test_error_feedback_telescopes():
                                jax.random.split(key, steps))
     # Exact averaging leaves no residual.
     _, exact_residual = jax.vmap(
-        lambda xi, ri, wi: comm.compress_with_feedback(
-            comm.MeanAverager(), xi, ri, wi, AXIS),
+        lambda xi, ri, wi: averagers.compress_with_feedback(
+            averagers.MeanAverager(), xi, ri, wi, AXIS),
         axis_name=AXIS)(x, residual, w)
     return residual, means.sum(axis=0), exact_residual
 
@@ -396,42 +396,42 @@ def test_error_feedback_telescopes():
 
 def test_wire_bytes():
   d, n = 10**7, 8
-  fp32 = comm.MeanAverager().wire_bytes(d, n)
+  fp32 = averagers.MeanAverager().wire_bytes(d, n)
   assert fp32 == pytest.approx(2 * 7 / 8 * 4 * d)
   ratio = lambda a: a.wire_bytes(d, n) / fp32
-  assert ratio(comm.CastAverager("bfloat16")) == pytest.approx(0.5)
-  assert ratio(comm.GlobalQSGD()) == pytest.approx(0.25, rel=1e-3)
-  assert ratio(comm.GlobalQSGD(wire="int16")) == pytest.approx(0.5, rel=1e-3)
-  assert ratio(comm.GlobalQSGD(wire="int32")) == pytest.approx(1.0, rel=1e-3)
+  assert ratio(averagers.CastAverager("bfloat16")) == pytest.approx(0.5)
+  assert ratio(averagers.GlobalQSGD()) == pytest.approx(0.25, rel=1e-3)
+  assert ratio(averagers.GlobalQSGD(wire="int16")) == pytest.approx(0.5, rel=1e-3)
+  assert ratio(averagers.GlobalQSGD(wire="int32")) == pytest.approx(1.0, rel=1e-3)
   # Scale exchange: one float32 per bucket through a ring all-reduce.
   buckets = -(-d // (1 << 16))
-  assert comm.GlobalQSGD().wire_bytes(d, n) == pytest.approx(
-      comm.ring_allreduce_bytes(d + 4 * buckets, n))
+  assert averagers.GlobalQSGD().wire_bytes(d, n) == pytest.approx(
+      averagers.ring_allreduce_bytes(d + 4 * buckets, n))
   # Butterfly: log2(n) uint8 vectors.
-  assert comm.GlobalQSGDExp().wire_bytes(d, n) == pytest.approx(
-      3 * d + comm.ring_allreduce_bytes(4 * buckets, n))
+  assert averagers.GlobalQSGDExp().wire_bytes(d, n) == pytest.approx(
+      3 * d + averagers.ring_allreduce_bytes(4 * buckets, n))
   # All-gather: n - 1 payloads of int8 codes and float32 norms.
-  assert comm.QSGD().wire_bytes(d, n) == pytest.approx(
+  assert averagers.QSGD().wire_bytes(d, n) == pytest.approx(
       7 * (d + 4 * -(-d // 512)))
-  assert comm.QSGD(levels=1000).wire_bytes(d, n) == pytest.approx(
+  assert averagers.QSGD(levels=1000).wire_bytes(d, n) == pytest.approx(
       7 * (2 * d + 4 * -(-d // 512)))
-  assert comm.GlobalQSGD().wire_bytes(d, 1) == 0.0
+  assert averagers.GlobalQSGD().wire_bytes(d, 1) == 0.0
 
 
 def test_make_averager():
-  assert isinstance(comm.make_averager("none"), comm.MeanAverager)
-  assert isinstance(comm.make_averager("fp32"), comm.MeanAverager)
-  assert comm.make_averager("fp16").dtype == "float16"
-  assert comm.make_averager("bf16").name == "bf16"
-  assert comm.make_averager("gqsgd", wire="int16").wire == "int16"
-  assert comm.make_averager("gqsgd_exp", seed=3).seed == 3
-  assert comm.make_averager("qsgd", levels=7).levels == 7
+  assert isinstance(averagers.make_averager("none"), averagers.MeanAverager)
+  assert isinstance(averagers.make_averager("fp32"), averagers.MeanAverager)
+  assert averagers.make_averager("fp16").dtype == "float16"
+  assert averagers.make_averager("bf16").name == "bf16"
+  assert averagers.make_averager("gqsgd", wire="int16").wire == "int16"
+  assert averagers.make_averager("gqsgd_exp", seed=3).seed == 3
+  assert averagers.make_averager("qsgd", levels=7).levels == 7
   with pytest.raises(ValueError, match="valid: none, fp32, mean, fp16"):
-    comm.make_averager("int8")
+    averagers.make_averager("int8")
   with pytest.raises(ValueError, match="dtype must be one of"):
-    comm.CastAverager("float8")
+    averagers.CastAverager("float8")
   with pytest.raises(ValueError, match="norm must be"):
-    comm.QSGD(norm="l1")
-  for strategy in (comm.GlobalQSGD, comm.GlobalQSGDExp, comm.QSGD):
+    averagers.QSGD(norm="l1")
+  for strategy in (averagers.GlobalQSGD, averagers.GlobalQSGDExp, averagers.QSGD):
     with pytest.raises(ValueError, match="noise must be one of"):
       strategy(noise="philox")

@@ -1,4 +1,4 @@
-"""Tests for qsync_jax.compression_bench on tiny sizes.
+"""Tests for experiments.benches.compression on tiny sizes.
 
 The fake-device runs use the 4 CPU devices conftest.py gives every test
 process; the multi-process smoke test starts 2 localhost processes through
@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from qsync_jax import compression_bench as cb
+from experiments.benches import compression as cb
 
 SIZE = 4096
 FIELDS = {"setting", "strategy", "num_elements", "num_workers", "time_s",
@@ -89,12 +89,12 @@ def test_donated_inputs_give_the_same_averages():
 def test_a_donating_program_takes_its_input_buffer():
   import jax
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  from qsync_jax import comm
+  from qsync_jax.parallel import averagers
   mesh = Mesh(np.array(jax.devices()[:2]), (cb.AXIS,))
   sharding = NamedSharding(mesh, P(cb.AXIS))
   x = jax.device_put(np.ones((2, SIZE), np.float32), sharding)
   w = jax.device_put(np.full(2, 0.5, np.float32), sharding)
-  averager = comm.make_averager("none")
+  averager = averagers.make_averager("none")
   kept = x.copy()
   cb._all_reduce_fn(averager, mesh)(kept, w).block_until_ready()
   assert not kept.is_deleted()

@@ -1,4 +1,4 @@
-"""Tests for qsync_jax.distributed: the env contract and the local launcher.
+"""Tests for qsync_jax.parallel.distributed: the env contract and the local launcher.
 
 Multi-process runs use real JAX workers on localhost CPU (one device each).
 Every worker writes its PID to a file first, so that a failing test can
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from qsync_jax import distributed
+from qsync_jax.parallel import distributed
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,7 +31,7 @@ import time
 import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from qsync_jax import distributed
+from qsync_jax.parallel import distributed
 
 assert distributed.initialize()
 assert distributed.initialize()  # Idempotent.

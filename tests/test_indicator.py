@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qsync_jax import indicator
-from qsync_jax import losses
+from qsync_jax.sensitivity import indicator
+from qsync_jax.train import losses
 from qsync_jax import models
 from toy_models import NoLayers
 

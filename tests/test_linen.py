@@ -1,4 +1,4 @@
-"""Tests for precision plans on Linen models (qsync_jax.linen)."""
+"""Tests for precision plans on Linen models (qsync_jax.plan.linen)."""
 
 import flax.linen as nn
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import qsync_jax as qs
-from qsync_jax.precision import Precision
+from qsync_jax.plan.precision import Precision
 from jaxpr_utils import contractions_of
 
 

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from qsync_jax import models
-from qsync_jax.layers import MatMul
+from qsync_jax.plan.layers import MatMul
 
 # Tiny variants of every built-in model: CPU compile time dominates, so keep
 # them shallow and narrow.

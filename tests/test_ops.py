@@ -1,4 +1,4 @@
-"""Tests for the precision-aware contractions in qsync_jax.ops."""
+"""Tests for the precision-aware contractions in qsync_jax.numerics.ops."""
 
 import jax
 import jax.numpy as jnp
@@ -6,10 +6,10 @@ from jax import lax
 import numpy as np
 import pytest
 
-from qsync_jax import ops
-from qsync_jax import quant
-from qsync_jax.precision import Precision
-from qsync_jax.quant import QuantConfig
+from qsync_jax.numerics import ops
+from qsync_jax.numerics import quant
+from qsync_jax.plan.precision import Precision
+from qsync_jax.numerics.quant import QuantConfig
 from jaxpr_utils import contractions_of
 
 DN = (((1,), (0,)), ((), ()))

@@ -21,10 +21,10 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import _common
-from qsync_jax import ops
-from qsync_jax import quant
-from qsync_jax.precision import Precision
-from qsync_jax.quant import QuantConfig
+from qsync_jax.numerics import ops
+from qsync_jax.numerics import quant
+from qsync_jax.plan.precision import Precision
+from qsync_jax.numerics.quant import QuantConfig
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -281,7 +281,7 @@ def test_clear_errors_for_bad_inputs():
 
 
 # --------------------------------------------------------------------------
-# qsync_jax.ops dispatch
+# qsync_jax.numerics.ops dispatch
 # --------------------------------------------------------------------------
 
 

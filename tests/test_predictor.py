@@ -10,9 +10,10 @@ import numpy as np
 import optax
 import pytest
 
-from qsync_jax import losses, policy
-from qsync_jax.layers import MatMul
-from qsync_jax.precision import PlanError, Precision, PrecisionPlan
+from qsync_jax.train import losses
+from qsync_jax.plan import policy
+from qsync_jax.plan.layers import MatMul
+from qsync_jax.plan.precision import PlanError, Precision, PrecisionPlan
 from qsync_jax.predictor import casting, devices, graph as graph_lib
 from qsync_jax.predictor import memory, profiling as profile_lib
 from qsync_jax.predictor import simulation as simulate
@@ -438,7 +439,7 @@ def test_stand_in_step_has_no_contraction(measured_cnn):
 
 
 def test_accuracy_check_writes_every_case(tmp_path):
-  from qsync_jax.predictor import accuracy
+  from experiments.studies import predictor_accuracy
   result = accuracy.evaluate(
       ["cnn"], model_kwargs={"cnn": {}}, batch_sizes={"cnn": 4},
       workers=(1, 2), rounds=1, burst=1, precisions=("fp32", "fp16", "int8"),
@@ -460,7 +461,7 @@ def test_accuracy_check_writes_every_case(tmp_path):
 
 
 def test_accuracy_check_rejects_an_empty_phase():
-  from qsync_jax.predictor import accuracy
+  from experiments.studies import predictor_accuracy
   with pytest.raises(ValueError, match="plans_per_phase"):
     accuracy.evaluate(["cnn"], workers=(1,), plans_per_phase=0)
 

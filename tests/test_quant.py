@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from qsync_jax import ops
-from qsync_jax import quant
+from qsync_jax.numerics import ops
+from qsync_jax.numerics import quant
 
 
 def test_absmax_scale_per_tensor_and_per_channel():

@@ -1,4 +1,4 @@
-"""Tests for the synchronization schedules (qsync_jax.sync).
+"""Tests for the synchronization schedules (qsync_jax.parallel.schedules).
 
 Steps are 1-based: ``is_sync_step(t)`` is asked after the t-th update, and
 the QSR period chosen after ``s`` completed steps reads ``lr_schedule(s)``,
@@ -11,7 +11,7 @@ import math
 import optax
 import pytest
 
-from qsync_jax import sync
+from qsync_jax.parallel import schedules
 
 
 def cosine_lr():
@@ -24,7 +24,7 @@ def cosine_lr():
 def qsr_cosine(**kwargs):
   args = dict(total_steps=100, alpha=0.2, h_base=2, warmup_steps=10)
   args.update(kwargs)
-  return sync.QSR(cosine_lr(), **args)
+  return schedules.QSR(cosine_lr(), **args)
 
 
 # Hand computation, H = max(2, floor((0.2 / lr(s)) ** 2)) capped at 100 - s,
@@ -52,7 +52,7 @@ def test_qsr_matches_a_hand_computation_for_a_cosine_schedule():
 def test_qsr_recomputes_only_after_an_average_on_a_step_schedule():
   # LR 0.1 for optax counts 0..29, 0.01 from count 30: H = 4, then 400.
   lr = optax.piecewise_constant_schedule(0.1, {30: 0.1})
-  q = sync.QSR(lr, total_steps=50, alpha=0.2, h_base=2)
+  q = schedules.QSR(lr, total_steps=50, alpha=0.2, h_base=2)
   # The round chosen at s = 28 (LR 0.1) runs past the decay at 30 with
   # H = 4; at s = 32 the LR is 0.01, H = 400 is capped at 50 - 32 = 18.
   assert q.sync_steps(50) == [4, 8, 12, 16, 20, 24, 28, 32, 50]
@@ -73,16 +73,16 @@ def test_qsr_warmup_uses_init_h_and_gamma_selects_the_rule():
 
 def test_qsr_constant_and_degenerate_learning_rates():
   # alpha = 0 keeps init_h, still capped so training ends with an average.
-  q = sync.QSR(0.1, total_steps=10, alpha=0.0, h_base=4)
+  q = schedules.QSR(0.1, total_steps=10, alpha=0.0, h_base=4)
   assert q.sync_steps(10) == [4, 8, 10]
   # A zero or vanishing LR gives the remaining steps, without overflow.
-  assert sync.QSR(0.0, total_steps=10, alpha=1.0, h_base=1).period(3) == 7
-  assert sync.QSR(1e-300, total_steps=10, alpha=1e10, h_base=1,
+  assert schedules.QSR(0.0, total_steps=10, alpha=1.0, h_base=1).period(3) == 7
+  assert schedules.QSR(1e-300, total_steps=10, alpha=1e10, h_base=1,
                   gamma=3).period(0) == 10
   with pytest.raises(ValueError, match="h_base must be a positive integer"):
-    sync.QSR(0.1, total_steps=10, alpha=0.1, h_base=0)
+    schedules.QSR(0.1, total_steps=10, alpha=0.1, h_base=0)
   with pytest.raises(ValueError, match="alpha >= 0"):
-    sync.QSR(0.1, total_steps=10, alpha=-1.0, h_base=1)
+    schedules.QSR(0.1, total_steps=10, alpha=-1.0, h_base=1)
 
 
 def test_qsr_state_dict_round_trip_resumes_the_same_schedule():
@@ -105,26 +105,26 @@ def test_qsr_state_dict_round_trip_resumes_the_same_schedule():
 
 
 def test_constant_local_sgd():
-  s = sync.ConstantLocalSGD(4)
+  s = schedules.ConstantLocalSGD(4)
   assert s.sync_steps(10) == [4, 8]
-  assert sync.ConstantLocalSGD(4, total_steps=10).sync_steps(10) == [4, 8, 10]
+  assert schedules.ConstantLocalSGD(4, total_steps=10).sync_steps(10) == [4, 8, 10]
   assert not s.averages_gradients_at(4) and not s.is_sync_step(0)
   with pytest.raises(ValueError, match="h must be a positive integer"):
-    sync.ConstantLocalSGD(0)
+    schedules.ConstantLocalSGD(0)
 
 
 def test_post_local_sgd():
-  s = sync.PostLocalSGD(switch_step=5, h=3, total_steps=12)
+  s = schedules.PostLocalSGD(switch_step=5, h=3, total_steps=12)
   assert s.sync_steps(12) == [1, 2, 3, 4, 5, 8, 11, 12]
   assert [s.averages_gradients_at(t) for t in (1, 5, 6, 8)] == [
       True, True, False, False]
   with pytest.raises(ValueError, match="switch_step"):
-    sync.PostLocalSGD(switch_step=-1, h=2)
+    schedules.PostLocalSGD(switch_step=-1, h=2)
 
 
 @pytest.mark.parametrize("schedule", [
-    sync.EveryStep(), sync.ConstantLocalSGD(3, total_steps=20),
-    sync.PostLocalSGD(4, 5), sync.PostLocalSGD(0, 2, total_steps=19)],
+    schedules.EveryStep(), schedules.ConstantLocalSGD(3, total_steps=20),
+    schedules.PostLocalSGD(4, 5), schedules.PostLocalSGD(0, 2, total_steps=19)],
                          ids=lambda s: s.name)
 def test_stateless_schedules_agree_and_resume_from_anything(schedule):
   assert schedule.sync_steps(20) == [t for t in range(1, 21)
@@ -136,7 +136,7 @@ def test_stateless_schedules_agree_and_resume_from_anything(schedule):
 
 
 def test_every_step_keeps_its_attribute():
-  s = sync.EveryStep()
+  s = schedules.EveryStep()
   assert s.averages_gradients and s.averages_gradients_at(7)
   assert s.is_sync_step(3) and s.sync_steps(3) == [1, 2, 3]
 
@@ -161,29 +161,29 @@ def test_round_length_is_the_period_of_each_steps_round():
     lengths.append(fresh.round_length(t))
   assert lengths == _rounds_from(COSINE_SYNCS)
   assert fresh.round_length(3) == 2  # an earlier round replays
-  local = sync.ConstantLocalSGD(4, total_steps=10)
+  local = schedules.ConstantLocalSGD(4, total_steps=10)
   assert [local.round_length(t) for t in range(1, 11)] == [4] * 8 + [2] * 2
-  post = sync.PostLocalSGD(3, 4, total_steps=12)
+  post = schedules.PostLocalSGD(3, 4, total_steps=12)
   assert [post.round_length(t) for t in range(1, 13)] == _rounds_from(
       post.sync_steps(12))
-  assert sync.EveryStep().round_length(7) == 1
+  assert schedules.EveryStep().round_length(7) == 1
 
 
 def test_make_schedule_builds_each_rule_and_rejects_bad_ones():
   lr = cosine_lr()
-  q = sync.make_schedule("qsr", total_steps=100, lr_schedule=lr, h_base=2,
+  q = schedules.make_schedule("qsr", total_steps=100, lr_schedule=lr, h_base=2,
                          alpha=0.2, warmup_steps=10)
   assert q.sync_steps(100) == COSINE_SYNCS and q.name == "qsr"
-  assert sync.make_schedule("qsr", total_steps=100, lr_schedule=lr,
+  assert schedules.make_schedule("qsr", total_steps=100, lr_schedule=lr,
                             alpha=0.2, gamma=3.0).name == "qsr_cubic"
-  assert sync.make_schedule("local", total_steps=10,
+  assert schedules.make_schedule("local", total_steps=10,
                             h_base=4).sync_steps(10) == [4, 8, 10]
-  assert sync.make_schedule("postlocal", total_steps=10, h_base=4,
+  assert schedules.make_schedule("postlocal", total_steps=10, h_base=4,
                             switch_step=2).sync_steps(10) == [1, 2, 6, 10]
-  assert sync.make_schedule("dp", total_steps=3).sync_steps(3) == [1, 2, 3]
+  assert schedules.make_schedule("dp", total_steps=3).sync_steps(3) == [1, 2, 3]
   with pytest.raises(ValueError, match="alpha > 0"):
-    sync.make_schedule("qsr", total_steps=10, lr_schedule=lr)
+    schedules.make_schedule("qsr", total_steps=10, lr_schedule=lr)
   with pytest.raises(ValueError, match="needs the learning-rate"):
-    sync.make_schedule("qsr", total_steps=10, alpha=0.1)
+    schedules.make_schedule("qsr", total_steps=10, alpha=0.1)
   with pytest.raises(ValueError, match="unknown sync schedule 'ring'"):
-    sync.make_schedule("ring", total_steps=10)
+    schedules.make_schedule("ring", total_steps=10)

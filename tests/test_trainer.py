@@ -8,11 +8,11 @@ import optax
 import pytest
 
 import qsync_jax as qs
-from qsync_jax import cluster
-from qsync_jax import losses
+from qsync_jax.parallel import cluster
+from qsync_jax.train import losses
 from qsync_jax import models
-from qsync_jax.checkpoint import Checkpointer
-from qsync_jax.trainer import HybridTrainer, Worker, _rows
+from qsync_jax.train.checkpoint import Checkpointer
+from qsync_jax.train.trainer import HybridTrainer, Worker, _rows
 
 INT8_FP16 = qs.PrecisionPlan([(r"conv\d", "int8"), ("fc", "fp16")])
 
@@ -208,8 +208,8 @@ def test_dynamic_batch_sizes_follow_speed_and_keep_the_global_batch():
 
 
 def test_trainer_overhead_benchmark_reports_both_step_times():
-  from qsync_jax import benchmarks
-  r = benchmarks.trainer_overhead("cnn", 4, num_workers=2, rounds=1,
+  from experiments.benches import trainer
+  r = trainer.trainer_overhead("cnn", 4, num_workers=2, rounds=1,
                                   steps_per_round=2)
   assert r["hybrid_step_s"] > 0 and r["spmd_step_s"] > 0
   assert r["ratio"] == pytest.approx(r["hybrid_step_s"] / r["spmd_step_s"])
@@ -226,7 +226,7 @@ def test_local_sgd_with_h1_and_plain_sgd_equals_data_parallel():
   sizes = [8, 8, 8, 8]
   dp = HybridTrainer(_cnn(), _workers(sizes), optax.sgd(0.1))
   local = HybridTrainer(_cnn(), _workers(sizes), optax.sgd(0.1),
-                        schedule=qs.sync.ConstantLocalSGD(1))
+                        schedule=qs.parallel.schedules.ConstantLocalSGD(1))
   for step in range(4):
     batches = _split(*_batch(32, seed=step), sizes)
     dp.train_step(batches)
@@ -240,7 +240,7 @@ def test_local_sgd_with_h1_and_plain_sgd_equals_data_parallel():
 def test_local_sgd_rounds_keep_workers_apart_until_the_average():
   sizes = [8, 8, 8, 8]
   trainer = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2),
-                          schedule=qs.sync.ConstantLocalSGD(3, total_steps=7))
+                          schedule=qs.parallel.schedules.ConstantLocalSGD(3, total_steps=7))
   start = np.asarray(trainer.params)[0]
   local_rows = []
   for step in range(1, 8):
@@ -263,7 +263,7 @@ def test_local_sgd_rounds_keep_workers_apart_until_the_average():
 def test_evaluation_in_the_middle_of_a_round_uses_the_mean_model():
   sizes = [8, 8, 8, 8]
   trainer = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2),
-                          schedule=qs.sync.ConstantLocalSGD(4))
+                          schedule=qs.parallel.schedules.ConstantLocalSGD(4))
   for step in range(2):
     trainer.train_step(_split(*_batch(32, seed=step), sizes))
   assert not trainer.in_sync
@@ -283,7 +283,7 @@ def test_evaluation_in_the_middle_of_a_round_uses_the_mean_model():
 def test_compressed_averages_keep_workers_identical_and_count_their_bytes(
     compress):
   sizes = [8, 8, 8, 8]
-  averager = qs.comm.make_averager(compress)
+  averager = qs.parallel.averagers.make_averager(compress)
   trainer = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2),
                           averager=averager)
   for step in range(3):
@@ -301,7 +301,7 @@ def test_gqsgd_noise_changes_from_step_to_step():
   # next count rounds differently (a fixed key would repeat the error).
   sizes = [8, 8, 8, 8]
   trainer = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2),
-                          averager=qs.comm.make_averager("gqsgd"))
+                          averager=qs.parallel.averagers.make_averager("gqsgd"))
   trainer.train_step(_split(*_batch(32), sizes))
   assert np.asarray(trainer._counter).tolist() == [1, 1, 1, 1]
   rng = np.random.default_rng(0)
@@ -322,10 +322,10 @@ def test_qsr_checkpoint_mid_round_resumes_bit_identically(tmp_path):
   lr = optax.cosine_decay_schedule(1e-2, 12)
 
   def make():
-    schedule = qs.sync.QSR(lr, total_steps=12, alpha=2e-2, h_base=2)
+    schedule = qs.parallel.schedules.QSR(lr, total_steps=12, alpha=2e-2, h_base=2)
     return HybridTrainer(_cnn(), _workers(sizes), optax.adam(lr),
                          schedule=schedule, error_feedback=True,
-                         averager=qs.comm.make_averager("gqsgd"))
+                         averager=qs.parallel.averagers.make_averager("gqsgd"))
 
   batches = [_split(*_batch(32, seed=s), sizes) for s in range(12)]
   straight = make()

@@ -12,7 +12,7 @@ import pytest
 
 from experiments.configs import default as default_config
 import qsync_jax as qs
-from qsync_jax import training
+from experiments import train_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,7 +46,7 @@ def test_small_cnn_with_half_its_layers_int8_learns_digits(tmp_path):
   config.batch_size = 64
   config.eval_every = 0
   config.checkpoint_every = 0
-  summary = training.train_and_evaluate(config, str(tmp_path))
+  summary = train_lib.train_and_evaluate(config, str(tmp_path))
   assert summary["precisions"] == [{"conv1": "int8", "conv2": "int8",
                                     "fc": "fp32", "head": "fp32"}]
   print("digits test accuracy with conv1/conv2 INT8:",
@@ -97,9 +97,9 @@ def test_qsr_with_global_qsgd_logs_h_rounds_and_wire_bytes(tmp_path):
   summary = _summary(tmp_path)
   assert summary["sync"] == "qsr" and summary["compress"] == "gqsgd"
   lr = optax.cosine_decay_schedule(3e-3, 40)
-  planned = qs.sync.QSR(lr, total_steps=40, alpha=0.004, h_base=2)
+  planned = qs.parallel.schedules.QSR(lr, total_steps=40, alpha=0.004, h_base=2)
   assert summary["sync_rounds"] == len(planned.sync_steps(40)) < 20
-  per_round = qs.comm.GlobalQSGD().wire_bytes(_num_params(), 4)
+  per_round = qs.parallel.averagers.GlobalQSGD().wire_bytes(_num_params(), 4)
   assert summary["comm_bytes"] == pytest.approx(
       summary["sync_rounds"] * per_round)
   rows = [json.loads(l) for l in
@@ -142,29 +142,29 @@ def test_qsr_study_binary_writes_runs_and_plots(tmp_path):
 
 
 def test_qsr_study_configs_set_the_averager():
-  from qsync_jax import qsr_study
-  config = qsr_study.task_config(default_config.get_config(),
-                                 qsr_study.TASKS["cnn"], seed=0)
-  int16 = qsr_study.configure(config, "dp_gqsgd_int16", {}, 1)
-  averager = training.make_averager(int16)
-  assert isinstance(averager, qs.comm.GlobalQSGD) and averager.wire == "int16"
+  from experiments.studies import qsr
+  config = qsr.task_config(default_config.get_config(),
+                                 qsr.TASKS["cnn"], seed=0)
+  int16 = qsr.configure(config, "dp_gqsgd_int16", {}, 1)
+  averager = train_lib.make_averager(int16)
+  assert isinstance(averager, qs.parallel.averagers.GlobalQSGD) and averager.wire == "int16"
   assert int16.sync == "dp"
   # The default int8 configuration keeps the strategy's own wire.
-  assert training.make_averager(
-      qsr_study.configure(config, "dp_gqsgd", {}, 1)).wire == "int8"
-  qsr = qsr_study.configure(config, "qsr", {2.0: 0.01}, 1)
+  assert train_lib.make_averager(
+      qsr.configure(config, "dp_gqsgd", {}, 1)).wire == "int8"
+  qsr = qsr.configure(config, "qsr", {2.0: 0.01}, 1)
   assert (qsr.sync, qsr.gamma, qsr.alpha) == ("qsr", 2.0, 0.01)
   with pytest.raises(ValueError, match="unknown configuration"):
-    qsr_study.configure(config, "dp_int4", {}, 1)
+    qsr.configure(config, "dp_int4", {}, 1)
 
 
 def test_qsr_study_bad_overrides_write_nothing(tmp_path):
-  from qsync_jax import qsr_study
+  from experiments.studies import qsr
   base = default_config.get_config()
   with pytest.raises(ValueError, match="learning_rate must be positive"):
-    qsr_study.run(str(tmp_path / "a"), base, learning_rate=0.0)
+    qsr.run(str(tmp_path / "a"), base, learning_rate=0.0)
   with pytest.raises(ValueError, match="h_base must be >= 1"):
-    qsr_study.run(str(tmp_path / "b"), base, h_base=0)
+    qsr.run(str(tmp_path / "b"), base, h_base=0)
   assert not list(tmp_path.iterdir())
 
 

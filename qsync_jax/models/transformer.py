@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qsync_jax.layers import MatMul
+from qsync_jax.plan.layers import MatMul
 
 
 def _dropout(rate: float, rngs: nnx.Rngs) -> nnx.Dropout:

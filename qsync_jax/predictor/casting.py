@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import optimize
 
-from qsync_jax import quant
+from qsync_jax.numerics import quant
 from qsync_jax.predictor import devices, timing
 
 FLOATS = ("float32", "float16", "bfloat16")

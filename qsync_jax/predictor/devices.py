@@ -10,7 +10,7 @@ spec's ``source`` repeats them. Cells marked [R] there are not confirmed
 against the official datasheets. Two modelling choices:
 
 * a precision without tensor-core support runs at the FP32 vector rate (V100
-  and T4 INT8/BF16 are not offered by :mod:`qsync_jax.precision` anyway);
+  and T4 INT8/BF16 are not offered by :mod:`qsync_jax.plan.precision` anyway);
 * sustained throughput is the peak times an efficiency: 0.7 for matmuls and
   convolutions, 0.8 for memory traffic (peers.md section 6: sustained GEMM is
   typically 60-80 % of peak), plus a fixed kernel launch latency.
@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from qsync_jax.precision import Precision, supported_precisions
+from qsync_jax.plan.precision import Precision, supported_precisions
 
 TFLOPS = 1e12
 GBPS = 1e9

@@ -7,7 +7,7 @@ them, whether the backward pass needs their gradient) in forward order, and
 how activation dtypes flow between layers.
 
 Cascade rules (QSync's "precision-dependent operator cascades", reference
-qsync.md section 4.4, as they hold for the JAX ops of :mod:`qsync_jax.ops`):
+qsync.md section 4.4, as they hold for the JAX ops of :mod:`qsync_jax.numerics.ops`):
 
 * a layer's output dtype follows its precision: FP16 and BF16 layers emit
   that dtype, every other precision (INT8 and FP8 dequantize) emits float32;
@@ -38,8 +38,8 @@ from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 import numpy as np
 
-from qsync_jax import policy
-from qsync_jax.precision import Precision
+from qsync_jax.plan import policy
+from qsync_jax.plan.precision import Precision
 
 #: Model input as a producer.
 INPUT = -1
@@ -256,7 +256,7 @@ def _flops(node_call: Callable[..., Any], kind: str,
   """
   if kind == "Embed":
     return 0.0
-  from qsync_jax import ops  # local: avoid a cycle through policy
+  from qsync_jax.numerics import ops  # local: avoid a cycle through policy
   op = ops.ConvGeneralDilated() if kind == "Conv" else (
       ops.Einsum() if kind in ("Einsum", "MatMul") else ops.DotGeneral())
   lowered = jax.jit(lambda *a: node_call(op, *a)).lower(*arrays)

@@ -36,10 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from qsync_jax import losses, policy
-from qsync_jax.precision import Precision, PrecisionPlan
+from qsync_jax.train import losses
+from qsync_jax.plan import policy
+from qsync_jax.plan.precision import Precision, PrecisionPlan
 from qsync_jax.predictor import graph as graph_lib
-from qsync_jax.quant import QuantConfig
+from qsync_jax.numerics.quant import QuantConfig
 
 _BITS = {Precision.FP32: 32, Precision.TF32: 32, Precision.BF16: 16,
          Precision.FP16: 16, Precision.INT8: 8, Precision.FP8: 8}

@@ -44,11 +44,15 @@ import numpy as np
 import optax
 from scipy import optimize
 
-from qsync_jax import losses, ops, policy, trainer
-from qsync_jax.precision import Precision, PrecisionPlan, supported_precisions
+from qsync_jax.train import losses
+from qsync_jax.numerics import ops
+from qsync_jax.plan import policy
+from qsync_jax.train import step as step_lib
+from qsync_jax.train import trainer
+from qsync_jax.plan.precision import Precision, PrecisionPlan, supported_precisions
 from qsync_jax.predictor import casting, devices, graph as graph_lib, memory
 from qsync_jax.predictor import timing
-from qsync_jax.quant import QuantConfig
+from qsync_jax.numerics.quant import QuantConfig
 
 DEFAULT_PRECISIONS = (Precision.FP32, Precision.BF16, Precision.FP16,
                       Precision.INT8)
@@ -336,7 +340,7 @@ def _edited_grad_function(model: nnx.Module, loss_fn,
 
   Returns:
     ``(grad_fn, graphdef, unravel, flat_params, rest)`` of the copy;
-    ``grad_fn`` is :func:`qsync_jax.trainer.grad_function` (what the trainer
+    ``grad_fn`` is :func:`qsync_jax.train.step.grad_function` (what the trainer
     runs).
   """
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -344,7 +348,7 @@ def _edited_grad_function(model: nnx.Module, loss_fn,
   edit(copy)
   c_graphdef, c_params, c_rest = nnx.split(copy, nnx.Param, ...)
   flat, unravel = ravel_pytree(c_params)
-  return (trainer.grad_function(c_graphdef, unravel, loss_fn), c_graphdef,
+  return (step_lib.grad_function(c_graphdef, unravel, loss_fn), c_graphdef,
           unravel, flat, c_rest)
 
 

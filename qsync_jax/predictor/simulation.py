@@ -31,9 +31,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from qsync_jax import policy
-from qsync_jax.cluster import ClusterSpec, parse_cluster
-from qsync_jax.precision import Precision, PrecisionPlan
+from qsync_jax.plan import policy
+from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
+from qsync_jax.plan.precision import Precision, PrecisionPlan
 from qsync_jax.predictor import devices, graph as graph_lib
 from qsync_jax.predictor.profiling import Profile, PROFILED_INPUT_DTYPE
 

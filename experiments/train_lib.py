@@ -4,9 +4,9 @@ This module owns ``train_and_evaluate(config, out_dir)``, which the
 ``experiments/train.py`` binary calls: it maps the cluster spec onto the JAX
 devices present, builds one worker per device with its kind's precision plan
 (and its batch size, equal or proportional to device speed), trains a
-:class:`~qsync_jax.trainer.HybridTrainer`, checkpoints and resumes it, and
+:class:`~qsync_jax.train.trainer.HybridTrainer`, checkpoints and resumes it, and
 writes ``summary.json``, ``metrics.jsonl``, the plans and a PNG of the curves.
-In a multi-process run (``qsync_jax.distributed``) every process runs its own
+In a multi-process run (``qsync_jax.parallel.distributed``) every process runs its own
 workers and only process 0 writes the files.
 """
 
@@ -24,15 +24,15 @@ import ml_collections
 import numpy as np
 import optax
 
-from qsync_jax import cluster as cluster_lib
-from qsync_jax import comm
+from qsync_jax.parallel import cluster as cluster_lib
+from qsync_jax.parallel import averagers
 from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
-from qsync_jax import planning
-from qsync_jax import sync
-from qsync_jax.checkpoint import Checkpointer
-from qsync_jax.precision import PrecisionPlan
-from qsync_jax.trainer import HybridTrainer, Worker
+from qsync_jax.allocation import pipeline
+from qsync_jax.parallel import schedules
+from qsync_jax.train.checkpoint import Checkpointer
+from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.train.trainer import HybridTrainer, Worker
 
 
 def load_plan(spec: Any) -> PrecisionPlan:
@@ -105,7 +105,7 @@ def make_workers(config: ml_collections.ConfigDict, devices=None,
 
 
 def auto_plans(config: ml_collections.ConfigDict, model: nnx.Module,
-               dataset: data_lib.Dataset) -> planning.PlanningResult:
+               dataset: data_lib.Dataset) -> pipeline.PlanningResult:
   """The allocator's plans for ``config.cluster`` (``plan_mode="auto"``).
 
   Scores ``model`` with ``config.allocator.indicator`` on the first training
@@ -119,7 +119,7 @@ def auto_plans(config: ml_collections.ConfigDict, model: nnx.Module,
   Raises:
     ValueError: a bad allocator setting, or a timing model whose layers
       differ from ``model``'s.
-    qsync_jax.allocator.AllocationError: no plan fits.
+    qsync_jax.allocation.allocator.AllocationError: no plan fits.
   """
   from qsync_jax.predictor import devices  # local: only auto plans need it
   outside = [k for k in cluster_lib.parse_cluster(config.cluster).groups()
@@ -130,7 +130,7 @@ def auto_plans(config: ml_collections.ConfigDict, model: nnx.Module,
         f"({', '.join(sorted(devices.DEVICES))}), which has no "
         f"{', '.join(outside)}; give plans with --plan=KIND=PLAN.json")
   a = config.allocator
-  scores = planning.compute_scores(model, dataset, a.indicator,
+  scores = pipeline.compute_scores(model, dataset, a.indicator,
                                    num_batches=a.num_batches,
                                    batch_size=config.batch_size,
                                    seed=config.seed)
@@ -138,7 +138,7 @@ def auto_plans(config: ml_collections.ConfigDict, model: nnx.Module,
   timing_kwargs = {**to_plain(config.get("model_kwargs", {})),
                    **to_plain(a.get("timing_model_kwargs", {}))}
   timing_model = factory(rngs=nnx.Rngs(config.seed), **timing_kwargs)
-  return planning.plan_cluster(
+  return pipeline.plan_cluster(
       timing_model, config.cluster, scores.values,
       a.get("timing_batch_size", 0) or config.batch_size,
       indicator_name=a.indicator, method=a.method,
@@ -180,12 +180,12 @@ def make_optimizer(config: ml_collections.ConfigDict
   raise ValueError(f"unknown optimizer {name!r}; valid: adam, sgd")
 
 
-def make_schedule(config: ml_collections.ConfigDict) -> sync.Schedule:
-  """The synchronization schedule of ``config.sync`` (see sync.make_schedule).
+def make_schedule(config: ml_collections.ConfigDict) -> schedules.Schedule:
+  """The synchronization schedule of ``config.sync`` (see schedules.make_schedule).
 
   QSR reads the learning-rate schedule and keeps ``h_base`` during warmup.
   """
-  return sync.make_schedule(
+  return schedules.make_schedule(
       config.get("sync", "dp"), total_steps=config.steps,
       lr_schedule=make_learning_rate(config),
       h_base=config.get("h_base", 1), alpha=config.get("alpha", 0.0),
@@ -193,14 +193,14 @@ def make_schedule(config: ml_collections.ConfigDict) -> sync.Schedule:
       switch_step=config.get("switch_step", 0))
 
 
-def make_averager(config: ml_collections.ConfigDict) -> comm.Averager:
-  """The averaging strategy of ``config.compress`` (see comm.make_averager),
+def make_averager(config: ml_collections.ConfigDict) -> averagers.Averager:
+  """The averaging strategy of ``config.compress`` (see averagers.make_averager),
   with ``config.compress_kwargs`` and the run's seed for its noise."""
   kwargs = to_plain(config.get("compress_kwargs", {})) or {}
   name = config.get("compress", "none")
   if name in ("gqsgd", "gqsgd_exp", "qsgd"):
     kwargs.setdefault("seed", config.seed)
-  return comm.make_averager(name, **kwargs)
+  return averagers.make_averager(name, **kwargs)
 
 
 def _write_json(path: str, value: Any) -> None:
@@ -273,7 +273,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                  result.allocation.method, result.indicator, config.cluster,
                  result.allocation.search_time_s, result.table())
     if writer:
-      planning.write(result, os.path.join(out_dir, "allocation"))
+      pipeline.write(result, os.path.join(out_dir, "allocation"))
   elif plan_mode == "manual":
     plans = None
   else:

@@ -10,7 +10,7 @@ duration of that call. Addressable Linen layers are ``nn.Dense``,
 and ``nn.Embed`` (``dtype``); Linen's ``nn.Einsum`` has no injection hook.
 Paths are the Linen module paths joined by ``/`` (``"Conv_0"``,
 ``"encoder/layer_1/Dense_0"``). The forced precisions are those of
-:mod:`qsync_jax.policy`.
+:mod:`qsync_jax.plan.policy`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from qsync_jax import ops
-from qsync_jax.policy import resolve_with_forced
-from qsync_jax.precision import Precision, PrecisionPlan
+from qsync_jax.numerics import ops
+from qsync_jax.plan.policy import resolve_with_forced
+from qsync_jax.plan.precision import Precision, PrecisionPlan
 
 _OP_ATTR = ((nn.Dense, "dot_general", ops.DotGeneral),
             (nn.DenseGeneral, "dot_general", ops.DotGeneral),
@@ -165,6 +165,6 @@ def apply_plan(module: nn.Module, plan: PrecisionPlan, *,
   """Returns ``module`` wrapped so that ``init`` / ``apply`` use ``plan``.
 
   Layer paths are resolved on the first ``init`` / ``apply`` call (a rule
-  matching no layer raises :class:`~qsync_jax.precision.PlanError` then).
+  matching no layer raises :class:`~qsync_jax.plan.precision.PlanError` then).
   """
   return PlannedModule(module, plan, device_kind)

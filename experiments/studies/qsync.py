@@ -28,13 +28,13 @@ from flax import nnx
 import ml_collections
 import numpy as np
 
-from qsync_jax import allocator as allocator_lib
+from qsync_jax.allocation import allocator as allocator_lib
 from qsync_jax import cli
 from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
-from qsync_jax import planning
-from qsync_jax import training
-from qsync_jax.cluster import parse_cluster
+from qsync_jax.allocation import pipeline
+from experiments import train_lib
+from qsync_jax.parallel.cluster import parse_cluster
 
 CLUSTER = "v100:2,t4:2"
 PAPER_CLUSTER = "v100:8,t4:8"
@@ -156,10 +156,10 @@ def paper_prediction(task: Mapping[str, Any]) -> dict[str, Any]:
   factory = models_lib.load_model_factory(paper["model"])
   scored = factory(rngs=nnx.Rngs(0), **paper["score_kwargs"])
   dataset = data_lib.load_dataset(task["dataset"], **task["dataset_kwargs"])
-  scores = planning.compute_scores(scored, dataset, "qsync")
+  scores = pipeline.compute_scores(scored, dataset, "qsync")
   big = factory(rngs=nnx.Rngs(0),
                 **models_lib.PAPER_SIZE_KWARGS[paper["model"]])
-  result = planning.plan_cluster(big, PAPER_CLUSTER, scores.values,
+  result = pipeline.plan_cluster(big, PAPER_CLUSTER, scores.values,
                                  paper["batch_size"])
   return {"model": paper["model"],
           "model_kwargs": models_lib.PAPER_SIZE_KWARGS[paper["model"]],
@@ -221,7 +221,7 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
       for seed in range(seeds):
         run_dir = os.path.join(out_dir, tname, name, f"seed{seed}")
         start = time.perf_counter()
-        summary = training.train_and_evaluate(
+        summary = train_lib.train_and_evaluate(
             task_config(base, task, name, seed, speeds), run_dir)
         row = {"config": name, "seed": seed,
                "final_eval_accuracy": summary["final_eval_accuracy"],

@@ -38,9 +38,9 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 from scipy import optimize
 
-from qsync_jax import cluster as cluster_lib
-from qsync_jax.cluster import ClusterSpec, parse_cluster
-from qsync_jax.precision import Precision, PrecisionPlan, supported_precisions
+from qsync_jax.parallel import cluster as cluster_lib
+from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
+from qsync_jax.plan.precision import Precision, PrecisionPlan, supported_precisions
 from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor import simulation
 from qsync_jax.predictor.profiling import Profile
@@ -594,7 +594,7 @@ def allocate(g: graph_lib.ModelGraph, cluster: ClusterSpec | str,
     g: the model graph at the per-worker batch size
       (:func:`qsync_jax.predictor.trace_graph`).
     cluster: e.g. ``"v100:8,t4:8"``.
-    scores: the indicator (:func:`qsync_jax.indicator.compute`), or a mapping
+    scores: the indicator (:func:`qsync_jax.sensitivity.indicator.compute`), or a mapping
       ``{layer: {precision: score}}``.
     profiles: ``{kind: Profile}`` for every kind of the cluster (measured or
       :func:`qsync_jax.predictor.analytic_profile`).
@@ -742,7 +742,7 @@ def dynamic_batch_split(g: graph_lib.ModelGraph, spec: ClusterSpec | str,
 
   The global batch (``g``'s batch times the workers) is split in proportion
   to each kind's predicted FP32 throughput, as
-  :func:`qsync_jax.cluster.dynamic_batch_sizes` does for the trainer.
+  :func:`qsync_jax.parallel.cluster.dynamic_batch_sizes` does for the trainer.
   """
   spec = parse_cluster(spec)
   speed = fp32_speeds(g, spec, profiles)

@@ -7,7 +7,7 @@ job's ``--plan=auto`` run (QSync, arXiv 2407.02327, section 5):
 2. the layer graph at the per-worker batch and one analytic profile per
    device kind of the cluster (the GPU catalog; the kinds need not be
    present);
-3. the allocator (:func:`qsync_jax.allocator.allocate`);
+3. the allocator (:func:`qsync_jax.allocation.allocator.allocate`);
 4. the baselines it is compared with, predicted the same way: all FP32,
    uniform low precision on the weak kinds, dynamic batch sizing, the
    training devices alone, and the search with a shuffled indicator
@@ -29,12 +29,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from qsync_jax import allocator as allocator_lib
-from qsync_jax import indicator
-from qsync_jax import losses
-from qsync_jax.cluster import ClusterSpec, parse_cluster
+from qsync_jax.allocation import allocator as allocator_lib
+from qsync_jax.sensitivity import indicator
+from qsync_jax.train import losses
+from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
 from qsync_jax.data.base import Dataset
-from qsync_jax.precision import Precision, PrecisionPlan
+from qsync_jax.plan.precision import Precision, PrecisionPlan
 from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor import profiling
 from qsync_jax.predictor import simulation
@@ -74,7 +74,7 @@ class PlanningResult:
   """An allocation and the baselines it is compared with.
 
   Attributes:
-    allocation: the allocator's :class:`~qsync_jax.allocator.Allocation`.
+    allocation: the allocator's :class:`~qsync_jax.allocation.allocator.Allocation`.
     graph: the timing model's graph at the per-worker batch.
     profiles: ``{kind: Profile}`` used.
     scores: the indicator scores (``{layer: {precision: score}}``).
@@ -161,7 +161,7 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
     memory_limits: ``{kind: bytes}``.
     compression: instead of limits, give each weak kind the budget that
       saves this fraction of its FP32 residual bytes
-      (:func:`qsync_jax.allocator.compression_budget`; QSync's ablation
+      (:func:`qsync_jax.allocation.allocator.compression_budget`; QSync's ablation
       uses 0.6).
     candidates: precisions the weak kinds may use.
     baselines: also predict the baselines.
@@ -173,7 +173,7 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
     ValueError: the scores do not cover the timing model's layers, a kind
       outside the catalog, both memory_limits and compression, or a negative
       optimizer_state_copies.
-    qsync_jax.allocator.AllocationError: no plan fits.
+    qsync_jax.allocation.allocator.AllocationError: no plan fits.
   """
   from qsync_jax import predictor  # local: keeps import order simple
   if optimizer_state_copies < 0:

@@ -1,7 +1,7 @@
 """Side-by-side step-time measurements (not tests: figures for docs/RESULTS.md).
 
 ``trainer_overhead`` measures what the hybrid design costs: the
-:class:`~qsync_jax.trainer.HybridTrainer` (one jitted gradient function per
+:class:`~qsync_jax.train.trainer.HybridTrainer` (one jitted gradient function per
 worker, then a shard_map that averages and updates) against one plain jitted
 SPMD data-parallel step (XLA inserts the all-reduce) on the same devices,
 model, optimizer and global batch. Both run in one process, interleaved in
@@ -20,10 +20,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import optax
 
-from qsync_jax import losses
+from qsync_jax.train import losses
 from qsync_jax import models as models_lib
-from qsync_jax.precision import PrecisionPlan
-from qsync_jax.trainer import HybridTrainer, Worker
+from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.train.trainer import HybridTrainer, Worker
 
 
 def _spmd_step_fn(model: nnx.Module, tx: optax.GradientTransformation):

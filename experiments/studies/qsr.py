@@ -35,7 +35,7 @@ import ml_collections
 import numpy as np
 
 from qsync_jax import cli
-from qsync_jax import training
+from experiments import train_lib
 
 CLUSTER = "cpu:4"
 
@@ -105,7 +105,7 @@ TASKS: dict[str, dict[str, Any]] = {
 
 
 def _rounds(config: ml_collections.ConfigDict) -> int:
-  return len(training.make_schedule(config).sync_steps(config.steps))
+  return len(train_lib.make_schedule(config).sync_steps(config.steps))
 
 
 def alpha_for_rounds(config: ml_collections.ConfigDict, gamma: float,
@@ -208,7 +208,7 @@ def plan_alphas(config: ml_collections.ConfigDict, rounds_fraction: float
 
 def h_curve(config: ml_collections.ConfigDict) -> list[int]:
   """``H`` at every step (the period of the step's round)."""
-  schedule = training.make_schedule(config)
+  schedule = train_lib.make_schedule(config)
   return [schedule.round_length(t) for t in range(1, config.steps + 1)]
 
 
@@ -313,7 +313,7 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
         c = configure(task_config(base, task, seed), name, alphas, matched_h)
         run_dir = os.path.join(out_dir, tname, name, f"seed{seed}")
         start = time.perf_counter()
-        summary = training.train_and_evaluate(c, run_dir)
+        summary = train_lib.train_and_evaluate(c, run_dir)
         row = {"task": tname, "name": name, "sync": summary["sync"],
                "compress": summary["compress"], "seed": seed,
                "h_base": c.h_base, "alpha": c.alpha if c.sync == "qsr" else

@@ -22,7 +22,7 @@ class MatMul(nnx.Module):
 
   Attributes:
     einsum_op: the einsum implementation; ``jnp.einsum`` until a plan replaces
-      it with a precision-aware op from :mod:`qsync_jax.ops`.
+      it with a precision-aware op from :mod:`qsync_jax.numerics.ops`.
   """
 
   def __init__(self, einsum_op: Callable[..., jax.Array] = jnp.einsum):

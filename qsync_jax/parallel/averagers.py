@@ -44,7 +44,7 @@ by the key folded with the stage and the pair's block.
 Each quantizer's ``noise`` field picks how a key becomes one uniform per
 element. ``"hash"`` (the default) draws one 32-bit salt from the key and
 hashes each element's flat index, the bits of the value being rounded and
-the salt with :func:`qsync_jax.quant.hash_uniform_at` (the counter hash of
+the salt with :func:`qsync_jax.numerics.quant.hash_uniform_at` (the counter hash of
 the Pallas kernels; for Global-QSGD the codes equal those of
 ``pallas_kernels.gqsgd_encode`` with ``seed`` the salt). ``"threefry"``
 draws ``jax.random.uniform(key, shape)``. Both give 24 (hash) or 23
@@ -54,7 +54,7 @@ is a few integer operations per element, fused into the quantizer's pass;
 XLA:CPU spends about 35 ns of CPU per element on threefry (jax 0.10, 2**24
 elements), about ten times a float32 copy and several times the rest of
 Global-QSGD, which made it slower than the float32 mean
-(``qsync_jax.compression_bench``). The hash is a statistical generator, not
+(``experiments.benches.compression``). The hash is a statistical generator, not
 a cryptographic one, which stochastic rounding does not need.
 
 Non-finite inputs (an overflowing loss-scaled FP16 gradient) stay non-finite
@@ -74,7 +74,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from qsync_jax import quant
+from qsync_jax.numerics import quant
 
 # Integer wire formats of the standard-dithering all-reduce: the largest code
 # magnitude the summed type holds.

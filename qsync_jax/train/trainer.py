@@ -7,13 +7,13 @@ for its device from its plan. The workers meet in one separate jitted
 ``jax.shard_map`` over a mesh of all workers, which averages the gradients and
 applies the (identical) optax update on every worker.
 
-Synchronization follows a schedule (:mod:`qsync_jax.sync`). A step that
+Synchronization follows a schedule (:mod:`qsync_jax.parallel.schedules`). A step that
 averages gradients runs the averaging program above. Any other step is a
 local step: every worker applies its own gradient with its own optimizer
 state, with no collective. After a local step that ends a round, the workers
 average their parameters: each sends its change since the last
 synchronization (a pseudo-gradient, whose magnitudes suit the quantizing
-averagers of :mod:`qsync_jax.comm` where the raw parameters would not) and
+averagers of :mod:`qsync_jax.parallel.averagers` where the raw parameters would not) and
 adds the averaged change to the common starting point. Optimizer state stays
 local, as in the QSR reference code.
 
@@ -52,12 +52,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import optax
 
-from qsync_jax import comm
-from qsync_jax import loss_scale as ls
-from qsync_jax import losses
-from qsync_jax import policy
-from qsync_jax import sync
-from qsync_jax.precision import Precision, PrecisionPlan
+from qsync_jax.parallel import averagers
+from qsync_jax.train import loss_scale as ls
+from qsync_jax.train import losses
+from qsync_jax.train import step as step_lib
+from qsync_jax.plan import policy
+from qsync_jax.parallel import schedules
+from qsync_jax.plan.precision import Precision, PrecisionPlan
 
 AXIS = "workers"
 
@@ -99,35 +100,6 @@ def _local_scalar(x: jax.Array) -> Any:
   return x.addressable_shards[0].data[0].item()
 
 
-def grad_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
-                  loss_fn: LossFn) -> Callable:
-  """One worker's jitted gradient computation (its plan is in ``graphdef``).
-
-  Returns:
-    ``grad_fn(params_row, rest, scale_row, x, y) -> (grads_row, new_rest,
-    loss, accuracy)`` where ``params_row`` is the ``(1, P)`` flat float32
-    parameter row, ``rest`` the non-parameter state, ``scale_row`` the
-    ``(1,)`` loss scale; ``grads_row`` is the ``(1, P)`` flat gradient of the
-    scaled loss.
-  """
-
-  @jax.jit
-  def grad_fn(params_row, rest, scale_row, x, y):
-    model = nnx.merge(graphdef, unravel(params_row[0]), rest)
-
-    def scaled_loss(m):
-      logits = m(x)
-      loss = loss_fn(logits, y)
-      return loss * scale_row[0], (loss, losses.accuracy(logits, y))
-
-    # nnx.grad carries the BatchNorm statistics' updates back to `model`.
-    grads, (loss, acc) = nnx.grad(scaled_loss, has_aux=True)(model)
-    new_rest = nnx.split(model, nnx.Param, ...)[2]
-    return ravel_pytree(grads)[0][None], new_rest, loss, acc
-
-  return grad_fn
-
-
 class HybridTrainer:
   """Synchronous training over workers that run different precision plans.
 
@@ -136,8 +108,8 @@ class HybridTrainer:
     workers: the workers, one distinct device each.
     tx: the optax optimizer every worker applies.
     loss_fn: ``loss_fn(logits, labels) -> scalar`` (float32).
-    averager: how gradients are averaged (:mod:`qsync_jax.comm`).
-    schedule: when workers synchronize (:mod:`qsync_jax.sync`).
+    averager: how gradients are averaged (:mod:`qsync_jax.parallel.averagers`).
+    schedule: when workers synchronize (:mod:`qsync_jax.parallel.schedules`).
     grad_weights: each worker's share of the averaged gradient (summing to
       1); by default ``b_i / sum(b)`` so that every example counts once,
       which is the plain mean when batch sizes are equal.
@@ -146,7 +118,7 @@ class HybridTrainer:
     sample_input: an input the model accepts, to trace layer paths (default
       ``model.input_spec``).
     error_feedback: keep each worker's compression error and send it again
-      with the next average (:func:`qsync_jax.comm.compress_with_feedback`).
+      with the next average (:func:`qsync_jax.parallel.averagers.compress_with_feedback`).
       The residual is kept in unscaled units, so a changing loss scale does
       not distort it.
     seed: seeds the averagers' rounding noise (a fresh key per average,
@@ -181,8 +153,8 @@ class HybridTrainer:
     self.num_workers = n = len(workers)
     self.tx = tx
     self.loss_fn = loss_fn
-    self.averager = averager or comm.MeanAverager()
-    self.schedule = schedule or sync.EveryStep()
+    self.averager = averager or averagers.MeanAverager()
+    self.schedule = schedule or schedules.EveryStep()
     self.error_feedback = bool(error_feedback)
     self.seed = int(seed)
     self.mesh = Mesh(np.array(devices), (AXIS,))
@@ -290,7 +262,7 @@ class HybridTrainer:
     return self._shard_map(init, 1)
 
   def _make_grad_fn(self, graphdef):
-    return grad_function(graphdef, self._unravel, self.loss_fn)
+    return step_lib.grad_function(graphdef, self._unravel, self.loss_fn)
 
   def _average(self, x, weight, counter, residual):
     """``sum_i w_i x_i`` through the averager; error feedback if on.
@@ -300,7 +272,7 @@ class HybridTrainer:
     key = jax.random.fold_in(jax.random.key(self.seed), counter)
     if residual is None:
       return self.averager(x, weight, AXIS, key), None
-    return comm.compress_with_feedback(self.averager, x, residual, weight,
+    return averagers.compress_with_feedback(self.averager, x, residual, weight,
                                        AXIS, key)
 
   def _apply(self, params, opt_state, scale, g, finite):

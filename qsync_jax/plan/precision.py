@@ -21,7 +21,7 @@ import json
 import re
 from typing import Iterable, Mapping, Sequence
 
-from qsync_jax.quant import QuantConfig
+from qsync_jax.numerics.quant import QuantConfig
 
 
 class Precision(enum.Enum):

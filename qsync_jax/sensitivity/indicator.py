@@ -85,11 +85,11 @@ from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 import numpy as np
 
-from qsync_jax import policy
-from qsync_jax import quant as q
-from qsync_jax.layers import MatMul
-from qsync_jax.precision import Precision
-from qsync_jax.quant import QuantConfig, Rounding
+from qsync_jax.plan import policy
+from qsync_jax.numerics import quant as q
+from qsync_jax.plan.layers import MatMul
+from qsync_jax.plan.precision import Precision
+from qsync_jax.numerics.quant import QuantConfig, Rounding
 
 METHODS = ("qsync", "qsync_var", "wvar", "hessian", "random")
 DEFAULT_PRECISIONS = (Precision.INT8, Precision.FP16, Precision.BF16)

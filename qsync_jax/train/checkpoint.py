@@ -18,7 +18,7 @@ from absl import logging
 import jax
 import orbax.checkpoint as ocp
 
-from qsync_jax.trainer import HybridTrainer
+from qsync_jax.train.trainer import HybridTrainer
 
 
 @contextlib.contextmanager

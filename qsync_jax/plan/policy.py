@@ -2,14 +2,14 @@
 
 A plan addresses *layers*: the modules that own a contraction whose precision
 can change. For NNX these are ``nnx.Linear``, ``nnx.LinearGeneral``,
-``nnx.Conv``, ``nnx.Einsum``, ``nnx.Embed`` and :class:`qsync_jax.layers.MatMul`
+``nnx.Conv``, ``nnx.Einsum``, ``nnx.Embed`` and :class:`qsync_jax.plan.layers.MatMul`
 (the attention matmuls). A layer's path is its attribute path in the module
 tree joined by ``/`` (``"layers/0/attention/query"``), which is stable across runs
 and independent of the plan.
 
 Applying a plan swaps each layer's injectable op (``dot_general``,
 ``conv_general_dilated``, ``einsum_op``; ``dtype`` for embeddings) for a
-precision-aware op from :mod:`qsync_jax.ops`. Parameters are never touched:
+precision-aware op from :mod:`qsync_jax.numerics.ops`. Parameters are never touched:
 they stay float32 master weights, so a plan changes compute only and any plan
 can be applied on top of another.
 
@@ -33,10 +33,10 @@ from typing import Any, Callable, Mapping
 import jax.numpy as jnp
 from flax import nnx
 
-from qsync_jax import ops
-from qsync_jax.layers import MatMul
-from qsync_jax.precision import PlanError, Precision, PrecisionPlan
-from qsync_jax.quant import QuantConfig
+from qsync_jax.numerics import ops
+from qsync_jax.plan.layers import MatMul
+from qsync_jax.plan.precision import PlanError, Precision, PrecisionPlan
+from qsync_jax.numerics.quant import QuantConfig
 
 # The attribute each layer type computes through, and the op that replaces it.
 _OP_ATTR: Mapping[type, tuple[str, Callable[..., Any]]] = {

@@ -1,7 +1,7 @@
-"""Gradient-compression benchmark: every averager of :mod:`qsync_jax.comm`.
+"""Gradient-compression benchmark: every averager of :mod:`qsync_jax.parallel.averagers`.
 
 This module owns the measurement behind ``experiments/compression_bench.py``:
-for each strategy of :func:`qsync_jax.comm.make_averager` (float32 mean,
+for each strategy of :func:`qsync_jax.parallel.averagers.make_averager` (float32 mean,
 fp16, bf16, Global-QSGD with int8 and int16 wires, Global-QSGD with
 exponential dithering, QSGD) and each size of the all-reduced gradient bucket
 (float32 elements per worker; not the quantizers' ``bucket_size``, the
@@ -15,7 +15,7 @@ gradient-like data. It runs in two settings:
 * ``fake_devices``: this process, over ``num_workers`` CPU devices
   (``jax_num_cpu_devices``); the collectives are XLA:CPU's in-process ones.
 * ``multiprocess``: ``num_workers`` localhost processes started by
-  :func:`qsync_jax.distributed.launch`, one CPU device each, gloo
+  :func:`qsync_jax.parallel.distributed.launch`, one CPU device each, gloo
   collectives over TCP. Each process runs the same program over the global
   mesh; process 0 writes its timings to a file this process reads.
 
@@ -26,7 +26,7 @@ Timing: for each size every strategy is compiled and run once (warm-up; its
 output gives the error), then ``repeats`` rounds interleave the strategies,
 so machine noise hits all of them alike. A round dispatches
 ``calls_per_round`` calls and waits for the last
-(:func:`qsync_jax.benchmarks.seconds_per_call`); the reported time is the
+(:func:`experiments.benches.trainer.seconds_per_call`); the reported time is the
 median over rounds. ``calls_per_round`` depends only on the size, as every
 process of the multi-process run must make the same calls. The same rounds
 also give ``cpu_s``, the timing process's CPU time per call: on a machine
@@ -62,16 +62,16 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
-from qsync_jax import benchmarks
+from experiments.benches import trainer
 from qsync_jax import cli
-from qsync_jax import comm
-from qsync_jax import distributed
+from qsync_jax.parallel import averagers
+from qsync_jax.parallel import distributed
 
 AXIS = "workers"
 SETTINGS = ("fake_devices", "multiprocess")
 DEFAULT_SIZES = (1 << 20, 1 << 22, 1 << 24)
 DEFAULT_REPEATS = 11
-#: Bench name -> (``comm.make_averager`` name, keyword arguments).
+#: Bench name -> (``averagers.make_averager`` name, keyword arguments).
 STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
     "none": ("none", {}),
     "fp16": ("fp16", {}),
@@ -89,7 +89,7 @@ STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
 #: codes alone; Global-QSGD over a one-worker mesh of each process's own
 #: device, which keeps its bucket max, encode and decode passes and drops its
 #: collectives; the bucket max alone, one read of the float32 data at the
-#: speed XLA:CPU reads it (``comm._bucket_absmax``); and ``2 x``, one read and
+#: speed XLA:CPU reads it (``averagers._bucket_absmax``); and ``2 x``, one read and
 #: one write of it, into a fresh buffer or (donating) in place, as the
 #: decode's output is.
 PARTS = ("allreduce_f32", "allreduce_int8", "gqsgd_passes", "bucket_absmax",
@@ -192,7 +192,7 @@ def _time_rounds(cases: Sequence[_Case], repeats: int, calls: int) -> None:
         jax.block_until_ready(out)
 
       cpu = time.process_time()
-      case.rounds.append(benchmarks.seconds_per_call(run_block, calls))
+      case.rounds.append(trainer.seconds_per_call(run_block, calls))
       case.cpu_rounds.append((time.process_time() - cpu) / calls)
 
 
@@ -330,7 +330,7 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
       factory, kwargs = STRATEGIES[name]
 
       def build(case, factory=factory, kwargs=kwargs):
-        case.averager = comm.make_averager(factory, **kwargs)
+        case.averager = averagers.make_averager(factory, **kwargs)
         case.fn = _all_reduce_fn(case.averager, mesh, donate)
 
       out = _warm_up(case, build)
@@ -413,15 +413,15 @@ def bench_parts(sizes: Sequence[int], repeats: int, *, seed: int = 0,
   local_mesh = Mesh(np.array([devices[i] for i in local]), (AXIS,))
   local_sharding = NamedSharding(local_mesh, P(AXIS))
   factory, kwargs = STRATEGIES[HEADLINE_STRATEGY]
-  gqsgd = comm.make_averager(factory, **kwargs)
+  gqsgd = averagers.make_averager(factory, **kwargs)
   say = report and jax.process_index() == 0
   psum = _psum_fn(mesh, donate)
   programs = {
       "allreduce_f32": psum,
       "allreduce_int8": psum,
       "gqsgd_passes": _all_reduce_fn(gqsgd, local_mesh, donate),
-      "bucket_absmax": jax.jit(lambda x: comm._bucket_absmax(  # pylint: disable=protected-access
-          comm._to_buckets(x[0], gqsgd.bucket_size))),  # pylint: disable=protected-access
+      "bucket_absmax": jax.jit(lambda x: averagers._bucket_absmax(  # pylint: disable=protected-access
+          averagers._to_buckets(x[0], gqsgd.bucket_size))),  # pylint: disable=protected-access
       "scale_f32": jax.jit(lambda x: 2 * x,
                            donate_argnums=(0,) if donate else ()),
   }
@@ -574,8 +574,8 @@ def run_multiprocess(sizes: Sequence[int], repeats: int, num_workers: int,
                      parts: bool = False) -> list[dict[str, Any]]:
   """The ``multiprocess`` setting: ``num_workers`` localhost processes.
 
-  The processes run this module (``python -m qsync_jax.compression_bench
-  SPEC``) under :func:`qsync_jax.distributed.launch`, which relays their
+  The processes run this module (``python -m experiments.benches.compression
+  SPEC``) under :func:`qsync_jax.parallel.distributed.launch`, which relays their
   output and SIGKILLs them all if one fails or ``timeout_s`` runs out.
 
   Args (beyond :func:`bench_mesh`'s):
@@ -601,7 +601,7 @@ def run_multiprocess(sizes: Sequence[int], repeats: int, num_workers: int,
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (root, env.get("PYTHONPATH")) if p)
     code = distributed.launch(
-        [sys.executable, "-m", "qsync_jax.compression_bench", spec_path],
+        [sys.executable, "-m", "experiments.benches.compression", spec_path],
         num_workers, timeout_s=timeout_s, env=env)
     measured = []
     if os.path.exists(spec["out"]):
@@ -706,7 +706,7 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
       "donate": donate,
       "parts": list(PARTS) if parts else [],
       "data": _DATA_DOC,
-      "strategies": {name: repr(comm.make_averager(f, **kw))
+      "strategies": {name: repr(averagers.make_averager(f, **kw))
                      for name, (f, kw) in STRATEGIES.items()
                      if name in names},
       "timing": ("time_s: median over repeats of wall seconds per call, "
@@ -720,7 +720,7 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
       "notes": [
           "wire_bytes is each averager's model of its wire format; on "
           "XLA:CPU a bfloat16 all-reduce is promoted to float32 (see "
-          "comm.CastAverager), so bf16 moves 4 bytes per element here",
+          "averagers.CastAverager), so bf16 moves 4 bytes per element here",
           "gloo adds float16 element by element through software float "
           "conversions (gloo/types.h), so fp16 is slower than float32 in "
           "the multiprocess setting",

@@ -64,9 +64,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qsync_jax import quant as q
-from qsync_jax.precision import Precision
-from qsync_jax.quant import Granularity, QuantConfig
+from qsync_jax.numerics import quant as q
+from qsync_jax.plan.precision import Precision
+from qsync_jax.numerics.quant import Granularity, QuantConfig
 
 _LOW_FLOAT = {Precision.FP16: jnp.float16, Precision.BF16: jnp.bfloat16}
 _LAX_PRECISION = {Precision.FP32: lax.Precision.HIGHEST,
@@ -450,7 +450,7 @@ class Einsum:
                preferred_element_type=None, **unused_kwargs):
     del unused_kwargs, precision
     if len(operands) != 2:
-      raise ValueError(f"qsync_jax.ops.Einsum takes two operands, got "
+      raise ValueError(f"qsync_jax.numerics.ops.Einsum takes two operands, got "
                        f"{len(operands)} for {subscripts!r}")
     return jnp.einsum(subscripts, *operands,
                       preferred_element_type=preferred_element_type,

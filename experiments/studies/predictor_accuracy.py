@@ -23,12 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from qsync_jax import losses, models as models_lib, policy
-from qsync_jax.precision import Precision, PrecisionPlan
+from qsync_jax import models as models_lib
+from qsync_jax.train import losses
+from qsync_jax.plan import policy
+from qsync_jax.plan.precision import Precision, PrecisionPlan
 from qsync_jax.predictor import casting, graph as graph_lib, memory
 from qsync_jax.predictor import simulation, timing
 from qsync_jax.predictor import profiling as profile_lib
-from qsync_jax.trainer import HybridTrainer, Worker
+from qsync_jax.train.trainer import HybridTrainer, Worker
 
 #: Built-in models of the check, sized so a step takes tens of milliseconds
 #: on a 2-core CPU.

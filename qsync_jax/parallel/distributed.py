@@ -1,0 +1,303 @@
+r"""Multi-process JAX: per-process initialization and a localhost launcher.
+
+This module owns how a qsync_jax process joins a multi-process JAX run (the
+``QSYNC_*`` environment contract, ``initialize`` and ``shutdown``) and a
+launcher that starts N such processes on one host, relays their output and
+never leaves one behind: when any process dies, the others are SIGKILLed
+(a JAX worker ignores SIGTERM once initialized, and its peers would otherwise
+block forever in the next collective).
+
+Usage:
+  python -m qsync_jax.distributed --num_processes=4 [--port=N] \
+      [--timeout_s=S] -- python -m experiments.train --out_dir=/tmp/run
+
+Each process gets QSYNC_COORDINATOR_ADDRESS, QSYNC_NUM_PROCESSES and
+QSYNC_PROCESS_ID, which ``initialize()`` reads. The launcher exits with 0 when
+every process exits 0, with the failing process's code (1 if it was killed by
+a signal) when one fails, and with 124 when --timeout_s runs out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Mapping, Sequence
+
+import jax
+
+
+ENV_COORDINATOR_ADDRESS = "QSYNC_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "QSYNC_NUM_PROCESSES"
+ENV_PROCESS_ID = "QSYNC_PROCESS_ID"
+_ENV_VARS = (ENV_COORDINATOR_ADDRESS, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+
+#: Exit status of a launch that ran past its timeout (as timeout(1) uses).
+TIMEOUT_EXIT_CODE = 124
+
+_POLL_INTERVAL_S = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """Where one process sits in a multi-process run.
+
+  Attributes:
+    coordinator_address: ``host:port`` of process 0's coordination service.
+    num_processes: Number of processes in the run.
+    process_id: This process's index, in ``[0, num_processes)``.
+  """
+  coordinator_address: str
+  num_processes: int
+  process_id: int
+
+
+def _parse_int(environ: Mapping[str, str], name: str) -> int:
+  try:
+    return int(environ[name])
+  except ValueError:
+    raise ValueError(
+        f"{name} must be an integer, got {environ[name]!r}") from None
+
+
+def config_from_env(
+    environ: Mapping[str, str] = os.environ) -> DistributedConfig | None:
+  """Reads the ``QSYNC_*`` variables the launcher sets.
+
+  Args:
+    environ: The environment to read.
+
+  Returns:
+    The configuration, or None when none of the variables is set (a plain
+    single-process run).
+
+  Raises:
+    ValueError: Some but not all variables are set, or one is malformed;
+      the message names the variable.
+  """
+  present = [name for name in _ENV_VARS if environ.get(name)]
+  if not present:
+    return None
+  missing = [name for name in _ENV_VARS if name not in present]
+  if missing:
+    raise ValueError(f"{missing[0]} is not set but {present[0]} is; set all "
+                     f"of {', '.join(_ENV_VARS)} or none")
+  address = environ[ENV_COORDINATOR_ADDRESS]
+  host, _, port = address.rpartition(":")
+  if not host or not port.isdigit():
+    raise ValueError(
+        f"{ENV_COORDINATOR_ADDRESS} must be host:port, got {address!r}")
+  num_processes = _parse_int(environ, ENV_NUM_PROCESSES)
+  if num_processes < 1:
+    raise ValueError(f"{ENV_NUM_PROCESSES} must be >= 1, got {num_processes}")
+  process_id = _parse_int(environ, ENV_PROCESS_ID)
+  if not 0 <= process_id < num_processes:
+    raise ValueError(f"{ENV_PROCESS_ID} must be in [0, {num_processes}) "
+                     f"({ENV_NUM_PROCESSES}={num_processes}), got {process_id}")
+  return DistributedConfig(address, num_processes, process_id)
+
+
+def initialize(config: DistributedConfig | None = None, *,
+               timeout_s: int = 60) -> bool:
+  """Joins the multi-process run described by ``config`` or the environment.
+
+  Call it before anything starts a JAX backend (``jax.devices()``, any
+  computation). Calling it again once initialized does nothing.
+
+  Args:
+    config: The run to join; None reads ``config_from_env()``.
+    timeout_s: Seconds to wait for every process to reach the coordinator.
+
+  Returns:
+    True when this process is part of an initialized multi-process run, False
+    for a single-process run (no configuration, or one process).
+
+  Raises:
+    ValueError: The environment holds a malformed configuration.
+    RuntimeError: A JAX backend was started before this call.
+  """
+  if jax.distributed.is_initialized():
+    return True
+  if config is None:
+    config = config_from_env()
+  if config is None or config.num_processes == 1:
+    return False
+  jax.distributed.initialize(
+      coordinator_address=config.coordinator_address,
+      num_processes=config.num_processes,
+      process_id=config.process_id,
+      initialization_timeout=timeout_s)
+  # Both only affect the CPU backend. Gloo gives CPU processes cross-process
+  # collectives; more than one CPU device per process hangs the first one.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.config.update("jax_num_cpu_devices", 1)
+  return True
+
+
+def shutdown() -> None:
+  """Leaves the multi-process run, if this process joined one."""
+  if jax.distributed.is_initialized():
+    jax.distributed.shutdown()
+
+
+def free_port() -> int:
+  """Returns a localhost TCP port that was free a moment ago."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _relay(pipe: IO[bytes], out: str, prefix: str,
+           lock: threading.Lock) -> None:
+  """Copies ``pipe`` line by line to ``sys.<out>``, each line prefixed."""
+  with pipe:
+    for line in iter(pipe.readline, b""):
+      text = line.decode(errors="replace")
+      if not text.endswith("\n"):
+        text += "\n"
+      stream = getattr(sys, out)  # Looked up late: tests swap sys.stdout.
+      with lock:
+        stream.write(prefix + text)
+        stream.flush()
+
+
+def _describe_exit(code: int) -> str:
+  if code < 0:
+    try:
+      return f"was killed by {signal.Signals(-code).name} (code {code})"
+    except ValueError:
+      pass
+  return f"exited with code {code}"
+
+
+def launch(command: Sequence[str], num_processes: int, *,
+           port: int | None = None, timeout_s: float | None = None,
+           dead_peer_timeout_s: float = 60,
+           env: Mapping[str, str] | None = None) -> int:
+  """Runs ``command`` as ``num_processes`` processes of one localhost run.
+
+  Each process gets the ``QSYNC_*`` variables ``initialize()`` reads and
+  ``JAX_NUM_CPU_DEVICES=1``; its stdout and stderr lines are relayed with a
+  ``[p<id>] `` prefix. When a process exits non-zero or is killed, every other
+  one is SIGKILLed at once and one line on stderr says which process died.
+  SIGINT and SIGTERM sent to the launcher also kill every process (handlers
+  are installed only when called from the main thread, and restored after).
+
+  Args:
+    command: The program and its arguments, run as is by every process.
+    num_processes: How many processes to start.
+    port: The coordinator's port; None picks a free one.
+    timeout_s: Kill every process after this many seconds; None waits.
+    dead_peer_timeout_s: The longest to wait for killed processes to be
+      reaped once one process failed (SIGKILL makes this near-instant).
+    env: The processes' base environment; None uses ``os.environ``.
+
+  Returns:
+    0 when every process exits 0; the failing process's exit code (1 if a
+    signal killed it) when one fails; 124 on timeout; 128 + the signal number
+    when the launcher is interrupted.
+
+  Raises:
+    ValueError: ``command`` is empty, or ``num_processes`` or ``port`` is out
+      of range.
+    FileNotFoundError: The program does not exist.
+  """
+  if not command:
+    raise ValueError("no command to launch")
+  if num_processes < 1:
+    raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+  if port is None:
+    port = free_port()
+  elif not 0 < port < 65536:
+    raise ValueError(f"port must be in [1, 65535], got {port}")
+  base_env = dict(os.environ if env is None else env)
+  base_env.update({
+      ENV_COORDINATOR_ADDRESS: f"127.0.0.1:{port}",
+      ENV_NUM_PROCESSES: str(num_processes),
+      "JAX_NUM_CPU_DEVICES": "1",
+  })
+  # Unbuffered children, so relayed lines arrive as they are printed.
+  base_env.setdefault("PYTHONUNBUFFERED", "1")
+
+  procs: list[subprocess.Popen] = []
+  relays: list[threading.Thread] = []
+  lock = threading.Lock()
+  received: list[int] = []
+  summary = []  # The one error line, printed after the relayed output.
+
+  def on_signal(signum, frame):
+    del frame
+    received.append(signum)
+
+  handled = (signal.SIGINT, signal.SIGTERM)
+  previous = {}
+  if threading.current_thread() is threading.main_thread():
+    previous = {s: signal.signal(s, on_signal) for s in handled}
+
+  def kill_running() -> int:
+    """SIGKILLs every process still running, reaps it; returns the count."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+      p.kill()  # SIGKILL to p.pid: a JAX worker ignores SIGTERM.
+    deadline = time.monotonic() + dead_peer_timeout_s
+    for p in running:
+      try:
+        p.wait(timeout=max(0.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        print(f"error: process {procs.index(p)} (pid {p.pid}) survived "
+              "SIGKILL", file=sys.stderr)
+    return len(running)
+
+  start = time.monotonic()
+  try:
+    for i in range(num_processes):
+      p = subprocess.Popen(list(command),
+                           env={**base_env, ENV_PROCESS_ID: str(i)},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+      procs.append(p)
+      for pipe, out in ((p.stdout, "stdout"), (p.stderr, "stderr")):
+        t = threading.Thread(target=_relay, args=(pipe, out, f"[p{i}] ", lock),
+                             daemon=True)
+        t.start()
+        relays.append(t)
+
+    while True:
+      if received:
+        n = kill_running()
+        name = signal.Signals(received[0]).name
+        summary.append(f"error: launcher got {name}; killed {n} processes")
+        return 128 + received[0]
+      codes = [p.poll() for p in procs]
+      failed = next((i for i, c in enumerate(codes) if c not in (None, 0)),
+                    None)
+      if failed is not None:
+        code = codes[failed]
+        n = kill_running()
+        summary.append(f"error: process {failed} (pid {procs[failed].pid}) "
+                       f"{_describe_exit(code)}; killed {n} other "
+                       f"process{'' if n == 1 else 'es'}")
+        return code if code > 0 else 1
+      if all(c == 0 for c in codes):
+        return 0
+      if timeout_s is not None and time.monotonic() - start >= timeout_s:
+        n = kill_running()
+        summary.append(
+            f"error: timed out after {timeout_s:g} s; killed {n} processes")
+        return TIMEOUT_EXIT_CODE
+      time.sleep(_POLL_INTERVAL_S)
+  finally:
+    kill_running()  # Nothing is left running, whatever went wrong above.
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+    # Bounded: a grandchild may still hold a pipe open.
+    relay_deadline = time.monotonic() + 2
+    for t in relays:
+      t.join(timeout=max(0.0, relay_deadline - time.monotonic()))
+    for line in summary:
+      with lock:
+        print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,1 @@
+"""qsync_jax/train."""
