@@ -21,7 +21,7 @@ float32 mean's time in the multiprocess setting.
 one read and one read-and-write pass over the data) and writes
 "gqsgd_floor": per size, how much of gqsgd's time the passes take and the
 floor no implementation of gqsgd gets under on this machine (see
-experiments.benches.compression.floor_analysis).
+experiments.benches.compression_parts.floor_analysis).
 """
 
 import json
@@ -61,8 +61,8 @@ def main(argv):
     except ValueError:
       raise ValueError(f"--sizes must be integers, got {FLAGS.sizes}") from None
     report = compression.run(sizes, FLAGS.repeats, FLAGS.settings,
-                                   FLAGS.num_workers, donate=FLAGS.donate,
-                                   parts=FLAGS.parts)
+                             FLAGS.num_workers, donate=FLAGS.donate,
+                             parts=FLAGS.parts)
     with open(FLAGS.out, "w") as f:
       json.dump(report, f, indent=2)
   for setting in FLAGS.settings:

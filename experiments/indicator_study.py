@@ -31,12 +31,13 @@ from absl import flags
 from flax import nnx
 import numpy as np
 
+from experiments.studies import indicator
 from qsync_jax import cli
 from qsync_jax import data as data_lib
-from qsync_jax.sensitivity import indicator
-from qsync_jax.train import losses
 from qsync_jax import models as models_lib
+from qsync_jax import sensitivity
 from qsync_jax.allocation import pipeline
+from qsync_jax.train import losses
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "resnet18", "Built-in model or module:factory.")
@@ -44,7 +45,7 @@ flags.DEFINE_string("model_kwargs", "{}", "JSON config overrides.")
 flags.DEFINE_string("dataset", "digits", "Dataset name (qsync_jax.data).")
 flags.DEFINE_string("dataset_kwargs", "{}", "JSON dataset arguments.")
 flags.DEFINE_list("precisions", ["int8", "fp16", "bf16"], "Precisions.")
-flags.DEFINE_list("methods", list(indicator.METHODS), "Methods to judge.")
+flags.DEFINE_list("methods", list(sensitivity.METHODS), "Methods to judge.")
 flags.DEFINE_integer("num_batches", 4, "Batches for indicators and truth.")
 flags.DEFINE_integer("batch_size", 64, "Batch size.")
 flags.DEFINE_integer("seed", 0, "Model and method seed.")

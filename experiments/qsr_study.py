@@ -24,6 +24,7 @@ import os
 from absl import app
 from absl import flags
 
+from experiments.studies import backend
 from qsync_jax import cli
 
 FLAGS = flags.FLAGS
@@ -40,14 +41,13 @@ flags.DEFINE_integer("h_base", None, "Override every task's H_base.")
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  cli.start_study_backend(FLAGS.out, num_devices=4)  # four workers
+  backend.start_backend(FLAGS.out, num_devices=4)  # four workers
   from experiments.configs import default
   from experiments.studies import qsr
   with cli.bad_input_exits():
     result = qsr.run(FLAGS.out, default.get_config(), FLAGS.tasks,
-                           FLAGS.configs or list(qsr.CONFIGS),
-                           FLAGS.seeds, FLAGS.steps, FLAGS.learning_rate,
-                           FLAGS.h_base)
+                     FLAGS.configs or list(qsr.CONFIGS), FLAGS.seeds,
+                     FLAGS.steps, FLAGS.learning_rate, FLAGS.h_base)
   for tname, entry in result["tasks"].items():
     for name, s in entry["summary"].items():
       print(f"{tname:4s} {name:14s} eval {s['final_eval_mean']:.4f} "

@@ -24,6 +24,7 @@ import os
 from absl import app
 from absl import flags
 
+from experiments.studies import backend
 from qsync_jax import cli
 
 FLAGS = flags.FLAGS
@@ -38,7 +39,7 @@ flags.DEFINE_bool("predict", True, "Predict paper-size step times.")
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  cli.start_study_backend(FLAGS.out, num_devices=4)  # four workers
+  backend.start_backend(FLAGS.out, num_devices=4)  # four workers
   from experiments.configs import default
   from experiments.studies import qsync
   with cli.bad_input_exits():

@@ -112,7 +112,7 @@ def auto_plans(config: ml_collections.ConfigDict, model: nnx.Module,
   batches, predicts the step of the timing model (``model`` rebuilt with
   ``config.allocator.timing_model_kwargs`` at ``timing_batch_size`` per
   worker) on the cluster's GPU kinds, and runs the allocator. The kinds must
-  be in the GPU catalog (:data:`qsync_jax.predictor.DEVICES`): their
+  be in the GPU catalog (:data:`qsync_jax.plan.DEVICES`): their
   profiles are analytic. Every process of a multi-process run computes the
   same plans (the same model, batches and seed).
 
@@ -121,7 +121,7 @@ def auto_plans(config: ml_collections.ConfigDict, model: nnx.Module,
       differ from ``model``'s.
     qsync_jax.allocation.allocator.AllocationError: no plan fits.
   """
-  from qsync_jax.predictor import devices  # local: only auto plans need it
+  from qsync_jax.plan import devices  # local: only auto plans need it
   outside = [k for k in cluster_lib.parse_cluster(config.cluster).groups()
              if k not in devices.DEVICES]
   if outside:

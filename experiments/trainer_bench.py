@@ -43,9 +43,8 @@ def main(argv):
     results = []
     for model, batch, kwargs in CASES:
       r = trainer.trainer_overhead(model, batch,
-                                      num_workers=FLAGS.num_workers,
-                                      rounds=FLAGS.rounds,
-                                      model_kwargs=kwargs)
+                                   num_workers=FLAGS.num_workers,
+                                   rounds=FLAGS.rounds, model_kwargs=kwargs)
       print(f"{model:5s} batch/worker {batch:4d}: hybrid "
             f"{r['hybrid_step_s'] * 1e3:7.2f} ms, spmd "
             f"{r['spmd_step_s'] * 1e3:7.2f} ms, ratio {r['ratio']:.3f}")

@@ -18,7 +18,7 @@ buckets, given ``M`` per bucket: one read of ``y``, one write of codes.
 Buckets whose ``M`` is 0 use scale 1 (all codes 0); buckets whose ``M`` is
 not finite get codes 0 (the caller marks them NaN after the sum, as
 ``GlobalQSGD.reduce`` does). The dither ``u`` is the counter hash of
-:mod:`pallas_kernels.quantize` (flat index within the bucket block, bits of
+:mod:`pallas_kernels.hashing` (flat index within the bucket block, bits of
 ``y / scale``, ``seed``) instead of ``jax.random``: give each worker and each
 step a distinct ``seed`` for independent rounding.
 
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _common
-from qsync_jax.numerics import quant
+from pallas_kernels.hashing import hash_uniform_at
 
 _CODE_DTYPES = (jnp.int8, jnp.int16, jnp.int32)
 
@@ -46,7 +46,7 @@ def _encode(y, m, idx, seed, levels: int):
   finite = jnp.isfinite(m)
   scale = jnp.where((m > 0) & finite, m / float(levels), 1.0)
   v = y / scale
-  q = jnp.floor(v + quant.hash_uniform_at(idx, v, seed))
+  q = jnp.floor(v + hash_uniform_at(idx, v, seed))
   q = jnp.clip(q, -float(levels), float(levels))
   return jnp.where(finite, q, 0.0)
 

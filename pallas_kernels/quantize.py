@@ -13,8 +13,9 @@ reference/qsync.md section 6.2):
   grid of ``u``, so the rounding is unbiased; no ``jax.random`` key or state
   is needed inside the kernel.
 
-The noise is bit-identical to :func:`qsync_jax.numerics.quant.hash_uniform`, so the
-kernel equals ``qsync_jax.numerics.quant.quantize_int8`` element for element.
+The noise is :func:`pallas_kernels.hashing.hash_uniform_at`, the same function
+``qsync_jax.numerics.quant`` rounds with, so the kernel equals
+``qsync_jax.numerics.quant.quantize_int8`` element for element.
 
 On a GPU, Triton lowers float32 division to the approximate ``div.full.f32``
 (at most 2 ulp), not XLA's correctly rounded division, so a code can differ
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _common
-from qsync_jax.numerics import quant
+from pallas_kernels.hashing import hash_uniform_at
 
 INT8_MAX = 127
 ROUNDINGS = ("nearest", "stochastic", "truncate")
@@ -60,7 +61,7 @@ def round_scaled(v: jax.Array, rounding: str, idx: jax.Array | None = None,
     return _common.round_half_even(v)
   if rounding == "truncate":
     return jnp.where(v < 0, jnp.ceil(v), jnp.floor(v))
-  return jnp.floor(v + quant.hash_uniform_at(idx, v, salt))
+  return jnp.floor(v + hash_uniform_at(idx, v, salt))
 
 
 def _quantize_kernel(x_ref, s_ref, salt_ref, o_ref, *, rounding: str,

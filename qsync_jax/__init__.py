@@ -1,49 +1,104 @@
 """qsync_jax: synchronous data-parallel training across hybrid devices.
 
-Per-layer precision plans (QSync, arXiv 2407.02327) applied to Flax models,
-with real low-precision arithmetic (int8 x int8 -> int32, fp16, bf16, fp8).
+The public API, flat, in the order of the data flow (docs/ARCHITECTURE.md):
+plans and what they compute, sensitivity scores, the predictor, the
+allocator, and the training that runs the plans and synchronizes workers.
+The subpackages (``qs.numerics``, ``qs.plan``, ``qs.sensitivity``,
+``qs.predictor``, ``qs.allocation``, ``qs.parallel``, ``qs.train``,
+``qs.models``, ``qs.data``) hold the rest.
 
 Typical use::
 
   import qsync_jax as qs
   plan = qs.PrecisionPlan([(r"conv\\d", "int8")], default="fp32")
   qs.apply_plan(model, plan, device_kind="t4")
+  graph = qs.trace_graph(model, model.input_spec(32))
+  profiles = {k: qs.analytic_profile(graph, k) for k in ("v100", "t4")}
+  allocation = qs.allocate(graph, "v100:8,t4:8", scores, profiles)
 """
 
-from qsync_jax.allocation import allocator
-from qsync_jax.parallel import averagers
-from qsync_jax.sensitivity import indicator
-from qsync_jax.plan import linen
-from qsync_jax.numerics import ops
+# Subpackages, for the names not exported flat below.
+from qsync_jax import allocation
+from qsync_jax import data
+from qsync_jax import models
+from qsync_jax import numerics
+from qsync_jax import parallel
+from qsync_jax import plan
 from qsync_jax import predictor
-from qsync_jax.numerics import quant
-from qsync_jax.parallel import schedules
-from qsync_jax.allocation.allocator import allocate
-from qsync_jax.plan.layers import MatMul
-from qsync_jax.plan.policy import apply_plan
-from qsync_jax.plan.policy import describe
-from qsync_jax.plan.policy import effective_precisions
-from qsync_jax.plan.policy import Layer
-from qsync_jax.plan.policy import layer_paths
-from qsync_jax.plan.policy import model_layers
-from qsync_jax.plan.precision import DEVICE_PRECISIONS
-from qsync_jax.plan.precision import device_kinds
-from qsync_jax.plan.precision import PlanError
-from qsync_jax.plan.precision import Precision
-from qsync_jax.plan.precision import PrecisionPlan
-from qsync_jax.plan.precision import supported_precisions
+from qsync_jax import sensitivity
+from qsync_jax import train
+from qsync_jax.plan import linen
+
+# What a plan computes: precisions and quantization.
+from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import Granularity
 from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.numerics.quant import Rounding
 
+# Plans, the device table, and applying a plan to a model.
+from qsync_jax.plan.devices import DEVICE_PRECISIONS
+from qsync_jax.plan.devices import device_kinds
+from qsync_jax.plan.devices import supported_precisions
+from qsync_jax.plan.layers import MatMul
+from qsync_jax.plan.policy import Layer
+from qsync_jax.plan.policy import apply_plan
+from qsync_jax.plan.policy import describe
+from qsync_jax.plan.policy import effective_precisions
+from qsync_jax.plan.policy import layer_paths
+from qsync_jax.plan.policy import model_layers
+from qsync_jax.plan.precision import PlanError
+from qsync_jax.plan.precision import PrecisionPlan
+
+# Sensitivity: how much each layer suffers at each precision.
+from qsync_jax.sensitivity.scores import Scores
+
+# The predictor: graph, profiles, one simulated step.
+from qsync_jax.predictor.analytic import analytic_profile
+from qsync_jax.predictor.graph import ModelGraph
+from qsync_jax.predictor.graph import trace_graph
+from qsync_jax.predictor.profiling import Profile
+from qsync_jax.predictor.profiling import profile
+from qsync_jax.predictor.simulation import Prediction
+from qsync_jax.predictor.simulation import predict
+
+# The allocator and the pipeline the main job runs.
+from qsync_jax.allocation.allocator import Allocation
+from qsync_jax.allocation.allocator import allocate
+from qsync_jax.allocation.pipeline import plan_cluster
+from qsync_jax.allocation.search import AllocationError
+
+# Clusters, synchronization and the wire.
+from qsync_jax.parallel.averagers import make_averager
+from qsync_jax.parallel.cluster import ClusterSpec
+from qsync_jax.parallel.cluster import parse_cluster
+from qsync_jax.parallel.schedules import make_schedule
+
+# Training.
+from qsync_jax.train.checkpoint import Checkpointer
+from qsync_jax.train.trainer import HybridTrainer
+from qsync_jax.train.trainer import Worker
+
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEVICE_PRECISIONS", "Granularity", "Layer", "MatMul", "PlanError",
-    "Precision", "PrecisionPlan", "QuantConfig", "Rounding", "allocate",
-    "allocator", "apply_plan", "comm",
-    "describe", "device_kinds", "effective_precisions", "indicator",
-    "layer_paths",
-    "linen", "model_layers", "ops", "predictor", "quant",
-    "supported_precisions", "sync",
+    # subpackages
+    "allocation", "data", "linen", "models", "numerics", "parallel", "plan",
+    "predictor", "sensitivity", "train",
+    # numerics
+    "Granularity", "Precision", "QuantConfig", "Rounding",
+    # plan
+    "DEVICE_PRECISIONS", "Layer", "MatMul", "PlanError", "PrecisionPlan",
+    "apply_plan", "describe", "device_kinds", "effective_precisions",
+    "layer_paths", "model_layers", "supported_precisions",
+    # sensitivity
+    "Scores",
+    # predictor
+    "ModelGraph", "Prediction", "Profile", "analytic_profile", "predict",
+    "profile", "trace_graph",
+    # allocation
+    "Allocation", "AllocationError", "allocate", "plan_cluster",
+    # parallel
+    "ClusterSpec", "make_averager", "make_schedule", "parse_cluster",
+    # train
+    "Checkpointer", "HybridTrainer", "Worker",
 ]

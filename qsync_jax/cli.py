@@ -1,4 +1,4 @@
-"""Shared behaviour of the experiment binaries.
+"""How a command-line program of this project treats bad input.
 
 Bad input (a malformed plan, an unknown layer or model, a missing file) ends a
 binary with one line naming the problem and exit status 1, not a traceback.
@@ -7,7 +7,6 @@ binary with one line naming the problem and exit status 1, not a traceback.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from typing import Iterable, Iterator, Sequence
 
@@ -39,17 +38,3 @@ def check_names(what: str, names: Sequence[str],
   if unknown:
     raise ValueError(f"unknown {what}(s) {unknown}; valid: "
                      f"{', '.join(valid)}")
-
-
-def start_study_backend(out_dir: str, num_devices: int) -> None:
-  """JAX settings of a study binary; call before the backend starts.
-
-  ``num_devices`` fake CPU devices (one per worker; no effect on GPU
-  backends), and compiled programs cached under ``out_dir/jax_cache`` so
-  reruns and later seeds compile less.
-  """
-  import jax  # local: the rest of this module needs no backend
-  jax.config.update("jax_num_cpu_devices", num_devices)
-  jax.config.update("jax_compilation_cache_dir",
-                    os.path.join(out_dir, "jax_cache"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

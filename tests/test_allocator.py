@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 import qsync_jax as qs
-from qsync_jax.allocation import allocator
+from qsync_jax import allocation
 from qsync_jax import models
 from qsync_jax import predictor
-from qsync_jax.plan.precision import Precision
+from qsync_jax.allocation import search
+from qsync_jax.numerics.precision import Precision
 from qsync_jax.predictor import casting
 from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor import memory
@@ -73,8 +74,8 @@ def test_plans_keep_the_memory_limit_and_the_step_time_target(seed):
                     "int8": rng.uniform(0.3, 0.6, n)})
   profs = {"v100": v100, "t4": t4}
   scores = _scores(g, rng.uniform(1, 2, n), rng.uniform(0, 1, n))
-  fp32_bytes = allocator.plan_memory(g, t4, [FP32] * n)
-  low_bytes = allocator.plan_memory(g, t4, [INT8] * (n - 1) + [FP32])
+  fp32_bytes = search.plan_memory(g, t4, [FP32] * n)
+  low_bytes = search.plan_memory(g, t4, [INT8] * (n - 1) + [FP32])
   limit = low_bytes + rng.uniform(0.2, 0.8) * (fp32_bytes - low_bytes)
   a = qs.allocate(g, "v100:1,t4:1", scores, profs, bucket_bytes=None,
                   link=NO_LINK, memory_limits={"t4": limit})
@@ -98,7 +99,7 @@ def test_plans_keep_the_memory_limit_and_the_step_time_target(seed):
       continue
     nxt = FP16 if cur is INT8 else FP32
     trial = dict(a.precisions["t4"], **{path: nxt})
-    over_memory = allocator.plan_memory(g, t4, list(trial.values())) > limit
+    over_memory = search.plan_memory(g, t4, list(trial.values())) > limit
     over_time = _step(g, profs, {"t4": trial}) > a.target_s * (1 + 1e-9)
     assert over_memory or over_time, path
 
@@ -120,7 +121,7 @@ def test_greedy_recovers_the_most_sensitive_layers_first():
   assert a.quantized_layers == {"v100": 0, "t4": 3}
   assert a.indicator_sum["t4"] == pytest.approx(0.1 + 0.3 + 0.2)
   # A shuffled indicator recovers the layers its permutation favours.
-  shuffled = allocator.shuffled_scores(_scores(g, [9] * n, fp16_scores), 3)
+  shuffled = allocation.shuffled_scores(_scores(g, [9] * n, fp16_scores), 3)
   assert sorted(v["fp16"] for v in shuffled.values()) == sorted(fp16_scores)
 
 
@@ -144,9 +145,9 @@ def test_infeasible_memory_limit_names_the_smallest_memory():
   v100 = _profile(g, {"fp32": [1.0] * 4}, kind="v100")
   t4 = _profile(g, {"fp32": [2.0] * 4, "fp16": [1.0] * 4,
                     "int8": [0.5] * 4})
-  smallest = allocator.plan_memory(g, t4, [INT8] * 3 + [FP32])
-  for method in allocator.METHODS:
-    with pytest.raises(allocator.AllocationError) as err:
+  smallest = search.plan_memory(g, t4, [INT8] * 3 + [FP32])
+  for method in allocation.METHODS:
+    with pytest.raises(allocation.AllocationError) as err:
       qs.allocate(g, "v100:1,t4:1", _scores(g, [1] * 4, [0.5] * 4),
                   {"v100": v100, "t4": t4}, method=method,
                   memory_limits={"t4": smallest - 1.0})
@@ -164,18 +165,18 @@ def test_ilp_is_the_least_indicator_plan_under_the_budget():
 
   def brute(ladder, limit):
     return list(min((p for p in itertools.product(*ladder)
-                     if allocator.plan_memory(g, t4, p) <= limit),
-                    key=lambda p: sum(allocator.indicator_of(
+                     if search.plan_memory(g, t4, p) <= limit),
+                    key=lambda p: sum(search.indicator_of(
                         scores, g.paths[i], v) for i, v in enumerate(p))))
 
   ladder = [[INT8, FP16]] * n
-  limit = allocator.compression_budget(g, t4, 0.6)
-  got = allocator.min_indicator_plan(g, t4, ladder, scores, limit)
+  limit = search.compression_budget(g, t4, 0.6)
+  got = search.min_indicator_plan(g, t4, ladder, scores, limit)
   assert got == brute(ladder, limit)
   assert INT8 in got and FP16 in got  # the budget forces a real mix
   # Through allocate, 8/16-bit candidates leave only the head in FP32.
   v100 = _profile(g, {"fp32": [1.0] * n}, kind="v100")
-  limit = allocator.compression_budget(g, t4, 0.5)
+  limit = search.compression_budget(g, t4, 0.5)
   a = qs.allocate(g, "v100:1,t4:1", scores, {"v100": v100, "t4": t4},
                   method="ilp", candidates=("int8", "fp16"),
                   memory_limits={"t4": limit})
@@ -190,24 +191,24 @@ def test_memory_variant_lowers_least_indicator_per_byte_first():
   t4 = _profile(g, {"fp32": [1.0] * 4, "fp16": [1.0] * 4})
   ladder = [[FP16, FP32]] * 4
   scores = _scores(g, [9] * 4, [0.4, 0.1, 0.3, 0.2])
-  one_layer = (allocator.plan_memory(g, t4, [FP32] * 4)
-               - allocator.plan_memory(g, t4, [FP16] + [FP32] * 3))
-  limit = allocator.plan_memory(g, t4, [FP32] * 4) - 1.5 * one_layer
-  precs, steps = allocator.lower_to_fit(g, t4, ladder, scores, limit)
+  one_layer = (search.plan_memory(g, t4, [FP32] * 4)
+               - search.plan_memory(g, t4, [FP16] + [FP32] * 3))
+  limit = search.plan_memory(g, t4, [FP32] * 4) - 1.5 * one_layer
+  precs, steps = search.lower_to_fit(g, t4, ladder, scores, limit)
   assert steps == 2
   assert precs == [FP32, FP16, FP32, FP16]
-  assert allocator.plan_memory(g, t4, precs) <= limit
+  assert search.plan_memory(g, t4, precs) <= limit
 
 
 def test_fastest_plan_accounts_for_casts_between_layers():
   g = _chain(3, follows=True)
-  assert allocator.cast_groups(g) == [[0, 1, 2]]
+  assert search.cast_groups(g) == [[0, 1, 2]]
   # FP16 is a little faster per layer, but a cast between FP16 and FP32
   # neighbours costs more than that: the fastest plan is uniform.
   t4 = _profile(g, {"fp32": [1.0, 1.0, 1.0], "fp16": [0.9, 0.9, 2.0]},
                 cast_s=0.3)
   ladder = [[FP16, FP32]] * 3
-  got = allocator.fastest_plan(g, t4, ladder)
+  got = search.fastest_plan(g, t4, ladder)
 
   def time_of(precs):
     c = simulation.worker_costs(g, t4, list(precs))
@@ -237,13 +238,13 @@ def test_bad_inputs_are_clear_errors():
   scores = _scores(g, [1, 1], [1, 1])
   with pytest.raises(ValueError, match="unknown allocation method"):
     qs.allocate(g, "v100:1,t4:1", scores, profs, method="magic")
-  with pytest.raises(allocator.AllocationError, match="no entry for layer"):
+  with pytest.raises(allocation.AllocationError, match="no entry for layer"):
     qs.allocate(g, "v100:1,t4:1", {"l0": scores["l0"]}, profs)
   with pytest.raises(ValueError, match="no profile"):
     qs.allocate(g, "v100:1,a10:1", scores, profs)
   with pytest.raises(ValueError, match="memory limits for a100"):
     qs.allocate(g, "v100:1,t4:1", scores, profs, memory_limits={"a100": 1})
-  with pytest.raises(allocator.AllocationError, match="needs a memory limit"):
+  with pytest.raises(allocation.AllocationError, match="needs a memory limit"):
     qs.allocate(g, "v100:1,t4:1", scores, profs, method="ilp")
 
 
@@ -259,28 +260,28 @@ def test_allocation_on_a_model_applies_and_beats_the_baselines():
   assert a.search_time_s < 10
   qs.apply_plan(model, a["t4"], device_kind="t4")  # a valid plan for a T4
   fp32 = predictor.predict(g, "v100:2,t4:2", {}, profs).step_time_s
-  low = predictor.predict(g, "v100:2,t4:2", allocator.uniform_low_plans(
+  low = predictor.predict(g, "v100:2,t4:2", allocation.uniform_low_plans(
       "v100:2,t4:2", a.training_kinds), profs)
   assert a.prediction.step_time_s <= fp32
   # QSync quantizes no more layers than the uniform baseline.
   assert a.quantized_layers["t4"] <= len(g.paths) - 1
   assert a.indicator_sum["t4"] <= sum(
-      allocator.indicator_of(scores, p, v) for p, v in predictor.resolve_plan(
-          g, allocator.uniform_low_plans("v100:2,t4:2", ["v100"])["t4"]
+      search.indicator_of(scores, p, v) for p, v in predictor.resolve_plan(
+          g, allocation.uniform_low_plans("v100:2,t4:2", ["v100"])["t4"]
       ).items())
   assert low.step_time_s > 0
-  sizes = allocator.dynamic_batch_split(g, "v100:2,t4:2", profs)
+  sizes = allocation.dynamic_batch_split(g, "v100:2,t4:2", profs)
   assert sum(sizes) == 4 * 256 and sizes[0] > sizes[-1]
 
 
 def test_plan_cluster_costs_the_optimizer_it_is_given():
-  from qsync_jax.allocation import pipeline
   model = models.create_model("resnet18", rngs=nnx.Rngs(0), width=8,
                               image_size=32)
   g = predictor.trace_graph(model, model.input_spec(64))
   scores = {p: {"int8": 2.0, "fp16": 1.0} for p in g.paths}
-  runs = {c: pipeline.plan_cluster(model, "v100:1,t4:1", scores, 64,
-                                   baselines=False, optimizer_state_copies=c)
+  runs = {c: allocation.plan_cluster(model, "v100:1,t4:1", scores, 64,
+                                     baselines=False,
+                                     optimizer_state_copies=c)
           for c in (0, 1, 2)}
   update = {c: r.summary()["optimizer_update_s"] for c, r in runs.items()}
   for kind in ("v100", "t4"):
@@ -293,8 +294,8 @@ def test_plan_cluster_costs_the_optimizer_it_is_given():
   mem = {c: r.allocation.memory_bytes["v100"] for c, r in runs.items()}
   assert mem[2] - mem[1] == pytest.approx(4.0 * g.num_params)
   with pytest.raises(ValueError, match="optimizer_state_copies"):
-    pipeline.plan_cluster(model, "v100:1,t4:1", scores, 64,
-                          optimizer_state_copies=-1)
+    allocation.plan_cluster(model, "v100:1,t4:1", scores, 64,
+                            optimizer_state_copies=-1)
 
 
 # --------------------------------------------------------------------------

@@ -96,10 +96,10 @@ def test_a_donating_program_takes_its_input_buffer():
   w = jax.device_put(np.full(2, 0.5, np.float32), sharding)
   averager = averagers.make_averager("none")
   kept = x.copy()
-  cb._all_reduce_fn(averager, mesh)(kept, w).block_until_ready()
+  cb.all_reduce_fn(averager, mesh)(kept, w).block_until_ready()
   assert not kept.is_deleted()
   given = x.copy()
-  out = cb._all_reduce_fn(averager, mesh, donate=True)(given, w)
+  out = cb.all_reduce_fn(averager, mesh, donate=True)(given, w)
   np.testing.assert_array_equal(np.asarray(out), np.ones((2, SIZE)))
   assert given.is_deleted()
 

@@ -1,4 +1,4 @@
-"""Tests for qsync_jax.parallel.distributed: the env contract and the local launcher.
+"""Tests for qsync_jax.parallel.distributed: env contract, local launcher.
 
 Multi-process runs use real JAX workers on localhost CPU (one device each).
 Every worker writes its PID to a file first, so that a failing test can

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qsync_jax.sensitivity import indicator
-from qsync_jax.train import losses
+from experiments.studies import indicator as indicator_study
 from qsync_jax import models
+from qsync_jax import sensitivity
+from qsync_jax.train import losses
 from toy_models import NoLayers
 
 
@@ -24,30 +25,30 @@ def _batches(n=2, size=8):
            rng.integers(0, 10, size).astype(np.int32)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("method", indicator.METHODS)
+@pytest.mark.parametrize("method", sensitivity.METHODS)
 def test_every_method_scores_every_layer(method):
-  scores = indicator.compute(_cnn(), losses.cross_entropy, _batches(),
-                             method=method)
+  scores = sensitivity.compute(_cnn(), losses.cross_entropy, _batches(),
+                               method=method)
   assert scores.layers == ["conv1", "conv2", "fc", "head"]
   for layer, row in scores.values.items():
     assert row["fp32"] == 0.0 and row["tf32"] == 0.0
     assert set(row) == {"int8", "fp16", "bf16", "fp32", "tf32"}
     assert all(np.isfinite(v) and v >= 0 for v in row.values())
-  back = indicator.Scores.from_dict(scores.to_dict())
+  back = sensitivity.Scores.from_dict(scores.to_dict())
   assert back.values == scores.values
 
 
 @pytest.mark.parametrize("method", ["qsync", "qsync_var", "wvar", "hessian"])
 def test_int8_is_at_least_as_sensitive_as_fp16(method):
-  scores = indicator.compute(_cnn(), losses.cross_entropy, _batches(),
-                             method=method)
+  scores = sensitivity.compute(_cnn(), losses.cross_entropy, _batches(),
+                               method=method)
   for layer, row in scores.values.items():
     assert row["int8"] >= row["fp16"] > 0, (layer, row)
 
 
 def test_measured_ground_truth_orders_int8_above_fp16():
-  truth = indicator.measure(_cnn(), losses.cross_entropy, _batches(),
-                            precisions=["int8", "fp16"])
+  truth = sensitivity.measure(_cnn(), losses.cross_entropy, _batches(),
+                              precisions=["int8", "fp16"])
   for kind in ("grad", "loss"):
     for layer, row in truth[kind].values.items():
       assert row["int8"] > row["fp16"] >= 0, (kind, layer, row)
@@ -64,7 +65,7 @@ def test_hutchinson_trace_matches_the_exact_hessian_trace():
   flat, unravel = ravel_pytree(params)
   hess = np.asarray(jax.hessian(lambda f: loss(unravel(f)))(flat))
   probes = 4000
-  est = indicator.hutchinson_traces(loss, params, jax.random.key(2), probes)
+  est = sensitivity.hutchinson_traces(loss, params, jax.random.key(2), probes)
   # ravel_pytree orders the leaves by key: "b" (4) then "w" (24).
   for name, block in (("b", slice(0, 4)), ("w", slice(4, 28))):
     exact = float(np.trace(hess[block, block]))
@@ -87,8 +88,8 @@ def test_floors_give_embeddings_and_attention_only_16_bit_scores():
   rng = np.random.default_rng(0)
   batches = [(rng.integers(0, 32, (4, 8)).astype(np.int32),
               rng.integers(0, 2, 4).astype(np.int32))]
-  scores = indicator.compute(model, losses.cross_entropy, batches,
-                             method="qsync_var")
+  scores = sensitivity.compute(model, losses.cross_entropy, batches,
+                               method="qsync_var")
   assert "int8" not in scores["token_embed"]
   assert "int8" not in scores["layers/0/attention/scores"]
   assert scores["layers/0/attention/query"]["int8"] > 0
@@ -96,23 +97,23 @@ def test_floors_give_embeddings_and_attention_only_16_bit_scores():
 
 def test_bad_input_is_a_clear_error():
   with pytest.raises(ValueError, match="unknown indicator method 'gvar'"):
-    indicator.compute(_cnn(), losses.cross_entropy, _batches(), "gvar")
+    sensitivity.compute(_cnn(), losses.cross_entropy, _batches(), "gvar")
   with pytest.raises(ValueError, match="at least one batch"):
-    indicator.compute(_cnn(), losses.cross_entropy, [], "qsync")
+    sensitivity.compute(_cnn(), losses.cross_entropy, [], "qsync")
   wrong = [(np.zeros((4, 9, 9, 1), np.float32), np.zeros(4, np.int32))]
   with pytest.raises(ValueError, match="does not match the model's input"):
-    indicator.compute(_cnn(), losses.cross_entropy, wrong, "qsync")
+    sensitivity.compute(_cnn(), losses.cross_entropy, wrong, "qsync")
 
   with pytest.raises(ValueError, match="no layer a precision plan can"):
-    indicator.compute(NoLayers(), losses.cross_entropy,
-                      [(np.zeros((2, 4), np.float32),
-                        np.zeros(2, np.int32))], "qsync")
+    sensitivity.compute(NoLayers(), losses.cross_entropy,
+                        [(np.zeros((2, 4), np.float32),
+                          np.zeros(2, np.int32))], "qsync")
 
 
 def test_study_reports_spearman_time_and_scores_per_method():
-  result = indicator.study(_cnn(), losses.cross_entropy, _batches(),
-                           precisions=["int8", "fp16"],
-                           methods=["qsync_var", "random"])
+  result = indicator_study.study(_cnn(), losses.cross_entropy, _batches(),
+                                 precisions=["int8", "fp16"],
+                                 methods=["qsync_var", "random"])
   assert result["layers"] == ["conv1", "conv2", "fc", "head"]
   assert result["precisions"] == ["int8", "fp16"]
   assert result["train_step_s"] > 0

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import qsync_jax as qs
-from qsync_jax.plan.precision import Precision
+from qsync_jax.numerics.precision import Precision
 from jaxpr_utils import contractions_of
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from qsync_jax.numerics import ops
 from qsync_jax.numerics import quant
-from qsync_jax.plan.precision import Precision
+from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
 from jaxpr_utils import contractions_of
 

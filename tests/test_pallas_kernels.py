@@ -23,7 +23,7 @@ import pallas_kernels as pk
 from pallas_kernels import _common
 from qsync_jax.numerics import ops
 from qsync_jax.numerics import quant
-from qsync_jax.plan.precision import Precision
+from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2

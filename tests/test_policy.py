@@ -8,7 +8,7 @@ import pytest
 
 import qsync_jax as qs
 from qsync_jax import models
-from qsync_jax.plan.precision import Precision
+from qsync_jax.numerics.precision import Precision
 from jaxpr_utils import contractions_of
 from toy_models import NoLayers
 

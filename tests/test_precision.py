@@ -5,7 +5,7 @@ import json
 import pytest
 
 import qsync_jax as qs
-from qsync_jax.plan.precision import Precision
+from qsync_jax.numerics.precision import Precision
 
 
 def test_parse_names_and_errors():

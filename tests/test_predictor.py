@@ -13,9 +13,12 @@ import pytest
 from qsync_jax.train import losses
 from qsync_jax.plan import policy
 from qsync_jax.plan.layers import MatMul
-from qsync_jax.plan.precision import PlanError, Precision, PrecisionPlan
-from qsync_jax.predictor import casting, devices, graph as graph_lib
-from qsync_jax.predictor import memory, profiling as profile_lib
+from qsync_jax.numerics.precision import Precision
+from qsync_jax.plan.precision import PlanError, PrecisionPlan
+from qsync_jax.plan import devices
+from qsync_jax.predictor import analytic, casting, graph as graph_lib
+from qsync_jax.predictor import memory, pieces, profiling as profile_lib
+from qsync_jax.predictor import roofline
 from qsync_jax.predictor import simulation as simulate
 from qsync_jax.predictor import timing
 from jaxpr_utils import contractions_of
@@ -273,7 +276,7 @@ def test_cluster_link_uses_the_network_across_kinds():
   alpha, beta = simulate.cluster_link(["v100"] * 4)
   assert beta == pytest.approx(1 / devices.DEVICES["v100"].link_bandwidth)
   alpha, beta = simulate.cluster_link(["v100", "t4"])
-  assert beta == pytest.approx(1 / min(devices.NETWORK_BANDWIDTH,
+  assert beta == pytest.approx(1 / min(roofline.NETWORK_BANDWIDTH,
                                        devices.DEVICES["t4"].link_bandwidth))
 
 
@@ -288,7 +291,7 @@ def test_unknown_device_kind_is_a_clear_error():
   with pytest.raises(ValueError, match="unknown device kind"):
     simulate.cluster_link(["v100", "p100"])
   with pytest.raises(ValueError, match="v100 does not support int8"):
-    devices.DEVICES["v100"].flops_rate(INT8)
+    roofline.sustained_flops(devices.DEVICES["v100"], INT8)
 
 
 def test_plan_naming_a_missing_layer_is_a_clear_error(cascade_graph):
@@ -329,14 +332,14 @@ def test_residual_bytes_scale_with_precision(cascade_graph):
 def test_analytic_profile_prefers_faster_precisions_on_a_gpu():
   model = qs_models().create_model("cnn", rngs=nnx.Rngs(0))
   g = graph_lib.trace_graph(model, model.input_spec(256))
-  t4 = profile_lib.analytic_profile(g, "t4")
+  t4 = analytic.analytic_profile(g, "t4")
   f32 = sum(t4.layer_cost("conv2", FP32))
   f16 = sum(t4.layer_cost("conv2", FP16))
   assert f16 < f32
   with pytest.raises(ValueError, match="does not support bf16"):
-    profile_lib.analytic_profile(g, "t4", precisions=["bf16"])
+    analytic.analytic_profile(g, "t4", precisions=["bf16"])
   pred = simulate.predict(g, "v100:2,t4:2", {"t4": PrecisionPlan(
-      default="fp16")}, {"v100": profile_lib.analytic_profile(g, "v100"),
+      default="fp16")}, {"v100": analytic.analytic_profile(g, "v100"),
                          "t4": t4})
   assert len(pred.worker_memory_bytes) == 4 and pred.step_time_s > 0
 
@@ -412,14 +415,15 @@ def test_cast_model_fit_is_linear_and_positive():
   assert model.time("float32", "float32", 10**6) == 0.0
   gpu = casting.analytic_cast_model(devices.DEVICES["t4"])
   assert gpu.time("float32", "float16", 1e6) == pytest.approx(
-      6e6 / devices.DEVICES["t4"].bandwidth + devices.KERNEL_LAUNCH_S)
+      6e6 / roofline.sustained_bandwidth(devices.DEVICES["t4"])
+      + roofline.KERNEL_LAUNCH_S)
 
 
 def test_layer_functions_keep_the_forward_and_differentiate_the_weight(
     cascade_graph):
   _, g = cascade_graph
   proj = g.nodes[0]
-  fwd, fb = profile_lib.layer_functions(proj, INT8)
+  fwd, fb = pieces.layer_functions(proj, INT8)
   x = jnp.ones((2, 4, 8))
   w = jnp.ones((8, 8))
   out, grads = fb(x, w, jnp.ones((2, 4, 8)))
@@ -432,14 +436,14 @@ def test_layer_functions_keep_the_forward_and_differentiate_the_weight(
 def test_stand_in_step_has_no_contraction(measured_cnn):
   model, batch, _ = measured_cnn
   g = graph_lib.trace_graph(model, model.input_spec(8))
-  _, grad_fn, flat, rest = profile_lib.stand_in_step_functions(
+  _, grad_fn, flat, rest = pieces.stand_in_step_functions(
       model, g, losses.cross_entropy, "float32")
   text = grad_fn.lower(flat[None], rest, jnp.ones((1,)), *batch).as_text()
   assert "convolution" not in text and "dot_general" not in text
 
 
 def test_accuracy_check_writes_every_case(tmp_path):
-  from experiments.studies import predictor_accuracy
+  from experiments.studies import predictor_accuracy as accuracy
   result = accuracy.evaluate(
       ["cnn"], model_kwargs={"cnn": {}}, batch_sizes={"cnn": 4},
       workers=(1, 2), rounds=1, burst=1, precisions=("fp32", "fp16", "int8"),
@@ -461,7 +465,7 @@ def test_accuracy_check_writes_every_case(tmp_path):
 
 
 def test_accuracy_check_rejects_an_empty_phase():
-  from experiments.studies import predictor_accuracy
+  from experiments.studies import predictor_accuracy as accuracy
   with pytest.raises(ValueError, match="plans_per_phase"):
     accuracy.evaluate(["cnn"], workers=(1,), plans_per_phase=0)
 
@@ -486,7 +490,7 @@ class Repeated(nnx.Module):
 def test_uniform_pass_computes_at_its_precision_on_a_copy():
   model = Repeated()
   g = graph_lib.trace_graph(model, model.input_spec(4))
-  grad_fn, flat, rest = profile_lib.pass_function(
+  grad_fn, flat, rest = pieces.pass_function(
       model, g, losses.cross_entropy, INT8)
   x = jnp.ones((4, 8), jnp.float32)
   y = jnp.zeros((4,), jnp.int32)
@@ -506,7 +510,7 @@ def test_layers_with_equal_pieces_are_timed_once():
   model = Repeated()
   g = graph_lib.trace_graph(model, model.input_spec(4))
   fc1, fc2, fc3 = g.nodes
-  sig = profile_lib.piece_signature
+  sig = pieces.piece_signature
   assert sig(fc2) == sig(fc3)
   assert sig(fc1) != sig(fc2)  # fc1's input needs no gradient
   batch = (np.ones((4, 8), np.float32), np.zeros((4,), np.int32))

@@ -12,7 +12,8 @@ from qsync_jax.parallel import cluster
 from qsync_jax.train import losses
 from qsync_jax import models
 from qsync_jax.train.checkpoint import Checkpointer
-from qsync_jax.train.trainer import HybridTrainer, Worker, _rows
+from qsync_jax.train.layout import rows as _rows
+from qsync_jax.train.trainer import HybridTrainer, Worker
 
 INT8_FP16 = qs.PrecisionPlan([(r"conv\d", "int8"), ("fc", "fp16")])
 

@@ -16,8 +16,9 @@ fp8_pallas / bf16_xla and int8_pallas / int8_xla (> 1: the kernel is
 faster). Off a GPU the kernels run in Pallas interpret mode: those figures
 measure the interpreter, not the kernel, and the output says so.
 
-Timing uses :func:`experiments.benches.trainer.seconds_per_call` (a block of calls
-timed together, then ``block_until_ready``) with the median over rounds.
+Timing uses :func:`qsync_jax.predictor.timing.seconds_per_call` (a block of
+calls timed together, then ``block_until_ready``) with the median over
+rounds, the statistic the compression bench reports too.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.gqsgd_encode import gqsgd_encode, gqsgd_encode_reference
 from pallas_kernels.int8_matmul import int8_matmul
 from pallas_kernels.quantize import quantize, quantize_reference
-from experiments.benches.trainer import seconds_per_call
+from qsync_jax.predictor.timing import seconds_per_call
 
 GPU_SIZES = (1024, 2048, 4096, 8192)
 CPU_SIZES = (256, 512)

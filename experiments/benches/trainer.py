@@ -5,13 +5,18 @@
 worker, then a shard_map that averages and updates) against one plain jitted
 SPMD data-parallel step (XLA inserts the all-reduce) on the same devices,
 model, optimizer and global batch. Both run in one process, interleaved in
-rounds, so machine noise hits both alike.
+rounds, so machine noise hits both alike; each round times a block of steps
+with :func:`qsync_jax.predictor.timing.seconds_per_call`.
+
+The SPMD step is written out here rather than built from
+:mod:`qsync_jax.train.step`: it is the baseline a JAX user would write
+(pytree parameters, no loss scale, no finiteness check, no accuracy), and the
+hybrid trainer's extras are part of what the comparison measures.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 from flax import nnx
@@ -20,13 +25,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import optax
 
-from qsync_jax.train import losses
 from qsync_jax import models as models_lib
 from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.predictor.timing import seconds_per_call
+from qsync_jax.train import losses
 from qsync_jax.train.trainer import HybridTrainer, Worker
 
 
 def _spmd_step_fn(model: nnx.Module, tx: optax.GradientTransformation):
+  """The plain SPMD data-parallel step (XLA inserts the all-reduce) and the
+  model's parameters."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   @jax.jit
@@ -38,14 +46,6 @@ def _spmd_step_fn(model: nnx.Module, tx: optax.GradientTransformation):
     return optax.apply_updates(params, updates), opt_state
 
   return step, params
-
-
-def seconds_per_call(run_block, steps_per_round: int) -> float:
-  """Seconds per call of ``run_block(n)``, which dispatches ``n`` calls and
-  waits for the last: throughput with dispatch pipelined."""
-  start = time.perf_counter()
-  run_block(steps_per_round)
-  return (time.perf_counter() - start) / steps_per_round
 
 
 def trainer_overhead(model_name: str, batch_per_worker: int, *,

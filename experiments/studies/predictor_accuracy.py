@@ -26,8 +26,9 @@ import optax
 from qsync_jax import models as models_lib
 from qsync_jax.train import losses
 from qsync_jax.plan import policy
-from qsync_jax.plan.precision import Precision, PrecisionPlan
-from qsync_jax.predictor import casting, graph as graph_lib, memory
+from qsync_jax.numerics.precision import Precision
+from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.predictor import analytic, casting, graph as graph_lib, memory
 from qsync_jax.predictor import simulation, timing
 from qsync_jax.predictor import profiling as profile_lib
 from qsync_jax.train.trainer import HybridTrainer, Worker
@@ -314,7 +315,7 @@ def simulation_speed(model_name: str = "resnet50", batch_size: int = 32,
                                   **PAPER_SIZE_KWARGS.get(model_name, {}))
   g = graph_lib.trace_graph(model, model.input_spec(batch_size))
   spec = simulation.parse_cluster(cluster)
-  profiles = {k: profile_lib.analytic_profile(g, k) for k in spec.groups()}
+  profiles = {k: analytic.analytic_profile(g, k) for k in spec.groups()}
   rng = np.random.default_rng(0)
   times = []
   for _ in range(calls):

@@ -28,12 +28,13 @@ from flax import nnx
 import ml_collections
 import numpy as np
 
-from qsync_jax.allocation import allocator as allocator_lib
+from experiments import train_lib
 from qsync_jax import cli
 from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
+from qsync_jax import predictor
+from qsync_jax.allocation import allocator as allocator_lib
 from qsync_jax.allocation import pipeline
-from experiments import train_lib
 from qsync_jax.parallel.cluster import parse_cluster
 
 CLUSTER = "v100:2,t4:2"
@@ -141,7 +142,6 @@ def task_config(base: ml_collections.ConfigDict, task: Mapping[str, Any],
 
 def twin_speeds(task: Mapping[str, Any]) -> dict[str, float]:
   """Predicted FP32 examples/s of each kind for the task's twin."""
-  from qsync_jax import predictor  # local: keeps the import graph simple
   factory = models_lib.load_model_factory(task["model"])
   twin = factory(rngs=nnx.Rngs(0), **{**task["model_kwargs"], **task["twin"]})
   g = predictor.trace_graph(twin, twin.input_spec(task["twin_batch_size"]))

@@ -11,7 +11,7 @@ job's ``--plan=auto`` run (QSync, arXiv 2407.02327, section 5):
 4. the baselines it is compared with, predicted the same way: all FP32,
    uniform low precision on the weak kinds, dynamic batch sizing, the
    training devices alone, and the search with a shuffled indicator
-   (:func:`plan_cluster`).
+   (:mod:`qsync_jax.allocation.baselines`; :func:`plan_cluster`).
 
 The model whose step is predicted (the *timing model*) may be a bigger
 version of the one scored and trained, as long as both have the same layer
@@ -29,15 +29,19 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from qsync_jax import predictor
+from qsync_jax import sensitivity
 from qsync_jax.allocation import allocator as allocator_lib
-from qsync_jax.sensitivity import indicator
-from qsync_jax.train import losses
-from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
+from qsync_jax.allocation import baselines as baselines_lib
+from qsync_jax.allocation import search
 from qsync_jax.data.base import Dataset
-from qsync_jax.plan.precision import Precision, PrecisionPlan
+from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
+from qsync_jax.numerics.precision import Precision
+from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor import profiling
 from qsync_jax.predictor import simulation
+from qsync_jax.train import losses
 
 
 def indicator_batches(dataset: Dataset, num_batches: int, batch_size: int
@@ -61,12 +65,12 @@ def compute_scores(model, dataset: Dataset, method: str = "qsync", *,
                    num_batches: int = 4, batch_size: int = 32,
                    precisions: Sequence[Precision | str] = ("int8", "fp16",
                                                             "bf16"),
-                   seed: int = 0) -> indicator.Scores:
+                   seed: int = 0) -> sensitivity.Scores:
   """Indicator scores of ``model`` on the first training batches."""
-  return indicator.compute(model, losses.cross_entropy,
-                           indicator_batches(dataset, num_batches,
-                                             batch_size),
-                           method, precisions, seed=seed)
+  return sensitivity.compute(model, losses.cross_entropy,
+                             indicator_batches(dataset, num_batches,
+                                               batch_size),
+                             method, precisions, seed=seed)
 
 
 @dataclasses.dataclass
@@ -74,7 +78,8 @@ class PlanningResult:
   """An allocation and the baselines it is compared with.
 
   Attributes:
-    allocation: the allocator's :class:`~qsync_jax.allocation.allocator.Allocation`.
+    allocation: the allocator's
+      :class:`~qsync_jax.allocation.allocator.Allocation`.
     graph: the timing model's graph at the per-worker batch.
     profiles: ``{kind: Profile}`` used.
     scores: the indicator scores (``{layer: {precision: score}}``).
@@ -129,7 +134,8 @@ class PlanningResult:
       row += [a.precisions[k][node.path].value for k in kinds]
       for k in weak:
         p = a.precisions[k][node.path]
-        row.append(f"{allocator_lib.indicator_of(self.scores, node.path, p):.3g}")
+        score = search.indicator_of(self.scores, node.path, p)
+        row.append(f"{score:.3g}")
       for k in weak:
         p = a.precisions[k][node.path]
         row.append(f"{self.profiles[k].layer_cost(node.path, p)[1] * 1e3:.3f}")
@@ -145,7 +151,7 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
                  memory_limits: Mapping[str, float] | None = None,
                  compression: float | None = None,
                  candidates: Sequence[Precision | str] = (
-                     allocator_lib.DEFAULT_CANDIDATES),
+                     search.DEFAULT_CANDIDATES),
                  baselines: bool = True,
                  optimizer_state_copies: int = 2) -> PlanningResult:
   """Allocates plans for ``cluster`` and predicts the baselines.
@@ -161,8 +167,8 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
     memory_limits: ``{kind: bytes}``.
     compression: instead of limits, give each weak kind the budget that
       saves this fraction of its FP32 residual bytes
-      (:func:`qsync_jax.allocation.allocator.compression_budget`; QSync's ablation
-      uses 0.6).
+      (:func:`qsync_jax.allocation.search.compression_budget`; QSync's
+      ablation uses 0.6).
     candidates: precisions the weak kinds may use.
     baselines: also predict the baselines.
     optimizer_state_copies: float32 copies of the parameters the optimizer
@@ -173,9 +179,8 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
     ValueError: the scores do not cover the timing model's layers, a kind
       outside the catalog, both memory_limits and compression, or a negative
       optimizer_state_copies.
-    qsync_jax.allocation.allocator.AllocationError: no plan fits.
+    qsync_jax.allocation.AllocationError: no plan fits.
   """
-  from qsync_jax import predictor  # local: keeps import order simple
   if optimizer_state_copies < 0:
     raise ValueError("optimizer_state_copies must be >= 0, got "
                      f"{optimizer_state_copies}")
@@ -183,7 +188,7 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
                                optimizer_state_copies=optimizer_state_copies)
   spec = parse_cluster(cluster)
   g = predictor.trace_graph(timing_model, timing_model.input_spec(batch_size))
-  table = allocator_lib.score_table(scores)
+  table = search.score_table(scores)
   if set(table) != set(g.paths):
     extra = sorted(set(table) - set(g.paths))
     lack = sorted(set(g.paths) - set(table))
@@ -196,8 +201,7 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
   if compression is not None:
     if memory_limits:
       raise ValueError("give memory_limits or compression, not both")
-    memory_limits = {k: allocator_lib.compression_budget(g, profiles[k],
-                                                         compression)
+    memory_limits = {k: search.compression_budget(g, profiles[k], compression)
                      for k in spec.groups() if k not in training}
 
   def run_allocator(table):
@@ -209,14 +213,13 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
   alloc = run_allocator(table)
   out: dict[str, dict[str, Any]] = {}
   if baselines:
-    stats = functools.partial(allocator_lib.plan_stats, g, table,
-                              profiles=profiles)
+    stats = functools.partial(search.plan_stats, g, table, profiles=profiles)
     link = simulation.cluster_link(spec.kinds)
     fp32 = {k: {p: Precision.FP32 for p in g.paths} for k in spec.groups()}
     out["fp32"] = {"step_time_s": predictor.predict(
         g, spec, {}, profiles, link=link).step_time_s,
                    **stats(fp32)}
-    low_plans = allocator_lib.uniform_low_plans(spec, training)
+    low_plans = baselines_lib.uniform_low_plans(spec, training)
     low = {k: predictor.resolve_plan(g, low_plans.get(k, PrecisionPlan()), k)
            for k in spec.groups()}
     out["uniform_low"] = {"step_time_s": predictor.predict(
@@ -238,7 +241,7 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
         profile_cache[key] = analytic(graph, kind)
       return profile_cache[key]
 
-    db, sizes = allocator_lib.predict_dynamic_batch(graph_at, spec,
+    db, sizes = baselines_lib.predict_dynamic_batch(graph_at, spec,
                                                     batch_size, profile_for)
     out["dynamic_batch"] = {
         "step_time_s": db.step_time_s,
@@ -255,7 +258,7 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
         **stats({k: fp32[k] for k in training}), "cluster": str(alone)}
     # QSync's indicator ablation: the same search with the scores shuffled
     # among the layers (judged by the true scores).
-    shuffled = run_allocator(allocator_lib.shuffled_scores(table))
+    shuffled = run_allocator(baselines_lib.shuffled_scores(table))
     out["qsync_shuffled"] = {"step_time_s": shuffled.prediction.step_time_s,
                              **stats(shuffled.precisions)}
   return PlanningResult(alloc, g, profiles, dict(table), indicator_name, spec,

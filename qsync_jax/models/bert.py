@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qsync_jax.models.base import TokenModel
 from qsync_jax.models.transformer import EncoderLayer
 
 
@@ -44,10 +45,9 @@ class BertConfig:
   dropout_rate: float = 0.0
 
 
-class BertEncoderClassifier(nnx.Module):
+class BertEncoderClassifier(TokenModel):
   """Transformer encoder that classifies a sequence from its first token."""
 
-  task: ClassVar[str] = 'classification'
   default_config: ClassVar[BertConfig] = BertConfig()
 
   def __init__(self, config: BertConfig | None = None, *, rngs: nnx.Rngs):
@@ -57,8 +57,7 @@ class BertEncoderClassifier(nnx.Module):
       config: the model configuration; ``default_config`` when None.
       rngs: RNG streams for parameter initialisation.
     """
-    self.config = config = (
-        self.default_config if config is None else config)
+    config = self._set_config(config)
     self.token_embed = nnx.Embed(config.vocab_size, config.hidden, rngs=rngs)
     self.position_embed = nnx.Embed(config.max_len, config.hidden, rngs=rngs)
     # Post-LN BERT normalises the embeddings; pre-LN normalises the output of
@@ -71,10 +70,6 @@ class BertEncoderClassifier(nnx.Module):
         for _ in range(config.num_layers)
     ])
     self.head = nnx.Linear(config.hidden, config.num_classes, rngs=rngs)
-
-  def input_spec(self, batch_size: int) -> jax.ShapeDtypeStruct:
-    """Returns the int32 (batch, max_len) token batch ``__call__`` takes."""
-    return jax.ShapeDtypeStruct((batch_size, self.config.max_len), jnp.int32)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """Maps (batch, seq) token ids to float32 (batch, num_classes) logits."""

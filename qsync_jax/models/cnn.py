@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qsync_jax.models.base import ImageModel
+
 
 @dataclasses.dataclass(frozen=True)
 class SmallCNNConfig:
@@ -44,10 +46,9 @@ class SmallCNNConfig:
       raise ValueError(f'image_size must be >= 2, got {self.image_size}')
 
 
-class SmallCNN(nnx.Module):
+class SmallCNN(ImageModel):
   """Two-conv, two-linear image classifier."""
 
-  task: ClassVar[str] = 'classification'
   default_config: ClassVar[SmallCNNConfig] = SmallCNNConfig()
 
   def __init__(self, config: SmallCNNConfig | None = None, *,
@@ -58,20 +59,13 @@ class SmallCNN(nnx.Module):
       config: the model configuration; ``default_config`` when None.
       rngs: RNG streams for parameter initialisation.
     """
-    self.config = config = (
-        self.default_config if config is None else config)
+    config = self._set_config(config)
     w1, w2 = config.widths
     self.conv1 = nnx.Conv(config.in_channels, w1, (3, 3), rngs=rngs)
     self.conv2 = nnx.Conv(w1, w2, (3, 3), rngs=rngs)
     pooled = config.image_size // 2
     self.fc = nnx.Linear(pooled * pooled * w2, config.hidden, rngs=rngs)
     self.head = nnx.Linear(config.hidden, config.num_classes, rngs=rngs)
-
-  def input_spec(self, batch_size: int) -> jax.ShapeDtypeStruct:
-    """Returns the NHWC float32 image batch that ``__call__`` takes."""
-    c = self.config
-    return jax.ShapeDtypeStruct(
-        (batch_size, c.image_size, c.image_size, c.in_channels), jnp.float32)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """Maps (batch, H, W, C) images to float32 (batch, num_classes) logits."""

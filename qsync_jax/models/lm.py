@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qsync_jax.models.base import TokenModel
 from qsync_jax.models.transformer import EncoderLayer
 
 
@@ -40,7 +41,7 @@ class DecoderLMConfig:
   dropout_rate: float = 0.0
 
 
-class DecoderLM(nnx.Module):
+class DecoderLM(TokenModel):
   """GPT-style decoder: predicts token t+1 from tokens <= t."""
 
   task: ClassVar[str] = 'lm'
@@ -54,8 +55,7 @@ class DecoderLM(nnx.Module):
       config: the model configuration; ``default_config`` when None.
       rngs: RNG streams for parameter initialisation.
     """
-    self.config = config = (
-        self.default_config if config is None else config)
+    config = self._set_config(config)
     self.token_embed = nnx.Embed(config.vocab_size, config.hidden, rngs=rngs)
     self.position_embed = nnx.Embed(config.max_len, config.hidden, rngs=rngs)
     self.layers = nnx.List([
@@ -66,10 +66,6 @@ class DecoderLM(nnx.Module):
     ])
     self.final_norm = nnx.LayerNorm(config.hidden, rngs=rngs)
     self.head = nnx.Linear(config.hidden, config.vocab_size, rngs=rngs)
-
-  def input_spec(self, batch_size: int) -> jax.ShapeDtypeStruct:
-    """Returns the int32 (batch, max_len) token batch ``__call__`` takes."""
-    return jax.ShapeDtypeStruct((batch_size, self.config.max_len), jnp.int32)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """Maps (batch, seq) token ids to float32 (batch, seq, vocab) logits."""

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qsync_jax.models.base import ImageModel
+
 
 @dataclasses.dataclass(frozen=True)
 class ResNetConfig:
@@ -146,10 +148,9 @@ class Bottleneck(_Block):
 _BLOCKS = {'basic': BasicBlock, 'bottleneck': Bottleneck}
 
 
-class ResNet(nnx.Module):
+class ResNet(ImageModel):
   """A BatchNorm ResNet: stem, residual stages, global average pool, head."""
 
-  task: ClassVar[str] = 'classification'
   default_config: ClassVar[ResNetConfig] = ResNetConfig()
 
   def __init__(self, config: ResNetConfig | None = None, *, rngs: nnx.Rngs):
@@ -159,8 +160,7 @@ class ResNet(nnx.Module):
       config: the model configuration; ``default_config`` when None.
       rngs: RNG streams for parameter initialisation.
     """
-    self.config = config = (
-        self.default_config if config is None else config)
+    config = self._set_config(config)
     block_cls = _BLOCKS[config.block]
     if config.cifar_stem:
       self.stem = _conv(config.in_channels, config.width, 3, 1, rngs)
@@ -178,12 +178,6 @@ class ResNet(nnx.Module):
         in_features = features * block_cls.expansion
     self.blocks = nnx.List(blocks)
     self.head = nnx.Linear(in_features, config.num_classes, rngs=rngs)
-
-  def input_spec(self, batch_size: int) -> jax.ShapeDtypeStruct:
-    """Returns the NHWC float32 image batch that ``__call__`` takes."""
-    c = self.config
-    return jax.ShapeDtypeStruct(
-        (batch_size, c.image_size, c.image_size, c.in_channels), jnp.float32)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """Maps (batch, H, W, C) images to float32 (batch, num_classes) logits."""

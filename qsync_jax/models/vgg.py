@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qsync_jax.models.base import ImageModel
+
 # (output channels, number of 3x3 convs) per stage; a 2x2 max-pool ends each.
 _VGG16_STAGES = ((64, 2), (128, 2), (256, 3), (512, 3), (512, 3))
 
@@ -69,10 +71,9 @@ class ConvBN(nnx.Module):
     return nnx.relu(self.norm(self.conv(x)))
 
 
-class VGG16BN(nnx.Module):
+class VGG16BN(ImageModel):
   """VGG-16 with BatchNorm after every conv and a 3-layer classifier."""
 
-  task: ClassVar[str] = 'classification'
   default_config: ClassVar[VGGConfig] = VGGConfig()
 
   def __init__(self, config: VGGConfig | None = None, *, rngs: nnx.Rngs):
@@ -82,8 +83,7 @@ class VGG16BN(nnx.Module):
       config: the model configuration; ``default_config`` when None.
       rngs: RNG streams for parameter initialisation.
     """
-    self.config = config = (
-        self.default_config if config is None else config)
+    config = self._set_config(config)
     stages = []
     in_features = config.in_channels
     for channels, depth in _VGG16_STAGES:
@@ -102,12 +102,6 @@ class VGG16BN(nnx.Module):
     # Only an active dropout owns an RNG stream, so rate 0 adds no RNG state.
     self.dropout = nnx.Dropout(
         config.dropout_rate, rngs=rngs if config.dropout_rate > 0 else None)
-
-  def input_spec(self, batch_size: int) -> jax.ShapeDtypeStruct:
-    """Returns the NHWC float32 image batch that ``__call__`` takes."""
-    c = self.config
-    return jax.ShapeDtypeStruct(
-        (batch_size, c.image_size, c.image_size, c.in_channels), jnp.float32)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """Maps (batch, H, W, C) images to float32 (batch, num_classes) logits."""

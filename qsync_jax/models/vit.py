@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qsync_jax.models.base import ImageModel
 from qsync_jax.models.transformer import EncoderLayer
 
 
@@ -49,10 +50,9 @@ class ViTConfig:
                        f'image_size={self.image_size}')
 
 
-class ViTTiny(nnx.Module):
+class ViTTiny(ImageModel):
   """Vision Transformer classifying an image from its class token."""
 
-  task: ClassVar[str] = 'classification'
   default_config: ClassVar[ViTConfig] = ViTConfig()
 
   def __init__(self, config: ViTConfig | None = None, *, rngs: nnx.Rngs):
@@ -62,8 +62,7 @@ class ViTTiny(nnx.Module):
       config: the model configuration; ``default_config`` when None.
       rngs: RNG streams for parameter initialisation.
     """
-    self.config = config = (
-        self.default_config if config is None else config)
+    config = self._set_config(config)
     patch = (config.patch_size, config.patch_size)
     self.patch_embed = nnx.Conv(config.in_channels, config.hidden, patch,
                                 strides=patch, padding='VALID', rngs=rngs)
@@ -80,12 +79,6 @@ class ViTTiny(nnx.Module):
     ])
     self.final_norm = nnx.LayerNorm(config.hidden, rngs=rngs)
     self.head = nnx.Linear(config.hidden, config.num_classes, rngs=rngs)
-
-  def input_spec(self, batch_size: int) -> jax.ShapeDtypeStruct:
-    """Returns the NHWC float32 image batch that ``__call__`` takes."""
-    c = self.config
-    return jax.ShapeDtypeStruct(
-        (batch_size, c.image_size, c.image_size, c.in_channels), jnp.float32)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """Maps (batch, H, W, C) images to float32 (batch, num_classes) logits."""

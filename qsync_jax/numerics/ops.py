@@ -64,8 +64,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import _common as kernel_common
+from pallas_kernels.fp8_matmul import fp8_matmul
+from pallas_kernels.int8_matmul import int8_matmul
 from qsync_jax.numerics import quant as q
-from qsync_jax.plan.precision import Precision
+from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import Granularity, QuantConfig
 
 _LOW_FLOAT = {Precision.FP16: jnp.float16, Precision.BF16: jnp.bfloat16}
@@ -241,10 +244,6 @@ def _use_kernel(spec, compute: Precision, ql, qr) -> bool:
 
 def _kernel_contract(spec, compute: Precision, ql, sl, qr, sr):
   """The forward contraction through ``pallas_kernels`` (float32 output)."""
-  from pallas_kernels import _common as kc  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.fp8_matmul import fp8_matmul  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.int8_matmul import int8_matmul  # pylint: disable=g-import-not-at-top
-
   (lc, rc), (lb, rb) = spec.dimension_numbers
   lfree = [d for d in range(ql.ndim) if d not in lc and d not in lb]
   rfree = [d for d in range(qr.ndim) if d not in rc and d not in rb]
@@ -262,8 +261,9 @@ def _kernel_contract(spec, compute: Precision, ql, sl, qr, sr):
     sx = jnp.transpose(sl, (*lb, *lfree, *lc)).reshape(b, m)
     sw = jnp.transpose(sr, (*rb, *rc, *rfree)).reshape(b, n)
   kernel = int8_matmul if compute is Precision.INT8 else fp8_matmul
-  blocks = dict(block_m=kc.pick_block(m), block_n=kc.pick_block(n),
-                block_k=kc.pick_block(k))
+  blocks = dict(block_m=kernel_common.pick_block(m),
+                block_n=kernel_common.pick_block(n),
+                block_k=kernel_common.pick_block(k))
   gemm = lambda x, w, sx, sw: kernel(x, w, sx, sw, **blocks)
   if not lb:
     y = gemm(x[0], w[0], sx if per_tensor else sx[0],

@@ -11,7 +11,8 @@ Stochastic rounding draws its noise from a counter-based hash of each
 element's index and bit pattern (``lowbias32``), not from ``jax.random``: it
 needs no key threaded through Flax layers, costs a few integer ops per element
 (Threefry is ~10x more on CPU, reference/jax_notes.md section 6), and is the
-same function the Pallas quantize kernel computes. Pass ``key`` to use
+same function the Pallas quantize kernel computes (it lives in
+:mod:`pallas_kernels.hashing`). Pass ``key`` to use
 ``jax.random`` instead.
 """
 
@@ -24,6 +25,10 @@ from typing import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+# The hash lives with the kernels, which may import nothing from qsync_jax;
+# rounding here and in the kernels then draws the same noise bit for bit.
+from pallas_kernels.hashing import hash_uniform_at
 
 INT8_MAX = 127
 
@@ -121,36 +126,12 @@ def hash_uniform(x: jax.Array, salt: int = 0) -> jax.Array:
   """Returns pseudo-random floats in [0, 1), one per element of ``x``.
 
   Each value is a ``lowbias32`` hash of the element's flat index, its float32
-  bit pattern and ``salt``, so equal values at different positions get
-  independent noise and no PRNG key is needed.
+  bit pattern and ``salt`` (:func:`pallas_kernels.hashing.hash_uniform_at`),
+  so equal values at different positions get independent noise and no PRNG
+  key is needed.
   """
   idx = lax.iota(jnp.uint32, x.size).reshape(x.shape)
   return hash_uniform_at(idx, x, jnp.uint32(salt & 0xFFFFFFFF))
-
-
-def hash_uniform_at(idx: jax.Array, x: jax.Array, salt: jax.Array
-                    ) -> jax.Array:
-  """:func:`hash_uniform` with the flat indices given (a kernel's tile).
-
-  ``h = idx * 0x9E3779B9 ^ bits(x) ^ salt`` followed by the ``lowbias32``
-  finalizer (C. Wellons, "Prospecting for hash functions", 2018); only
-  uint32 multiply, xor and logical shifts, so it also runs inside Pallas
-  kernels (:mod:`pallas_kernels`).
-
-  Args:
-    idx: uint32 flat element indices (wrap mod 2**32).
-    x: the values; their float32 bit patterns are mixed in.
-    salt: a uint32 scalar (or broadcastable array).
-  """
-  bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-  h = idx * jnp.uint32(0x9E3779B9) ^ bits ^ salt
-  h = h ^ (h >> 16)
-  h = h * jnp.uint32(0x7FEB352D)
-  h = h ^ (h >> 15)
-  h = h * jnp.uint32(0x846CA68B)
-  h = h ^ (h >> 16)
-  # The top 24 bits give an exactly representable float32 in [0, 1).
-  return (h >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
 
 
 def round_values(v: jax.Array, rounding: Rounding | str, *, salt: int = 0,

@@ -1,1 +1,59 @@
-"""qsync_jax/parallel."""
+"""How the workers of a hybrid cluster are laid out, and how they synchronize.
+
+In the data flow this subpackage sits between the precision plan and the
+training step: it owns
+
+* the cluster (:mod:`~qsync_jax.parallel.cluster`): which device kind each
+  worker is, which JAX device runs it, and the dynamic-batch-sizing split;
+* what goes on the wire when workers average
+  (:mod:`~qsync_jax.parallel.averagers`, built on
+  :mod:`~qsync_jax.parallel.wire` and :mod:`~qsync_jax.parallel.buckets`,
+  with Global-QSGD in :mod:`~qsync_jax.parallel.global_qsgd`);
+* when they average, and whether gradients or parameters
+  (:mod:`~qsync_jax.parallel.schedules`);
+* how one process joins a multi-process run, and the localhost launcher
+  (:mod:`~qsync_jax.parallel.distributed`).
+
+The trainer (:mod:`qsync_jax.train`) runs the collectives; nothing here
+holds model state.
+"""
+
+from qsync_jax.parallel import averagers
+from qsync_jax.parallel import cluster
+from qsync_jax.parallel import distributed
+from qsync_jax.parallel import schedules
+from qsync_jax.parallel.averagers import CastAverager
+from qsync_jax.parallel.averagers import compress_with_feedback
+from qsync_jax.parallel.averagers import make_averager
+from qsync_jax.parallel.averagers import MeanAverager
+from qsync_jax.parallel.averagers import QSGD
+from qsync_jax.parallel.cluster import assign_devices
+from qsync_jax.parallel.cluster import ClusterSpec
+from qsync_jax.parallel.cluster import dynamic_batch_sizes
+from qsync_jax.parallel.cluster import parse_cluster
+from qsync_jax.parallel.cluster import parse_speeds
+from qsync_jax.parallel.distributed import DistributedConfig
+from qsync_jax.parallel.distributed import initialize
+from qsync_jax.parallel.distributed import launch
+from qsync_jax.parallel.distributed import shutdown
+from qsync_jax.parallel.global_qsgd import GlobalQSGD
+from qsync_jax.parallel.global_qsgd import GlobalQSGDExp
+from qsync_jax.parallel.schedules import ConstantLocalSGD
+from qsync_jax.parallel.schedules import EveryStep
+from qsync_jax.parallel.schedules import make_schedule
+from qsync_jax.parallel.schedules import PostLocalSGD
+from qsync_jax.parallel.schedules import QSR
+from qsync_jax.parallel.schedules import Schedule
+from qsync_jax.parallel.wire import Averager
+from qsync_jax.parallel.wire import ring_allgather_bytes
+from qsync_jax.parallel.wire import ring_allreduce_bytes
+
+__all__ = [
+    "Averager", "CastAverager", "ClusterSpec", "ConstantLocalSGD",
+    "DistributedConfig", "EveryStep", "GlobalQSGD", "GlobalQSGDExp",
+    "MeanAverager", "PostLocalSGD", "QSGD", "QSR", "Schedule", "assign_devices",
+    "averagers", "cluster", "compress_with_feedback", "distributed",
+    "dynamic_batch_sizes", "initialize", "launch", "make_averager",
+    "make_schedule", "parse_cluster", "parse_speeds", "ring_allgather_bytes",
+    "ring_allreduce_bytes", "schedules", "shutdown",
+]

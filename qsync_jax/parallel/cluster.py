@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 
-from qsync_jax.plan.precision import supported_precisions
+from qsync_jax.plan.devices import supported_precisions
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,8 +9,8 @@ duration of that call. Addressable Linen layers are ``nn.Dense``,
 ``nn.DenseGeneral`` (``dot_general``), ``nn.Conv`` (``conv_general_dilated``)
 and ``nn.Embed`` (``dtype``); Linen's ``nn.Einsum`` has no injection hook.
 Paths are the Linen module paths joined by ``/`` (``"Conv_0"``,
-``"encoder/layer_1/Dense_0"``). The forced precisions are those of
-:mod:`qsync_jax.plan.policy`.
+``"encoder/layer_1/Dense_0"``). The ops and forced precisions are those of
+the NNX API (:mod:`qsync_jax.plan.rules`).
 """
 
 from __future__ import annotations
@@ -20,16 +20,15 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
-from qsync_jax.numerics import ops
-from qsync_jax.plan.policy import resolve_with_forced
-from qsync_jax.plan.precision import Precision, PrecisionPlan
+from qsync_jax.numerics.precision import Precision
+from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.plan.rules import (OP_FOR_ATTRIBUTE, embed_dtype,
+                                  resolve_with_forced)
 
-_OP_ATTR = ((nn.Dense, "dot_general", ops.DotGeneral),
-            (nn.DenseGeneral, "dot_general", ops.DotGeneral),
-            (nn.Conv, "conv_general_dilated", ops.ConvGeneralDilated))
-_EMBED_DTYPE = {Precision.FP16: jnp.float16, Precision.BF16: jnp.bfloat16}
+# The attribute each layer type computes through (its op: OP_FOR_ATTRIBUTE).
+_OP_ATTR = ((nn.Dense, "dot_general"), (nn.DenseGeneral, "dot_general"),
+            (nn.Conv, "conv_general_dilated"))
 ADDRESSABLE_TYPES = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.Embed)
 
 
@@ -134,11 +133,10 @@ class PlannedModule:
         return next_fun(*call_args, **call_kwargs)
       prec, module = precisions[path], context.module
       if isinstance(module, nn.Embed):
-        attrs = {"dtype": _EMBED_DTYPE.get(prec, module.param_dtype)}
+        attrs = {"dtype": embed_dtype(prec, module.param_dtype)}
       else:
-        attr, op_cls = next((a, o) for t, a, o in _OP_ATTR
-                            if isinstance(module, t))
-        attrs = {attr: op_cls(prec, self.plan.quant)}
+        attr = next(a for t, a in _OP_ATTR if isinstance(module, t))
+        attrs = {attr: OP_FOR_ATTRIBUTE[attr](prec, self.plan.quant)}
         if attr == "dot_general":
           attrs["dot_general_cls"] = None
         else:

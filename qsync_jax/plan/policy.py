@@ -13,40 +13,35 @@ precision-aware op from :mod:`qsync_jax.numerics.ops`. Parameters are never touc
 they stay float32 master weights, so a plan changes compute only and any plan
 can be applied on top of another.
 
-Forced precisions (DESIGN.md "Numerics", after QSync's ``map_available_bit``
-and ``reject_name_list``):
-
-* the classifier head (the last layer in forward order) computes in FP32
-  unless a rule names it;
-* embeddings and attention matmuls never go below 16 bits: the default drops
-  them to FP16 at most, and a rule that names one below 16 bits is an error;
-* softmax and GELU inputs are FP32 and norms keep FP32; the built-in models
-  do this themselves (these are not addressable layers).
+The forced precisions (FP32 head, 16-bit floor for embeddings and attention
+matmuls) are :mod:`qsync_jax.plan.rules`, shared with the Linen API. Softmax
+and GELU inputs are FP32 and norms keep FP32; the built-in models do this
+themselves (these are not addressable layers).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Callable, Mapping
 
-import jax.numpy as jnp
 from flax import nnx
 
-from qsync_jax.numerics import ops
-from qsync_jax.plan.layers import MatMul
-from qsync_jax.plan.precision import PlanError, Precision, PrecisionPlan
+from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
+from qsync_jax.plan.layers import MatMul
+from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.plan.rules import (OP_FOR_ATTRIBUTE, embed_dtype,
+                                  resolve_with_forced)
 
 # The attribute each layer type computes through, and the op that replaces it.
 _OP_ATTR: Mapping[type, tuple[str, Callable[..., Any]]] = {
-    nnx.Linear: ("dot_general", ops.DotGeneral),
-    nnx.LinearGeneral: ("dot_general", ops.DotGeneral),
-    nnx.Conv: ("conv_general_dilated", ops.ConvGeneralDilated),
-    nnx.Einsum: ("einsum_op", ops.Einsum),
-    MatMul: ("einsum_op", ops.Einsum),
-}
-_EMBED_DTYPE = {Precision.FP16: jnp.float16, Precision.BF16: jnp.bfloat16}
+    layer_type: (attr, OP_FOR_ATTRIBUTE[attr]) for layer_type, attr in (
+        (nnx.Linear, "dot_general"),
+        (nnx.LinearGeneral, "dot_general"),
+        (nnx.Conv, "conv_general_dilated"),
+        (nnx.Einsum, "einsum_op"),
+        (MatMul, "einsum_op"),
+    )}
 #: Layer types that never compute below 16 bits.
 SIXTEEN_BIT_FLOOR = (nnx.Embed, MatMul)
 ADDRESSABLE_TYPES = (*_OP_ATTR, nnx.Embed)
@@ -189,42 +184,6 @@ def layer_paths(model: nnx.Module, sample_input: Any = None) -> list[str]:
   return [layer.path for layer in model_layers(model, sample_input)]
 
 
-def resolve_with_forced(paths: list[str], floored: set[str],
-                        plan: PrecisionPlan) -> dict[str, Precision]:
-  """Resolves ``plan`` over ``paths`` and applies the forced precisions.
-
-  Args:
-    paths: layer paths in forward order (the last one is the head).
-    floored: the paths that never compute below 16 bits.
-    plan: the precision plan.
-
-  Returns:
-    ``{path: Precision}``: the head is FP32 unless a rule names it; a floored
-    layer that only the default puts below 16 bits gets FP16.
-
-  Raises:
-    PlanError: a rule matches no layer, or names a floored layer below 16 bits.
-  """
-  resolved = plan.resolve(paths)
-  effective, too_low = {}, []
-  for i, path in enumerate(paths):
-    prec = resolved[path]
-    named = any(re.fullmatch(rule, path) for rule, _ in plan.rules)
-    if i == len(paths) - 1 and not named:
-      prec = Precision.FP32
-    if path in floored and prec.bits < 16:
-      if named:
-        too_low.append(f"{path} ({prec.value})")
-      else:
-        prec = Precision.FP16
-    effective[path] = prec
-  if too_low:
-    raise PlanError(
-        "embeddings and attention matmuls compute in 16 bits or more, but the "
-        f"plan's rules put {', '.join(too_low)} below that")
-  return effective
-
-
 def resolve_layers(layer_list: list[Layer], plan: PrecisionPlan,
                    device_kind: str | None = None) -> dict[str, Precision]:
   """Like :func:`effective_precisions`, for layers already listed."""
@@ -290,7 +249,7 @@ def set_precisions(layer_list: list[Layer], precisions: dict[str, Precision],
     prec = precisions[layer.path]
     module = layer.module
     if isinstance(module, nnx.Embed):
-      module.dtype = _EMBED_DTYPE.get(prec, module.param_dtype)
+      module.dtype = embed_dtype(prec, module.param_dtype)
     else:
       attr, op_cls = op_attribute(module)
       setattr(module, attr, op_cls(prec, quant))

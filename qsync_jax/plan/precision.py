@@ -1,112 +1,23 @@
-"""Precisions, what each device kind computes natively, and precision plans.
+"""Precision plans: which precision each layer of a model computes at.
 
-A :class:`PrecisionPlan` maps layer paths (see :func:`qsync_jax.layer_paths`)
-to a :class:`Precision` with ordered regex rules, first match wins, and a
-default. Plans are plain data: they round-trip through JSON and are validated
-against a device kind's capabilities before a step function is built from them.
-
-The capability table follows QSync's per-architecture bit lists
-(``conf.py: config_ava_bits``: sm70 -> {16, 32}, sm75 -> {8, 16, 32},
-sm80 -> {8, 16, 19, 32}) extended with the tensor-core data types of the
-newer inference GPUs (reference/peers.md, section 6): BF16 needs Ampere,
-FP8 needs Ada or Hopper. A CPU computes every precision (in software), which
-is what lets the numerics of any plan be tested on CPU.
+This module owns :class:`PrecisionPlan` and :class:`PlanError`. A plan maps
+layer paths (see :func:`qsync_jax.layer_paths`) to a
+:class:`~qsync_jax.numerics.precision.Precision` with ordered regex rules,
+first match wins, and a default. Plans are plain data: they round-trip through
+JSON and are validated against a device kind's precisions
+(:mod:`qsync_jax.plan.devices`) before a step function is built from them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import re
 from typing import Iterable, Mapping, Sequence
 
+from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
-
-
-class Precision(enum.Enum):
-  """The compute precision of one layer.
-
-  The value is the name used in plans and JSON. ``bits`` orders precisions
-  from lowest to highest (INT8 and FP8 are both 8 bits; BF16 and FP16 both 16).
-  """
-
-  FP8 = "fp8"
-  INT8 = "int8"
-  FP16 = "fp16"
-  BF16 = "bf16"
-  TF32 = "tf32"
-  FP32 = "fp32"
-
-  @property
-  def bits(self) -> int:
-    return _BITS[self]
-
-  @property
-  def is_float(self) -> bool:
-    return self is not Precision.INT8
-
-  @classmethod
-  def parse(cls, value: "Precision | str") -> "Precision":
-    """Returns the Precision named by ``value`` (case-insensitive).
-
-    Raises:
-      ValueError: ``value`` names no precision.
-    """
-    if isinstance(value, Precision):
-      return value
-    if isinstance(value, str):
-      try:
-        return cls(value.strip().lower())
-      except ValueError:
-        pass
-    raise ValueError(
-        f"unknown precision {value!r}; valid precisions: "
-        f"{', '.join(p.value for p in cls)}")
-
-  def __str__(self) -> str:
-    return self.value
-
-
-_BITS = {Precision.FP8: 8, Precision.INT8: 8, Precision.FP16: 16,
-         Precision.BF16: 16, Precision.TF32: 19, Precision.FP32: 32}
-
-_ALL = frozenset(Precision)
-_P = Precision
-
-#: Precisions each device kind computes natively (tensor cores or SIMD units).
-DEVICE_PRECISIONS: Mapping[str, frozenset[Precision]] = {
-    "cpu": _ALL,
-    # Volta sm_70: FP16 tensor cores only; INT8 via DP4A only, BF16 emulated.
-    "v100": frozenset({_P.FP32, _P.FP16}),
-    # Turing sm_75: FP16 and INT8 tensor cores; no BF16, TF32 or FP8.
-    "t4": frozenset({_P.FP32, _P.FP16, _P.INT8}),
-    # Ampere sm_80 / sm_86: adds TF32 and BF16.
-    "a100": frozenset({_P.FP32, _P.TF32, _P.BF16, _P.FP16, _P.INT8}),
-    "a10": frozenset({_P.FP32, _P.TF32, _P.BF16, _P.FP16, _P.INT8}),
-    # Ada sm_89 and Hopper sm_90: add FP8 (e4m3 / e5m2).
-    "l4": _ALL,
-    "l40s": _ALL,
-    "h100": _ALL,
-}
-
-
-def device_kinds() -> list[str]:
-  """Returns the device kinds the capability table knows."""
-  return sorted(DEVICE_PRECISIONS)
-
-
-def supported_precisions(device_kind: str) -> frozenset[Precision]:
-  """Returns the precisions ``device_kind`` computes natively.
-
-  Raises:
-    ValueError: the device kind is unknown.
-  """
-  kind = device_kind.strip().lower()
-  if kind not in DEVICE_PRECISIONS:
-    raise ValueError(f"unknown device kind {device_kind!r}; known kinds: "
-                     f"{', '.join(device_kinds())}")
-  return DEVICE_PRECISIONS[kind]
+from qsync_jax.plan.devices import supported_precisions
 
 
 class PlanError(ValueError):
@@ -208,7 +119,7 @@ class PrecisionPlan:
     """Checks that ``device_kind`` computes every precision the plan uses.
 
     Args:
-      device_kind: a kind from :data:`DEVICE_PRECISIONS` (e.g. ``"t4"``).
+      device_kind: a kind of :mod:`qsync_jax.plan.devices` (e.g. ``"t4"``).
       layer_paths: if given, only the precisions that these layers resolve
         to are checked (a rule shadowed by earlier rules does not count).
 

@@ -1,27 +1,35 @@
 """Predictor: the step time and memory of any per-device precision plan.
 
 QSync's replayer and cost mapper (arXiv 2407.02327; reference qsync.md
-section 4) in JAX:
+section 4) in JAX. In the data flow it sits between the indicator and the
+allocator: a model and a cluster come in, a :class:`Prediction` per plan
+goes out. Read its modules in this order:
 
 * :func:`trace_graph`: a model's layers in forward order, their operand
   shapes, data flow and dtype cascades (:mod:`.graph`);
 * :func:`profile`: per-layer forward and backward times per precision, the
   rest of the step, the optimizer, cast costs and memory, measured on the
-  device at hand and cached (:mod:`.profiling`); :func:`analytic_profile` for a
-  GPU kind of the catalog (:mod:`.devices`) that is not present;
+  device at hand and cached as a :class:`Profile` (:mod:`.profiling`; what
+  it times is :mod:`.pieces`, the calls that time it :mod:`.calls`, the
+  clock :mod:`.timing`);
+* :func:`analytic_profile`: the same table for a GPU kind of the device
+  table (:mod:`qsync_jax.plan.devices`) that is not present, through the
+  roofline (:mod:`.analytic`, :mod:`.roofline`);
+* :class:`MemoryModel`, :func:`compiled_step_bytes` (:mod:`.memory`) and
+  :class:`CastModel` (:mod:`.casting`): the memory and cast parts of a
+  profile;
 * :func:`simulate` / :func:`predict`: a synchronous step over hybrid workers
   with gradient buckets overlapping the backward pass and all-reduces aligned
-  across workers, returning a :class:`Prediction` (:mod:`.simulation`);
-* :class:`MemoryModel`, :func:`compiled_step_bytes` (:mod:`.memory`) and
-  :class:`CastModel` (:mod:`.casting`).
+  across workers, returning a :class:`Prediction` (:mod:`.simulation`).
+
+The step it profiles is the trainer's own (:mod:`qsync_jax.train.step` and
+:mod:`qsync_jax.train.programs`); the predictor never imports the trainer.
 """
 
+from qsync_jax.predictor.analytic import analytic_profile
 from qsync_jax.predictor.casting import CastModel
 from qsync_jax.predictor.casting import analytic_cast_model
 from qsync_jax.predictor.casting import fit_cast_model
-from qsync_jax.predictor.devices import DEVICES
-from qsync_jax.predictor.devices import DeviceSpec
-from qsync_jax.predictor.devices import device_spec
 from qsync_jax.predictor.graph import LayerNode
 from qsync_jax.predictor.graph import ModelGraph
 from qsync_jax.predictor.graph import casts
@@ -30,7 +38,6 @@ from qsync_jax.predictor.graph import trace_graph
 from qsync_jax.predictor.memory import MemoryModel
 from qsync_jax.predictor.memory import compiled_step_bytes
 from qsync_jax.predictor.profiling import Profile
-from qsync_jax.predictor.profiling import analytic_profile
 from qsync_jax.predictor.profiling import profile
 from qsync_jax.predictor.simulation import Prediction
 from qsync_jax.predictor.simulation import SimWorker
@@ -40,8 +47,6 @@ from qsync_jax.predictor.simulation import simulate
 
 __all__ = [
     "CastModel",
-    "DEVICES",
-    "DeviceSpec",
     "LayerNode",
     "MemoryModel",
     "ModelGraph",
@@ -52,7 +57,6 @@ __all__ = [
     "analytic_profile",
     "casts",
     "compiled_step_bytes",
-    "device_spec",
     "fit_cast_model",
     "input_dtypes",
     "predict",

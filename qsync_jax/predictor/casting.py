@@ -20,7 +20,8 @@ import numpy as np
 from scipy import optimize
 
 from qsync_jax.numerics import quant
-from qsync_jax.predictor import devices, timing
+from qsync_jax.plan.devices import DeviceSpec
+from qsync_jax.predictor import roofline, timing
 
 FLOATS = ("float32", "float16", "bfloat16")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
@@ -105,7 +106,7 @@ def fit_cast_model(device: jax.Device | None = None,
   return CastModel(coefficients)
 
 
-def analytic_cast_model(spec: devices.DeviceSpec) -> CastModel:
+def analytic_cast_model(spec: DeviceSpec) -> CastModel:
   """Cast costs of a GPU from its memory bandwidth.
 
   A cast reads the source and writes the destination once; quantization
@@ -113,9 +114,10 @@ def analytic_cast_model(spec: devices.DeviceSpec) -> CastModel:
   (two for quantization).
   """
   coefficients = {}
+  bandwidth = roofline.sustained_bandwidth(spec)
   for src, dst in cast_pairs():
     passes = 2 if dst == "int8" else 1
-    per_elem = (passes * _ITEMSIZE[src] + _ITEMSIZE[dst]) / spec.bandwidth
+    per_elem = (passes * _ITEMSIZE[src] + _ITEMSIZE[dst]) / bandwidth
     coefficients[f"{src}->{dst}"] = (per_elem,
-                                     passes * devices.KERNEL_LAUNCH_S)
+                                     passes * roofline.KERNEL_LAUNCH_S)
   return CastModel(coefficients)

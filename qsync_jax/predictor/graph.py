@@ -38,8 +38,9 @@ from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 import numpy as np
 
+from qsync_jax.numerics import ops
+from qsync_jax.numerics.precision import Precision
 from qsync_jax.plan import policy
-from qsync_jax.plan.precision import Precision
 
 #: Model input as a producer.
 INPUT = -1
@@ -256,7 +257,6 @@ def _flops(node_call: Callable[..., Any], kind: str,
   """
   if kind == "Embed":
     return 0.0
-  from qsync_jax.numerics import ops  # local: avoid a cycle through policy
   op = ops.ConvGeneralDilated() if kind == "Conv" else (
       ops.Einsum() if kind in ("Einsum", "MatMul") else ops.DotGeneral())
   lowered = jax.jit(lambda *a: node_call(op, *a)).lower(*arrays)

@@ -38,8 +38,10 @@ import optax
 
 from qsync_jax.train import losses
 from qsync_jax.plan import policy
-from qsync_jax.plan.precision import Precision, PrecisionPlan
+from qsync_jax.numerics.precision import Precision
+from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import graph as graph_lib
+from qsync_jax.predictor import pieces
 from qsync_jax.numerics.quant import QuantConfig
 
 _BITS = {Precision.FP32: 32, Precision.TF32: 32, Precision.BF16: 16,
@@ -219,8 +221,7 @@ def measure_memory_model(model: nnx.Module, g: graph_lib.ModelGraph,
 
 def _rest_bytes(model, g, sample_batch, loss_fn) -> float:
   """XLA's bytes accessed by the float32 step without its layers."""
-  from qsync_jax.predictor import profiling  # local: it imports memory
-  _, grad_fn, flat, rest = profiling.stand_in_step_functions(
+  _, grad_fn, flat, rest = pieces.stand_in_step_functions(
       model, g, loss_fn, "float32")
   x, y = sample_batch
   lowered = grad_fn.lower(_abstract(flat[None]), _abstract(rest),

@@ -31,10 +31,12 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from qsync_jax.plan import policy
+from qsync_jax.plan import rules
 from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
-from qsync_jax.plan.precision import Precision, PrecisionPlan
-from qsync_jax.predictor import devices, graph as graph_lib
+from qsync_jax.numerics.precision import Precision
+from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.plan.devices import device_spec
+from qsync_jax.predictor import graph as graph_lib, roofline
 from qsync_jax.predictor.profiling import Profile, PROFILED_INPUT_DTYPE
 
 #: PyTorch DDP's default bucket size (bytes).
@@ -107,11 +109,11 @@ def cluster_link(kinds: Sequence[str], gpus_per_node: int = GPUS_PER_NODE
   One kind within one node uses that kind's link; otherwise the ring crosses
   nodes and runs at the slower of the network and the slowest link.
   """
-  specs = [devices.device_spec(k) for k in kinds]
+  specs = [device_spec(k) for k in kinds]
   if len(set(kinds)) == 1 and len(kinds) <= gpus_per_node:
     return INTRA_NODE_LATENCY_S, 1.0 / specs[0].link_bandwidth
-  bw = min([devices.NETWORK_BANDWIDTH] + [s.link_bandwidth for s in specs])
-  return devices.NETWORK_LATENCY_S, 1.0 / bw
+  bw = min([roofline.NETWORK_BANDWIDTH] + [s.link_bandwidth for s in specs])
+  return roofline.NETWORK_LATENCY_S, 1.0 / bw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,7 +379,7 @@ def resolve_plan(g: graph_lib.ModelGraph, plan: PrecisionPlan,
       precisions.
   """
   floored = {n.path for n in g.nodes if n.floored}
-  effective = policy.resolve_with_forced(g.paths, floored, plan)
+  effective = rules.resolve_with_forced(g.paths, floored, plan)
   if device_kind is not None:
     PrecisionPlan.from_precisions(effective).validate_for(device_kind,
                                                           g.paths)

@@ -5,7 +5,9 @@ call, measured one blocking call at a time after warm-up, less the fixed cost
 of dispatching and waiting for an empty call on the same device (which a
 whole training step pays once, not once per layer); and :func:`interleaved`,
 which times many calls round-robin and repeats a burst that the hypervisor
-stole CPU time from (:class:`StealMeter`).
+stole CPU time from (:class:`StealMeter`); and :func:`seconds_per_call`,
+the throughput of a block of calls dispatched back to back, for benchmarks
+that compare whole steps as training runs them.
 """
 
 from __future__ import annotations
@@ -84,6 +86,22 @@ def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int = 7,
   if subtract_overhead:
     t = max(t - call_overhead(device), 0.0)
   return t
+
+
+def seconds_per_call(run_block: Callable[[int], Any], calls: int) -> float:
+  """Seconds per call of ``run_block(calls)``, with dispatch pipelined.
+
+  Args:
+    run_block: ``run_block(n)`` dispatches ``n`` calls and waits for the
+      last (as a training loop does: one blocking wait per block).
+    calls: how many calls the block runs.
+
+  Returns:
+    The block's wall time divided by ``calls``.
+  """
+  start = time.perf_counter()
+  run_block(calls)
+  return (time.perf_counter() - start) / calls
 
 
 class StealMeter:

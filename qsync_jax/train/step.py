@@ -1,22 +1,83 @@
-"""The one gradient function a worker runs, shared by the trainer and the predictor.
+"""The one training step a worker runs, shared by the trainer and the predictor.
 
-This module owns :func:`grad_function`: what one worker computes per step
-(forward, loss, backward of the scaled loss) for a model whose precision plan
-is baked into its graph definition. The trainer compiles one per plan; the
-predictor times the same function, so a profile measures what training runs.
+This module owns what one step computes, so that a profile measures what
+training runs:
+
+* :func:`plan_graphdefs`: one graph definition per distinct precision plan
+  (the plan is baked into the graph; the parameters are shared);
+* :func:`grad_function`: one worker's jitted forward, loss and backward of
+  the scaled loss;
+* :func:`local_gradients`: every local worker's gradient of one step,
+  stacked into one global array (the host side of a step);
+* :func:`apply_update`: the optax update on a gradient, skipped where the
+  gradient is not finite.
+
+The shard_map programs that average and apply (:mod:`.programs`) and the
+trainer that drives them (:mod:`.trainer`) build on these.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 from flax import nnx
 import jax
 from jax.flatten_util import ravel_pytree
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+import optax
 
+from qsync_jax.plan import policy
+from qsync_jax.numerics.precision import Precision
+from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.train import layout
 from qsync_jax.train import losses
 
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def plan_graphdefs(model: nnx.Module, plans: Sequence[tuple[PrecisionPlan,
+                                                            str]],
+                   sample_input: Any = None
+                   ) -> tuple[list[Any], list[dict[str, Precision]], Any,
+                              Any, Any]:
+  """One graph definition per distinct plan, sharing the model's parameters.
+
+  Args:
+    model: the NNX model (FP32 parameters); it is left in train mode with
+      the default plan applied.
+    plans: ``(plan, device kind)`` of each worker.
+    sample_input: an input the model accepts, to trace layer paths (default
+      ``model.input_spec``).
+
+  Returns:
+    ``(graphdefs, precisions, eval_graphdef, params, rest)``: each worker's
+    training graph definition (workers with equal plans share one object),
+    each worker's effective layer precisions, the FP32 graph definition in
+    eval mode, and the model's parameters and other state.
+
+  Raises:
+    qsync_jax.PlanError: a plan does not fit the model or its device kind.
+  """
+  model.train()
+  layer_list = policy.model_layers(model, sample_input)  # traced once
+  precisions: list[dict[str, Precision]] = []
+  by_plan: dict[str, Any] = {}
+  graphdefs: list[Any] = []
+  for plan, kind in plans:
+    eff = policy.resolve_layers(layer_list, plan, device_kind=kind)
+    precisions.append(eff)
+    key = plan.to_json()
+    if key not in by_plan:
+      policy.set_precisions(layer_list, eff, plan.quant)
+      by_plan[key] = nnx.split(model, nnx.Param, ...)[0]
+    graphdefs.append(by_plan[key])
+  policy.set_precisions(layer_list, policy.resolve_layers(
+      layer_list, PrecisionPlan()), PrecisionPlan().quant)
+  model.eval()
+  eval_graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  model.train()
+  return graphdefs, precisions, eval_graphdef, params, rest
 
 
 def grad_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
@@ -46,3 +107,74 @@ def grad_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
     return ravel_pytree(grads)[0][None], new_rest, loss, acc
 
   return grad_fn
+
+
+def grad_functions(graphdefs: Sequence[Any],
+                   unravel: Callable[[jax.Array], Any], loss_fn: LossFn
+                   ) -> list[Callable]:
+  """Each worker's :func:`grad_function`, one per distinct graph definition
+  (workers with equal plans share one compiled function)."""
+  by_graphdef: dict[int, Callable] = {}
+  return [by_graphdef.setdefault(id(gd), grad_function(gd, unravel, loss_fn))
+          for gd in graphdefs]
+
+
+def local_gradients(grad_fns: Mapping[int, Callable],
+                    devices: Mapping[int, jax.Device], params: jax.Array,
+                    scale: jax.Array, rests: dict[int, Any],
+                    batches: Mapping[int, tuple[Any, Any]],
+                    sharding: NamedSharding
+                    ) -> tuple[jax.Array, dict[int, dict[str, jax.Array]]]:
+  """Runs every local worker's gradient function on its batch.
+
+  Args:
+    grad_fns: ``{worker index: grad_fn}`` of this process's workers.
+    devices: ``{worker index: device}`` of the same workers.
+    params: the stacked ``(n, P)`` parameters.
+    scale: the stacked ``(n,)`` loss scales.
+    rests: ``{worker index: non-parameter state}``; updated in place.
+    batches: ``{worker index: (x, y)}``.
+    sharding: the stacked arrays' sharding.
+
+  Returns:
+    ``(grads, metrics)``: the stacked ``(n, P)`` gradients of the scaled
+    losses, and ``{worker index: {"loss", "accuracy"}}`` as device scalars.
+  """
+  params_rows = layout.rows(params)
+  scale_rows = layout.rows(scale)
+  grad_rows, metrics = {}, {}
+  for i, device in devices.items():
+    x, y = (v if isinstance(v, jax.Array) and v.devices() == {device}
+            else jax.device_put(v, device) for v in batches[i])
+    g, rests[i], loss, acc = grad_fns[i](params_rows[device], rests[i],
+                                         scale_rows[device], x, y)
+    grad_rows[device] = g
+    metrics[i] = {"loss": loss, "accuracy": acc}
+  return layout.stack_local(grad_rows, params.shape, sharding), metrics
+
+
+def apply_update(unravel: Callable[[jax.Array], Any],
+                 tx: optax.GradientTransformation, flat: jax.Array,
+                 opt_state: Any, g: jax.Array
+                 ) -> tuple[jax.Array, Any, jax.Array]:
+  """One optax step on the flat gradient ``g``, skipped if it is not finite.
+
+  Args:
+    unravel: flat parameter vector to parameter pytree.
+    tx: the optimizer.
+    flat: the flat float32 parameters.
+    opt_state: ``tx``'s state.
+    g: the flat (unscaled) gradient.
+
+  Returns:
+    ``(new_flat, new_opt_state, finite)``; where ``g`` is not finite the
+    parameters and the optimizer state are returned unchanged.
+  """
+  finite = jnp.all(jnp.isfinite(g))
+  p = unravel(flat)
+  updates, new_opt = tx.update(unravel(g), opt_state, p)
+  new_flat = ravel_pytree(optax.apply_updates(p, updates))[0]
+  new_flat = jnp.where(finite, new_flat, flat)
+  new_opt = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_opt,
+                         opt_state)
+  return new_flat, new_opt, finite

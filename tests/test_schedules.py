@@ -107,7 +107,8 @@ def test_qsr_state_dict_round_trip_resumes_the_same_schedule():
 def test_constant_local_sgd():
   s = schedules.ConstantLocalSGD(4)
   assert s.sync_steps(10) == [4, 8]
-  assert schedules.ConstantLocalSGD(4, total_steps=10).sync_steps(10) == [4, 8, 10]
+  assert schedules.ConstantLocalSGD(4, total_steps=10).sync_steps(10) == [
+      4, 8, 10]
   assert not s.averages_gradients_at(4) and not s.is_sync_step(0)
   with pytest.raises(ValueError, match="h must be a positive integer"):
     schedules.ConstantLocalSGD(0)

@@ -1,4 +1,5 @@
-"""Tests for the averaging strategies (qsync_jax.parallel.averagers).
+"""Tests for the averaging strategies (qsync_jax.parallel.averagers and
+qsync_jax.parallel.global_qsgd).
 
 Up to 64 workers are simulated on one device with ``jax.vmap(...,
 axis_name=AXIS)``, under which psum / pmax / ppermute / all_gather /
@@ -23,6 +24,7 @@ import numpy as np
 import pytest
 
 from qsync_jax.parallel import averagers
+from qsync_jax.parallel import global_qsgd
 
 AXIS = "workers"
 Z_MAX = 5.0
@@ -166,7 +168,8 @@ def test_gqsgd_is_unbiased_with_unequal_weights(wire, noise):
   assert_replicas_identical(out)
   assert_unbiased(out, exact)
   # The per-element standard deviation respects sqrt(n) * scale / 2.
-  scale = np.abs(x * w[:, None]).max() / averagers.GlobalQSGD(wire=wire).levels(8)
+  levels = averagers.GlobalQSGD(wire=wire).levels(8)
+  scale = np.abs(x * w[:, None]).max() / levels
   assert float(out[:, 0].std(axis=0).max()) <= np.sqrt(8) * scale / 2
 
 
@@ -290,9 +293,9 @@ U_GRID = ((np.arange(4096, dtype=np.float32) + 0.5) / 4096)[:, None]
 def test_exponential_compress_is_exactly_unbiased():
   a = np.array([0.5, -0.3125, 0.1171875, 2.0**-20 * 1.5, 0.0, -0.25],
                np.float32)
-  codes = jax.jit(averagers._exp_compress)(a[None, :], U_GRID)
+  codes = jax.jit(global_qsgd._exp_compress)(a[None, :], U_GRID)
   assert codes.dtype == jnp.uint8
-  decoded = np.asarray(jax.jit(averagers._exp_decode)(codes), np.float64)
+  decoded = np.asarray(jax.jit(global_qsgd._exp_decode)(codes), np.float64)
   np.testing.assert_array_equal(decoded.mean(axis=0), a)
 
 
@@ -304,12 +307,13 @@ def test_exponential_merge_is_exactly_unbiased_and_symmetric():
   @jax.jit
   def merge(a, b, u):
     zero = jnp.zeros_like(a)  # u = 0 keeps powers of two exact
-    ca, cb = averagers._exp_compress(a, zero), averagers._exp_compress(b, zero)
-    return averagers._exp_merge(ca, cb, u), averagers._exp_merge(cb, ca, u)
+    ca = global_qsgd._exp_compress(a, zero)
+    cb = global_qsgd._exp_compress(b, zero)
+    return global_qsgd._exp_merge(ca, cb, u), global_qsgd._exp_merge(cb, ca, u)
 
   ab, ba = merge(a[None], b[None], U_GRID)
   np.testing.assert_array_equal(ab, ba)
-  decoded = np.asarray(jax.jit(averagers._exp_decode)(ab), np.float64)
+  decoded = np.asarray(jax.jit(global_qsgd._exp_decode)(ab), np.float64)
   np.testing.assert_array_equal(decoded.mean(axis=0), a + b)
   # Zero has one code (no negative zero), so replicas cannot diverge.
   assert (np.asarray(ab)[:, a + b == 0] == 0).all()
@@ -364,8 +368,8 @@ def test_error_feedback_telescopes():
 
   def step(residual, key):
     mean, residual = jax.vmap(
-        lambda xi, ri, wi: averagers.compress_with_feedback(averager, xi, ri, wi,
-                                                       AXIS, key),
+        lambda xi, ri, wi: averagers.compress_with_feedback(
+            averager, xi, ri, wi, AXIS, key),
         axis_name=AXIS)(x, residual, w)
     return residual, mean[0]
 
@@ -401,8 +405,10 @@ def test_wire_bytes():
   ratio = lambda a: a.wire_bytes(d, n) / fp32
   assert ratio(averagers.CastAverager("bfloat16")) == pytest.approx(0.5)
   assert ratio(averagers.GlobalQSGD()) == pytest.approx(0.25, rel=1e-3)
-  assert ratio(averagers.GlobalQSGD(wire="int16")) == pytest.approx(0.5, rel=1e-3)
-  assert ratio(averagers.GlobalQSGD(wire="int32")) == pytest.approx(1.0, rel=1e-3)
+  assert ratio(averagers.GlobalQSGD(wire="int16")) == pytest.approx(
+      0.5, rel=1e-3)
+  assert ratio(averagers.GlobalQSGD(wire="int32")) == pytest.approx(
+      1.0, rel=1e-3)
   # Scale exchange: one float32 per bucket through a ring all-reduce.
   buckets = -(-d // (1 << 16))
   assert averagers.GlobalQSGD().wire_bytes(d, n) == pytest.approx(
@@ -432,6 +438,7 @@ def test_make_averager():
     averagers.CastAverager("float8")
   with pytest.raises(ValueError, match="norm must be"):
     averagers.QSGD(norm="l1")
-  for strategy in (averagers.GlobalQSGD, averagers.GlobalQSGDExp, averagers.QSGD):
+  for strategy in (averagers.GlobalQSGD, averagers.GlobalQSGDExp,
+                   averagers.QSGD):
     with pytest.raises(ValueError, match="noise must be one of"):
       strategy(noise="philox")

@@ -1,0 +1,232 @@
+"""What every case of the compression benchmark shares: data, program, timing.
+
+This module owns the pieces :mod:`experiments.benches.compression` (the
+strategies) and :mod:`experiments.benches.compression_parts` (the pieces of
+Global-QSGD's all-reduce) both build on: the strategies by name, the
+gradient-like data every worker averages and its exact mean, the jitted
+``shard_map`` all-reduce of an averager, and how a :class:`Case` is warmed
+up, timed in rounds interleaved with the other cases, and turned into one
+result row.
+
+Timing: a round dispatches ``calls_per_round`` calls and waits for the last
+(:func:`qsync_jax.predictor.timing.seconds_per_call`); the reported time is
+the median over rounds. ``calls_per_round`` depends only on the size, as
+every process of the multi-process run must make the same calls. The same
+rounds also give ``cpu_s``, the timing process's CPU time per call: on a
+machine with fewer cores than busy threads the wall time follows the total
+CPU work, and ``cpu_s`` shows where it goes even when other load blurs
+``time_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Sequence
+
+import jax
+from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+from qsync_jax import cli
+from qsync_jax.predictor import timing
+
+AXIS = "workers"
+#: Bench name -> (``averagers.make_averager`` name, keyword arguments).
+STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "none": ("none", {}),
+    "fp16": ("fp16", {}),
+    "bf16": ("bf16", {}),
+    "gqsgd": ("gqsgd", {}),
+    "gqsgd_int16": ("gqsgd", {"wire": "int16"}),
+    # Global-QSGD's rounding noise from jax.random (threefry), its default
+    # before the counter hash: what the hash saves.
+    "gqsgd_threefry": ("gqsgd", {"noise": "threefry"}),
+    "gqsgd_exp": ("gqsgd_exp", {}),
+    "qsgd": ("qsgd", {}),
+}
+#: The headline: Global-QSGD (int8) against the float32 mean at 2**24 floats.
+HEADLINE_STRATEGY = "gqsgd"
+HEADLINE_SIZE = 1 << 24
+# Elements per synthetic "layer": each has its own gradient magnitude.
+_LAYER_SIZE = 1 << 14
+# The per-worker (minibatch) noise against the shared (true) gradient.
+_NOISE_STD = 2.0
+#: How :func:`worker_data` makes the data, as the report states it.
+DATA_DOC = (
+    "worker i: mag * (g + 2 * e_i), g and e_i standard normal (g shared by "
+    "all workers), mag lognormal(0, 1) per layer of 16384 elements; float32; "
+    "equal weights 1/n")
+
+
+def calls_per_round(num_elements: int) -> int:
+  """Calls timed together at one size: about 4M elements' worth, at least 1."""
+  return max(1, min(8, (1 << 22) // max(num_elements, 1)))
+
+
+def worker_data(num_elements: int, worker: int, seed: int = 0) -> np.ndarray:
+  """One worker's gradient-like float32 vector (see :data:`DATA_DOC`).
+
+  Every worker shares a component ``g`` (the true gradient) and adds its own
+  noise (its minibatch's); both are scaled by a per-layer magnitude, as real
+  gradients differ in scale from layer to layer, so a bucket's max-abs scale
+  does not fit all of its elements equally.
+
+  Args:
+    num_elements: the vector's length.
+    worker: the worker's index (selects its noise).
+    seed: the data seed.
+  """
+  shared = np.random.default_rng([seed, 0])
+  layers = -(-num_elements // _LAYER_SIZE)
+  mag = np.repeat(np.exp(shared.standard_normal(layers)),
+                  _LAYER_SIZE)[:num_elements].astype(np.float32)
+  g = shared.standard_normal(num_elements, dtype=np.float32)
+  noise = np.random.default_rng([seed, 1, worker]).standard_normal(
+      num_elements, dtype=np.float32)
+  return mag * (g + np.float32(_NOISE_STD) * noise)
+
+
+def exact_mean(num_elements: int, num_workers: int,
+               seed: int = 0) -> np.ndarray:
+  """The float64 mean of the workers' :func:`worker_data`."""
+  total = np.zeros(num_elements, np.float64)
+  for i in range(num_workers):
+    total += worker_data(num_elements, i, seed)
+  return total / num_workers
+
+
+def relative_error(avg: np.ndarray, exact: np.ndarray) -> float:
+  """``||avg - exact|| / ||exact||`` in float64 (NaN stays NaN)."""
+  avg = np.asarray(avg, np.float64).reshape(-1)
+  return float(np.linalg.norm(avg - exact) / np.linalg.norm(exact))
+
+
+def _error_text(e: BaseException) -> str:
+  """The first lines of an exception's message, for a result row."""
+  text = f"{type(e).__name__}: {e}".strip()
+  lines = [l for l in text.splitlines() if l.strip()]
+  return " ".join(lines[:3])[:500]
+
+
+@dataclasses.dataclass
+class Case:
+  """One strategy (or part) at one size: its program and what was measured.
+
+  A case starts with ``name`` and ``args`` (and, for a part, ``fn``);
+  :func:`warm_up` builds the rest, :func:`time_rounds` appends the timings
+  and :func:`result_row` reports them.
+
+  ``args(k)`` gives the arguments of ``k`` calls of ``fn``, one tuple each.
+  With ``barrier`` every process waits for the others before the case's
+  timer starts (a program without collectives does not keep them in step).
+  """
+  name: str
+  averager: Any = None
+  fn: Any = None
+  args: Any = None
+  barrier: bool = False
+  rel_error: float | None = None
+  rounds: list[float] = dataclasses.field(default_factory=list)
+  cpu_rounds: list[float] = dataclasses.field(default_factory=list)
+  error: str | None = None
+
+
+def time_rounds(cases: Sequence[Case], repeats: int, calls: int) -> None:
+  """Times ``repeats`` rounds of ``calls`` calls, cases interleaved."""
+  for _ in range(repeats):
+    for case in cases:
+      if case.fn is None:
+        continue
+      args = case.args(calls)
+      if case.barrier:
+        multihost_utils.sync_global_devices(f"compression_bench {case.name}")
+
+      def run_block(k, case=case, args=args):
+        out = None
+        for i in range(k):
+          out = case.fn(*args[i])
+        jax.block_until_ready(out)
+
+      # The barrier above stays outside the timed block: it waits for the
+      # slowest process, which is not this program's time. CPU seconds are a
+      # second statistic of the same block, which the timing module does not
+      # measure.
+      cpu = time.process_time()
+      case.rounds.append(timing.seconds_per_call(run_block, calls))
+      case.cpu_rounds.append((time.process_time() - cpu) / calls)
+
+
+def warm_up(case: Case, build=None) -> Any:
+  """Builds the case (``build(case)``, which sets ``fn`` and ``args``) and
+  runs it once (compile, warm up); returns the output, or None with
+  ``case.error`` set. Every process fails alike (same program), so all skip
+  a failed case."""
+  try:
+    if build is not None:
+      build(case)
+    return jax.block_until_ready(case.fn(*case.args(1)[0]))
+  except Exception as e:  # pylint: disable=broad-except
+    case.error = _error_text(e)
+    case.fn = None
+    return None
+
+
+def result_row(case: Case, calls: int, **fields: Any) -> dict[str, Any]:
+  """``fields`` plus the case's error or its timings."""
+  if case.error is not None:
+    return {**fields, "error": case.error}
+  return {**fields, "time_s": statistics.median(case.rounds),
+          "rounds_s": case.rounds,
+          "cpu_s": statistics.median(case.cpu_rounds),
+          "calls_per_round": calls}
+
+
+def print_row(label: str, row: dict[str, Any], detail: str = "") -> None:
+  """One line of a result row: its error, or its times and ``detail``."""
+  head = f"{label:12s} {row['strategy']:14s} {row['num_elements']:9d}: "
+  if "error" in row:
+    print(head + f"error: {row['error']}", flush=True)
+  else:
+    print(head + f"{row['time_s'] * 1e3:9.2f} ms  "
+          f"(cpu {row['cpu_s'] * 1e3:8.2f} ms){detail}", flush=True)
+
+
+def copies(x: jax.Array, k: int, donate: bool) -> list[jax.Array]:
+  """The inputs of ``k`` calls: ``x`` itself, or (donating) one copy each,
+  made before any timer starts."""
+  if not donate:
+    return [x] * k
+  return jax.block_until_ready([x.copy() for _ in range(k)])
+
+
+def all_reduce_fn(averager, mesh, donate: bool = False):
+  """The jitted shard_map: one (1, d) row per worker in, the mean out;
+  ``donate`` gives the input rows' buffer to the program."""
+
+  def body(x, w):
+    return averager(x[0], w[0], AXIS)[None]
+
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
+                               out_specs=P(AXIS)),
+                 donate_argnums=(0,) if donate else ())
+
+
+def first_row(out: jax.Array) -> np.ndarray:
+  """This process's first row of the (n, d) output (all rows agree)."""
+  return np.asarray(out.addressable_shards[0].data)[0]
+
+
+def check_arguments(sizes: Sequence[int], repeats: int,
+                    strategies: Sequence[str] | None) -> list[str]:
+  """Validates the shared arguments; returns the strategy names to run."""
+  names = list(STRATEGIES) if strategies is None else list(strategies)
+  cli.check_names("strategy", names, STRATEGIES)
+  if not sizes or min(int(d) for d in sizes) < 1:
+    raise ValueError(f"sizes must be positive, got {list(sizes)}")
+  if repeats < 1:
+    raise ValueError(f"repeats must be >= 1, got {repeats}")
+  return names
+

@@ -1,0 +1,206 @@
+"""The pieces of Global-QSGD's all-reduce, and the floor they put under it.
+
+This module owns the ``--parts`` analysis of the compression benchmark:
+:func:`bench_parts` times, across the processes of the multi-process
+setting, the :data:`PARTS` of the headline strategy's all-reduce (the int8
+and float32 all-reduces alone, Global-QSGD's own passes without any
+collective, and a read and a read-and-write pass over the data), and
+:func:`floor_analysis` turns them into a floor under Global-QSGD's time on
+the machine at hand.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+
+from experiments.benches.compression_cases import AXIS
+from experiments.benches.compression_cases import Case
+from experiments.benches.compression_cases import HEADLINE_SIZE
+from experiments.benches.compression_cases import HEADLINE_STRATEGY
+from experiments.benches.compression_cases import STRATEGIES
+from experiments.benches.compression_cases import all_reduce_fn
+from experiments.benches.compression_cases import calls_per_round
+from experiments.benches.compression_cases import check_arguments
+from experiments.benches.compression_cases import copies
+from experiments.benches.compression_cases import print_row
+from experiments.benches.compression_cases import result_row
+from experiments.benches.compression_cases import time_rounds
+from experiments.benches.compression_cases import warm_up
+from experiments.benches.compression_cases import worker_data
+from qsync_jax.parallel import averagers
+from qsync_jax.parallel import buckets
+
+#: The pieces of the headline strategy's all-reduce, timed with ``parts``
+#: (multiprocess setting): a ``psum`` of the float32 data alone and of int8
+#: codes alone; Global-QSGD over a one-worker mesh of each process's own
+#: device, which keeps its bucket max, encode and decode passes and drops its
+#: collectives; the bucket max alone, one read of the float32 data at the
+#: speed XLA:CPU reads it (:func:`qsync_jax.parallel.buckets.bucket_absmax`);
+#: and ``2 x``, one read and one write of it, into a fresh buffer or
+#: (donating) in place, as the decode's output is.
+PARTS = ("allreduce_f32", "allreduce_int8", "gqsgd_passes", "bucket_absmax",
+         "scale_f32")
+
+
+def _psum_fn(mesh, donate: bool):
+  """The jitted shard_map of a bare ``psum``: one (1, d) row per worker."""
+  return jax.jit(jax.shard_map(lambda x: jax.lax.psum(x[0], AXIS)[None],
+                               mesh=mesh, in_specs=P(AXIS),
+                               out_specs=P(AXIS)),
+                 donate_argnums=(0,) if donate else ())
+
+
+def _codes(rows: np.ndarray, levels: int) -> np.ndarray:
+  """int8 codes of ``rows`` on ``levels`` levels (round to nearest)."""
+  scale = np.abs(rows).max(axis=1, keepdims=True) / levels
+  return np.clip(np.round(rows / scale), -levels, levels).astype(np.int8)
+
+
+def _part_args(data: jax.Array, rest: tuple, donate: bool,
+               k: int) -> list[tuple]:
+  """The arguments of ``k`` calls: ``(data copy, *rest)`` each."""
+  return [(a, *rest) for a in copies(data, k, donate)]
+
+
+def bench_parts(sizes: Sequence[int], repeats: int, *, seed: int = 0,
+                donate: bool = False, report: bool = True,
+                on_size=None) -> list[dict[str, Any]]:
+  """Times the :data:`PARTS` of the headline strategy's all-reduce.
+
+  Every process of a multi-process run calls this with the same arguments.
+  The all-reduces run over all of ``jax.devices()``; the local parts run on
+  each process's own devices, all processes at once, so they meet the same
+  contention for the host's cores as the whole all-reduce does; a barrier
+  before each local part's timer keeps the processes in step.
+
+  Args:
+    sizes: vector lengths (float32 elements).
+    repeats: timed rounds per part and size (median reported).
+    seed: the data seed.
+    donate: every call takes a fresh copy of its input (as in
+      :func:`experiments.benches.compression.bench_mesh`); the bucket max
+      reads its input and never takes it.
+    report: print one line per part (from process 0 only).
+    on_size: called with the rows so far after each size.
+
+  Returns:
+    One dict per (size, part): {setting: "multiprocess", strategy (the
+    part's name), part: True, num_elements, num_workers, time_s, rounds_s,
+    cpu_s, calls_per_round}, or an ``error`` instead of the timings.
+
+  Raises:
+    ValueError: a size below 1 or ``repeats`` below 1.
+  """
+  check_arguments(sizes, repeats, [])
+  devices = jax.devices()
+  n = len(devices)
+  mesh = Mesh(np.array(devices), (AXIS,))
+  sharding = NamedSharding(mesh, P(AXIS))
+  local = [i for i, dev in enumerate(devices)
+           if dev.process_index == jax.process_index()]
+  local_mesh = Mesh(np.array([devices[i] for i in local]), (AXIS,))
+  local_sharding = NamedSharding(local_mesh, P(AXIS))
+  factory, kwargs = STRATEGIES[HEADLINE_STRATEGY]
+  gqsgd = averagers.make_averager(factory, **kwargs)
+  say = report and jax.process_index() == 0
+  psum = _psum_fn(mesh, donate)
+  programs = {
+      "allreduce_f32": psum,
+      "allreduce_int8": psum,
+      "gqsgd_passes": all_reduce_fn(gqsgd, local_mesh, donate),
+      "bucket_absmax": jax.jit(lambda x: buckets.bucket_absmax(
+          buckets.to_buckets(x[0], gqsgd.bucket_size))),
+      "scale_f32": jax.jit(lambda x: 2 * x,
+                           donate_argnums=(0,) if donate else ()),
+  }
+  rows_out = []
+  for d in map(int, sizes):
+    rows = np.stack([worker_data(d, i, seed) for i in local])
+    x = jax.make_array_from_process_local_data(sharding, rows, (n, d))
+    codes = jax.make_array_from_process_local_data(
+        sharding, _codes(rows, gqsgd.levels(n)), (n, d))
+    x_local = jax.device_put(rows, local_sharding)
+    w_local = jax.device_put(np.full(len(local), 1.0 / n, np.float32),
+                             local_sharding)
+    del rows
+    # Each call's arguments: (copies of) the float32 rows or the int8
+    # codes of all workers, or this process's own rows.
+    args = {
+        "allreduce_f32": functools.partial(_part_args, x, (), donate),
+        "allreduce_int8": functools.partial(_part_args, codes, (), donate),
+        "gqsgd_passes": functools.partial(_part_args, x_local, (w_local,),
+                                          donate),
+        "bucket_absmax": functools.partial(_part_args, x_local, (), False),
+        "scale_f32": functools.partial(_part_args, x_local, (), donate),
+    }
+    calls = calls_per_round(d)
+    cases = []
+    for name in PARTS:
+      case = Case(name, fn=programs[name], args=args[name],
+                  barrier=not name.startswith("allreduce"))
+      cases.append(case)
+      warm_up(case)
+    time_rounds(cases, repeats, calls)
+    for case in cases:
+      row = result_row(case, calls, setting="multiprocess",
+                       strategy=case.name, part=True, num_elements=d,
+                       num_workers=n)
+      if say:
+        print_row("part", row)
+      rows_out.append(row)
+    del x, codes, x_local, cases
+    if on_size is not None:
+      on_size(rows_out)
+  return rows_out
+
+
+def floor_analysis(results: Sequence[dict[str, Any]],
+                   num_elements: int = HEADLINE_SIZE) -> dict[str, Any] | None:
+  """What the parts say about the headline strategy at one size.
+
+  ``passes_s`` is Global-QSGD's passes without collectives and
+  ``parts_sum_s`` adds the int8 all-reduce: the two together should come
+  close to the whole (``parts_sum_vs_whole``). ``floor_s`` is the int8
+  all-reduce, two reads of the float32 data at the speed of the bucket max
+  (the fastest pass XLA:CPU makes over it) and one read-and-write pass
+  (``scale_f32``): Global-QSGD must read the data once for the scales and
+  once to encode it, and write as much when it decodes, so no
+  implementation of it, however its passes are written, takes less on this
+  machine. ``floor_vs_fp32`` is that floor over the float32 mean's time.
+  ``cpu_floor_vs_fp32`` is the same ratio of CPU times (``cpu_s``), which
+  wall time follows where the processes outnumber the cores and which other
+  load on the machine blurs less.
+
+  Returns:
+    {num_elements, passes_s, allreduce_int8_s, allreduce_f32_s, read_s,
+    write_s, parts_sum_s, parts_sum_vs_whole, floor_s, floor_vs_fp32,
+    cpu_floor_vs_fp32}, or None if a needed multiprocess row is missing or
+    failed.
+  """
+  rows = {r["strategy"]: r for r in results
+          if r["setting"] == "multiprocess"
+          and r["num_elements"] == num_elements}
+  need = (*PARTS, HEADLINE_STRATEGY, "none")
+  if any("time_s" not in rows.get(name, {}) for name in need):
+    return None
+  t = {name: rows[name]["time_s"] for name in need}
+  cpu = {name: rows[name]["cpu_s"] for name in need}
+
+  def floor(v):
+    return v["allreduce_int8"] + 2 * v["bucket_absmax"] + v["scale_f32"]
+
+  parts_sum = t["gqsgd_passes"] + t["allreduce_int8"]
+  return {"num_elements": num_elements, "passes_s": t["gqsgd_passes"],
+          "allreduce_int8_s": t["allreduce_int8"],
+          "allreduce_f32_s": t["allreduce_f32"],
+          "read_s": t["bucket_absmax"], "write_s": t["scale_f32"],
+          "parts_sum_s": parts_sum,
+          "parts_sum_vs_whole": parts_sum / t[HEADLINE_STRATEGY],
+          "floor_s": floor(t), "floor_vs_fp32": floor(t) / t["none"],
+          "cpu_floor_vs_fp32": floor(cpu) / cpu["none"]}
+

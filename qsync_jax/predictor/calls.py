@@ -1,0 +1,256 @@
+"""Zero-argument calls of a step's pieces on the devices at hand.
+
+This module owns the calls a measured profile times (each dispatches its
+compiled work and returns the output, for
+:func:`qsync_jax.predictor.timing.interleaved`): one layer's forward and
+forward+backward (:func:`layer_calls`), the step without its layers
+(:func:`rest_calls`), one optimizer update (:func:`optimizer_call`), and for
+a host that carries several workers: k copies of the whole gradient pass at
+once (:func:`pass_concurrency_calls`), host all-reduces
+(:func:`allreduce_calls`), the trainer's update program
+(:func:`update_calls`) and its host overhead per step
+(:func:`step_overhead_calls`). The update and the step are built from
+:mod:`qsync_jax.train.step` and :mod:`qsync_jax.train.programs`, the pieces
+the trainer runs, not from the trainer itself.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Sequence
+
+from flax import nnx
+import jax
+from jax.flatten_util import ravel_pytree
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+import optax
+
+from qsync_jax.numerics.quant import QuantConfig
+from qsync_jax.parallel import averagers
+from qsync_jax.numerics.precision import Precision
+from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.predictor import graph as graph_lib
+from qsync_jax.predictor import pieces
+from qsync_jax.train import layout
+from qsync_jax.train import losses
+from qsync_jax.train import programs
+from qsync_jax.train import step as step_lib
+
+
+def _random_operands(node: graph_lib.LayerNode, device, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  shapes = [op.shape for op in node.operands]
+  if node.weight_shape:
+    shapes.append(node.weight_shape)
+  return [jax.device_put(rng.standard_normal(s).astype(np.float32), device)
+          for s in shapes]
+
+
+def layer_calls(node: graph_lib.LayerNode, precision: Precision,
+                device: jax.Device, quant: QuantConfig | None = None
+                ) -> tuple[Callable[[], Any], Callable[[], Any]]:
+  """(forward, forward_and_backward) zero-argument calls of one layer."""
+  arrays = _random_operands(node, device)
+  fwd, fb = pieces.layer_functions(node, precision, quant)
+  out = jax.eval_shape(fwd, *arrays)
+  ct = jax.device_put(np.random.default_rng(1).standard_normal(
+      out.shape).astype(out.dtype), device)
+  return (lambda: fwd(*arrays)), (lambda: fb(*arrays, ct))
+
+
+def _batch_arrays(sample_batch, device):
+  x, y = sample_batch
+  return (jax.device_put(jnp.asarray(x), device),
+          jax.device_put(jnp.asarray(y), device))
+
+
+def rest_calls(model: nnx.Module, g: graph_lib.ModelGraph, sample_batch,
+               loss_fn, dtype: str, device: jax.Device
+               ) -> tuple[Callable[[], Any], Callable[[], Any]]:
+  """(forward, gradient) zero-argument calls of the stand-in step."""
+  forward, grad_fn, flat, rest = pieces.stand_in_step_functions(
+      model, g, loss_fn, dtype)
+  x, y = _batch_arrays(sample_batch, device)
+  row = jax.device_put(flat[None], device)
+  rest = jax.device_put(rest, device)
+  scale = jax.device_put(jnp.ones((1,), jnp.float32), device)
+  return (lambda: forward(row, rest, x, y),
+          lambda: grad_fn(row, rest, scale, x, y))
+
+
+def optimizer_call(model: nnx.Module, tx: optax.GradientTransformation,
+                   device: jax.Device) -> Callable[[], Any]:
+  """A zero-argument call of one optimizer update of all parameters."""
+  params = nnx.state(model, nnx.Param)
+  flat, unravel = ravel_pytree(params)
+  flat = jax.device_put(flat, device)
+  opt_state = jax.device_put(tx.init(unravel(flat)), device)
+  g = jax.device_put(jnp.full_like(flat, 1e-3), device)
+  # The trainer's optimizer step (less the loss scale and the stacking).
+  update = jax.jit(functools.partial(step_lib.apply_update, unravel, tx))
+  return lambda: update(flat, opt_state, g)
+
+
+# --------------------------------------------------------------------------
+# Host sharing (several workers on one device at hand).
+# --------------------------------------------------------------------------
+
+
+def concurrency_calls(make_call: Callable[[jax.Device, int], Callable],
+                      local_devices: Sequence[jax.Device]
+                      ) -> dict[int, Callable[[], Any]]:
+  """Calls that run one computation on k of the host's devices at once.
+
+  Args:
+    make_call: ``make_call(device, i)`` returns a function that dispatches
+      the computation on ``device`` (asynchronously) and returns its output.
+    local_devices: the host's devices.
+
+  Returns:
+    ``{k: call}`` for k in :func:`host_counts`; with times ``t``,
+    ``k * t[1] / t[k]`` is the aggregate speedup of k copies (k: they do not
+    slow each other down; 1: they run one after another).
+  """
+  calls = [make_call(d, i) for i, d in enumerate(local_devices)]
+  return {k: (lambda k=k: [c() for c in calls[:k]])
+          for k in host_counts(len(calls))}
+
+
+def pass_concurrency_calls(model: nnx.Module, g: graph_lib.ModelGraph,
+                           sample_batch, loss_fn, precision: Precision,
+                           quant: QuantConfig | None,
+                           local_devices: Sequence[jax.Device]
+                           ) -> dict[int, Callable[[], Any]]:
+  """:func:`concurrency_calls` of the model's whole gradient pass at one
+  uniform precision (:func:`.pieces.pass_function`), one copy per host
+  device."""
+  fn, flat, rest = pieces.pass_function(model, g, loss_fn, precision, quant)
+
+  def make(d, i):
+    x, y = _batch_arrays(sample_batch, d)
+    row = jax.device_put(flat[None], d)
+    rest_d = jax.device_put(rest, d)
+    scale = jax.device_put(jnp.ones((1,), jnp.float32), d)
+    return lambda: fn(row, rest_d, scale, x, y)
+
+  return concurrency_calls(make, local_devices)
+
+
+def host_counts(num_devices: int) -> list[int]:
+  """Co-located worker counts a host profile measures: 1, 2, 4, ... and all.
+
+  Simulations interpolate between them (:func:`.simulation.host_value`).
+  """
+  ks = {num_devices}
+  k = 1
+  while k < num_devices:
+    ks.add(k)
+    k *= 2
+  return sorted(ks)
+
+
+def allreduce_calls(local_devices: Sequence[jax.Device],
+                    sizes: Sequence[int] = (2**14, 2**18, 2**20, 2**22)
+                    ) -> dict[tuple[int, int], Callable[[], Any]]:
+  """``{(k, elements): call}``: float32 ``psum`` over k host devices."""
+  calls = {}
+  for k in range(2, len(local_devices) + 1):
+    mesh = Mesh(np.array(local_devices[:k]), ("w",))
+    f = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "w"), mesh=mesh,
+                              in_specs=P("w"), out_specs=P("w")))
+    for n in sizes:
+      x = jax.device_put(jnp.ones((k, n), jnp.float32),
+                         NamedSharding(mesh, P("w")))
+      calls[(k, n)] = lambda f=f, x=x: f(x)
+  return calls
+
+
+class _DataParallel(NamedTuple):
+  """What the trainer builds for FP32 workers on some of the host's devices
+  (:func:`_data_parallel`)."""
+  devices: dict[int, jax.Device]
+  sharding: NamedSharding
+  grad_fns: dict[int, Callable]
+  rests: dict[int, Any]
+  state: programs.StackedState
+  update: Callable
+
+
+def _data_parallel(model: nnx.Module, tx: optax.GradientTransformation,
+                   devices: Sequence[jax.Device], loss_fn,
+                   sample_input) -> _DataParallel:
+  """The trainer's pieces for FP32 workers on ``devices``, built as the
+  trainer builds them (:mod:`qsync_jax.train.step`,
+  :mod:`qsync_jax.train.programs`): no loss scaling, the mean averager, equal
+  weights. ``model`` is prepared as the trainer prepares it."""
+  k = len(devices)
+  graphdefs, _, _, params, rest = step_lib.plan_graphdefs(
+      model, [(PrecisionPlan(), "cpu")] * k, sample_input)
+  flat, unravel = ravel_pytree(params)
+  mesh = Mesh(np.array(devices), (layout.AXIS,))
+  by_index = dict(enumerate(devices))
+  weights = (np.ones(k) / k).astype(np.float32)
+  return _DataParallel(
+      by_index, NamedSharding(mesh, P(layout.AXIS)),
+      dict(enumerate(step_lib.grad_functions(graphdefs, unravel, loss_fn))),
+      {i: jax.device_put(rest, d) for i, d in by_index.items()},
+      programs.initial_state(mesh, by_index, unravel, tx, flat, weights,
+                             loss_scaling=False, error_feedback=False),
+      programs.update_program(mesh, unravel, tx, averagers.MeanAverager(),
+                              seed=0, error_feedback=False))
+
+
+def update_calls(model: nnx.Module, tx: optax.GradientTransformation,
+                 local_devices: Sequence[jax.Device], sample_input
+                 ) -> dict[int, Callable[[], Any]]:
+  """``{k: call}``: the trainer's update program (averaging and optimizer,
+  no layers) over k of the host's workers, run on zero gradients."""
+  out = {}
+  for k in host_counts(len(local_devices)):
+    dp = _data_parallel(model, tx, local_devices[:k], losses.cross_entropy,
+                        sample_input)
+    zeros = layout.zeros_like(dp.state.params, dp.sharding)
+    out[k] = functools.partial(dp.update, *dp.state[:3], zeros,
+                               *dp.state[3:])
+  return out
+
+
+class _Tiny(nnx.Module):
+  """A model with (almost) no compute: its step is the host's overhead."""
+
+  def __init__(self):
+    self.fc = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+  def __call__(self, x):
+    return self.fc(x)
+
+
+def step_overhead_calls(local_devices: Sequence[jax.Device]
+                        ) -> dict[int, Callable[[], Any]]:
+  """``{k: call}``: a data-parallel training step with k workers and
+  (almost) no compute, whose time is the trainer's host overhead per step:
+  every worker's gradient function, then the update program."""
+  out = {}
+  for k in host_counts(len(local_devices)):
+    dp = _data_parallel(_Tiny(), optax.sgd(0.0), local_devices[:k],
+                        losses.cross_entropy, jnp.zeros((2, 2)))
+    batches = {i: (jax.device_put(jnp.zeros((2, 2)), d),
+                   jax.device_put(jnp.zeros((2,), jnp.int32), d))
+               for i, d in dp.devices.items()}
+    state = [dp.state]
+
+    def step(dp=dp, batches=batches, state=state):
+      s = state[0]
+      grads, _ = step_lib.local_gradients(
+          dp.grad_fns, dp.devices, s.params, s.loss_scale.scale, dp.rests,
+          batches, dp.sharding)
+      params, opt_state, scale, _, counter, residual = dp.update(
+          s.params, s.opt_state, s.loss_scale, grads, s.weights, s.counter,
+          s.residual)
+      state[0] = programs.StackedState(params, opt_state, scale, s.weights,
+                                       counter, residual)
+      return params
+    out[k] = step
+  return out

@@ -1,0 +1,369 @@
+r"""The per-method formulas of the sensitivity indicator.
+
+This module owns what each method of :data:`METHODS` computes from its
+inputs, and which precisions a layer is scored at (:func:`allowed_precisions`):
+
+* ``qsync``: QSync's bi-directional indicator as the reference code computes
+  it (reference/qsync.md section 3.3; arXiv 2407.02327): plain (not squared)
+  norms, the 1/6 stochastic-rounding variance, k = 9, gamma = 4, and depth
+  scaling ``gamma (L - l) fwd + l bwd`` with ``l`` the layer's position in
+  forward order (:func:`qsync_scores`, from the statistics the capture pass
+  of :mod:`qsync_jax.sensitivity.scores` averages over the batches).
+* ``qsync_var``: the same idea derived as an expected variance (below;
+  :func:`qsync_var_terms` inside the capture pass, :func:`qsync_var_scores`).
+* ``wvar``: relative change of the weights' L1 mass after
+  quantize-dequantize (Zhang et al., CVPR 2020; QSync's WVAR baseline).
+* ``hessian``: a Hutchinson estimate of each layer's Hessian trace (one
+  Hessian-vector product via ``jvp`` of ``grad`` per probe) times the
+  quantization noise variance of its weights (HAWQ-v2, arXiv 1911.03852).
+* ``random``: uniform random scores (a floor every indicator must beat).
+
+Derivation of ``qsync_var``
+---------------------------
+QSync's indicator estimates how much a layer's rounding noise perturbs
+training. ``qsync_var`` computes the quantity that predicts it best, the
+expected squared change of the loss, with no depth heuristics.
+
+Take a layer ``y = f(x, W)`` (dense, conv, einsum). Computing it at precision
+``p`` adds independent, zero-mean rounding noise ``e`` to each rounded tensor
+``t``. The tensors are the operands ``x`` and ``W``, and also the output ``y``
+for FP16 / BF16, whose contraction returns that dtype. The per-element
+variance ``s_i^2`` depends on the format:
+* INT8 with scale ``S``: ``s^2 = c S^2``, where ``c`` is the rounding mode's
+  error variance in units of a step. It is 1/12 for round-to-nearest, 1/6 for
+  stochastic rounding (``E[u(1-u)]`` for ``u ~ U[0,1)``), and 1/3 for
+  truncation.
+* A float with ``m`` mantissa bits: ``s_i^2 = ulp(t_i)^2 / 12``, with
+  ``ulp(t) = 2^(floor(log2|t|) - m)``.
+
+Expanding the loss to second order in the noise:
+
+    dL = sum_i g_i e_i + 1/2 sum_ij H_ij e_i e_j,
+    E[dL]   = 1/2 sum_i s_i^2 H_ii                (the bias: curvature),
+    Var[dL] = sum_i s_i^2 g_i^2 + O(s^4)          (the first-order spread),
+
+where ``g = dL/dt`` and ``H_ii = d^2 L / dt_i^2``. Then
+
+    qsync_var(l, p) = E[dL^2] = (1/2 sum_i s_i^2 H_ii)^2 + sum_i s_i^2 g_i^2.
+
+The first-order terms of many elements mostly cancel, but the curvature term
+adds up over every element of the tensor. That is why the bias matters, and
+why a first-order-only version ranked layers worse in our study
+(docs/RESULTS.md).
+
+The quantities come from one pass per batch. Zero perturbations are added to
+each layer's operands and output. Their gradient gives every ``g``. One
+Hessian-vector product with a Rademacher probe ``v`` over all perturbations
+gives ``v * (H v)``, an unbiased estimate of every ``H_ii`` (Hutchinson), at
+the cost of about one more forward and backward pass. The backward-pass
+rounding of a low-precision layer (its incoming gradient in FP16) does not
+change the loss. It is left out of this score, as it is from the
+loss-change ground truth.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qsync_jax.numerics import quant as q
+from qsync_jax.numerics.quant import QuantConfig, Rounding
+from qsync_jax.plan import policy
+from qsync_jax.plan.layers import MatMul
+from qsync_jax.numerics.precision import Precision
+
+METHODS = ("qsync", "qsync_var", "wvar", "hessian", "random")
+#: Full precision, the reference every score is measured against: scores 0.
+ZERO_PRECISIONS = (Precision.FP32, Precision.TF32)
+_MANTISSA = {Precision.FP16: 10, Precision.BF16: 7, Precision.FP8: 3}
+# QSync's FP16 constant ("For FP16, e=5, k=9"); other float formats shift k
+# by their mantissa difference to FP16.
+_QSYNC_K = {p: 9 - (10 - m) for p, m in _MANTISSA.items()}
+_ROUNDING_VARIANCE = {Rounding.NEAREST: 1 / 12, Rounding.STOCHASTIC: 1 / 6,
+                      Rounding.TRUNCATE: 1 / 3}
+
+
+def allowed_precisions(layer: policy.Layer, precisions: Sequence[Precision]
+                       ) -> list[Precision]:
+  """The precisions of ``precisions`` that ``layer`` is scored at.
+
+  FP32 and TF32 are left out (they score 0), and so is every precision
+  below 16 bits for the layers the policy floors at 16 bits (embeddings and
+  attention matmuls).
+  """
+  floor16 = isinstance(layer.module, policy.SIXTEEN_BIT_FLOOR)
+  return [p for p in precisions if p not in ZERO_PRECISIONS
+          and not (floor16 and p.bits < 16)]
+
+
+# --------------------------------------------------------------------------
+# Rounding noise.
+# --------------------------------------------------------------------------
+
+
+def _float_noise_var(t: jax.Array, mantissa: int) -> jax.Array:
+  """Per-element variance of rounding ``t`` to ``mantissa`` bits (a float)."""
+  _, e = jnp.frexp(t.astype(jnp.float32))  # |t| in [2^(e-1), 2^e)
+  ulp = jnp.ldexp(jnp.ones_like(t, jnp.float32), e - 1 - mantissa)
+  return jnp.where(t == 0, 0.0, ulp ** 2 / 12)
+
+
+def noise_variance(t: jax.Array, precision: Precision, rounding: Rounding
+                   ) -> jax.Array:
+  """Per-element variance of the error of quantizing ``t`` at ``precision``."""
+  if precision is Precision.INT8:
+    s = q.absmax_scale(t, q.INT8_MAX)
+    return jnp.full(t.shape, _ROUNDING_VARIANCE[rounding]) * s ** 2
+  if precision is Precision.FP8:
+    fq, s = q.quantize_fp8(t)
+    return _float_noise_var(fq.astype(jnp.float32), 3) * s ** 2
+  return _float_noise_var(t, _MANTISSA[precision])
+
+
+# --------------------------------------------------------------------------
+# qsync and qsync_var: from the statistics of the capture pass.
+# --------------------------------------------------------------------------
+
+
+def qsync_var_terms(stats: dict, grads: dict, diag: dict,
+                    precisions: Sequence[Precision], rounding: Rounding
+                    ) -> dict[str, dict[str, jax.Array]]:
+  """One layer's ``bias`` and ``variance`` of the loss change per precision.
+
+  Traced inside the capture pass: ``stats`` holds the layer's FP32 operands
+  and output (``"w"``, and ``"x"`` and ``"y"`` unless it is an embedding),
+  ``grads`` and ``diag`` the loss's gradient and Hutchinson Hessian diagonal
+  with respect to each of them.
+
+  Returns:
+    ``{precision name: {"bias", "variance"}}`` for ``precisions``.
+  """
+  w, gw = stats["w"].astype(jnp.float32), grads["w"]
+  var = {}
+  for p in precisions:
+    # Second-order expansion of the loss in the layer's rounding noise:
+    # mean 1/2 sum s^2 H_ii, variance sum s^2 g^2.
+    terms = [(w, gw, diag["w"])]
+    if "x" in stats:
+      terms.append((stats["x"].astype(jnp.float32), grads["x"], diag["x"]))
+      if p in (Precision.FP16, Precision.BF16):  # the output is rounded
+        terms.append((stats["y"].astype(jnp.float32), grads["y"],
+                      diag["y"]))
+    bias = sum(0.5 * jnp.sum(noise_variance(t, p, rounding) * h)
+               for t, _, h in terms)
+    variance = sum(jnp.sum(noise_variance(t, p, rounding) * gt ** 2)
+                   for t, gt, _ in terms)
+    var[p.value] = {"bias": bias, "variance": variance}
+  return var
+
+
+def _exponent(value: float) -> int:
+  """|binary exponent| of float16(value), capped at 5 (QSync's e_x)."""
+  v = float(np.float16(value))
+  if v == 0 or not np.isfinite(v):
+    return 5
+  return min(abs(int(np.frexp(v)[1])), 5)
+
+
+def qsync_scores(stats: dict, layer_list: Sequence[policy.Layer],
+                 precisions: Sequence[Precision], gamma: float = 4.0
+                 ) -> dict[str, dict[str, float]]:
+  """QSync's GVAR formula, faithful to the reference code.
+
+  Args:
+    stats: ``{layer path: statistics}`` averaged over the batches by the
+      capture pass.
+    layer_list: the model's layers in forward order.
+    precisions: the candidate precisions.
+    gamma: the forward term's weight.
+
+  Returns:
+    ``{layer path: {precision name: score}}``.
+  """
+  depth_max = len(layer_list)
+  values = {}
+  for i, layer in enumerate(layer_list):
+    s = stats[layer.path]
+    depth = i + 1  # forward-order position stands in for the BFS depth
+    row = {}
+    for p in allowed_precisions(layer, precisions):
+      if "x_norm" not in s:  # embeddings: only the weight terms exist
+        sv = dv = x_norm = dvv = 0.0
+        e_x = 0
+      else:
+        sv, dv, x_norm, dvv = (s["x_amax"] / 127, s["dv"], s["x_norm"],
+                               s["dvv"])
+        e_x = _exponent(np.sqrt(x_norm / dv))
+      sw, dw, w_norm, gw = s["w_amax"] / 127, s["dw"], s["w_norm"], s[
+          "gw_norm"]
+      e_w = _exponent(np.sqrt(w_norm / dw))
+      e_g = _exponent(s["gw_amax"])
+      if p is Precision.INT8:
+        k = 9
+        fwd = (w_norm * sv ** 2 * dv + x_norm * sw ** 2 * dw) / 6
+        bwd = (gw * sv ** 2 * dv + x_norm * 2.0 ** (2 * e_x)
+               * (2.0 ** -k) ** 2 * dvv) / 6
+      else:
+        k = _QSYNC_K[p]
+        c = 2.0 ** (-2 * k) / 6
+        fwd = c * (w_norm * dv * e_x + x_norm * dw * e_w)
+        bwd = c * (gw * dv * e_x + x_norm * dvv * e_g)
+      row[p.value] = float(gamma * (depth_max - depth) * fwd + depth * bwd)
+    values[layer.path] = row
+  return values
+
+
+def qsync_var_scores(stats: dict, layer_list: Sequence[policy.Layer],
+                     precisions: Sequence[Precision]
+                     ) -> dict[str, dict[str, float]]:
+  """``bias ** 2 + variance`` of each layer and precision (the expected
+  squared loss change; the terms come from :func:`qsync_var_terms`)."""
+  return {layer.path: {p.value: s["var"][p.value]["bias"] ** 2
+                       + s["var"][p.value]["variance"]
+                       for p in allowed_precisions(layer, precisions)}
+          for layer, s in ((l, stats[l.path]) for l in layer_list)}
+
+
+# --------------------------------------------------------------------------
+# Weight-only methods: wvar, hessian, random.
+# --------------------------------------------------------------------------
+
+
+def _layer_weights(model, layer_list) -> dict[str, jax.Array | None]:
+  weights = {}
+  for layer in layer_list:
+    m = layer.module
+    if isinstance(m, nnx.Embed):
+      weights[layer.path] = m.embedding[...]
+    elif isinstance(m, MatMul):
+      weights[layer.path] = None
+    else:
+      weights[layer.path] = m.kernel[...]
+  return weights
+
+
+def _qdq(w: jax.Array, precision: Precision, quant: QuantConfig
+         ) -> jax.Array:
+  if precision is Precision.INT8:
+    qv, s = q.quantize(w, None, quant.rounding)
+    return q.dequantize(qv, s)
+  if precision is Precision.FP8:
+    qv, s = q.quantize_fp8(w)
+    return q.dequantize(qv, s)
+  dt = {Precision.FP16: jnp.float16, Precision.BF16: jnp.bfloat16}[precision]
+  return w.astype(dt).astype(jnp.float32)
+
+
+def wvar_scores(model: nnx.Module, layer_list: Sequence[policy.Layer],
+                precisions: Sequence[Precision], quant: QuantConfig
+                ) -> dict[str, dict[str, float]]:
+  """log2(1 + relative change of each weight's L1 mass after
+  quantize-dequantize); layers without weights (matmuls) score 0."""
+  values = {}
+  for path, w in _layer_weights(model, layer_list).items():
+    layer = next(l for l in layer_list if l.path == path)
+    row = {}
+    for p in allowed_precisions(layer, precisions):
+      if w is None:
+        row[p.value] = 0.0
+        continue
+      l1 = float(jnp.abs(w).sum())
+      l1q = float(jnp.abs(_qdq(w, p, quant)).sum())
+      row[p.value] = float(np.log2(abs((l1q - l1) / l1) + 1))
+    values[path] = row
+  return values
+
+
+def hutchinson_traces(loss: Callable[[Any], jax.Array], params: Any,
+                      key: jax.Array, num_probes: int) -> Any:
+  """Hutchinson estimates of the Hessian's diagonal blocks' traces.
+
+  With Rademacher probes ``v`` over all parameters, ``E[v_b . (H v)_b] =
+  tr(H_bb)`` for every block ``b`` (cross terms vanish in expectation), so one
+  Hessian-vector product per probe estimates every leaf's trace at once.
+
+  Args:
+    loss: scalar function of ``params``.
+    params: the point (a pytree).
+    key: PRNG key for the probes.
+    num_probes: probes averaged.
+
+  Returns:
+    A pytree like ``params`` of scalar trace estimates.
+  """
+  grad = jax.grad(loss)
+
+  def one(k):
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(k, len(leaves))
+    v = jax.tree.unflatten(treedef, [
+        jax.random.rademacher(kk, x.shape, jnp.float32)
+        for kk, x in zip(keys, leaves)])
+    hv = jax.jvp(grad, (params,), (v,))[1]
+    return jax.tree.map(lambda a, b: jnp.sum(a * b), v, hv)
+
+  per_probe = jax.lax.map(one, jax.random.split(key, num_probes))
+  return jax.tree.map(lambda t: t.mean(), per_probe)
+
+
+def hessian_scores(model: nnx.Module, layer_list: Sequence[policy.Layer],
+                   loss_fn: Callable[[jax.Array, jax.Array], jax.Array],
+                   batches: Sequence[tuple[Any, Any]],
+                   precisions: Sequence[Precision], quant: QuantConfig,
+                   num_probes: int, seed: int) -> dict[str, dict[str, float]]:
+  """Each weight's Hessian trace (:func:`hutchinson_traces`, averaged over
+  the batches) times its mean quantization noise variance, halved."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  weight_of = {}
+  for layer in layer_list:
+    m = layer.module
+    if isinstance(m, MatMul):
+      continue
+    weight_of[layer.path] = "embedding" if isinstance(m, nnx.Embed) else (
+        "kernel")
+
+  @jax.jit
+  def traces(params, x, y, key):
+    # A fresh copy of the BatchNorm statistics per trace: the model may
+    # update them, but every probe sees the same function.
+    def loss(p):
+      model = nnx.merge(graphdef, p, jax.tree.map(lambda v: v, rest))
+      return loss_fn(model(x), y)
+    return hutchinson_traces(loss, params, key, num_probes)
+
+  per_batch = [traces(params, jnp.asarray(x), jnp.asarray(y),
+                      jax.random.key(seed + b))
+               for b, (x, y) in enumerate(batches)]
+  mean_trace = jax.tree.map(lambda *t: float(np.mean(t)), *per_batch)
+  weights = _layer_weights(model, layer_list)
+  values = {}
+  for layer in layer_list:
+    row = {}
+    for p in allowed_precisions(layer, precisions):
+      if layer.path not in weight_of:
+        row[p.value] = 0.0
+        continue
+      node = mean_trace
+      for part in layer.path.split("/"):
+        node = node[int(part) if part.isdigit() else part]
+      trace = node[weight_of[layer.path]]
+      w = weights[layer.path]
+      # E[dW^T H dW] / 2 with i.i.d. noise: tr(H) * mean noise variance / 2.
+      noise = float(jnp.mean(noise_variance(w, p, quant.rounding)))
+      row[p.value] = float(abs(trace) * noise / 2)
+    values[layer.path] = row
+  return values
+
+
+def random_scores(layer_list: Sequence[policy.Layer],
+                  precisions: Sequence[Precision], seed: int
+                  ) -> dict[str, dict[str, float]]:
+  """Uniform random scores: the floor every indicator must beat."""
+  rng = np.random.default_rng(seed)
+  return {l.path: {p.value: float(rng.uniform())
+                   for p in allowed_precisions(l, precisions)}
+          for l in layer_list}

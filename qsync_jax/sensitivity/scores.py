@@ -1,0 +1,277 @@
+"""Sensitivity scores: the :class:`Scores` table and :func:`compute`.
+
+This module owns the indicator's entry point and its data:
+``compute(model, loss_fn, batches, method=..., precisions=...)`` returns
+:class:`Scores`: for each addressable layer and each candidate precision, how
+much the model suffers when that layer alone computes at that precision
+(larger = more sensitive; FP32 and TF32 score 0). The formulas of the methods
+live in :mod:`qsync_jax.sensitivity.methods`; this module runs the capture
+pass they start from: for ``qsync`` and ``qsync_var``, statistics (activation
+scale, norm and size, weight-gradient norm and its FP16 exponent) captured
+inside the forward and backward pass in FP32 and averaged over the batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qsync_jax.numerics.quant import QuantConfig
+from qsync_jax.plan import policy
+from qsync_jax.numerics.precision import Precision
+from qsync_jax.sensitivity import methods
+from qsync_jax.sensitivity.methods import METHODS
+
+DEFAULT_PRECISIONS = (Precision.INT8, Precision.FP16, Precision.BF16)
+
+
+@dataclasses.dataclass
+class Scores:
+  """Sensitivity per layer and precision.
+
+  Attributes:
+    values: ``{layer path: {precision name: score}}``.
+    method: the method that produced them.
+    time_s: the wall time it took, compilation included.
+    per_batch_s: for the gradient-statistics methods, the time per batch
+      once compiled (None otherwise).
+  """
+  values: dict[str, dict[str, float]]
+  method: str
+  time_s: float = 0.0
+  per_batch_s: float | None = None
+
+  def __getitem__(self, path: str) -> dict[str, float]:
+    return self.values[path]
+
+  @property
+  def layers(self) -> list[str]:
+    return list(self.values)
+
+  def pairs(self) -> list[tuple[str, str]]:
+    """(layer, precision) pairs with a non-FP32 precision, in order."""
+    return [(l, p) for l, row in self.values.items() for p in row
+            if Precision(p) not in methods.ZERO_PRECISIONS]
+
+  def vector(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
+    return np.array([self.values[l][p] for l, p in pairs], np.float64)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"method": self.method, "time_s": self.time_s,
+            "per_batch_s": self.per_batch_s, "values": self.values}
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2)
+
+  @classmethod
+  def from_dict(cls, data: Mapping[str, Any]) -> "Scores":
+    return cls({l: dict(r) for l, r in data["values"].items()},
+               data["method"], data.get("time_s", 0.0),
+               data.get("per_batch_s"))
+
+
+def compute(model: nnx.Module, loss_fn: Callable[[jax.Array, jax.Array],
+                                                 jax.Array],
+            batches: Sequence[tuple[Any, Any]], method: str = "qsync",
+            precisions: Iterable[Precision | str] = DEFAULT_PRECISIONS, *,
+            quant: QuantConfig | None = None, seed: int = 0,
+            hessian_probes: int = 8) -> Scores:
+  """Scores every (layer, precision) of ``model`` with ``method``.
+
+  Args:
+    model: an NNX model in FP32 (its current plan is ignored: statistics are
+      captured in FP32).
+    loss_fn: ``loss_fn(logits, labels) -> scalar``.
+    batches: a few ``(inputs, labels)`` batches.
+    method: one of :data:`METHODS`.
+    precisions: candidate precisions (FP32 scores 0; embeddings and
+      attention matmuls only get 16-bit ones).
+    quant: the quantization (rounding mode) the ops use.
+    seed: for ``random`` and the Hutchinson probes.
+    hessian_probes: Hutchinson probes per batch.
+
+  Returns:
+    :class:`Scores`; ``time_s`` is the method's wall time.
+
+  Raises:
+    ValueError: unknown method, no batches, a model with no addressable
+      layer, or batches the model cannot take.
+  """
+  if method not in METHODS:
+    raise ValueError(f"unknown indicator method {method!r}; valid: "
+                     f"{', '.join(METHODS)}")
+  precisions = [Precision.parse(p) for p in precisions]
+  quant = quant or QuantConfig()
+  batches = [(jnp.asarray(x), jnp.asarray(y)) for x, y in batches]
+  layer_list = checked_layers(model, batches)
+  start = time.perf_counter()
+  steady_s = None
+  if method in ("qsync", "qsync_var"):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    capture = _capture_fn(graphdef, layer_list, loss_fn, precisions,
+                          quant.rounding, curvature=method == "qsync_var")
+    per_batch = []
+    for b, (x, y) in enumerate(batches):
+      if b == 1:
+        steady_start = time.perf_counter()
+      per_batch.append(jax.block_until_ready(
+          capture(params, rest, x, y, jax.random.key(seed + b))[1]))
+    if len(batches) > 1:
+      steady_s = (time.perf_counter() - steady_start) / (len(batches) - 1)
+    stats = _mean_stats(per_batch)
+    values = (methods.qsync_scores(stats, layer_list, precisions)
+              if method == "qsync"
+              else methods.qsync_var_scores(stats, layer_list, precisions))
+  elif method == "wvar":
+    values = methods.wvar_scores(model, layer_list, precisions, quant)
+  elif method == "hessian":
+    values = methods.hessian_scores(model, layer_list, loss_fn, batches,
+                                    precisions, quant, hessian_probes, seed)
+  else:
+    values = methods.random_scores(layer_list, precisions, seed)
+  for row in values.values():
+    for p in methods.ZERO_PRECISIONS:
+      row[p.value] = 0.0
+  return Scores(values, method, time.perf_counter() - start, steady_s)
+
+
+def checked_layers(model: nnx.Module, batches: Sequence[tuple[Any, Any]]
+                   ) -> list[policy.Layer]:
+  """The layers a plan can address in ``model``, run on ``batches[0]``.
+
+  Raises:
+    ValueError: no batches, batches the model cannot take, or a model with
+      no addressable layer.
+  """
+  if not batches:
+    raise ValueError("the indicator needs at least one batch")
+  x0 = batches[0][0]
+  spec = getattr(model, "input_spec", None)
+  if callable(spec):
+    want = spec(np.shape(x0)[0])
+    if tuple(np.shape(x0)) != tuple(want.shape):
+      raise ValueError(f"batch input of shape {tuple(np.shape(x0))} does "
+                       f"not match the model's input_spec "
+                       f"{tuple(want.shape)}")
+  try:
+    return policy.model_layers(model, jnp.asarray(x0))
+  except (TypeError, ValueError) as e:
+    if "no layer a precision plan can address" in str(e):
+      raise
+    raise ValueError(f"the model cannot run on batches of shape "
+                     f"{tuple(np.shape(x0))}: {e}") from None
+
+
+# --------------------------------------------------------------------------
+# The capture pass: statistics in FP32 (for qsync and qsync_var).
+# --------------------------------------------------------------------------
+
+
+def _bilinear_wrapper(module, base, transform):
+  """Wraps ``base``: ``transform(x, w) -> (x', w', post)``, then post(y)."""
+  li, ri = policy.operand_positions(module)
+
+  def wrapped(*args, **kwargs):
+    args = list(args)
+    args[li], args[ri], post = transform(args[li], args[ri])
+    return post(base(*args, **kwargs))
+
+  return wrapped
+
+
+def _capture_fn(graphdef, layer_list, loss_fn, precisions, rounding,
+                curvature: bool):
+  """Returns a jitted fn(params, rest, x, y, key) -> per-layer statistics.
+
+  With ``curvature`` it also estimates the Hessian diagonal (``qsync_var``);
+  QSync's own formula needs only the statistics and gradients.
+  """
+  floors = [methods.allowed_precisions(layer, precisions)
+            for layer in layer_list]
+
+  @jax.jit
+  def capture(params, rest, x, y, key):
+    model = nnx.merge(graphdef, params, rest)
+    # The wrappers read the perturbations of the current trace from `box`
+    # and record each layer's operands and output into it.
+    box = {"perturb": None, "stats": {}}
+
+    def make_wrapper(i, layer, base):
+      if isinstance(layer.module, nnx.Embed):
+        def promote(arrays, **kw):
+          (table,) = arrays
+          table = table + box["perturb"][i]["w"]
+          box["stats"][i] = {"w": table}
+          return base((table,), **kw)
+        return promote
+
+      def transform(xv, wv):
+        p = box["perturb"][i]
+        xv, wv = xv + p["x"], wv + p["w"]
+
+        def post(out):
+          out = out + jnp.asarray(p["y"]).astype(out.dtype)
+          box["stats"][i] = {"x": xv, "w": wv, "y": out}
+          return out
+        return xv, wv, post
+      return _bilinear_wrapper(layer.module, base, transform)
+
+    policy.instrument(model, layer_list, make_wrapper)
+    # Pure functions of the perturbations from here on; a fresh copy of the
+    # BatchNorm statistics per trace (their updates are not needed).
+    instrumented, p_state, r_state = nnx.split(model, nnx.Param, ...)
+
+    def run(perturb):
+      box["perturb"], box["stats"] = perturb, {}
+      m = nnx.merge(instrumented, p_state, jax.tree.map(lambda v: v, r_state))
+      return loss_fn(m(x), y), box["stats"]
+
+    # Zero perturbations shaped like each layer's operands and output: their
+    # gradients are dL/dx, dL/dW and dL/dy.
+    none = [{"x": 0.0, "w": 0.0, "y": 0.0} for _ in layer_list]
+    sds = jax.eval_shape(lambda: run(none)[1])
+    zeros = [{"x": jnp.zeros(()), "y": jnp.zeros(()),
+              **{k: jnp.zeros(sds[i][k].shape, jnp.float32)
+                 for k in ("x", "w", "y") if k in sds[i]}}
+             for i in range(len(layer_list))]
+    grad_fn = jax.value_and_grad(run, has_aux=True)
+    (loss, stats), grads = grad_fn(zeros)
+    if curvature:
+      # Hutchinson estimate of each perturbation's Hessian diagonal: one
+      # Hessian-vector product with a Rademacher probe over all of them.
+      leaves, treedef = jax.tree.flatten(zeros)
+      probe = jax.tree.unflatten(treedef, [
+          jax.random.rademacher(k, z.shape, jnp.float32) if z.ndim else z
+          for k, z in zip(jax.random.split(key, len(leaves)), leaves)])
+      hvp = jax.jvp(lambda z: grad_fn(z)[1], (zeros,), (probe,))[1]
+      diag = jax.tree.map(jnp.multiply, probe, hvp)
+    out = {}
+    for i, layer in enumerate(layer_list):
+      s, g = stats[i], grads[i]
+      w, gw = s["w"].astype(jnp.float32), g["w"]
+      row = {"w_norm": jnp.linalg.norm(w), "w_amax": jnp.abs(w).max(),
+             "dw": w.size, "gw_norm": jnp.linalg.norm(gw),
+             "gw_amax": jnp.abs(gw).max()}
+      if "x" in s:
+        xv = s["x"].astype(jnp.float32)
+        row.update({"x_norm": jnp.linalg.norm(xv), "x_amax": jnp.abs(xv).max(),
+                    "dv": xv.size, "dvv": s["y"].size})
+      if curvature:
+        row["var"] = methods.qsync_var_terms(s, g, diag[i], floors[i],
+                                             rounding)
+      out[layer.path] = row
+    return loss, out
+
+  return capture
+
+
+def _mean_stats(per_batch: list[dict]) -> dict:
+  return jax.tree.map(lambda *xs: float(np.mean([float(v) for v in xs])),
+                      *per_batch)

@@ -1,0 +1,230 @@
+"""The shard_map programs where the workers meet.
+
+This module owns the jitted ``jax.shard_map`` programs over the mesh of all
+workers (:data:`~qsync_jax.train.layout.AXIS`), built as functions of what
+they close over (the mesh, the parameters' ``unravel``, the optimizer, the
+averager, ...):
+
+* :func:`init_program`: each worker's optimizer state and loss scale (and
+  :func:`initial_state`: the whole :class:`StackedState` before a first
+  step);
+* :func:`update_program`: the data-parallel update (average the gradients
+  through the averager, then the optax update of :mod:`.step`);
+* :func:`local_update_program`: a local step (each worker applies its own
+  gradient; no collective);
+* :func:`average_params_program`: the average of the parameters' change
+  since the last synchronization (local SGD);
+* :func:`mean_rest_program` and :func:`mean_params_program`: the workers'
+  mean non-parameter state and parameters, for evaluation.
+
+Every input and output is stacked over the workers (:mod:`.layout`). The
+trainer runs these programs; the predictor times the same update program.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+import optax
+
+from qsync_jax.parallel import averagers
+from qsync_jax.train import layout
+from qsync_jax.train import loss_scale as ls
+from qsync_jax.train import step as step_lib
+from qsync_jax.train.layout import AXIS
+
+Unravel = Callable[[jax.Array], Any]
+
+
+class StackedState(NamedTuple):
+  """The state the programs read and write, stacked over the workers.
+
+  Attributes:
+    params: ``(n, P)`` flat float32 parameters.
+    opt_state: the optimizer state, each leaf stacked.
+    loss_scale: the :class:`~qsync_jax.train.loss_scale.LossScale`, stacked.
+    weights: ``(n,)`` each worker's share of an average.
+    counter: ``(n,)`` averages so far (keys each one's rounding noise).
+    residual: ``(n, P)`` error-feedback residuals, or None without feedback.
+  """
+  params: jax.Array
+  opt_state: Any
+  loss_scale: ls.LossScale
+  weights: jax.Array
+  counter: jax.Array
+  residual: jax.Array | None
+
+
+def _shard_map(mesh: Mesh, fn: Callable, num_in: int) -> Callable:
+  """``fn`` jitted as a shard_map whose inputs and outputs are all stacked."""
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS),) * num_in,
+                               out_specs=P(AXIS)))
+
+
+def _expand(x: Any) -> jax.Array:
+  return jnp.asarray(x)[None]
+
+
+def init_program(mesh: Mesh, unravel: Unravel,
+                 tx: optax.GradientTransformation,
+                 init_scale: ls.LossScale) -> Callable:
+  """``init(params) -> (opt_state, loss_scale)``, stacked per worker."""
+
+  def init(params):
+    opt_state = tx.init(unravel(params[0]))
+    return (jax.tree.map(_expand, opt_state),
+            jax.tree.map(_expand, init_scale))
+
+  return _shard_map(mesh, init, 1)
+
+
+def initial_state(mesh: Mesh, devices: Mapping[int, jax.Device],
+                  unravel: Unravel, tx: optax.GradientTransformation,
+                  flat: jax.Array, weights: np.ndarray, loss_scaling: bool,
+                  error_feedback: bool) -> StackedState:
+  """The state before the first step: the same parameters on every worker.
+
+  Args:
+    mesh: the mesh of all workers.
+    devices: ``{worker index: device}`` of this process's workers.
+    unravel: flat parameter vector to parameter pytree.
+    tx: the optimizer.
+    flat: the initial flat float32 parameters.
+    weights: ``(n,)`` float32, each worker's share of an average.
+    loss_scaling: start a dynamic loss scale (else a disabled one).
+    error_feedback: keep (zero) error-feedback residuals.
+  """
+  sharding = NamedSharding(mesh, P(AXIS))
+  params = layout.put_rows({d: flat[None] for d in devices.values()},
+                           (len(weights), flat.size), sharding)
+  init_scale = (ls.LossScale.create() if loss_scaling
+                else ls.LossScale.disabled())
+  opt_state, loss_scale = init_program(mesh, unravel, tx, init_scale)(params)
+  return StackedState(
+      params, opt_state, loss_scale,
+      layout.stacked_constant(weights, devices, sharding),
+      layout.stacked_constant(np.zeros(len(weights), np.uint32), devices,
+                              sharding),
+      layout.zeros_like(params, sharding) if error_feedback else None)
+
+
+def _average(averager: Any, seed: int, x, weight, counter, residual):
+  """``sum_i w_i x_i`` through the averager; error feedback if ``residual``.
+
+  Runs inside the shard_map programs; ``counter`` keys the rounding noise (a
+  fresh key per average, the same on every worker). Returns ``(mean,
+  new_residual)``.
+  """
+  key = jax.random.fold_in(jax.random.key(seed), counter)
+  if residual is None:
+    return averager(x, weight, AXIS, key), None
+  return averagers.compress_with_feedback(averager, x, residual, weight, AXIS,
+                                          key)
+
+
+def _apply(unravel: Unravel, tx: optax.GradientTransformation, params,
+           opt_state, scale, g):
+  """:func:`.step.apply_update` on one worker's stacked rows, and the loss
+  scale's update; returns the stacked ``(params, opt_state, scale,
+  finite)``."""
+  opt = jax.tree.map(lambda x: x[0], opt_state)
+  new_p, new_opt, finite = step_lib.apply_update(unravel, tx, params[0], opt,
+                                                 g)
+  new_scale = ls.update(jax.tree.map(lambda x: x[0], scale), finite)
+  return (new_p[None], jax.tree.map(_expand, new_opt),
+          jax.tree.map(_expand, new_scale), finite[None])
+
+
+def update_program(mesh: Mesh, unravel: Unravel,
+                   tx: optax.GradientTransformation, averager: Any,
+                   seed: int, error_feedback: bool) -> Callable:
+  """The data-parallel step: average the gradients, then the optax update.
+
+  Returns:
+    ``update(params, opt_state, scale, grads, weight, counter, residual) ->
+    (params, opt_state, scale, finite, counter, residual)``; ``grads`` are
+    the scaled gradients, ``weight`` each worker's share of the average,
+    ``residual`` the error-feedback residual (``None`` without feedback).
+    A non-finite averaged gradient skips the step on every worker.
+  """
+
+  def update(params, opt_state, scale, grads, weight, counter, residual):
+    s = scale.scale[0]
+    if error_feedback:
+      # The residual is unscaled: average g / s, not the scaled gradient.
+      g, new_res = _average(averager, seed, grads[0] / s, weight[0],
+                            counter[0], residual[0])
+    else:
+      g, new_res = _average(averager, seed, grads[0], weight[0], counter[0],
+                            None)
+      g = g / s
+    out = _apply(unravel, tx, params, opt_state, scale, g)
+    if error_feedback:
+      finite = out[3][0]
+      new_res = jnp.where(finite, new_res, residual[0])[None]
+    else:
+      new_res = residual
+    return (*out, counter + 1, new_res)
+
+  return _shard_map(mesh, update, 7)
+
+
+def local_update_program(mesh: Mesh, unravel: Unravel,
+                         tx: optax.GradientTransformation) -> Callable:
+  """A local step: each worker applies its own gradient; no collective.
+
+  Returns:
+    ``local_update(params, opt_state, scale, grads) -> (params, opt_state,
+    scale, finite)``.
+  """
+
+  def local_update(params, opt_state, scale, grads):
+    return _apply(unravel, tx, params, opt_state, scale,
+                  grads[0] / scale.scale[0])
+
+  return _shard_map(mesh, local_update, 4)
+
+
+def average_params_program(mesh: Mesh, averager: Any, seed: int
+                           ) -> Callable:
+  """Averages the parameters' change since the last synchronization.
+
+  Each worker sends its change since the anchor (a pseudo-gradient, whose
+  magnitudes suit the quantizing averagers) and adds the average to it.
+
+  Returns:
+    ``average(params, anchor, weight, counter, residual) -> (params,
+    counter, residual)``.
+  """
+
+  def average(params, anchor, weight, counter, residual):
+    delta, new_res = _average(averager, seed, params[0] - anchor[0],
+                              weight[0], counter[0],
+                              None if residual is None else residual[0])
+    new_p = anchor[0] + delta
+    new_res = residual if new_res is None else new_res[None]
+    return new_p[None], counter + 1, new_res
+
+  return _shard_map(mesh, average, 5)
+
+
+def mean_rest_program(mesh: Mesh) -> Callable:
+  """``mean(tree)``: every floating leaf averaged over the workers (the
+  BatchNorm statistics); other leaves (counters) as they are."""
+
+  def mean(tree):
+    return jax.tree.map(
+        lambda x: jax.lax.pmean(x, AXIS)
+        if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+  return _shard_map(mesh, mean, 1)
+
+
+def mean_params_program(mesh: Mesh) -> Callable:
+  """``mean(params, weight)``: the workers' weighted mean parameters, on
+  every worker (exact float32, outside the averager: no wire bytes)."""
+  return _shard_map(mesh, lambda p, w: jax.lax.psum(p * w[0], AXIS), 2)
