@@ -6,10 +6,10 @@ Usage:
       [--settings=fake_devices,multiprocess] [--num_workers=4] [--donate] \
       [--parts]
 
-For each strategy of qsync_jax.parallel.averagers (none = float32 mean, fp16, bf16, gqsgd,
-gqsgd_int16, gqsgd_threefry, gqsgd_exp, qsgd) and each size, one all-reduce of
-gradient-like float32 data over num_workers workers: fake CPU devices in this
-process, and localhost processes with gloo collectives (see
+For each strategy of qsync_jax.parallel.averagers (none = float32 mean, fp16,
+bf16, gqsgd, gqsgd_int16, gqsgd_threefry, gqsgd_exp, qsgd) and each size, one
+all-reduce of gradient-like float32 data over num_workers workers: fake CPU
+devices in this process, and localhost processes with gloo collectives (see
 experiments.benches.compression). Writes JSON {"settings": {...}, "results":
 [{setting, strategy, num_elements, time_s, cpu_s, wire_bytes, rel_error,
 time_vs_fp32, ...}], "gqsgd_vs_fp32_time_ratio_16M_<setting>": float} and
@@ -30,8 +30,8 @@ from absl import app
 from absl import flags
 import jax
 
-from qsync_jax import cli
 from experiments.benches import compression
+from qsync_jax import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output JSON file.")

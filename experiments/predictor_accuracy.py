@@ -33,8 +33,8 @@ from absl import app
 from absl import flags
 import jax
 
-from qsync_jax import cli
 from experiments.studies import predictor_accuracy
+from qsync_jax import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("model", ["cnn", "bert", "resnet18"],

@@ -51,10 +51,10 @@ import jax
 import ml_collections
 from ml_collections import config_flags
 
+from experiments import train_lib
 from qsync_jax import cli
 from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.parallel import distributed
-from experiments import train_lib
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs",
                                "default.py")

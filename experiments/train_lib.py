@@ -6,8 +6,8 @@ devices present, builds one worker per device with its kind's precision plan
 (and its batch size, equal or proportional to device speed), trains a
 :class:`~qsync_jax.train.trainer.HybridTrainer`, checkpoints and resumes it, and
 writes ``summary.json``, ``metrics.jsonl``, the plans and a PNG of the curves.
-In a multi-process run (``qsync_jax.parallel.distributed``) every process runs its own
-workers and only process 0 writes the files.
+In a multi-process run (``qsync_jax.parallel.distributed``) every process runs
+its own workers and only process 0 writes the files.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ import ml_collections
 import numpy as np
 import optax
 
-from qsync_jax.parallel import cluster as cluster_lib
-from qsync_jax.parallel import averagers
 from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
 from qsync_jax.allocation import pipeline
+from qsync_jax.parallel import averagers
+from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.parallel import schedules
-from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train.trainer import HybridTrainer, Worker
 
 
@@ -181,9 +181,10 @@ def make_optimizer(config: ml_collections.ConfigDict
 
 
 def make_schedule(config: ml_collections.ConfigDict) -> schedules.Schedule:
-  """The synchronization schedule of ``config.sync`` (see schedules.make_schedule).
+  """The synchronization schedule of ``config.sync``.
 
-  QSR reads the learning-rate schedule and keeps ``h_base`` during warmup.
+  See schedules.make_schedule. QSR reads the learning-rate schedule and keeps
+  ``h_base`` during warmup.
   """
   return schedules.make_schedule(
       config.get("sync", "dp"), total_steps=config.steps,
@@ -194,8 +195,11 @@ def make_schedule(config: ml_collections.ConfigDict) -> schedules.Schedule:
 
 
 def make_averager(config: ml_collections.ConfigDict) -> averagers.Averager:
-  """The averaging strategy of ``config.compress`` (see averagers.make_averager),
-  with ``config.compress_kwargs`` and the run's seed for its noise."""
+  """The averaging strategy of ``config.compress``.
+
+  See averagers.make_averager; built with ``config.compress_kwargs`` and the
+  run's seed for its noise.
+  """
   kwargs = to_plain(config.get("compress_kwargs", {})) or {}
   name = config.get("compress", "none")
   if name in ("gqsgd", "gqsgd_exp", "qsgd"):

@@ -17,7 +17,7 @@ from absl import app
 from absl import flags
 import jax
 
-from experiments.benches import trainer
+from experiments.benches import trainer_overhead
 from qsync_jax import cli
 
 FLAGS = flags.FLAGS
@@ -42,9 +42,10 @@ def main(argv):
   with cli.bad_input_exits():
     results = []
     for model, batch, kwargs in CASES:
-      r = trainer.trainer_overhead(model, batch,
-                                   num_workers=FLAGS.num_workers,
-                                   rounds=FLAGS.rounds, model_kwargs=kwargs)
+      r = trainer_overhead.trainer_overhead(model, batch,
+                                            num_workers=FLAGS.num_workers,
+                                            rounds=FLAGS.rounds,
+                                            model_kwargs=kwargs)
       print(f"{model:5s} batch/worker {batch:4d}: hybrid "
             f"{r['hybrid_step_s'] * 1e3:7.2f} ms, spmd "
             f"{r['spmd_step_s'] * 1e3:7.2f} ms, ratio {r['ratio']:.3f}")

@@ -9,8 +9,8 @@ max-abs of the bucket and ``s`` levels per worker,
 
 so ``E[q * scale] = y`` and the integer codes of ``n`` workers can be summed
 directly by the all-reduce. With ``s = floor(127 / n)``
-(:meth:`qsync_jax.parallel.averagers.GlobalQSGD.levels`) every ``|q| <= s`` and the sum of
-``n`` codes stays within ``n * s <= 127``: the int8 wire never wraps
+(:meth:`qsync_jax.parallel.averagers.GlobalQSGD.levels`) every ``|q| <= s`` and
+the sum of ``n`` codes stays within ``n * s <= 127``: the int8 wire never wraps
 (reference/qsr_globalqsgd.md: the official code's ``127 / n`` levels do).
 
 This kernel is that encode for a ``(num_buckets, bucket_size)`` block of
@@ -104,8 +104,8 @@ def gqsgd_encode(y: jax.Array, global_max, levels: int, *, seed=0,
 
   Args:
     y: (num_buckets, bucket_size) float values (the weighted gradient,
-      bucketed and zero padded as ``qsync_jax.parallel.averagers`` does), or one 1-D
-      bucket.
+      bucketed and zero padded as ``qsync_jax.parallel.averagers`` does), or
+      one 1-D bucket.
     global_max: (num_buckets,) float32 ``pmax`` over workers of each
       bucket's ``max |y|``.
     levels: ``s``, levels per worker (``floor(127 / n)`` for an int8 wire).

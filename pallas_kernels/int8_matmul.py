@@ -9,9 +9,9 @@ int32, then one float32 epilogue
 
 cast to float32, bfloat16 or float16. ``s_row`` is one scale per row of ``x``
 (per token / example) or one per tensor, ``s_col`` one per output column (per
-channel) or one per tensor. The association ``acc * (s_row * s_col)`` is the
-one :mod:`qsync_jax.numerics.ops` uses, so the float32 output is bit-identical to the
-XLA path, not merely close.
+channel) or one per tensor. The association ``acc * (s_row * s_col)`` is the one
+:mod:`qsync_jax.numerics.ops` uses, so the float32 output is bit-identical to
+the XLA path, not merely close.
 
 Kernel: a 2-D grid over ``(M / block_m, N / block_n)`` output tiles; each
 program loops over K in ``block_k`` slices (``lax.fori_loop``) with an int32

@@ -1,7 +1,7 @@
 """Fused scale-and-round to int8, per tensor or per row.
 
-One pass over the input: ``q = clip(round(x / scale), -127, 127)`` as int8,
-with the rounding of :mod:`qsync_jax.numerics.quant` (QSync's LP-PyTorch numerics,
+One pass over the input: ``q = clip(round(x / scale), -127, 127)`` as int8, with
+the rounding of :mod:`qsync_jax.numerics.quant` (QSync's LP-PyTorch numerics,
 reference/qsync.md section 6.2):
 
 * ``nearest``: ties to even, as ``jnp.round`` (built from ``floor``, since
@@ -40,7 +40,8 @@ _FLOAT_INPUTS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def _rounding_name(rounding) -> str:
-  name = getattr(rounding, "value", rounding)  # qsync_jax.numerics.quant.Rounding
+  # qsync_jax.numerics.quant.Rounding
+  name = getattr(rounding, "value", rounding)
   if name not in ROUNDINGS:
     raise ValueError(f"unknown rounding {rounding!r}; valid: "
                      f"{', '.join(ROUNDINGS)}")
@@ -145,7 +146,10 @@ def quantize(x: jax.Array, scale, *, rounding="nearest", salt=0,
 
 def quantize_reference(x: jax.Array, scale, *, rounding="nearest",
                        salt=0) -> jax.Array:
-  """Pure-jnp :func:`quantize` (equal to ``qsync_jax.numerics.quant.quantize_int8``)."""
+  """Pure-jnp :func:`quantize`.
+
+  Equal to ``qsync_jax.numerics.quant.quantize_int8``.
+  """
   rounding = _rounding_name(rounding)
   x2, s2 = _as_2d(x, scale)
   v = x2.astype(jnp.float32) / s2

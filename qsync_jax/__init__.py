@@ -36,14 +36,14 @@ from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.numerics.quant import Rounding
 
 # Plans, the device table, and applying a plan to a model.
-from qsync_jax.plan.devices import DEVICE_PRECISIONS
 from qsync_jax.plan.devices import device_kinds
+from qsync_jax.plan.devices import DEVICE_PRECISIONS
 from qsync_jax.plan.devices import supported_precisions
 from qsync_jax.plan.layers import MatMul
-from qsync_jax.plan.policy import Layer
 from qsync_jax.plan.policy import apply_plan
 from qsync_jax.plan.policy import describe
 from qsync_jax.plan.policy import effective_precisions
+from qsync_jax.plan.policy import Layer
 from qsync_jax.plan.policy import layer_paths
 from qsync_jax.plan.policy import model_layers
 from qsync_jax.plan.precision import PlanError
@@ -58,12 +58,12 @@ from qsync_jax.predictor.graph import ModelGraph
 from qsync_jax.predictor.graph import trace_graph
 from qsync_jax.predictor.profiling import Profile
 from qsync_jax.predictor.profiling import profile
-from qsync_jax.predictor.simulation import Prediction
 from qsync_jax.predictor.simulation import predict
+from qsync_jax.predictor.simulation import Prediction
 
 # The allocator and the pipeline the main job runs.
-from qsync_jax.allocation.allocator import Allocation
 from qsync_jax.allocation.allocator import allocate
+from qsync_jax.allocation.allocator import Allocation
 from qsync_jax.allocation.pipeline import plan_cluster
 from qsync_jax.allocation.search import AllocationError
 

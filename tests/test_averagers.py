@@ -354,7 +354,7 @@ def test_exponential_dithering_needs_a_power_of_two():
 def test_qsgd_is_unbiased(norm, levels, noise):
   x, w, exact = problem(8)
   out = draws(averagers.QSGD(levels=levels, norm=norm, bucket_size=16,
-                        noise=noise), x, w, 2000)
+                             noise=noise), x, w, 2000)
   assert_replicas_identical(out)
   assert_unbiased(out, exact)
 

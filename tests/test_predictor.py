@@ -10,17 +10,17 @@ import numpy as np
 import optax
 import pytest
 
-from qsync_jax.train import losses
+from qsync_jax.numerics.precision import Precision
+from qsync_jax.plan import devices
 from qsync_jax.plan import policy
 from qsync_jax.plan.layers import MatMul
-from qsync_jax.numerics.precision import Precision
 from qsync_jax.plan.precision import PlanError, PrecisionPlan
-from qsync_jax.plan import devices
 from qsync_jax.predictor import analytic, casting, graph as graph_lib
 from qsync_jax.predictor import memory, pieces, profiling as profile_lib
 from qsync_jax.predictor import roofline
 from qsync_jax.predictor import simulation as simulate
 from qsync_jax.predictor import timing
+from qsync_jax.train import losses
 from jaxpr_utils import contractions_of
 
 FP32, FP16, BF16, INT8 = (Precision.FP32, Precision.FP16, Precision.BF16,

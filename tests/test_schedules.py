@@ -78,7 +78,7 @@ def test_qsr_constant_and_degenerate_learning_rates():
   # A zero or vanishing LR gives the remaining steps, without overflow.
   assert schedules.QSR(0.0, total_steps=10, alpha=1.0, h_base=1).period(3) == 7
   assert schedules.QSR(1e-300, total_steps=10, alpha=1e10, h_base=1,
-                  gamma=3).period(0) == 10
+                       gamma=3).period(0) == 10
   with pytest.raises(ValueError, match="h_base must be a positive integer"):
     schedules.QSR(0.1, total_steps=10, alpha=0.1, h_base=0)
   with pytest.raises(ValueError, match="alpha >= 0"):
@@ -173,14 +173,14 @@ def test_round_length_is_the_period_of_each_steps_round():
 def test_make_schedule_builds_each_rule_and_rejects_bad_ones():
   lr = cosine_lr()
   q = schedules.make_schedule("qsr", total_steps=100, lr_schedule=lr, h_base=2,
-                         alpha=0.2, warmup_steps=10)
+                              alpha=0.2, warmup_steps=10)
   assert q.sync_steps(100) == COSINE_SYNCS and q.name == "qsr"
   assert schedules.make_schedule("qsr", total_steps=100, lr_schedule=lr,
-                            alpha=0.2, gamma=3.0).name == "qsr_cubic"
+                                 alpha=0.2, gamma=3.0).name == "qsr_cubic"
   assert schedules.make_schedule("local", total_steps=10,
-                            h_base=4).sync_steps(10) == [4, 8, 10]
+                                 h_base=4).sync_steps(10) == [4, 8, 10]
   assert schedules.make_schedule("postlocal", total_steps=10, h_base=4,
-                            switch_step=2).sync_steps(10) == [1, 2, 6, 10]
+                                 switch_step=2).sync_steps(10) == [1, 2, 6, 10]
   assert schedules.make_schedule("dp", total_steps=3).sync_steps(3) == [1, 2, 3]
   with pytest.raises(ValueError, match="alpha > 0"):
     schedules.make_schedule("qsr", total_steps=10, lr_schedule=lr)

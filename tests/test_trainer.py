@@ -8,9 +8,9 @@ import optax
 import pytest
 
 import qsync_jax as qs
+from qsync_jax import models
 from qsync_jax.parallel import cluster
 from qsync_jax.train import losses
-from qsync_jax import models
 from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train.layout import rows as _rows
 from qsync_jax.train.trainer import HybridTrainer, Worker
@@ -209,9 +209,9 @@ def test_dynamic_batch_sizes_follow_speed_and_keep_the_global_batch():
 
 
 def test_trainer_overhead_benchmark_reports_both_step_times():
-  from experiments.benches import trainer
-  r = trainer.trainer_overhead("cnn", 4, num_workers=2, rounds=1,
-                                  steps_per_round=2)
+  from experiments.benches import trainer_overhead
+  r = trainer_overhead.trainer_overhead("cnn", 4, num_workers=2, rounds=1,
+                                        steps_per_round=2)
   assert r["hybrid_step_s"] > 0 and r["spmd_step_s"] > 0
   assert r["ratio"] == pytest.approx(r["hybrid_step_s"] / r["spmd_step_s"])
 
@@ -241,7 +241,8 @@ def test_local_sgd_with_h1_and_plain_sgd_equals_data_parallel():
 def test_local_sgd_rounds_keep_workers_apart_until_the_average():
   sizes = [8, 8, 8, 8]
   trainer = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2),
-                          schedule=qs.parallel.schedules.ConstantLocalSGD(3, total_steps=7))
+                          schedule=qs.parallel.schedules.ConstantLocalSGD(
+                              3, total_steps=7))
   start = np.asarray(trainer.params)[0]
   local_rows = []
   for step in range(1, 8):
@@ -323,7 +324,8 @@ def test_qsr_checkpoint_mid_round_resumes_bit_identically(tmp_path):
   lr = optax.cosine_decay_schedule(1e-2, 12)
 
   def make():
-    schedule = qs.parallel.schedules.QSR(lr, total_steps=12, alpha=2e-2, h_base=2)
+    schedule = qs.parallel.schedules.QSR(lr, total_steps=12, alpha=2e-2,
+                                         h_base=2)
     return HybridTrainer(_cnn(), _workers(sizes), optax.adam(lr),
                          schedule=schedule, error_feedback=True,
                          averager=qs.parallel.averagers.make_averager("gqsgd"))

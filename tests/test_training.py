@@ -10,9 +10,9 @@ import time
 import optax
 import pytest
 
+from experiments import train_lib
 from experiments.configs import default as default_config
 import qsync_jax as qs
-from experiments import train_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,20 +142,20 @@ def test_qsr_study_binary_writes_runs_and_plots(tmp_path):
 
 
 def test_qsr_study_configs_set_the_averager():
-  from experiments.studies import qsr
-  config = qsr.task_config(default_config.get_config(),
-                                 qsr.TASKS["cnn"], seed=0)
-  int16 = qsr.configure(config, "dp_gqsgd_int16", {}, 1)
+  from experiments.studies import qsr as qsr_lib
+  config = qsr_lib.task_config(default_config.get_config(),
+                               qsr_lib.TASKS["cnn"], seed=0)
+  int16 = qsr_lib.configure(config, "dp_gqsgd_int16", {}, 1)
   averager = train_lib.make_averager(int16)
-  assert isinstance(averager, qs.parallel.averagers.GlobalQSGD) and averager.wire == "int16"
-  assert int16.sync == "dp"
+  assert isinstance(averager, qs.parallel.GlobalQSGD)
+  assert averager.wire == "int16" and int16.sync == "dp"
   # The default int8 configuration keeps the strategy's own wire.
   assert train_lib.make_averager(
-      qsr.configure(config, "dp_gqsgd", {}, 1)).wire == "int8"
-  qsr = qsr.configure(config, "qsr", {2.0: 0.01}, 1)
+      qsr_lib.configure(config, "dp_gqsgd", {}, 1)).wire == "int8"
+  qsr = qsr_lib.configure(config, "qsr", {2.0: 0.01}, 1)
   assert (qsr.sync, qsr.gamma, qsr.alpha) == ("qsr", 2.0, 0.01)
   with pytest.raises(ValueError, match="unknown configuration"):
-    qsr.configure(config, "dp_int4", {}, 1)
+    qsr_lib.configure(config, "dp_int4", {}, 1)
 
 
 def test_qsr_study_bad_overrides_write_nothing(tmp_path):

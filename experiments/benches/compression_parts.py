@@ -18,17 +18,17 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
-from experiments.benches.compression_cases import AXIS
-from experiments.benches.compression_cases import Case
-from experiments.benches.compression_cases import HEADLINE_SIZE
-from experiments.benches.compression_cases import HEADLINE_STRATEGY
-from experiments.benches.compression_cases import STRATEGIES
 from experiments.benches.compression_cases import all_reduce_fn
+from experiments.benches.compression_cases import AXIS
 from experiments.benches.compression_cases import calls_per_round
+from experiments.benches.compression_cases import Case
 from experiments.benches.compression_cases import check_arguments
 from experiments.benches.compression_cases import copies
+from experiments.benches.compression_cases import HEADLINE_SIZE
+from experiments.benches.compression_cases import HEADLINE_STRATEGY
 from experiments.benches.compression_cases import print_row
 from experiments.benches.compression_cases import result_row
+from experiments.benches.compression_cases import STRATEGIES
 from experiments.benches.compression_cases import time_rounds
 from experiments.benches.compression_cases import warm_up
 from experiments.benches.compression_cases import worker_data

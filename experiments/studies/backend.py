@@ -1,4 +1,7 @@
-"""JAX settings shared by the study binaries, applied before the backend starts."""
+"""JAX settings shared by the study binaries.
+
+They are applied before the backend starts.
+"""
 
 from __future__ import annotations
 

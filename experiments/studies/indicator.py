@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from scipy import stats as scipy_stats
 
 from qsync_jax import sensitivity
-from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.numerics.precision import Precision
+from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.predictor import timing
 from qsync_jax.train import step as step_lib
 

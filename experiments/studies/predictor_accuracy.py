@@ -24,13 +24,13 @@ import numpy as np
 import optax
 
 from qsync_jax import models as models_lib
-from qsync_jax.train import losses
-from qsync_jax.plan import policy
 from qsync_jax.numerics.precision import Precision
+from qsync_jax.plan import policy
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import analytic, casting, graph as graph_lib, memory
-from qsync_jax.predictor import simulation, timing
 from qsync_jax.predictor import profiling as profile_lib
+from qsync_jax.predictor import simulation, timing
+from qsync_jax.train import losses
 from qsync_jax.train.trainer import HybridTrainer, Worker
 
 #: Built-in models of the check, sized so a step takes tens of milliseconds

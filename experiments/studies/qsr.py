@@ -34,8 +34,8 @@ from absl import logging
 import ml_collections
 import numpy as np
 
-from qsync_jax import cli
 from experiments import train_lib
+from qsync_jax import cli
 
 CLUSTER = "cpu:4"
 

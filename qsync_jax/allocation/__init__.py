@@ -13,20 +13,20 @@ predictor's graph and profiles (:mod:`qsync_jax.predictor`) to one
   in one call, the pipeline the main job runs (:mod:`.pipeline`).
 """
 
+from qsync_jax.allocation.allocator import allocate
 from qsync_jax.allocation.allocator import Allocation
 from qsync_jax.allocation.allocator import METHODS
-from qsync_jax.allocation.allocator import allocate
 from qsync_jax.allocation.allocator import training_kinds_of
 from qsync_jax.allocation.baselines import dynamic_batch_split
 from qsync_jax.allocation.baselines import predict_dynamic_batch
 from qsync_jax.allocation.baselines import shuffled_scores
 from qsync_jax.allocation.baselines import uniform_low_plans
-from qsync_jax.allocation.pipeline import PlanningResult
 from qsync_jax.allocation.pipeline import compute_scores
 from qsync_jax.allocation.pipeline import plan_cluster
-from qsync_jax.allocation.search import DEFAULT_CANDIDATES
+from qsync_jax.allocation.pipeline import PlanningResult
 from qsync_jax.allocation.search import AllocationError
 from qsync_jax.allocation.search import compression_budget
+from qsync_jax.allocation.search import DEFAULT_CANDIDATES
 from qsync_jax.allocation.search import indicator_of
 from qsync_jax.allocation.search import plan_memory
 

@@ -40,8 +40,8 @@ from typing import Any, Iterator, Mapping, Sequence
 from qsync_jax.allocation import search
 from qsync_jax.allocation.search import AllocationError
 from qsync_jax.allocation.search import DEFAULT_CANDIDATES
-from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
 from qsync_jax.numerics.precision import Precision
+from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor import simulation

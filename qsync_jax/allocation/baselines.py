@@ -19,11 +19,11 @@ import numpy as np
 
 from qsync_jax.allocation import allocator
 from qsync_jax.allocation import search
+from qsync_jax.numerics.precision import Precision
 from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
-from qsync_jax.numerics.precision import Precision
-from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.plan.devices import supported_precisions
+from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor import simulation
 from qsync_jax.predictor.profiling import Profile

@@ -35,8 +35,8 @@ from qsync_jax.allocation import allocator as allocator_lib
 from qsync_jax.allocation import baselines as baselines_lib
 from qsync_jax.allocation import search
 from qsync_jax.data.base import Dataset
-from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
 from qsync_jax.numerics.precision import Precision
+from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor import profiling

@@ -14,30 +14,30 @@ The subpackage owns
   backend for their forward contraction (Pallas kernels or XLA).
 """
 
+from qsync_jax.numerics.ops import conv_general_dilated
 from qsync_jax.numerics.ops import ConvGeneralDilated
+from qsync_jax.numerics.ops import dot_general
 from qsync_jax.numerics.ops import DotGeneral
 from qsync_jax.numerics.ops import Einsum
-from qsync_jax.numerics.ops import KERNEL_BACKENDS
-from qsync_jax.numerics.ops import conv_general_dilated
-from qsync_jax.numerics.ops import dot_general
 from qsync_jax.numerics.ops import einsum
 from qsync_jax.numerics.ops import get_kernel_backend
 from qsync_jax.numerics.ops import kernel_backend
+from qsync_jax.numerics.ops import KERNEL_BACKENDS
 from qsync_jax.numerics.ops import set_kernel_backend
 from qsync_jax.numerics.precision import Precision
+from qsync_jax.numerics.quant import absmax_scale
+from qsync_jax.numerics.quant import dequantize
 from qsync_jax.numerics.quant import FP8_FORWARD
 from qsync_jax.numerics.quant import FP8_GRADIENT
 from qsync_jax.numerics.quant import Granularity
+from qsync_jax.numerics.quant import hash_uniform
 from qsync_jax.numerics.quant import INT8_MAX
 from qsync_jax.numerics.quant import QuantConfig
-from qsync_jax.numerics.quant import Rounding
-from qsync_jax.numerics.quant import absmax_scale
-from qsync_jax.numerics.quant import dequantize
-from qsync_jax.numerics.quant import hash_uniform
 from qsync_jax.numerics.quant import quantize
 from qsync_jax.numerics.quant import quantize_fp8
 from qsync_jax.numerics.quant import quantize_int8
 from qsync_jax.numerics.quant import round_values
+from qsync_jax.numerics.quant import Rounding
 
 __all__ = [
     "ConvGeneralDilated",

@@ -17,18 +17,18 @@ what training applies to each worker's model. The subpackage owns
   ``linen.apply_plan`` returns a :class:`PlannedModule`).
 """
 
+from qsync_jax.plan.devices import device_kinds
 from qsync_jax.plan.devices import DEVICE_PRECISIONS
+from qsync_jax.plan.devices import device_spec
 from qsync_jax.plan.devices import DEVICES
 from qsync_jax.plan.devices import DeviceSpec
-from qsync_jax.plan.devices import device_kinds
-from qsync_jax.plan.devices import device_spec
 from qsync_jax.plan.devices import supported_precisions
 from qsync_jax.plan.layers import MatMul
 from qsync_jax.plan.linen import PlannedModule
-from qsync_jax.plan.policy import Layer
 from qsync_jax.plan.policy import apply_plan
 from qsync_jax.plan.policy import describe
 from qsync_jax.plan.policy import effective_precisions
+from qsync_jax.plan.policy import Layer
 from qsync_jax.plan.policy import layer_paths
 from qsync_jax.plan.policy import model_layers
 from qsync_jax.plan.precision import PlanError

@@ -2,16 +2,17 @@
 
 A plan addresses *layers*: the modules that own a contraction whose precision
 can change. For NNX these are ``nnx.Linear``, ``nnx.LinearGeneral``,
-``nnx.Conv``, ``nnx.Einsum``, ``nnx.Embed`` and :class:`qsync_jax.plan.layers.MatMul`
-(the attention matmuls). A layer's path is its attribute path in the module
-tree joined by ``/`` (``"layers/0/attention/query"``), which is stable across runs
-and independent of the plan.
+``nnx.Conv``, ``nnx.Einsum``, ``nnx.Embed`` and
+:class:`qsync_jax.plan.layers.MatMul` (the attention matmuls). A layer's path is
+its attribute path in the module tree joined by ``/``
+(``"layers/0/attention/query"``), which is stable across runs and independent of
+the plan.
 
 Applying a plan swaps each layer's injectable op (``dot_general``,
 ``conv_general_dilated``, ``einsum_op``; ``dtype`` for embeddings) for a
-precision-aware op from :mod:`qsync_jax.numerics.ops`. Parameters are never touched:
-they stay float32 master weights, so a plan changes compute only and any plan
-can be applied on top of another.
+precision-aware op from :mod:`qsync_jax.numerics.ops`. Parameters are never
+touched: they stay float32 master weights, so a plan changes compute only and
+any plan can be applied on top of another.
 
 The forced precisions (FP32 head, 16-bit floor for embeddings and attention
 matmuls) are :mod:`qsync_jax.plan.rules`, shared with the Linen API. Softmax

@@ -27,23 +27,23 @@ The step it profiles is the trainer's own (:mod:`qsync_jax.train.step` and
 """
 
 from qsync_jax.predictor.analytic import analytic_profile
-from qsync_jax.predictor.casting import CastModel
 from qsync_jax.predictor.casting import analytic_cast_model
+from qsync_jax.predictor.casting import CastModel
 from qsync_jax.predictor.casting import fit_cast_model
-from qsync_jax.predictor.graph import LayerNode
-from qsync_jax.predictor.graph import ModelGraph
 from qsync_jax.predictor.graph import casts
 from qsync_jax.predictor.graph import input_dtypes
+from qsync_jax.predictor.graph import LayerNode
+from qsync_jax.predictor.graph import ModelGraph
 from qsync_jax.predictor.graph import trace_graph
-from qsync_jax.predictor.memory import MemoryModel
 from qsync_jax.predictor.memory import compiled_step_bytes
+from qsync_jax.predictor.memory import MemoryModel
 from qsync_jax.predictor.profiling import Profile
 from qsync_jax.predictor.profiling import profile
-from qsync_jax.predictor.simulation import Prediction
-from qsync_jax.predictor.simulation import SimWorker
 from qsync_jax.predictor.simulation import predict
+from qsync_jax.predictor.simulation import Prediction
 from qsync_jax.predictor.simulation import resolve_plan
 from qsync_jax.predictor.simulation import simulate
+from qsync_jax.predictor.simulation import SimWorker
 
 __all__ = [
     "CastModel",

@@ -14,9 +14,9 @@ from typing import Sequence
 
 import jax
 
+from qsync_jax.numerics.precision import Precision
 from qsync_jax.plan.devices import DeviceSpec, device_spec
 from qsync_jax.plan.devices import supported_precisions
-from qsync_jax.numerics.precision import Precision
 from qsync_jax.predictor import casting, graph as graph_lib, memory, roofline
 from qsync_jax.predictor.profiling import Profile
 

@@ -7,7 +7,8 @@ them, whether the backward pass needs their gradient) in forward order, and
 how activation dtypes flow between layers.
 
 Cascade rules (QSync's "precision-dependent operator cascades", reference
-qsync.md section 4.4, as they hold for the JAX ops of :mod:`qsync_jax.numerics.ops`):
+qsync.md section 4.4, as they hold for the JAX ops of
+:mod:`qsync_jax.numerics.ops`):
 
 * a layer's output dtype follows its precision: FP16 and BF16 layers emit
   that dtype, every other precision (INT8 and FP8 dequantize) emits float32;

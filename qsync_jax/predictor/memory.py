@@ -36,13 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from qsync_jax.train import losses
-from qsync_jax.plan import policy
 from qsync_jax.numerics.precision import Precision
+from qsync_jax.numerics.quant import QuantConfig
+from qsync_jax.plan import policy
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor import pieces
-from qsync_jax.numerics.quant import QuantConfig
+from qsync_jax.train import losses
 
 _BITS = {Precision.FP32: 32, Precision.TF32: 32, Precision.BF16: 16,
          Precision.FP16: 16, Precision.INT8: 8, Precision.FP8: 8}

@@ -26,9 +26,9 @@ from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 
 from qsync_jax.numerics import ops
+from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.plan import policy
-from qsync_jax.numerics.precision import Precision
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.train import step as step_lib

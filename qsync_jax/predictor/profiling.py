@@ -42,9 +42,9 @@ import numpy as np
 import optax
 from scipy import optimize
 
+from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.plan.devices import supported_precisions
-from qsync_jax.numerics.precision import Precision
 from qsync_jax.predictor import calls as calls_lib
 from qsync_jax.predictor import casting, graph as graph_lib, memory
 from qsync_jax.predictor import pieces

@@ -31,11 +31,11 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from qsync_jax.plan import rules
-from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
 from qsync_jax.numerics.precision import Precision
-from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
+from qsync_jax.plan import rules
 from qsync_jax.plan.devices import device_spec
+from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import graph as graph_lib, roofline
 from qsync_jax.predictor.profiling import Profile, PROFILED_INPUT_DTYPE
 

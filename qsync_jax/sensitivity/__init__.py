@@ -12,11 +12,11 @@ The first stage of the data flow: from a model and a few FP32 batches to
 """
 
 from qsync_jax.sensitivity.measure import measure
-from qsync_jax.sensitivity.methods import METHODS
 from qsync_jax.sensitivity.methods import hutchinson_traces
+from qsync_jax.sensitivity.methods import METHODS
+from qsync_jax.sensitivity.scores import compute
 from qsync_jax.sensitivity.scores import DEFAULT_PRECISIONS
 from qsync_jax.sensitivity.scores import Scores
-from qsync_jax.sensitivity.scores import compute
 
 __all__ = [
     "DEFAULT_PRECISIONS",

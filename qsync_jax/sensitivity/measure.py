@@ -20,13 +20,13 @@ from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 import numpy as np
 
+from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.plan import policy
-from qsync_jax.numerics.precision import Precision
 from qsync_jax.sensitivity import methods
+from qsync_jax.sensitivity.scores import checked_layers
 from qsync_jax.sensitivity.scores import DEFAULT_PRECISIONS
 from qsync_jax.sensitivity.scores import Scores
-from qsync_jax.sensitivity.scores import checked_layers
 
 
 def measure(model: nnx.Module, loss_fn: Callable[[jax.Array, jax.Array],
@@ -56,7 +56,7 @@ def measure(model: nnx.Module, loss_fn: Callable[[jax.Array, jax.Array],
   layer_list = checked_layers(model, batches)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   choices = [Precision.FP32, *[p for p in precisions
-                                  if p not in methods.ZERO_PRECISIONS]]
+                               if p not in methods.ZERO_PRECISIONS]]
   evaluate = _switch_fn(graphdef, layer_list, loss_fn, choices, quant)
   start = time.perf_counter()
   n = len(layer_list)

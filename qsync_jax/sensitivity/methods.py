@@ -71,10 +71,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from qsync_jax.numerics import quant as q
+from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig, Rounding
 from qsync_jax.plan import policy
 from qsync_jax.plan.layers import MatMul
-from qsync_jax.numerics.precision import Precision
 
 METHODS = ("qsync", "qsync_var", "wvar", "hessian", "random")
 #: Full precision, the reference every score is measured against: scores 0.

@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.plan import policy
-from qsync_jax.numerics.precision import Precision
 from qsync_jax.sensitivity import methods
 from qsync_jax.sensitivity.methods import METHODS
 

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 import optax
 
-from qsync_jax.plan import policy
 from qsync_jax.numerics.precision import Precision
+from qsync_jax.plan import policy
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.train import layout
 from qsync_jax.train import losses

@@ -13,15 +13,15 @@ for its device from its plan. The workers meet in one separate jitted
 ``jax.shard_map`` over a mesh of all workers, which averages the gradients and
 applies the (identical) optax update on every worker.
 
-Synchronization follows a schedule (:mod:`qsync_jax.parallel.schedules`). A
-step that averages gradients runs the averaging program above. Any other step
-is a local step: every worker applies its own gradient with its own optimizer
-state, with no collective. After a local step that ends a round, the workers
-average their parameters: each sends its change since the last
-synchronization (a pseudo-gradient, whose magnitudes suit the quantizing
-averagers of :mod:`qsync_jax.parallel.averagers` where the raw parameters
-would not) and adds the averaged change to the common starting point. Optimizer state stays
-local, as in the QSR reference code.
+Synchronization follows a schedule (:mod:`qsync_jax.parallel.schedules`). A step
+that averages gradients runs the averaging program above. Any other step is a
+local step: every worker applies its own gradient with its own optimizer state,
+with no collective. After a local step that ends a round, the workers average
+their parameters: each sends its change since the last synchronization (a
+pseudo-gradient, whose magnitudes suit the quantizing averagers of
+:mod:`qsync_jax.parallel.averagers` where the raw parameters would not) and adds
+the averaged change to the common starting point. Optimizer state stays local,
+as in the QSR reference code.
 
 State layout, chosen so a step costs few host operations:
 
@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from flax import nnx
 import jax
@@ -57,9 +57,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import optax
 
+from qsync_jax.numerics.precision import Precision
 from qsync_jax.parallel import averagers
 from qsync_jax.parallel import schedules
-from qsync_jax.numerics.precision import Precision
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.train import evaluation
 from qsync_jax.train import layout
@@ -258,18 +258,6 @@ class HybridTrainer:
   def in_sync(self) -> bool:
     """Whether every worker holds the same parameters (after a sync)."""
     return self._anchor is self.params
-
-  def update_call(self) -> Callable[[], Any]:
-    """A call that runs the update program once on zero gradients.
-
-    The state is left unchanged (the call's outputs are discarded).
-    """
-    zeros = layout.zeros_like(self.params, self.sharding)
-
-    def run():
-      return self._update(self.params, self.opt_state, self.loss_scale, zeros,
-                          self._weights, self._counter, self.residual)
-    return run
 
   def last_step_finite(self) -> bool:
     """Whether the last step's gradient was finite (the step not skipped).

@@ -1,12 +1,12 @@
 """Side-by-side step-time measurements (not tests: figures for docs/RESULTS.md).
 
 ``trainer_overhead`` measures what the hybrid design costs: the
-:class:`~qsync_jax.train.trainer.HybridTrainer` (one jitted gradient function per
-worker, then a shard_map that averages and updates) against one plain jitted
-SPMD data-parallel step (XLA inserts the all-reduce) on the same devices,
-model, optimizer and global batch. Both run in one process, interleaved in
-rounds, so machine noise hits both alike; each round times a block of steps
-with :func:`qsync_jax.predictor.timing.seconds_per_call`.
+:class:`~qsync_jax.train.trainer.HybridTrainer` (one jitted gradient function
+per worker, then a shard_map that averages and updates) against one plain jitted
+SPMD data-parallel step (XLA inserts the all-reduce) on the same devices, model,
+optimizer and global batch. Both run in one process, interleaved in rounds, so
+machine noise hits both alike; each round times a block of steps with
+:func:`qsync_jax.predictor.timing.seconds_per_call`.
 
 The SPMD step is written out here rather than built from
 :mod:`qsync_jax.train.step`: it is the baseline a JAX user would write
