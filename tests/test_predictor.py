@@ -554,7 +554,7 @@ def test_interleaved_repeats_a_burst_the_hypervisor_stole_from(fake_cpu):
   def fn():
     calls.append(1)
     if len(calls) == 3:  # the first timed burst loses half the CPU
-      time.sleep(0.02)
+      time.sleep(0.5)  # far above any clean call, even on a loaded host
     fake_cpu(5 if len(calls) == 3 else 0)
     return jnp.zeros(())
 
@@ -563,7 +563,7 @@ def test_interleaved_repeats_a_burst_the_hypervisor_stole_from(fake_cpu):
   t = timing.interleaved({"a": fn}, rounds=1, burst=1, retries=3,
                          subtract_overhead=False, meter=meter)
   assert len(calls) == 4  # two warm-up calls, the stolen burst, its retry
-  assert t["a"] < 0.01  # the clean attempt counts
+  assert t["a"] < 0.25  # the clean attempt counts, not the stolen one
   assert meter.overall_fraction == pytest.approx(5 / 20)
 
 
