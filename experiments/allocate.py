@@ -23,18 +23,26 @@ Writes to --out: <kind>.json (a PrecisionPlan per device kind, usable with
 ...}}, "optimizer_update_s": {kind: seconds}, ...},
 and prints a per-layer table. --optimizer_state_copies sets the optimizer the
 predictor costs (2: Adam, 1: SGD with momentum, 0: plain SGD).
+
+Bad input (a malformed or wrongly shaped --scores file, a batch size below 1,
+an existing file as --out, ...) ends the binary with one line `error: ...`
+and exit status 1 before anything is computed.
 """
 
-import json
+import math
+import os
 
 from absl import app
 from absl import flags
 from flax import nnx
 
+from experiments import config_lib
+from experiments import train_lib
 from qsync_jax import cli
 from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
 from qsync_jax.allocation import pipeline
+from qsync_jax.numerics.precision import Precision
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "resnet50", "Built-in model or module:factory.")
@@ -66,11 +74,70 @@ flags.DEFINE_integer("seed", 0, "Model and indicator seed.")
 flags.DEFINE_string("out", None, "Output directory.")
 
 
-def _json_flag(name):
-  try:
-    return json.loads(getattr(FLAGS, name))
-  except json.JSONDecodeError as e:
-    raise ValueError(f"--{name} is not JSON: {e}") from None
+# Integer flags and their least value.
+_LEAST = {"batch_size": 1, "score_batch_size": 1, "num_batches": 1,
+          "optimizer_state_copies": 0, "seed": 0}
+_SCORES_SHAPE = ('expected {layer: {precision: number}} or {"values": '
+                 '{layer: {precision: number}}, "method": name}')
+
+
+def _check_numeric_flags():
+  """Raises ``ValueError`` naming the first numeric flag out of range."""
+  for name, least in _LEAST.items():
+    if getattr(FLAGS, name) < least:
+      raise ValueError(f"--{name} must be >= {least}, got "
+                       f"{getattr(FLAGS, name)}")
+  c = FLAGS.compression
+  if c is not None and not (math.isfinite(c) and 0 <= c <= 1):
+    raise ValueError(f"--compression must be a fraction in [0, 1], got {c}")
+
+
+def _kwargs_flag(name):
+  """The JSON object of flag ``--name``: keyword arguments."""
+  value = config_lib.read_json(getattr(FLAGS, name), f"--{name}")
+  if not isinstance(value, dict):
+    raise ValueError(f"--{name} must be a JSON object of keyword arguments, "
+                     f"got a {type(value).__name__}")
+  return value
+
+
+def _load_scores(path):
+  """The ``{layer: {precision: score}}`` table of a scores file and its method.
+
+  Raises:
+    FileNotFoundError: no such file.
+    ValueError: malformed JSON or not the scores' shape.
+  """
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"--scores file {path!r} does not exist")
+  what = f"--scores file {path!r}"
+  with open(path) as f:
+    loaded = config_lib.read_json(f.read(), what)
+  if not isinstance(loaded, dict):
+    raise ValueError(f"{what} holds a {type(loaded).__name__}; "
+                     f"{_SCORES_SHAPE}")
+  values = loaded.get("values", loaded)
+  method = loaded.get("method", FLAGS.indicator)
+  if not isinstance(values, dict) or not values:
+    raise ValueError(f"{what} has no layers; {_SCORES_SHAPE}")
+  if not isinstance(method, str):
+    raise ValueError(f"{what}: its method is a {type(method).__name__}, not "
+                     "a name")
+  for layer, row in values.items():
+    if not isinstance(row, dict) or not row:
+      raise ValueError(f"{what}: layer {layer!r} maps to a "
+                       f"{type(row).__name__}, not {{precision: number}}; "
+                       f"{_SCORES_SHAPE}")
+    for precision, x in row.items():
+      try:
+        Precision.parse(precision)
+      except ValueError as e:
+        raise ValueError(f"{what}: layer {layer!r}: {e}") from None
+      if not (isinstance(x, (int, float)) and not isinstance(x, bool)
+              and math.isfinite(x)):
+        raise ValueError(f"{what}: the score of layer {layer!r} at "
+                         f"{precision} is {x!r}, not a finite number")
+  return values, method
 
 
 def _memory_limits(values):
@@ -78,12 +145,16 @@ def _memory_limits(values):
   for value in values:
     kind, sep, gib = value.partition("=")
     try:
-      limits[kind.strip().lower()] = float(gib) * 2**30
+      gib = float(gib)
     except ValueError:
       sep = ""
     if not sep:
       raise ValueError(f"--memory_limit={value!r}: expected KIND=GiB, e.g. "
                        "t4=12")
+    if not (math.isfinite(gib) and gib > 0):
+      raise ValueError(f"--memory_limit={value!r}: the limit must be a "
+                       "positive number of GiB")
+    limits[kind.strip().lower()] = gib * 2**30
   return limits
 
 
@@ -91,29 +162,30 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   with cli.bad_input_exits():
-    factory = models_lib.load_model_factory(FLAGS.model)
-    model_kwargs = _json_flag("model_kwargs")
-    timing_model = factory(rngs=nnx.Rngs(FLAGS.seed), **model_kwargs)
-    if FLAGS.scores:
-      with open(FLAGS.scores) as f:
-        loaded = json.load(f)
-      scores = loaded.get("values", loaded)
-      name = loaded.get("method", FLAGS.indicator)
-    else:
-      score_kwargs = (model_kwargs if FLAGS.score_model_kwargs is None
-                      else _json_flag("score_model_kwargs"))
-      score_model = factory(rngs=nnx.Rngs(FLAGS.seed), **score_kwargs)
-      dataset = data_lib.load_dataset(FLAGS.dataset,
-                                      **_json_flag("dataset_kwargs"))
+    # Every flag is checked before the models are built.
+    _check_numeric_flags()
+    memory_limits = _memory_limits(FLAGS.memory_limit) or None
+    model_kwargs = _kwargs_flag("model_kwargs")
+    score_kwargs = (model_kwargs if FLAGS.score_model_kwargs is None
+                    else _kwargs_flag("score_model_kwargs"))
+    dataset_kwargs = _kwargs_flag("dataset_kwargs")
+    scores, name = (_load_scores(FLAGS.scores) if FLAGS.scores
+                    else (None, FLAGS.indicator))
+    train_lib.make_out_dir(FLAGS.out, "--out")
+    timing_model = models_lib.build_model(
+        FLAGS.model, rngs=nnx.Rngs(FLAGS.seed), **model_kwargs)
+    if scores is None:
+      score_model = models_lib.build_model(
+          FLAGS.model, rngs=nnx.Rngs(FLAGS.seed), **score_kwargs)
+      dataset = data_lib.load_dataset(FLAGS.dataset, **dataset_kwargs)
       scores = pipeline.compute_scores(
           score_model, dataset, FLAGS.indicator,
           num_batches=FLAGS.num_batches, batch_size=FLAGS.score_batch_size,
           seed=FLAGS.seed).values
-      name = FLAGS.indicator
     result = pipeline.plan_cluster(
         timing_model, FLAGS.cluster, scores, FLAGS.batch_size,
         indicator_name=name, method=FLAGS.method,
-        memory_limits=_memory_limits(FLAGS.memory_limit) or None,
+        memory_limits=memory_limits,
         compression=FLAGS.compression, candidates=FLAGS.candidates,
         optimizer_state_copies=FLAGS.optimizer_state_copies)
     summary = pipeline.write(result, FLAGS.out)

@@ -62,18 +62,18 @@ def main(argv):
   with cli.bad_input_exits():
     workers = [int(w) for w in FLAGS.workers]
     jax.config.update("jax_num_cpu_devices", max(workers))
-    result = accuracy.evaluate(
+    result = predictor_accuracy.evaluate(
         FLAGS.model, model_kwargs=json.loads(FLAGS.model_kwargs),
         batch_sizes=json.loads(FLAGS.batch_sizes), workers=workers,
         rounds=FLAGS.rounds, burst=FLAGS.burst,
         plans_per_phase=FLAGS.plans_per_phase)
     if FLAGS.speed_model:
-      result["simulation_speed"] = accuracy.simulation_speed(
+      result["simulation_speed"] = predictor_accuracy.simulation_speed(
           FLAGS.speed_model)
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
   with open(FLAGS.out, "w") as f:
     json.dump(result, f, indent=1)
-  accuracy.plot(result, os.path.splitext(FLAGS.out)[0] + ".png")
+  predictor_accuracy.plot(result, os.path.splitext(FLAGS.out)[0] + ".png")
   mixed = ("" if result["mixed_mean_abs_rel_error"] is None else
            f" (mixed plans alone: mean "
            f"{result['mixed_mean_abs_rel_error']:.4f}, max "

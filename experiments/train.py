@@ -37,6 +37,11 @@ Writes to --out_dir:
   curves.png: training loss and accuracy, eval accuracy.
   checkpoints/: orbax checkpoints; --resume continues the newest one.
 
+Bad input (a bad config value, a plan for a kind not in --cluster, an
+existing file as --out_dir, ...) ends the run before training with one line
+`error: ...` and exit status 1. So does a run whose final parameters or eval
+loss are not finite; it writes no summary.json.
+
 --model takes a built-in model (cnn, resnet18, resnet50, vgg16_bn, bert, lm,
 vit_tiny) or package.module:factory: a callable taking rngs (and the keyword
 arguments in --config.model_kwargs) that returns an NNX module with an
@@ -44,6 +49,7 @@ input_spec(batch_size) method returning the jax.ShapeDtypeStruct of one batch.
 """
 
 import os
+import sys
 
 from absl import app
 from absl import flags
@@ -51,6 +57,7 @@ import jax
 import ml_collections
 from ml_collections import config_flags
 
+from experiments import config_lib
 from experiments import train_lib
 from qsync_jax import cli
 from qsync_jax.parallel import cluster as cluster_lib
@@ -114,14 +121,22 @@ def main(argv):
       with config.unlocked():
         config.plan_mode = "manual"
         config.plans = ml_collections.ConfigDict(
-            {**train_lib.to_plain(config.plans), **_parse_plan_flags(
+            {**config_lib.to_plain(config.plans), **_parse_plan_flags(
                 FLAGS.plan)})
+    # Before anything starts (train_and_evaluate checks it again, for
+    # library callers).
+    config_lib.validate_config(config)
+    train_lib.make_out_dir(FLAGS.out_dir, "--out_dir")
     if not distributed.initialize():
       # Single process: one fake CPU device per worker when running on CPU
       # (before the backend starts; it does not affect GPU backends).
       workers = cluster_lib.parse_cluster(config.cluster).num_workers
       jax.config.update("jax_num_cpu_devices", workers)
-    train_lib.train_and_evaluate(config, FLAGS.out_dir)
+    try:
+      train_lib.train_and_evaluate(config, FLAGS.out_dir)
+    except FloatingPointError as e:  # diverged: not bad input, still a fail
+      print(f"error: {e}", file=sys.stderr)
+      raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -7,63 +7,55 @@ devices present, builds one worker per device with its kind's precision plan
 :class:`~qsync_jax.train.trainer.HybridTrainer`, checkpoints and resumes it, and
 writes ``summary.json``, ``metrics.jsonl``, the plans and a PNG of the curves.
 In a multi-process run (``qsync_jax.parallel.distributed``) every process runs
-its own workers and only process 0 writes the files.
+its own workers and only process 0 writes the files. The config's checks and
+the objects it names are in :mod:`experiments.config_lib`; a run ending in
+non-finite parameters or losses fails (``FloatingPointError``) instead of
+writing a summary, and ``make_out_dir`` refuses an output path that is a file.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from absl import logging
 from flax import nnx
 import jax
 import ml_collections
 import numpy as np
-import optax
 
+from experiments import config_lib
 from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
 from qsync_jax.allocation import pipeline
-from qsync_jax.parallel import averagers
 from qsync_jax.parallel import cluster as cluster_lib
-from qsync_jax.parallel import schedules
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train.trainer import HybridTrainer, Worker
 
 
-def load_plan(spec: Any) -> PrecisionPlan:
-  """Builds a plan from a JSON file path, JSON text, or a config mapping.
+
+
+def make_out_dir(path: str, what: str = "output directory") -> None:
+  """Creates the output directory ``path`` (and its parents) if missing.
+
+  Args:
+    path: the directory.
+    what: what it is, for the message (e.g. ``"--out"``).
 
   Raises:
-    FileNotFoundError: a path that does not exist.
-    qsync_jax.PlanError: a malformed plan.
+    ValueError: ``path`` or one of its parents is an existing file.
   """
-  if isinstance(spec, PrecisionPlan):
-    return spec
-  spec = to_plain(spec)
-  if isinstance(spec, Mapping):
-    return PrecisionPlan.from_dict(spec)
-  if isinstance(spec, str) and not spec.lstrip().startswith("{"):
-    if not os.path.exists(spec):
-      raise FileNotFoundError(f"plan file {spec!r} does not exist")
-    with open(spec) as f:
-      return PrecisionPlan.from_json(f.read())
-  return PrecisionPlan.from_json(spec)
-
-
-def to_plain(value: Any) -> Any:
-  """Converts ConfigDicts (recursively) to plain dicts and lists."""
-  if isinstance(value, ml_collections.ConfigDict):
-    value = value.to_dict()
-  if isinstance(value, Mapping):
-    return {k: to_plain(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [to_plain(v) for v in value]
-  return value
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ValueError(f"{what} {path!r} is an existing file, not a directory")
+  try:
+    os.makedirs(path, exist_ok=True)
+  except (FileExistsError, NotADirectoryError):
+    raise ValueError(f"{what} {path!r} cannot be created: a parent of it is "
+                     "an existing file") from None
 
 
 def make_workers(config: ml_collections.ConfigDict, devices=None,
@@ -72,20 +64,21 @@ def make_workers(config: ml_collections.ConfigDict, devices=None,
 
   ``plans`` (default ``config.plans``) maps a device kind to a plan (a
   mapping, JSON text or a file path); kinds it does not name train in FP32,
-  and entries for kinds the cluster does not have are unused.
-  ``config.batch_mode`` is ``"equal"`` (``config.batch_size`` each) or ``"dynamic"`` (QSync's DB
-  baseline: the global batch ``batch_size * num_workers`` split in proportion
-  to ``config.speeds``).
+  and a kind the cluster does not have is an error. ``config.batch_mode``
+  is ``"equal"`` (``config.batch_size`` each) or ``"dynamic"`` (QSync's DB
+  baseline: the global batch ``batch_size * num_workers`` split in
+  proportion to ``config.speeds``).
 
   Raises:
-    ValueError: a bad cluster spec, too few devices, or a bad batch mode or
-      speed.
+    ValueError: a bad cluster spec, too few devices, a plan for a kind not in
+      the cluster, or a bad batch mode or speed.
   """
   spec = cluster_lib.parse_cluster(config.cluster)
   devices = cluster_lib.assign_devices(spec, devices)
   if plans is None:
-    plans = to_plain(config.get("plans", {})) or {}
-  plan_of = {kind: load_plan(plans[kind]) if kind in plans else
+    plans = config_lib.to_plain(config.get("plans", {})) or {}
+  config_lib.check_plan_kinds(plans, spec)
+  plan_of = {kind: config_lib.load_plan(plans[kind]) if kind in plans else
              PrecisionPlan() for kind in spec.groups()}
   n = spec.num_workers
   if config.batch_mode == "equal":
@@ -134,10 +127,10 @@ def auto_plans(config: ml_collections.ConfigDict, model: nnx.Module,
                                    num_batches=a.num_batches,
                                    batch_size=config.batch_size,
                                    seed=config.seed)
-  factory = models_lib.load_model_factory(config.model)
-  timing_kwargs = {**to_plain(config.get("model_kwargs", {})),
-                   **to_plain(a.get("timing_model_kwargs", {}))}
-  timing_model = factory(rngs=nnx.Rngs(config.seed), **timing_kwargs)
+  timing_kwargs = {**config_lib.to_plain(config.get("model_kwargs", {})),
+                   **config_lib.to_plain(a.get("timing_model_kwargs", {}))}
+  timing_model = models_lib.build_model(
+      config.model, rngs=nnx.Rngs(config.seed), **timing_kwargs)
   return pipeline.plan_cluster(
       timing_model, config.cluster, scores.values,
       a.get("timing_batch_size", 0) or config.batch_size,
@@ -145,66 +138,6 @@ def auto_plans(config: ml_collections.ConfigDict, model: nnx.Module,
       compression=a.get("compression"),
       candidates=tuple(a.get("candidates", ("int8", "fp16", "fp32"))),
       baselines=False)
-
-
-def make_learning_rate(config: ml_collections.ConfigDict) -> optax.ScalarOrSchedule:
-  """The learning rate: a constant, or an optax warmup-cosine schedule.
-
-  The cosine warms up linearly from 0 over ``config.warmup_steps`` and
-  decays to ``config.final_learning_rate`` at ``config.steps``.
-  """
-  if config.lr_schedule == "constant":
-    return config.learning_rate
-  if config.lr_schedule == "cosine":
-    end = config.get("final_learning_rate", 0.0)
-    if not config.warmup_steps:  # optax warns about an empty warmup
-      return optax.cosine_decay_schedule(
-          config.learning_rate, config.steps,
-          alpha=end / config.learning_rate if config.learning_rate else 0.0)
-    return optax.warmup_cosine_decay_schedule(
-        0.0, config.learning_rate, config.warmup_steps, config.steps,
-        end_value=end)
-  raise ValueError(f"unknown lr_schedule {config.lr_schedule!r}; valid: "
-                   "constant, cosine")
-
-
-def make_optimizer(config: ml_collections.ConfigDict
-                   ) -> optax.GradientTransformation:
-  """``config.optimizer``: Adam, or SGD with ``config.momentum`` (0: none)."""
-  lr = make_learning_rate(config)
-  name = config.get("optimizer", "adam")
-  if name == "adam":
-    return optax.adam(lr)
-  if name == "sgd":
-    return optax.sgd(lr, momentum=config.get("momentum", 0.0) or None)
-  raise ValueError(f"unknown optimizer {name!r}; valid: adam, sgd")
-
-
-def make_schedule(config: ml_collections.ConfigDict) -> schedules.Schedule:
-  """The synchronization schedule of ``config.sync``.
-
-  See schedules.make_schedule. QSR reads the learning-rate schedule and keeps
-  ``h_base`` during warmup.
-  """
-  return schedules.make_schedule(
-      config.get("sync", "dp"), total_steps=config.steps,
-      lr_schedule=make_learning_rate(config),
-      h_base=config.get("h_base", 1), alpha=config.get("alpha", 0.0),
-      gamma=config.get("gamma", 2.0), warmup_steps=config.warmup_steps,
-      switch_step=config.get("switch_step", 0))
-
-
-def make_averager(config: ml_collections.ConfigDict) -> averagers.Averager:
-  """The averaging strategy of ``config.compress``.
-
-  See averagers.make_averager; built with ``config.compress_kwargs`` and the
-  run's seed for its noise.
-  """
-  kwargs = to_plain(config.get("compress_kwargs", {})) or {}
-  name = config.get("compress", "none")
-  if name in ("gqsgd", "gqsgd_exp", "qsgd"):
-    kwargs.setdefault("seed", config.seed)
-  return averagers.make_averager(name, **kwargs)
 
 
 def _write_json(path: str, value: Any) -> None:
@@ -245,6 +178,60 @@ def plot_curves(metrics_path: str, png_path: str) -> None:
   plt.close(fig)
 
 
+def bn_batches(config: ml_collections.ConfigDict,
+               batcher: data_lib.WorkerBatcher, trainer: HybridTrainer
+               ) -> Iterator[dict[int, Any]]:
+  """The training batches evaluation re-estimates BatchNorm statistics on.
+
+  The QSR code's ``bn_batches`` micro-batches split over the workers (at
+  least one each): the batches of the training steps after the current
+  one, a function of the step, so a resumed run evaluates the same. A
+  generator: a model without BatchNorm reads none.
+  """
+  k = max(1, config.get("bn_batches", 128) // trainer.num_workers)
+  for step in range(trainer.step, trainer.step + k):
+    batches = batcher.step_batches(step)
+    yield {i: batches[i] for i in trainer.local_workers}
+
+
+def _check_finite_result(trainer: HybridTrainer, eval_loss: float,
+                         train_loss: float | None,
+                         summary_path: str | None) -> None:
+  """Raises if the run ends with non-finite parameters or losses.
+
+  A diverged run must not look like a result: any ``summary.json`` at
+  ``summary_path`` (an earlier run's, or an earlier segment's of a resumed
+  run) is removed. The last training loss counts too: a step whose gradient
+  was not finite is skipped, so the parameters can stay finite while the
+  model has diverged.
+
+  Args:
+    trainer: the trainer after its last step.
+    eval_loss: the final eval loss.
+    train_loss: the last logged training loss (None: none this run).
+    summary_path: the summary to remove; None on a process that writes
+      nothing.
+
+  Raises:
+    FloatingPointError: naming what is not finite.
+  """
+  params = [x for i in trainer.local_workers
+            for x in jax.tree.leaves(trainer.worker_params(i))]
+  if not math.isfinite(eval_loss):
+    problem = f"the final eval loss is {eval_loss}"
+  elif train_loss is not None and not math.isfinite(train_loss):
+    problem = f"the final training loss is {train_loss}"
+  elif not all(np.isfinite(np.asarray(x)).all() for x in params):
+    problem = "the final parameters are not all finite"
+  else:
+    return
+  if summary_path is not None and os.path.exists(summary_path):
+    os.remove(summary_path)
+  raise FloatingPointError(
+      f"training diverged: {problem} at step {trainer.step} (try a lower "
+      "learning rate); no summary.json written")
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict,
                        out_dir: str) -> dict[str, Any]:
   """Runs the main job; see ``experiments/configs/default.py`` for fields.
@@ -256,14 +243,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
 
   Returns:
     The summary written to ``summary.json``.
+
+  Raises:
+    ValueError: a bad config (see ``validate_config``) or output directory.
+    FloatingPointError: the final parameters or eval loss are not finite;
+      no ``summary.json`` is written (a stale one is removed).
   """
+  config_lib.validate_config(config)
   writer = jax.process_index() == 0
-  os.makedirs(out_dir, exist_ok=True)
-  dataset = data_lib.load_dataset(config.dataset,
-                                  **to_plain(config.get("dataset_kwargs", {})))
-  factory = models_lib.load_model_factory(config.model)
-  model = factory(rngs=nnx.Rngs(config.seed),
-                  **to_plain(config.get("model_kwargs", {})))
+  make_out_dir(out_dir)
+  dataset = data_lib.load_dataset(
+      config.dataset, **config_lib.to_plain(config.get("dataset_kwargs", {})))
+  model = models_lib.build_model(
+      config.model, rngs=nnx.Rngs(config.seed),
+      **config_lib.to_plain(config.get("model_kwargs", {})))
   plan_mode = config.get("plan_mode", "manual")
   if plan_mode == "auto" and len(
       cluster_lib.parse_cluster(config.cluster).groups()) == 1:
@@ -283,11 +276,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   else:
     raise ValueError(f"unknown plan_mode {plan_mode!r}; valid: auto, manual")
   workers = make_workers(config, plans=plans)
-  schedule = make_schedule(config)
-  trainer = HybridTrainer(model, workers, make_optimizer(config),
-                          averager=make_averager(config), schedule=schedule,
+  schedule = config_lib.make_schedule(config)
+  trainer = HybridTrainer(model, workers, config_lib.make_optimizer(config),
+                          averager=config_lib.make_averager(config),
+                          schedule=schedule,
                           error_feedback=config.get("error_feedback", False),
-                          seed=config.seed)
+                          seed=config.seed,
+                          bn_stats=config.get("bn_stats", "reestimate"),
+                          opt_fields_to_average=config_lib.opt_fields(config))
   batcher = data_lib.WorkerBatcher(dataset.x_train, dataset.y_train,
                                    [w.batch_size for w in workers],
                                    seed=config.seed)
@@ -348,7 +344,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                    done, config.steps, loss, acc, rate)
     if config.eval_every and (done % config.eval_every == 0
                               or done == config.steps):
-      ev = trainer.evaluate(dataset.x_test, dataset.y_test)
+      ev = trainer.evaluate(dataset.x_test, dataset.y_test, train_batches=(
+          bn_batches(config, batcher, trainer)))
       last_eval = {"step": done, **ev}
       row = {**(row or {"step": done}), "eval_loss": ev["loss"],
              "eval_accuracy": ev["accuracy"]}
@@ -367,8 +364,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   wall = time.perf_counter() - start
   final = (last_eval if last_eval.get("step") == trainer.step
            else {"step": trainer.step,
-                 **trainer.evaluate(dataset.x_test, dataset.y_test)})
+                 **trainer.evaluate(dataset.x_test, dataset.y_test,
+                                    train_batches=bn_batches(
+                                        config, batcher, trainer))})
   checkpointer.close()
+  _check_finite_result(trainer, final["loss"], last_train.get("loss"),
+                       os.path.join(out_dir, "summary.json") if writer
+                       else None)
   summary = {
       "final_eval_accuracy": final["accuracy"],
       "final_eval_loss": final["loss"],

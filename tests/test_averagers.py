@@ -23,7 +23,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
+from qsync_jax import numerics
+from qsync_jax.numerics import gqsgd_encode as gqsgd_encode_lib
 from qsync_jax.parallel import averagers
+from qsync_jax.parallel import buckets
 from qsync_jax.parallel import global_qsgd
 
 AXIS = "workers"
@@ -191,6 +194,77 @@ def test_gqsgd_hash_codes_are_the_pallas_encode():
     codes = pk.gqsgd_encode_reference(yb[i], m, s, seed=salt)
     np.testing.assert_array_equal(
         np.asarray(sent[i]), pk.gqsgd_decode(codes, m, s).reshape(-1))
+
+
+def shard_mapped_on(averager, n, key):
+  """(f, sharding) of ``averager`` over the first ``n`` fake devices."""
+  mesh = Mesh(np.array(jax.devices()[:n]), (AXIS,))
+
+  def fn(x, w):
+    mean, sent = averager.reduce(x[0], w[0], AXIS, key)
+    return mean[None], sent[None]
+
+  sharding = NamedSharding(mesh, P(AXIS))
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
+                               out_specs=(P(AXIS), P(AXIS)))), sharding
+
+
+@pytest.mark.parametrize("n,wire,bucket", [
+    (2, "int8", 24), (4, "int8", 24), (3, "int16", 40), (4, "int16", None)])
+def test_gqsgd_kernel_encode_is_bit_identical_in_shard_map(n, wire, bucket):
+  # QSYNC_KERNELS=pallas runs the Pallas encode (interpret mode on CPU):
+  # mean and sent equal the jnp path's bit for bit, an inf bucket included,
+  # and only the forced backend puts a pallas_call in the program.
+  x, w, _ = problem(n, d=100)
+  x[1, 30] = np.inf  # one non-finite bucket (or, unbucketed, all of them)
+  key = jax.random.key(5)
+  averager = averagers.GlobalQSGD(wire=wire, bucket_size=bucket)
+  got, programs = {}, {}
+  for backend in ("pallas", "xla", "auto"):
+    with numerics.kernel_backend(backend):
+      f, sharding = shard_mapped_on(averager, n, key)
+      args = (jax.device_put(x, sharding), jax.device_put(w, sharding))
+      programs[backend] = str(jax.make_jaxpr(f)(*args))
+      got[backend] = [np.asarray(a) for a in f(*args)]
+  assert "pallas_call" in programs["pallas"]
+  assert "pallas_call" not in programs["xla"]
+  assert "pallas_call" not in programs["auto"]  # auto on CPU: jnp
+  for a, b in zip(got["pallas"], got["xla"]):
+    np.testing.assert_array_equal(a, b)
+  mean, sent = got["pallas"]
+  np.testing.assert_array_equal(mean, np.broadcast_to(mean[:1], mean.shape))
+  # NaN exactly over the bucket holding the inf (to_buckets' row width).
+  width = -(-100 // buckets.num_buckets(100, bucket))
+  nan = np.zeros(100, bool)
+  nan[30 // width * width:(30 // width + 1) * width] = True
+  np.testing.assert_array_equal(np.isnan(mean), np.broadcast_to(nan, (n, 100)))
+  # Codes 0 where the bucket is not finite, so what was sent stays finite.
+  assert np.isfinite(sent).all()
+
+
+def test_forced_kernel_encode_refuses_threefry_noise():
+  x, w, _ = problem(2, d=16)
+  averager = averagers.GlobalQSGD(noise="threefry")
+  with numerics.kernel_backend("pallas"):
+    f, sharding = shard_mapped_on(averager, 2, None)
+    with pytest.raises(ValueError, match="QSYNC_KERNELS=pallas: the "
+                       "Global-QSGD kernel draws only hash noise"):
+      f(jax.device_put(x, sharding), jax.device_put(w, sharding))
+  with numerics.kernel_backend("auto"):  # auto falls back to jnp instead
+    f, sharding = shard_mapped_on(averager, 2, None)
+    assert "pallas_call" not in str(jax.make_jaxpr(f)(
+        jax.device_put(x, sharding), jax.device_put(w, sharding)))
+
+
+def test_kernel_encode_tiles_keep_the_triton_grid_legal():
+  # Wide unbucketed rows get wider column tiles, up to a limit.
+  assert gqsgd_encode_lib.use_kernel("hash", (1, 1 << 24)) is False  # CPU
+  with numerics.kernel_backend("pallas"):
+    assert gqsgd_encode_lib.use_kernel("hash", (1, 1 << 29))
+    with pytest.raises(ValueError, match="set a bucket_size"):
+      gqsgd_encode_lib.use_kernel("hash", (1, 1 << 30))
+  with numerics.kernel_backend("xla"):
+    assert not gqsgd_encode_lib.use_kernel("threefry", (1, 1 << 31))
 
 
 def test_hash_noise_differs_per_worker_and_per_key():

@@ -1,5 +1,6 @@
 """Tests for qsync_jax.data: loaders' shapes/dtypes/ranges and batching."""
 
+import os
 import pickle
 
 import numpy as np
@@ -79,23 +80,30 @@ def test_synthetic():
   assert reg.x_train.shape == (50, 16) and reg.y_train.dtype == np.float32
 
 
-def _write_cifar(root, n=10):
-  """Writes tiny CIFAR-10 pickle batches; returns the raw uint8 rows."""
+def _write_cifar(root, n=10, protocol=None):
+  """Writes tiny CIFAR-10 pickle batches; returns the raw uint8 rows.
+
+  Each batch is the dict the official files hold: b"batch_label", b"labels",
+  b"data" (a uint8 numpy array) and b"filenames".
+  """
   root.mkdir(parents=True)
   rng = np.random.default_rng(0)
   rows = {}
   for name in data.cifar10.EXPECTED_FILES:
     rows[name] = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
-    batch = {b"data": rows[name], b"labels": list(range(n))}
+    batch = {b"batch_label": name.encode(), b"labels": list(range(n)),
+             b"data": rows[name],
+             b"filenames": [b"img_%d.png" % i for i in range(n)] + [b""]}
     with open(root / name, "wb") as f:
-      pickle.dump(batch, f)
+      pickle.dump(batch, f, protocol=protocol)
   return rows
 
 
 def test_cifar10_layout(tmp_path):
   rows = _write_cifar(tmp_path / "cifar-10-batches-py")
   ds = data.load_dataset("cifar10", data_dir=tmp_path)  # Parent dir works.
-  assert ds.x_train.shape == (50, 32, 32, 3) and ds.x_test.shape == (10, 32, 32, 3)
+  assert ds.x_train.shape == (50, 32, 32, 3)
+  assert ds.x_test.shape == (10, 32, 32, 3)
   assert ds.x_train.dtype == np.float32 and ds.y_train.dtype == np.int32
   np.testing.assert_array_equal(ds.y_test, np.arange(10))
   # Pixel (h, w) of channel c sits at row offset c*1024 + h*32 + w.
@@ -107,6 +115,67 @@ def test_cifar10_layout(tmp_path):
   np.testing.assert_allclose(
       direct.x_test, (ds.x_test - data.cifar10.MEAN) / data.cifar10.STD,
       rtol=1e-6)
+
+
+@pytest.mark.parametrize("protocol", [0, 2, None, 5])
+def test_cifar10_loads_every_pickle_protocol(tmp_path, protocol):
+  # Protocol 2 writes bytes as _codecs.encode and numpy 2 arrays under
+  # numpy._core; 5 (numpy's _frombuffer); None is pickle's default.
+  rows = _write_cifar(tmp_path / "b", n=4, protocol=protocol)
+  ds = data.load_cifar10(tmp_path / "b")
+  np.testing.assert_array_equal(  # Pixel (0, 1) of each channel.
+      np.rint(ds.x_test[2, 0, 1] * 255), rows["test_batch"][2, [1, 1025, 2049]])
+  np.testing.assert_array_equal(ds.y_train, np.tile(np.arange(4), 5))
+
+
+class _RunsCode:
+  """Unpickles to ``os.system(command)``, as a crafted batch would."""
+
+  def __init__(self, command):
+    self.command = command
+
+  def __reduce__(self):
+    return os.system, (self.command,)
+
+
+@pytest.mark.parametrize("protocol", [0, 2, None])
+def test_cifar10_crafted_pickle_is_refused_without_running(tmp_path,
+                                                           protocol):
+  root = tmp_path / "b"
+  _write_cifar(root)
+  marker = tmp_path / "ran"
+  batch = {b"data": _RunsCode(f"touch {marker}"), b"labels": [0]}
+  with open(root / "data_batch_3", "wb") as f:
+    pickle.dump(batch, f, protocol=protocol)
+  with pytest.raises(ValueError) as err:
+    data.load_cifar10(root)
+  msg = str(err.value)
+  assert "\n" not in msg
+  assert str(root / "data_batch_3") in msg
+  assert f"refused to load global {os.system.__module__}.system" in msg
+  assert not marker.exists()
+  # The file is a real exploit: plain pickle runs its command.
+  pickle.loads((root / "data_batch_3").read_bytes())
+  assert marker.exists()
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"not a pickle", "not a CIFAR-10 batch pickle"),
+    (pickle.dumps([1, 2]), "expected a dict with keys b'data' and b'labels', "
+     "got list"),
+    (pickle.dumps({b"data": 1}), "got keys [\"b'data'\"]"),
+    # _codecs.encode is admitted for pickle's latin1 bytes only.
+    (b"c_codecs\nencode\n(Vx\nVrot13\ntR.", "refused _codecs.encode"),
+], ids=["garbage", "list", "no_labels", "rot13"])
+def test_cifar10_malformed_batch_is_one_clear_error(tmp_path, content,
+                                                    message):
+  root = tmp_path / "b"
+  _write_cifar(root)
+  (root / "test_batch").write_bytes(content)
+  with pytest.raises(ValueError) as err:
+    data.load_cifar10(root)
+  assert str(root / "test_batch") in str(err.value)
+  assert message in str(err.value)
 
 
 def test_cifar10_missing(tmp_path):

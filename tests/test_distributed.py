@@ -7,6 +7,7 @@ SIGKILL whatever it left behind; launches run under a hard timeout.
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -86,11 +87,17 @@ def _pids(tmp_path):
 
 
 def _is_running(pid):
+  """True while ``pid`` exists and is not a zombie (dead, not yet reaped)."""
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
     return False
-  return True
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      # The state follows the parenthesized command name.
+      return f.read().rpartition(")")[2].split()[0] != "Z"
+  except FileNotFoundError:  # Just reaped, or no /proc (not Linux).
+    return not os.path.isdir("/proc")
 
 
 def _kill_leftovers(tmp_path, script):
@@ -239,6 +246,104 @@ def test_cli_sigterm_kills_children(tmp_path):
     launcher.kill()
     launcher.wait()
     _kill_leftovers(tmp_path, script)
+
+
+# A worker that starts a grandchild in its process group, then sleeps.
+_SPAWN_WORKER = _PREAMBLE + """\
+import subprocess, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+with open(os.path.join(out, "pid1" + os.environ["QSYNC_PROCESS_ID"]), "w") as f:
+  f.write(str(child.pid))
+time.sleep(120)
+"""
+
+
+def _wait_for_pids(tmp_path, launcher, count):
+  deadline = time.monotonic() + 30
+  while len(_pids(tmp_path)) < count:
+    assert time.monotonic() < deadline, "workers never started"
+    assert launcher.poll() is None, launcher.communicate()
+    time.sleep(0.1)
+  return _pids(tmp_path)
+
+
+def _wait_gone(pids, within_s):
+  """Returns the PIDs of ``pids`` still running after ``within_s`` seconds."""
+  deadline = time.monotonic() + within_s
+  while any(_is_running(p) for p in pids) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  return [p for p in pids if _is_running(p)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="the parent-death signal is Linux only")
+def test_cli_sigkill_of_launcher_kills_workers(tmp_path):
+  script = _write_worker(tmp_path, _SLEEP_WORKER)
+  launcher = _run_cli("--num_processes=2", "--", sys.executable, script,
+                      str(tmp_path))
+  try:
+    pids = _wait_for_pids(tmp_path, launcher, 2)
+    assert all(_is_running(p) for p in pids.values())
+    launcher.kill()  # SIGKILL: no handler of the launcher runs.
+    launcher.wait(timeout=10)
+    start = time.monotonic()
+    assert _wait_gone(pids.values(), within_s=5) == []
+    print(f"workers gone {time.monotonic() - start:.3f} s after the "
+          "launcher was reaped")
+  finally:
+    launcher.kill()
+    launcher.wait()
+    _kill_leftovers(tmp_path, script)
+
+
+def test_cli_sigterm_kills_each_workers_process_group(tmp_path):
+  script = _write_worker(tmp_path, _SPAWN_WORKER)
+  launcher = _run_cli("--num_processes=2", "--", sys.executable, script,
+                      str(tmp_path))
+  try:
+    pids = _wait_for_pids(tmp_path, launcher, 4)
+    # Worker i's grandchild is recorded as pid1<i>, i.e. key 10 + i.
+    assert set(pids) == {0, 1, 10, 11}
+    assert all(_is_running(p) for p in pids.values())
+    launcher.send_signal(signal.SIGTERM)
+    _, stderr = launcher.communicate(timeout=20)
+    assert launcher.returncode == 128 + signal.SIGTERM, stderr
+    assert _wait_gone(pids.values(), within_s=5) == []
+  finally:
+    launcher.kill()
+    launcher.wait()
+    for pid in _pids(tmp_path).values():
+      try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+          if b"time.sleep(120)" in f.read():
+            os.kill(pid, signal.SIGKILL)
+      except (FileNotFoundError, ProcessLookupError):
+        pass
+    _kill_leftovers(tmp_path, script)
+
+
+def test_launch_refuses_a_port_in_use(tmp_path):
+  marker = tmp_path / "started"
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    with pytest.raises(ValueError) as err:
+      distributed.launch(["touch", str(marker)], 2, port=port)
+    assert str(err.value) == (
+        f"coordinator port {port} is already in use; pick another port or "
+        "leave it out to use a free one")
+    launcher = _run_cli("--num_processes=2", f"--port={port}", "--", "touch",
+                        str(marker))
+    try:
+      _, stderr = launcher.communicate(timeout=30)
+    finally:
+      launcher.kill()
+      launcher.wait()
+  assert launcher.returncode == 1
+  assert stderr == f"error: {err.value}\n"
+  assert not marker.exists()  # No process was started.
+  distributed.check_port_free(port)  # Free again once the socket closed.
 
 
 @pytest.mark.parametrize("args,message", [

@@ -10,6 +10,8 @@ import pytest
 from experiments.studies import indicator as indicator_study
 from qsync_jax import models
 from qsync_jax import sensitivity
+from qsync_jax.plan import policy
+from qsync_jax.sensitivity import depth as sensitivity_depth
 from qsync_jax.train import losses
 from toy_models import NoLayers
 
@@ -123,3 +125,130 @@ def test_study_reports_spearman_time_and_scores_per_method():
     assert r["time_s"] >= 0 and set(r["scores"]) == set(result["layers"])
   # On a tiny CNN the second-order variance already tracks the truth.
   assert result["methods"]["qsync_var"]["spearman_vs_measured"] > 0.5
+
+
+class _Skip(nnx.Module):
+  """h = relu(d1(x)); out = head(d2(relu(d3(h))) + h): a skip around d3,
+  d2, so the head is shallower than d2 though it runs after it."""
+
+  def __init__(self, rngs):
+    self.d1 = nnx.Linear(6, 8, rngs=rngs)
+    self.d3 = nnx.Linear(8, 8, rngs=rngs)
+    self.d2 = nnx.Linear(8, 8, rngs=rngs)
+    self.head = nnx.Linear(8, 3, rngs=rngs)
+
+  def __call__(self, x):
+    h = nnx.relu(self.d1(x))
+    return self.head(self.d2(nnx.relu(self.d3(h))) + h)
+
+
+def _skip_batches(n=2):
+  rng = np.random.default_rng(1)
+  return [(rng.normal(size=(5, 6)).astype(np.float32),
+           rng.integers(0, 3, 5).astype(np.int32)) for _ in range(n)]
+
+
+def test_qsync_depth_is_the_bfs_depth_not_the_forward_index():
+  model = _Skip(nnx.Rngs(0))
+  x = jnp.asarray(_skip_batches()[0][0])
+  layers = policy.model_layers(model, x)
+  assert [l.path for l in layers] == ["d1", "d3", "d2", "head"]
+  depths, lookup = sensitivity_depth.forward_structure(model, layers, x)
+  # Nodes: d1's dot 0, bias 1, relu 2, d3's dot 3, bias 4, relu 5, d2's dot
+  # 6; the skip sum reads relu (2) and d2's bias (7): 3; the head's dot 4.
+  assert depths == [0, 3, 6, 4]
+  assert lookup == [None] * 4
+  # The score follows: the head (depth 4 of L = 6) weighs its forward term
+  # by gamma (6 - 4) = 8, where forward order (last layer) would give 0.
+  scores = sensitivity.compute(model, losses.cross_entropy, _skip_batches(),
+                               "qsync", ["int8"])
+  stats = _hand_stats(model, _skip_batches(), "head")
+  fwd = (stats["w_norm"] * stats["sv"] ** 2 * stats["dv"]
+         + stats["x_norm"] * stats["sw"] ** 2 * stats["dw"]) / 6
+  bwd = (stats["gw_norm"] * stats["sv"] ** 2 * stats["dv"]
+         + stats["x_norm"] * 2.0 ** (2 * stats["e_x"]) * 2.0 ** -18
+         * stats["dvv"]) / 6
+  np.testing.assert_allclose(scores["head"]["int8"], 4 * 2 * fwd + 4 * bwd,
+                             rtol=1e-4)
+
+
+def _exp(v):
+  """|binary exponent| of float16(v), capped at 5 (QSync's e_x)."""
+  return min(abs(int(np.frexp(np.float16(v))[1])), 5)
+
+
+def _hand_stats(model, batches, path):
+  """The head's QSync statistics of the _Skip model, by hand in numpy."""
+  def head_input(m, x):
+    h = nnx.relu(m.d1(x))
+    return m.d2(nnx.relu(m.d3(h))) + h
+
+  def loss(m, x, y):
+    return losses.cross_entropy(m(x), y)
+
+  grads = [nnx.grad(loss)(model, jnp.asarray(x), jnp.asarray(y))
+           for x, y in batches]
+  gw = np.mean([np.asarray(g[path]["kernel"][...]) for g in grads], axis=0)
+  xs = [np.asarray(head_input(model, jnp.asarray(x))) for x, _ in batches]
+  w = np.asarray(getattr(model, path).kernel[...])
+  x_norm = float(np.mean([np.linalg.norm(v) for v in xs]))
+  dv = xs[0].size
+  return {"sv": float(np.mean([np.abs(v).max() for v in xs])) / 127,
+          "sw": np.abs(w).max() / 127, "dv": dv, "dw": w.size,
+          "dvv": xs[0].shape[0] * w.shape[1], "x_norm": x_norm,
+          "w_norm": np.linalg.norm(w), "gw": gw,
+          "gw_norm": np.linalg.norm(gw),
+          "per_batch_gw_norm": float(np.mean(
+              [np.linalg.norm(np.asarray(g[path]["kernel"][...]))
+               for g in grads])),
+          "e_x": _exp(np.sqrt(x_norm / dv))}
+
+
+def test_qsync_takes_the_norm_of_the_accumulated_weight_gradient():
+  model, batches = _Skip(nnx.Rngs(0)), _skip_batches(3)
+  stats = _hand_stats(model, batches, "head")
+  # The batches disagree, so the per-batch norms' mean is clearly larger.
+  assert stats["per_batch_gw_norm"] > 1.2 * stats["gw_norm"]
+  # FP16 at the head: depth 4, L = 6; only ||grad W|| and e_g differ between
+  # the accumulated and the per-batch reading.
+  e_w = _exp(np.sqrt(stats["w_norm"] / stats["dw"]))
+
+  def fp16(gw_norm, e_g):
+    c = 2.0 ** -18 / 6
+    fwd = c * (stats["w_norm"] * stats["dv"] * stats["e_x"]
+               + stats["x_norm"] * stats["dw"] * e_w)
+    bwd = c * (gw_norm * stats["dv"] * stats["e_x"]
+               + stats["x_norm"] * stats["dvv"] * e_g)
+    return 4 * 2 * fwd + 4 * bwd
+
+  e_g = _exp(np.abs(stats["gw"]).max())
+  got = sensitivity.compute(model, losses.cross_entropy, batches, "qsync",
+                            ["fp16"])["head"]["fp16"]
+  np.testing.assert_allclose(got, fp16(stats["gw_norm"], e_g), rtol=1e-4)
+  assert not np.isclose(got, fp16(stats["per_batch_gw_norm"], e_g),
+                        rtol=1e-3)
+
+
+def test_qsync_scores_an_embedding_table_as_its_input():
+  model = models.create_model("bert", rngs=nnx.Rngs(0), vocab_size=32,
+                              max_len=8, num_layers=1, num_heads=2,
+                              hidden=16, mlp_dim=16)
+  rng = np.random.default_rng(0)
+  batches = [(rng.integers(0, 32, (4, 8)).astype(np.int32),
+              rng.integers(0, 2, 4).astype(np.int32)) for _ in range(2)]
+  scores = sensitivity.compute(model, losses.cross_entropy, batches,
+                               "qsync", ["int8", "fp16"])
+  layers = policy.model_layers(model, jnp.asarray(batches[0][0]))
+  depths, lookup = sensitivity_depth.forward_structure(
+      model, layers, jnp.asarray(batches[0][0]))
+  i = [l.path for l in layers].index("token_embed")
+  assert depths[i] == 0 and lookup[i] == 4 * 8 * 16
+  # Depth 0: only gamma L times the forward term, with Sw = Dw = ||W|| = 1
+  # and the table as x (reference profile_stas_emb): FP16's
+  # 2^-18 / 6 (||W|| Dv e_x + ||x|| Dw e_w), e_w = |exp(float16(1))| = 1.
+  table = np.asarray(model.token_embed.embedding[...])
+  t_norm = np.linalg.norm(table)
+  e_x = _exp(np.sqrt(t_norm / table.size))
+  want = 4 * max(depths) * 2.0 ** -18 / 6 * (table.size * e_x + t_norm)
+  assert scores["token_embed"]["fp16"] > 0
+  np.testing.assert_allclose(scores["token_embed"]["fp16"], want, rtol=1e-5)

@@ -1,6 +1,8 @@
 """Tests for Precision, the device capability table and PrecisionPlan."""
 
 import json
+import re
+import time
 
 import pytest
 
@@ -105,3 +107,60 @@ def test_from_precisions_builds_exact_rules():
   plan = qs.PrecisionPlan.from_precisions({"a.b[0]": "int8", "c": "fp16"})
   assert plan.resolve(["a.b[0]", "c", "axb0"], strict=False) == {
       "a.b[0]": Precision.INT8, "c": Precision.FP16, "axb0": Precision.FP32}
+
+
+# 35 layer paths like a ResNet's, as in the report of the slow rule.
+_PATHS = [f"blocks/{b}/conv{c}/kernel_weights" for b in range(12)
+          for c in range(1, 4)][:35]
+
+
+@pytest.mark.parametrize("rule, what", [
+    ("([a-z0-9/]+)+!", "holds a quantifier"),
+    ("(?:a?)*b", "holds a quantifier"),
+    (r"(?:blocks/\d+/)+conv1", "holds a quantifier"),
+    ("(?:a|aa)+!", "holds an alternation"),
+    ("(?=(?:x+)+)y", "holds a quantifier"),  # Inside a lookahead too.
+    (".*.*.*.*.*!", "has 5 repeats, more than 4"),
+])
+def test_catastrophic_rules_are_refused_fast(rule, what):
+  start = time.perf_counter()
+  with pytest.raises(qs.PlanError) as e:
+    qs.PrecisionPlan([("conv1", "int8"), (rule, "fp16")])
+  elapsed = time.perf_counter() - start
+  msg = str(e.value)
+  assert msg.startswith(f"rule 1: regex {rule!r} ") and what in msg
+  assert "\n" not in msg
+  assert elapsed < 0.1
+  with pytest.raises(qs.PlanError, match=what):  # From JSON as well.
+    qs.PrecisionPlan.from_json(json.dumps({"rules": [[rule, "fp16"]]}))
+
+
+def test_pathological_rule_was_slow_unchecked():
+  # The refused shape is really exponential: 6 more characters of input
+  # make Python's re take tens of times longer (so the test above matters).
+  rule = re.compile("([a-z0-9/]+)+!")
+  times = []
+  for n in (12, 18):
+    start = time.perf_counter()
+    rule.fullmatch("a" * n)
+    times.append(time.perf_counter() - start)
+  assert times[1] > 8 * times[0]
+
+
+@pytest.mark.parametrize("rule", [
+    r"conv\d", r"conv.*", r"layers/\d+/attn/.*", ".*embed", "conv1|fc",
+    "(?:conv|fc)1", "(a|b)+", "(?:ab)+c", "a?b?c", re.escape("a.b[0]"),
+    r"blocks/\d+/conv\d+/.*_\w+",
+])
+def test_ordinary_rules_are_kept(rule):
+  assert qs.PrecisionPlan([(rule, "int8")]).rules[0][0] == rule
+
+
+def test_most_repeats_allowed_resolve_fast():
+  rule = ".*" * qs.plan.precision.MAX_RULE_REPEATS + "!"
+  plan = qs.PrecisionPlan([(rule, "int8")])
+  start = time.perf_counter()
+  got = plan.resolve(_PATHS, strict=False)
+  elapsed = time.perf_counter() - start
+  assert set(got.values()) == {Precision.FP32}
+  assert elapsed < 1.0

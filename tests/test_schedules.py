@@ -5,9 +5,13 @@ the QSR period chosen after ``s`` completed steps reads ``lr_schedule(s)``,
 the learning rate of the next update (optax count ``s``).
 """
 
+import copy
 import json
 import math
+import re
 
+import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -123,17 +127,54 @@ def test_post_local_sgd():
     schedules.PostLocalSGD(switch_step=-1, h=2)
 
 
-@pytest.mark.parametrize("schedule", [
-    schedules.EveryStep(), schedules.ConstantLocalSGD(3, total_steps=20),
-    schedules.PostLocalSGD(4, 5), schedules.PostLocalSGD(0, 2, total_steps=19)],
-                         ids=lambda s: s.name)
-def test_stateless_schedules_agree_and_resume_from_anything(schedule):
-  assert schedule.sync_steps(20) == [t for t in range(1, 21)
-                                     if schedule.is_sync_step(t)]
+# Each stateless schedule with its sync steps in 1..20, written out by hand
+# from its definition (not from the code under test).
+STATELESS = [
+    (schedules.EveryStep(), list(range(1, 21))),
+    (schedules.ConstantLocalSGD(3, total_steps=20), [3, 6, 9, 12, 15, 18, 20]),
+    (schedules.PostLocalSGD(4, 5), [1, 2, 3, 4, 9, 14, 19]),
+    # total_steps adds a sync at 19; it does not stop the rule after it.
+    (schedules.PostLocalSGD(0, 2, total_steps=19), [
+        2, 4, 6, 8, 10, 12, 14, 16, 18, 19, 20]),
+]
+
+
+@pytest.mark.parametrize("schedule,expected", STATELESS,
+                         ids=[s.name for s, _ in STATELESS])
+def test_stateless_schedules_agree_and_resume_from_anything(schedule,
+                                                            expected):
+  assert schedule.sync_steps(20) == expected
+  assert [t for t in range(1, 21) if schedule.is_sync_step(t)] == expected
+  assert [schedule.round_length(t) for t in range(1, expected[-1] + 1)
+         ] == _rounds_from(expected)
   assert schedule.state_dict() == {}
-  schedule.load_state_dict({"h": 4, "next_sync": 8})  # e.g. from a QSR run
-  assert schedule.sync_steps(20) == [t for t in range(1, 21)
-                                     if schedule.is_sync_step(t)]
+  # Whatever a checkpoint held (nothing, a QSR round), a fresh copy loaded
+  # from it mid-run answers as the one that ran.
+  for state in ({}, {"h": 4, "next_sync": 8}, qsr_cosine().state_dict()):
+    fresh = copy.deepcopy(schedule)
+    fresh.load_state_dict(state)
+    assert [t for t in range(9, 21) if fresh.is_sync_step(t)] == [
+        t for t in expected if t >= 9]
+    assert fresh.sync_steps(20) == expected
+
+
+@pytest.mark.parametrize("schedule", [s for s, _ in STATELESS] + [
+    qsr_cosine(), qsr_cosine(gamma=1, warmup_steps=0)],
+                         ids=lambda s: s.name)
+def test_a_schedule_loaded_from_any_mid_run_state_answers_as_one_that_ran(
+    schedule):
+  total = 100 if isinstance(schedule, schedules.QSR) else 20
+  ran = copy.deepcopy(schedule)
+  for k in range(total):
+    ran.is_sync_step(k)  # the trainer asks after every step
+    fresh = copy.deepcopy(schedule)
+    fresh.load_state_dict(json.loads(json.dumps(ran.state_dict())))
+    assert fresh.state_dict() == ran.state_dict()
+    ahead = copy.deepcopy(ran)
+    assert [(fresh.is_sync_step(t), fresh.round_length(t))
+            for t in range(k + 1, total + 1)] == [
+                (ahead.is_sync_step(t), ahead.round_length(t))
+                for t in range(k + 1, total + 1)], k
 
 
 def test_every_step_keeps_its_attribute():
@@ -188,3 +229,176 @@ def test_make_schedule_builds_each_rule_and_rejects_bad_ones():
     schedules.make_schedule("qsr", total_steps=10, alpha=0.1)
   with pytest.raises(ValueError, match="unknown sync schedule 'ring'"):
     schedules.make_schedule("ring", total_steps=10)
+
+
+# The official QSR code (hmgxr128/QSR), transcribed: xscheduler.py's
+# schedulers with steps_per_epoch = 1 (so epochs are steps), and the order in
+# which trainer_process.py and localopt.LocalOptimizer set the LR and H.
+def _official_lr(kind, step, max_lr, final_lr, total, warmup, decay_points,
+                 gamma, base):
+  if step < warmup:
+    return final_lr + step * (max_lr - final_lr) / warmup
+  span = total - warmup
+  delta_step = min(step - warmup, span)
+  if kind == "linear":
+    delta_final = span - delta_step
+    return final_lr + delta_final * (max_lr - final_lr) / span
+  if kind == "step":
+    points = np.array([0] + list(decay_points) + [total + 5])
+    for i in range(len(points) - 1):
+      if step >= points[i] and step < points[i + 1]:
+        lr = max_lr * (gamma ** i)
+    return lr
+  lr = final_lr + 0.5 * (max_lr - final_lr) * (
+      1 + np.cos(delta_step / span * np.pi))
+  if kind == "cosine_step":
+    lr = base ** np.round(np.log(lr) / np.log(base))
+  return lr
+
+
+def _official_sync_steps(lr_at, total, alpha, power, min_h, init_h, warmup):
+  def adjust_h(step_ctr, lr):
+    if step_ctr < warmup or alpha == 0:
+      return init_h
+    return max(min(max(int((alpha / lr) ** power), min_h),
+                   total - step_ctr), 1)
+
+  lr = lr_at(0)
+  h, local, syncs = adjust_h(0, lr), 0, []  # once before training
+  for step_ctr in range(1, total + 1):
+    local += 1  # LocalOptimizer.step
+    averaged = local >= h
+    if averaged:
+      local = 0
+      syncs.append(step_ctr)
+    lr = lr_at(step_ctr)  # tp_scheduler.adjust_lr: the next step's LR
+    if averaged:
+      h = adjust_h(step_ctr, lr)
+  return syncs
+
+
+def _lr_config(kind, *, steps, learning_rate, warmup_steps=0,
+               final_learning_rate=1e-6, lr_decay_steps=None, base=2.0):
+  from experiments.configs import default
+  config = default.get_config()
+  config.update(dict(steps=steps, learning_rate=learning_rate,
+                     lr_schedule=kind, warmup_steps=warmup_steps,
+                     final_learning_rate=final_learning_rate,
+                     lr_round_base=base))
+  config.lr_decay_steps = lr_decay_steps
+  return config
+
+
+# (schedule, steps, peak LR, alpha, gamma, H_base, decay points, base): each
+# puts (alpha / lr) ** gamma on integers, where float noise decides the
+# floor. In most, the former float32 schedule with a 1e-6 tolerance synced
+# elsewhere (0.3 / 0.1 is 2.9999999999999996, the official H 2, not 3).
+OFFICIAL_CASES = [
+    ("step", 2000, 0.1, 0.02, 2.0, 1, (1000, 1500), 2.0),
+    ("step", 600, 0.1, 0.2, 2.0, 2, (200, 400), 2.0),
+    ("linear", 500, 0.1, 0.3, 1.0, 1, None, 2.0),
+    ("linear", 1000, 0.1, 0.2, 2.0, 1, None, 2.0),
+    ("cosine", 500, 0.1, 0.3, 1.0, 1, None, 2.0),
+    ("cosine", 1000, 0.1, 0.2, 2.0, 2, None, 2.0),
+    ("cosine_step", 600, 0.1, 0.3, 1.0, 1, None, 10.0),
+    ("cosine_step", 600, 0.4, 0.1, 2.0, 2, None, 2.0),
+]
+
+
+@pytest.mark.parametrize("warmup", [0, 50])
+@pytest.mark.parametrize("case", OFFICIAL_CASES,
+                         ids=lambda c: f"{c[0]}-{c[1]}")
+def test_qsr_syncs_where_the_official_code_does(case, warmup):
+  from experiments import config_lib
+  kind, steps, peak, alpha, gamma, h_base, points, base = case
+  config = _lr_config(kind, steps=steps, learning_rate=peak,
+                      warmup_steps=warmup, lr_decay_steps=points, base=base)
+  official_lr = lambda t: _official_lr(  # noqa: E731
+      kind, t, peak, 1e-6, steps, warmup, points or (), 0.1, base)
+  lr = config_lib.make_learning_rate_f64(config)
+  assert [lr(t) for t in range(steps + 1)] == [
+      official_lr(t) for t in range(steps + 1)]
+  q = schedules.QSR(lr, total_steps=steps, alpha=alpha, h_base=h_base,
+                    gamma=gamma, warmup_steps=warmup)
+  official = _official_sync_steps(official_lr, steps, alpha, gamma, h_base,
+                                  h_base, warmup)
+  assert q.sync_steps(steps) == official
+  assert [t for t in range(1, steps + 1) if q.is_sync_step(t)] == official
+
+
+def test_qsr_step_decay_gives_the_official_1169_syncs():
+  # Issue 23: x0.1 at 1000 and 1500, alpha 0.02, H_base 1. After the first
+  # decay the official LR is 0.1 * 0.1 ** 1 = 0.010000000000000002, so
+  # (alpha / lr) ** 2 = 3.9999999999999982 and H = 3, not 4 (1127 syncs).
+  from experiments import config_lib
+  config = _lr_config("step", steps=2000, learning_rate=0.1,
+                      lr_decay_steps=(1000, 1500))
+  q = schedules.QSR(config_lib.make_learning_rate_f64(config),
+                    total_steps=2000, alpha=0.02, h_base=1)
+  syncs = q.sync_steps(2000)
+  assert len(syncs) == 1169
+  assert q.period(1000) == 3 and q.period(1500) == 399
+  # optax's piecewise-constant schedule, run in float64, agrees.
+  optax_lr = optax.piecewise_constant_schedule(0.1, {1000: 0.1, 1500: 0.1})
+  assert schedules.QSR(optax_lr, total_steps=2000, alpha=0.02,
+                       h_base=1).sync_steps(2000) == syncs
+
+
+def test_qsr_refuses_a_learning_rate_below_float64():
+  as_float32 = lambda t: np.float32(0.1)  # noqa: E731
+  with pytest.raises(ValueError, match="QSR reads the learning rate in "
+                     "float64; the learning rate at step 0 is"):
+    schedules.QSR(as_float32, total_steps=10, alpha=0.1, h_base=1)
+  cast = lambda t: jnp.asarray(0.1, jnp.float32)  # noqa: E731
+  with pytest.raises(ValueError, match="float32"):
+    schedules.QSR(cast, total_steps=10, alpha=0.1, h_base=1)
+  with pytest.raises(ValueError, match="step 0 is nan, not finite"):
+    schedules.QSR(math.nan, total_steps=10, alpha=0.1, h_base=1)
+  # alpha = 0 never reads the LR; a float32 constant is then harmless.
+  assert schedules.QSR(np.float32(0.1), total_steps=4, alpha=0.0,
+                       h_base=2).sync_steps(4) == [2, 4]
+
+
+@pytest.mark.parametrize("kind", ["constant", "cosine", "linear", "step",
+                                  "cosine_step"])
+@pytest.mark.parametrize("warmup", [0, 20])
+def test_training_and_qsr_learning_rates_are_one_schedule(kind, warmup):
+  from experiments import config_lib
+  config = _lr_config(kind, steps=200, learning_rate=0.3, warmup_steps=warmup,
+                      final_learning_rate=1e-3, lr_decay_steps=(60, 120))
+  train = config_lib.make_learning_rate(config)
+  lr = config_lib.make_learning_rate_f64(config)
+  counts = np.arange(221)  # past the end: the LR holds its last value
+  got = (np.full(counts.shape, train) if kind == "constant"
+         else np.asarray(train(jnp.asarray(counts))))
+  want = np.array([lr(int(t)) for t in counts])
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * 0.3)
+  if kind != "constant":
+    assert lr(0) == (1e-3 if warmup else 0.25 if kind == "cosine_step"
+                     else 0.3)
+    assert lr(200) == pytest.approx(
+        {"cosine": 1e-3, "linear": 1e-3, "step": 3e-3,
+         "cosine_step": 2.0 ** -10}[kind])
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(lr_schedule="exp"), "unknown lr_schedule 'exp'; valid: constant, "
+     "cosine, linear, step, cosine_step"),
+    (dict(lr_schedule="step"), "lr_schedule=step needs lr_decay_steps"),
+    (dict(lr_schedule="step", lr_decay_steps=(50, 20)), "increasing"),
+    (dict(lr_schedule="step", lr_decay_steps=(20,), lr_decay_factor=0.0),
+     "lr_decay_factor must be > 0"),
+    (dict(lr_schedule="cosine_step", final_learning_rate=0.0),
+     "needs learning_rate and final_learning_rate > 0"),
+    (dict(lr_schedule="cosine_step", final_learning_rate=1e-3,
+          lr_round_base=1.0), "lr_round_base must be > 0 and != 1"),
+    (dict(lr_schedule="linear", warmup_steps=100), "warmup_steps < steps"),
+])
+def test_learning_rate_config_errors_name_the_problem(fields, message):
+  from experiments import config_lib
+  config = _lr_config("constant", steps=100, learning_rate=0.1)
+  config.update(fields)
+  for make in (config_lib.make_learning_rate,
+               config_lib.make_learning_rate_f64):
+    with pytest.raises(ValueError, match=re.escape(message)):
+      make(config)

@@ -1,4 +1,5 @@
-"""Tests for HybridTrainer, cluster specs, dynamic batching and loss scaling."""
+"""Tests for HybridTrainer, cluster specs, dynamic batching and loss scaling,
+BatchNorm statistics at evaluation and optimizer state at syncs."""
 
 from flax import nnx
 import jax
@@ -10,6 +11,7 @@ import pytest
 import qsync_jax as qs
 from qsync_jax import models
 from qsync_jax.parallel import cluster
+from qsync_jax.train import evaluation
 from qsync_jax.train import losses
 from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train.layout import rows as _rows
@@ -350,3 +352,184 @@ def test_qsr_checkpoint_mid_round_resumes_bit_identically(tmp_path):
   assert resumed.sync_rounds == straight.sync_rounds
   assert resumed.sync_rounds == len(straight.schedule.sync_steps(12))
   ckpt.close()
+
+
+# ----------------------------------------------------------------------
+# BatchNorm statistics at evaluation, optimizer state at syncs.
+# ----------------------------------------------------------------------
+
+
+class _TinyBN(nnx.Module):
+  """Linear -> BatchNorm -> Linear on 4 features."""
+
+  def __init__(self, seed=0):
+    rngs = nnx.Rngs(seed)
+    self.fc1 = nnx.Linear(4, 3, rngs=rngs)
+    self.bn = nnx.BatchNorm(3, momentum=0.9, rngs=rngs)
+    self.fc2 = nnx.Linear(3, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.fc2(self.bn(self.fc1(x)))
+
+
+def _bn_trainer(bn_stats="reestimate", local=True):
+  schedule = (qs.parallel.schedules.ConstantLocalSGD(4) if local else None)
+  return HybridTrainer(_TinyBN(), _workers([4, 6]), optax.sgd(0.1),
+                       schedule=schedule, bn_stats=bn_stats,
+                       sample_input=np.zeros((2, 4), np.float32))
+
+
+def _bn_batches(steps, seed=0):
+  rng = np.random.default_rng(seed)
+  return [{i: (rng.normal(size=(b, 4)).astype(np.float32) + i,
+               rng.integers(0, 2, size=b).astype(np.int32))
+           for i, b in enumerate([4, 6])} for _ in range(steps)]
+
+
+def test_bn_reestimation_equals_a_hand_computation():
+  trainer = _bn_trainer()
+  for b in _bn_batches(2, seed=1):
+    trainer.train_step(b)
+  assert not trainer.in_sync  # the evaluated parameters are the mean
+  rows = np.asarray(trainer.params)
+  mean = (rows * trainer.grad_weights[:, None]).sum(0)
+  p = trainer._unravel(mean)
+  w, c = np.asarray(p["fc1"]["kernel"][...]), np.asarray(p["fc1"]["bias"][...])
+  steps = _bn_batches(3, seed=2)
+  # QSR: momentum 1 / (1 + idx) per worker, a cumulative mean of the
+  # batches' statistics (NNX's biased variance), then the workers' mean.
+  h = [[s[i][0] @ w + c for s in steps] for i in range(2)]
+  want_mean = np.mean([np.mean([a.mean(0) for a in hi], 0) for hi in h], 0)
+  want_var = np.mean([np.mean([a.var(0) for a in hi], 0) for hi in h], 0)
+  params = trainer._mean_params(trainer.params, trainer._weights)
+  got = evaluation.reestimate(trainer._bn_fn, params, trainer.rest,
+                              trainer._devices, steps)
+  np.testing.assert_allclose(
+      np.mean([np.asarray(got[i]["bn"]["mean"][...]) for i in got], 0),
+      want_mean, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+      np.mean([np.asarray(got[i]["bn"]["var"][...]) for i in got], 0),
+      want_var, rtol=1e-5, atol=1e-6)
+  # evaluate() uses them: the reference model with those statistics.
+  x, y = _bn_batches(1, seed=3)[0][1]
+  ref = _TinyBN()
+  nnx.update(ref, p)
+  ref.bn.mean[...] = want_mean
+  ref.bn.var[...] = want_var
+  ref.eval()
+  want = float(losses.cross_entropy(ref(x), y))
+  assert trainer.evaluate(x, y, train_batches=steps)["loss"] == (
+      pytest.approx(want, rel=1e-5))
+  averaged = _bn_trainer("average")
+  for b in _bn_batches(2, seed=1):
+    averaged.train_step(b)
+  assert averaged.evaluate(x, y)["loss"] != pytest.approx(want, rel=1e-3)
+
+
+def test_bn_reestimation_leaves_training_state_and_resume_bit_identical(
+    tmp_path):
+  batches = _bn_batches(8, seed=4)
+  bn_data = _bn_batches(2, seed=5)
+  x, y = bn_data[0][0]
+  plain = _bn_trainer()
+  for b in batches:
+    plain.train_step(b)
+  straight = _bn_trainer()
+  evals = []
+  for step, b in enumerate(batches, 1):
+    straight.train_step(b)
+    if step in (2, 4, 8):  # mid-round and after a sync
+      before = [np.asarray(v) for v in jax.tree.leaves(
+          (straight.rest, straight.opt_state))]
+      evals.append(straight.evaluate(x, y, train_batches=bn_data))
+      after = jax.tree.leaves((straight.rest, straight.opt_state))
+      for a, b2 in zip(before, after):
+        np.testing.assert_array_equal(a, np.asarray(b2))
+  assert straight.params_digest() == plain.params_digest()
+  first = _bn_trainer()
+  for b in batches[:2]:
+    first.train_step(b)
+  first.evaluate(x, y, train_batches=bn_data)
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  ckpt.save(first)
+  resumed = _bn_trainer()
+  ckpt.restore_latest(resumed)
+  for b in batches[2:]:
+    resumed.train_step(b)
+  assert resumed.params_digest() == straight.params_digest()
+  assert resumed.evaluate(x, y, train_batches=bn_data) == evals[-1]
+  ckpt.close()
+
+
+def test_models_without_batchnorm_evaluate_the_same_either_way():
+  sizes = [8, 8]
+  batches = [_split(*_batch(16, seed=s), sizes) for s in range(2)]
+  results = []
+  for bn_stats in ("reestimate", "average"):
+    trainer = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2),
+                            bn_stats=bn_stats)
+    assert trainer._bn_fn is None
+    for b in batches:
+      trainer.train_step(b)
+    results.append(trainer.evaluate(*_batch(32, seed=9)))  # no batches
+  assert results[0] == results[1]
+
+
+def test_bn_settings_errors():
+  with pytest.raises(ValueError, match="unknown bn_stats 'mean'"):
+    _bn_trainer("mean")
+  with pytest.raises(ValueError, match="needs training batches"):
+    _bn_trainer().evaluate(*_bn_batches(1)[0][0])
+  with pytest.raises(ValueError, match=r"no batch for local workers \[1\]"):
+    _bn_trainer().evaluate(*_bn_batches(1)[0][0],
+                           train_batches=[{0: _bn_batches(1)[0][0]}])
+  with pytest.raises(ValueError, match="no field.s. mux to average; its "
+                     "fields: count, mu, nu"):
+    HybridTrainer(_cnn(), _workers([4, 4]), optax.adam(1e-2),
+                  opt_fields_to_average=["mux"])
+
+
+def test_averaging_mu_at_a_sync_makes_every_worker_hold_the_mean():
+  sizes = [8, 8, 8, 8]
+
+  def make(fields):
+    return HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2),
+                         schedule=qs.parallel.schedules.ConstantLocalSGD(2),
+                         opt_fields_to_average=fields)
+
+  with_mu, without = make(["mu"]), make([])
+  for step in range(2):  # step 2 ends the first round
+    b = _split(*_batch(32, seed=step), sizes)
+    with_mu.train_step(b)
+    without.train_step(b)
+  def rows(tree):  # (workers, all entries)
+    return np.concatenate([np.asarray(x).reshape(4, -1)
+                           for x in jax.tree.leaves(tree)], 1)
+
+  mu, local_mu = rows(with_mu.opt_state[0].mu), rows(without.opt_state[0].mu)
+  assert not np.allclose(local_mu[0], local_mu[1])
+  for row in mu:
+    np.testing.assert_array_equal(row, mu[0])
+  np.testing.assert_allclose(mu[0], local_mu.mean(0), rtol=1e-5, atol=1e-9)
+  np.testing.assert_array_equal(rows(with_mu.opt_state[0].nu),
+                                rows(without.opt_state[0].nu))
+  assert with_mu.comm_bytes - without.comm_bytes == pytest.approx(
+      qs.parallel.averagers.MeanAverager().wire_bytes(with_mu.num_params, 4))
+
+
+def test_config_checks_bn_and_optimizer_fields():
+  from experiments import config_lib
+  from experiments.configs import default
+  config = default.get_config()
+  config.opt_fields_to_average = ("mu,nu",)  # as the command line gives it
+  assert config_lib.opt_fields(config) == ("mu", "nu")
+  config_lib.validate_config(config)
+  for field, value, message in [
+      ("bn_batches", 0, "config.bn_batches must be an integer >= 1"),
+      ("bn_stats", "mean", "config.bn_stats must be one of average, "
+       "reestimate"),
+      ("opt_fields_to_average", ("trace",), "no field.s. trace")]:
+    bad = default.get_config()
+    bad[field] = value
+    with pytest.raises(ValueError, match=message):
+      config_lib.validate_config(bad)

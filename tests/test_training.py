@@ -10,6 +10,7 @@ import time
 import optax
 import pytest
 
+from experiments import config_lib
 from experiments import train_lib
 from experiments.configs import default as default_config
 import qsync_jax as qs
@@ -146,11 +147,11 @@ def test_qsr_study_configs_set_the_averager():
   config = qsr_lib.task_config(default_config.get_config(),
                                qsr_lib.TASKS["cnn"], seed=0)
   int16 = qsr_lib.configure(config, "dp_gqsgd_int16", {}, 1)
-  averager = train_lib.make_averager(int16)
+  averager = config_lib.make_averager(int16)
   assert isinstance(averager, qs.parallel.GlobalQSGD)
   assert averager.wire == "int16" and int16.sync == "dp"
   # The default int8 configuration keeps the strategy's own wire.
-  assert train_lib.make_averager(
+  assert config_lib.make_averager(
       qsr_lib.configure(config, "dp_gqsgd", {}, 1)).wire == "int8"
   qsr = qsr_lib.configure(config, "qsr", {2.0: 0.01}, 1)
   assert (qsr.sync, qsr.gamma, qsr.alpha) == ("qsr", 2.0, 0.01)

@@ -53,6 +53,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
+from experiments import progress
 # By name: callers (the binary, the tests) reach them as compression.X too.
 from experiments.benches.compression_cases import all_reduce_fn
 from experiments.benches.compression_cases import AXIS
@@ -101,7 +102,8 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
     strategies: names from :data:`STRATEGIES` (default: all).
     devices: the workers' devices (default: all of ``jax.devices()``).
     seed: the data seed.
-    report: print one line per result (from process 0 only).
+    report: print one line per result and a progress line per size
+      (from process 0 only).
     on_size: called with the results so far after each size.
     donate: each call takes (a fresh copy of) its input buffer (module
       docstring).
@@ -125,6 +127,7 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
   local = [i for i, d in enumerate(devices)
            if d.process_index == jax.process_index()]
   say = report and jax.process_index() == 0
+  sizes_done = progress.Progress(len(sizes)) if say else None
   results = []
   for d in map(int, sizes):
     rows = np.stack([worker_data(d, i, seed) for i in local])
@@ -165,6 +168,8 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
             f"rel err {result['rel_error']:.3e}"))
       results.append(result)
     del x, w, cases
+    if sizes_done is not None:
+      sizes_done.done(f"compression {setting} {d} elements")
     if on_size is not None:
       on_size(results)
   return results

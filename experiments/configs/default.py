@@ -45,9 +45,19 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer = "adam"       # or "sgd" (with config.momentum)
   config.momentum = 0.0
   config.learning_rate = 3e-3
-  config.lr_schedule = "constant"  # or "cosine" (with warmup_steps)
+  # The learning rate: the official QSR code's schedules. "constant";
+  # or, after a linear warmup from final_learning_rate to learning_rate over
+  # warmup_steps, "cosine" or "linear" decay to final_learning_rate at
+  # steps, "step" (learning_rate * lr_decay_factor ** i from the i-th of
+  # lr_decay_steps, e.g. --config.lr_decay_steps=300,450) or "cosine_step"
+  # (the cosine rounded to the nearest power of lr_round_base; needs
+  # final_learning_rate > 0). QSR reads the same schedule in float64.
+  config.lr_schedule = "constant"
   config.warmup_steps = 0
-  config.final_learning_rate = 0.0  # where the cosine ends
+  config.final_learning_rate = 0.0
+  config.lr_decay_steps = ml_collections.config_dict.placeholder(tuple)
+  config.lr_decay_factor = 0.1
+  config.lr_round_base = 2.0
   # Synchronization (QSR, arXiv 2310.14423): "dp" averages gradients every
   # step; "local" averages parameters every h_base steps; "postlocal" is dp
   # for switch_step steps, then local; "qsr" sets each round's period to
@@ -62,13 +72,31 @@ def get_config() -> ml_collections.ConfigDict:
   # mean), fp16, bf16, gqsgd (standard dithering, int8 sums that cannot
   # wrap), gqsgd_exp (exponential dithering), qsgd (per-worker scales,
   # all-gather). compress_kwargs sets the strategy's fields, e.g.
-  # --config.compress_kwargs.wire=int16.
+  # --config.compress_kwargs.wire=int16 (gqsgd's int8 or int16 sums); the
+  # known ones are declared unset (the strategy's default) so that the
+  # locked config takes them from the command line.
   config.compress = "none"
-  config.compress_kwargs = ml_collections.ConfigDict()
+  config.compress_kwargs = ml_collections.ConfigDict(dict(
+      wire=ml_collections.config_dict.placeholder(str),
+      bucket_size=ml_collections.config_dict.placeholder(int),
+      levels=ml_collections.config_dict.placeholder(int),
+      norm=ml_collections.config_dict.placeholder(str),
+      noise=ml_collections.config_dict.placeholder(str)))
   config.error_feedback = False
   config.seed = 0
   config.log_every = 50
   config.eval_every = 100
+  # Evaluation's BatchNorm statistics (no effect without BatchNorm):
+  # "reestimate" recomputes them for the evaluated (averaged) parameters on
+  # bn_batches training batches split over the workers, as the official QSR
+  # code does before every evaluation under every schedule; "average"
+  # averages the workers' running statistics.
+  config.bn_stats = "reestimate"
+  config.bn_batches = 128
+  # Optimizer-state fields averaged with the parameters at each sync of a
+  # local schedule (the QSR code's optim_fields_to_average; default none),
+  # e.g. --config.opt_fields_to_average=mu,nu (Adam) or trace (SGD momentum).
+  config.opt_fields_to_average = ()
   config.checkpoint_every = 100
   config.resume = False
   return config

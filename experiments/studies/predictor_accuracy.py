@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from experiments import progress
 from qsync_jax import models as models_lib
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.plan import policy
@@ -51,6 +52,9 @@ DEFAULT_BATCH = {"cnn": 32, "bert": 16, "resnet18": 16}
 UNIFORM_PRECISIONS = (Precision.FP32, Precision.BF16, Precision.FP16,
                       Precision.INT8)
 UNIFORM_PLANS = tuple(p.value for p in UNIFORM_PRECISIONS)
+#: The names of :func:`plans_for`'s mixed plans.
+MIXED_PLANS = ("int8/fp16 alternating", "first half int8",
+               "second half fp16", "random")
 
 
 def plans_for(g: graph_lib.ModelGraph) -> dict[str, PrecisionPlan]:
@@ -61,18 +65,18 @@ def plans_for(g: graph_lib.ModelGraph) -> dict[str, PrecisionPlan]:
   half = len(paths) // 2
   rng = np.random.default_rng(0)
   choices = UNIFORM_PRECISIONS
-  return {
-      **{p.value: PrecisionPlan.uniform(p) for p in UNIFORM_PRECISIONS},
-      "int8/fp16 alternating": PrecisionPlan.from_precisions(low),
-      "first half int8": PrecisionPlan.from_precisions(
+  mixed = (
+      PrecisionPlan.from_precisions(low),
+      PrecisionPlan.from_precisions(
           {p: Precision.INT8 if i < half else Precision.FP32
            for i, p in enumerate(paths)}),
-      "second half fp16": PrecisionPlan.from_precisions(
+      PrecisionPlan.from_precisions(
           {p: Precision.FP16 if i >= half else Precision.FP32
            for i, p in enumerate(paths)}),
-      "random": PrecisionPlan.from_precisions(
-          {p: choices[int(rng.integers(len(choices)))] for p in paths}),
-  }
+      PrecisionPlan.from_precisions(
+          {p: choices[int(rng.integers(len(choices)))] for p in paths}))
+  return {**{p.value: PrecisionPlan.uniform(p) for p in UNIFORM_PRECISIONS},
+          **dict(zip(MIXED_PLANS, mixed, strict=True))}
 
 
 def sample_batch(model: nnx.Module, batch_size: int, seed: int = 0):
@@ -154,9 +158,13 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
     that lost more than 5 % were run again, :func:`.timing.interleaved`).
 
   Raises:
-    ValueError: more workers than local devices, a bad model spec, an
-      unknown plan name or ``plans_per_phase < 1``.
+    ValueError: no model or no worker count, more workers than local
+      devices, a bad model spec, an unknown plan name or
+      ``plans_per_phase < 1``.
   """
+  if not models or not workers:
+    raise ValueError(f"give at least one model and one worker count, got "
+                     f"models {list(models)} and workers {list(workers)}")
   devices = jax.local_devices()
   if max(workers) > len(devices):
     raise ValueError(
@@ -170,6 +178,10 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
   batch_of = dict(DEFAULT_BATCH)
   batch_of.update(batch_sizes or {})
   precisions = [Precision.parse(p) for p in precisions]
+  num_plans = len(dict.fromkeys(plan_names if plan_names is not None
+                                else UNIFORM_PLANS + MIXED_PLANS))
+  phases = progress.Progress(
+      len(models) * len(workers) * -(-num_plans // plans_per_phase), log)
   tx = optax.adam(1e-3)
   cases: list[dict[str, Any]] = []
   profiles: dict[str, Any] = {}
@@ -248,6 +260,8 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
               f"{pred.step_time_s * 1e3:8.2f} ms  measured "
               f"{measured * 1e3:8.2f} ms  error {case['rel_error']:+.3f}  "
               f"memory error {case['memory_rel_error']:+.3f}")
+        phases.done(f"predictor {spec} x{n} plans {first + 1}-"
+                    f"{first + len(group)} of {len(names)}")
     cases += sorted(model_cases, key=lambda c: (names.index(c["plan"]),
                                                 c["workers"]))
   errors = np.abs([c["rel_error"] for c in cases])

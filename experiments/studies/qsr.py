@@ -34,6 +34,8 @@ from absl import logging
 import ml_collections
 import numpy as np
 
+from experiments import config_lib
+from experiments import progress
 from experiments import train_lib
 from qsync_jax import cli
 
@@ -105,7 +107,7 @@ TASKS: dict[str, dict[str, Any]] = {
 
 
 def _rounds(config: ml_collections.ConfigDict) -> int:
-  return len(train_lib.make_schedule(config).sync_steps(config.steps))
+  return len(config_lib.make_schedule(config).sync_steps(config.steps))
 
 
 def alpha_for_rounds(config: ml_collections.ConfigDict, gamma: float,
@@ -208,7 +210,7 @@ def plan_alphas(config: ml_collections.ConfigDict, rounds_fraction: float
 
 def h_curve(config: ml_collections.ConfigDict) -> list[int]:
   """``H`` at every step (the period of the step's round)."""
-  schedule = train_lib.make_schedule(config)
+  schedule = config_lib.make_schedule(config)
   return [schedule.round_length(t) for t in range(1, config.steps + 1)]
 
 
@@ -270,11 +272,16 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
     accuracy (next-byte accuracy for the LM).
 
   Raises:
-    ValueError: an unknown task or configuration, a learning rate that is
-      not positive or an ``h_base`` below 1 (before anything is written).
+    ValueError: an unknown task or configuration, none of either, fewer
+      than 1 seed, a learning rate that is not positive or an ``h_base``
+      below 1 (before anything is written).
   """
   cli.check_names("task", tasks, TASKS)
   cli.check_names("configuration", configs, CONFIGS)
+  if not tasks or not configs or seeds < 1:
+    raise ValueError(f"a study needs a task, a configuration and a seed, got "
+                     f"{len(tasks)} tasks, {len(configs)} configurations "
+                     f"and {seeds} seeds")
   if learning_rate is not None and not learning_rate > 0:
     raise ValueError(f"learning_rate must be positive, got {learning_rate}")
   if h_base is not None and h_base < 1:
@@ -284,6 +291,7 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
             "configs": {c: CONFIGS[c].description for c in configs},
             "runs": [], "tasks": {}}
   path = os.path.join(out_dir, "study.json")
+  runs = progress.Progress(len(tasks) * len(configs) * seeds, logging.info)
   for tname in tasks:
     task = copy.deepcopy(TASKS[tname])
     if steps is not None:
@@ -327,6 +335,7 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
         curves.append(_eval_curve(run_dir))
         logging.info("%s %s seed %d: eval %.4f, %d sync rounds", tname, name,
                      seed, row["final_eval"], row["sync_rounds"])
+        runs.done(f"qsr {tname} {name} seed {seed}")
         entry["summary"] = summarize(
             [r for r in result["runs"] if r["task"] == tname])
         with open(path, "w") as f:

@@ -28,6 +28,7 @@ from flax import nnx
 import ml_collections
 import numpy as np
 
+from experiments import progress
 from experiments import train_lib
 from qsync_jax import cli
 from qsync_jax import data as data_lib
@@ -200,14 +201,20 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
     "accuracy": {config: {"mean", "std", "n"}}, "paper"}}}``.
 
   Raises:
-    ValueError: an unknown task or configuration.
+    ValueError: an unknown task or configuration, none of either, or
+      fewer than 1 seed.
   """
   cli.check_names("task", tasks, TASKS)
   cli.check_names("configuration", configs, CONFIGS)
+  if not tasks or not configs or seeds < 1:
+    raise ValueError(f"a study needs a task, a configuration and a seed, got "
+                     f"{len(tasks)} tasks, {len(configs)} configurations "
+                     f"and {seeds} seeds")
   os.makedirs(out_dir, exist_ok=True)
   result = {"cluster": CLUSTER, "paper_cluster": PAPER_CLUSTER,
             "configs": {c: CONFIGS[c] for c in configs}, "tasks": {}}
   path = os.path.join(out_dir, "study.json")
+  runs = progress.Progress(len(tasks) * len(configs) * seeds, logging.info)
   for tname in tasks:
     task = copy.deepcopy(TASKS[tname])
     if steps is not None:
@@ -232,6 +239,7 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
         entry["runs"].append(row)
         logging.info("%s %s seed %d: accuracy %.4f", tname, name, seed,
                      row["final_eval_accuracy"])
+        runs.done(f"qsync {tname} {name} seed {seed}")
         entry["accuracy"] = summarize(entry["runs"])
         with open(path, "w") as f:
           json.dump(result, f, indent=2)

@@ -1,8 +1,9 @@
 """The model zoo: built-in NNX models by name, and user model factories.
 
 This package owns the registry :data:`MODELS`, :func:`create_model` (a built-in
-model from its default config plus overrides) and :func:`load_model_factory`
-(a built-in name or a ``package.module:factory`` spec resolved to a callable).
+model from its default config plus overrides), :func:`load_model_factory`
+(a built-in name or a ``package.module:factory`` spec resolved to a callable)
+and :func:`build_model` (a spec's model, checked to be an NNX module).
 
 Every model is built as ``cls(config, rngs=rngs)`` from a frozen dataclass
 config (``cls.default_config`` when omitted) and exposes ``config``, ``task``
@@ -122,6 +123,39 @@ def load_model_factory(spec: str) -> Callable[..., nnx.Module]:
   return factory
 
 
+def build_model(spec: str, *, rngs: nnx.Rngs, **kwargs: Any) -> nnx.Module:
+  """Builds the model of ``spec`` as ``factory(rngs=rngs, **kwargs)``.
+
+  Args:
+    spec: a built-in model name or ``"package.module:factory"``.
+    rngs: RNG streams for parameter initialisation.
+    **kwargs: config overrides (built-in) or the factory's keyword arguments.
+
+  Returns:
+    The model.
+
+  Raises:
+    ValueError: a bad spec (see :func:`load_model_factory`), a factory that
+      cannot be called with these arguments, or one that returns something
+      other than an ``nnx.Module``.
+  """
+  factory = load_model_factory(spec)
+  try:
+    model = factory(rngs=rngs, **kwargs)
+  except TypeError as err:
+    # The call's signature does not fit: say which factory, not a traceback
+    # from inside it.
+    args = ', '.join(['rngs', *kwargs])
+    raise ValueError(
+        f'model spec {spec!r} is not a model factory: calling it with '
+        f'({args}) raised TypeError: {err}') from err
+  if not isinstance(model, nnx.Module):
+    raise ValueError(
+        f'model spec {spec!r} is not a model factory: it returned a '
+        f'{type(model).__name__}, not an nnx.Module')
+  return model
+
+
 __all__ = [
     "PAPER_SIZE_KWARGS",
     'MODELS',
@@ -139,6 +173,7 @@ __all__ = [
     'VGGConfig',
     'ViTConfig',
     'ViTTiny',
+    'build_model',
     'create_model',
     'load_model_factory',
 ]

@@ -150,14 +150,22 @@ def uniform(key: jax.Array, shape: tuple[int, ...], noise: str,
   """
   if noise == "threefry":
     return jax.random.uniform(key, shape, jnp.float32)
-  salt = jax.random.bits(key, (), jnp.uint32)
   idx = lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
   return quant.hash_uniform_at(
-      idx, jnp.float32(0) if values is None else values, salt)
+      idx, jnp.float32(0) if values is None else values, hash_salt(key))
+
+
+def hash_salt(key: jax.Array) -> jax.Array:
+  """The uint32 salt of ``"hash"`` noise drawn from ``key``."""
+  return jax.random.bits(key, (), jnp.uint32)
+
+
+def worker_key(key: jax.Array, axis_name: str) -> jax.Array:
+  """``key`` folded with this worker's index: its noise is its own."""
+  return jax.random.fold_in(key, lax.axis_index(axis_name))
 
 
 def worker_uniform(key: jax.Array, axis_name: str, shape: tuple[int, ...],
                    noise: str, values: jax.Array | None = None) -> jax.Array:
   """Uniform [0, 1) noise, independent per worker (see :func:`uniform`)."""
-  worker_key = jax.random.fold_in(key, lax.axis_index(axis_name))
-  return uniform(worker_key, shape, noise, values)
+  return uniform(worker_key(key, axis_name), shape, noise, values)

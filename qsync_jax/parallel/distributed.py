@@ -5,7 +5,10 @@ This module owns how a qsync_jax process joins a multi-process JAX run (the
 launcher that starts N such processes on one host, relays their output and
 never leaves one behind: when any process dies, the others are SIGKILLed
 (a JAX worker ignores SIGTERM once initialized, and its peers would otherwise
-block forever in the next collective).
+block forever in the next collective). Each process runs in its own process
+group, which the launcher SIGKILLs when it stops or is interrupted, and on
+Linux it also dies when the launcher dies, even by SIGKILL (the parent-death
+signal).
 
 Usage:
   python -m qsync_jax.distributed --num_processes=4 [--port=N] \
@@ -19,7 +22,9 @@ a signal) when one fails, and with 124 when --timeout_s runs out.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
 import os
 import signal
 import socket
@@ -27,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Mapping, Sequence
+from typing import IO, Callable, Mapping, Sequence
 
 import jax
 
@@ -41,6 +46,9 @@ _ENV_VARS = (ENV_COORDINATOR_ADDRESS, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
 TIMEOUT_EXIT_CODE = 124
 
 _POLL_INTERVAL_S = 0.2
+
+# From <linux/prctl.h>: deliver a signal to this process when its parent dies.
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +160,56 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def check_port_free(port: int) -> None:
+  """Checks that the coordinator could listen on ``port`` now.
+
+  Process 0's coordination service crashes (SIGSEGV) on a port in use, so
+  the launcher asks first. The probe binds every IPv4 address, with
+  SO_REUSEADDR as the service does, so only a live socket counts as taken.
+
+  Args:
+    port: A TCP port.
+
+  Raises:
+    ValueError: The port cannot be bound; the message says why.
+  """
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      s.bind(("", port))
+    except OSError as e:
+      reason = ("is already in use" if e.errno == errno.EADDRINUSE
+                else f"cannot be bound ({e.strerror})")
+      raise ValueError(
+          f"coordinator port {port} {reason}; pick another port or leave "
+          "it out to use a free one") from None
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+  """Returns a ``preexec_fn`` that ties a child's life to the launcher's.
+
+  On Linux the child gets SIGKILL when the launcher dies, by any signal
+  (``prctl(PR_SET_PDEATHSIG)``). The kernel sends it when the *thread* that
+  started the child exits, so ``launch`` starts and waits for its processes
+  in one thread. Elsewhere there is no such call and None is returned: the
+  process group is then the only tie.
+  """
+  if not sys.platform.startswith("linux"):
+    return None
+  # Looked up here, in the parent: between fork and exec the child must not
+  # load libraries or take locks another thread may have held at the fork.
+  prctl = ctypes.CDLL(None, use_errno=True).prctl
+  launcher = os.getpid()
+
+  def preexec() -> None:
+    if prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+      os._exit(126)
+    if os.getppid() != launcher:  # It died before the call above.
+      os._exit(126)
+
+  return preexec
+
+
 def _relay(pipe: IO[bytes], out: str, prefix: str,
            lock: threading.Lock) -> None:
   """Copies ``pipe`` line by line to ``sys.<out>``, each line prefixed."""
@@ -187,6 +245,9 @@ def launch(command: Sequence[str], num_processes: int, *,
   one is SIGKILLed at once and one line on stderr says which process died.
   SIGINT and SIGTERM sent to the launcher also kill every process (handlers
   are installed only when called from the main thread, and restored after).
+  Each process leads its own process group, and every kill goes to the whole
+  group. On Linux a process also gets SIGKILL when the thread that called
+  ``launch`` ends, so a launcher killed by SIGKILL leaves no process behind.
 
   Args:
     command: The program and its arguments, run as is by every process.
@@ -203,8 +264,8 @@ def launch(command: Sequence[str], num_processes: int, *,
     when the launcher is interrupted.
 
   Raises:
-    ValueError: ``command`` is empty, or ``num_processes`` or ``port`` is out
-      of range.
+    ValueError: ``command`` is empty, ``num_processes`` or ``port`` is out
+      of range, or ``port`` is in use.
     FileNotFoundError: The program does not exist.
   """
   if not command:
@@ -215,6 +276,8 @@ def launch(command: Sequence[str], num_processes: int, *,
     port = free_port()
   elif not 0 < port < 65536:
     raise ValueError(f"port must be in [1, 65535], got {port}")
+  else:
+    check_port_free(port)
   base_env = dict(os.environ if env is None else env)
   base_env.update({
       ENV_COORDINATOR_ADDRESS: f"127.0.0.1:{port}",
@@ -243,7 +306,12 @@ def launch(command: Sequence[str], num_processes: int, *,
     """SIGKILLs every process still running, reaps it; returns the count."""
     running = [p for p in procs if p.poll() is None]
     for p in running:
-      p.kill()  # SIGKILL to p.pid: a JAX worker ignores SIGTERM.
+      # SIGKILL, as a JAX worker ignores SIGTERM; to the whole group, so
+      # that whatever the process started goes too.
+      try:
+        os.killpg(p.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        p.kill()
     deadline = time.monotonic() + dead_peer_timeout_s
     for p in running:
       try:
@@ -253,12 +321,16 @@ def launch(command: Sequence[str], num_processes: int, *,
               "SIGKILL", file=sys.stderr)
     return len(running)
 
+  preexec = _die_with_parent()
   start = time.monotonic()
   try:
     for i in range(num_processes):
+      # Own process group (pgid = pid): a terminal's Ctrl-C reaches only
+      # the launcher, which then kills each group as a whole.
       p = subprocess.Popen(list(command),
                            env={**base_env, ENV_PROCESS_ID: str(i)},
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           process_group=0, preexec_fn=preexec)
       procs.append(p)
       for pipe, out in ((p.stdout, "stdout"), (p.stderr, "stderr")):
         t = threading.Thread(target=_relay, args=(pipe, out, f"[p{i}] ", lock),

@@ -21,6 +21,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from qsync_jax.numerics import gqsgd_encode as encode_lib
 from qsync_jax.parallel import buckets
 from qsync_jax.parallel.wire import Reducing, ring_allreduce_bytes
 
@@ -80,7 +81,11 @@ class GlobalQSGD(Reducing):
     noise: ``"hash"`` or ``"threefry"``: how the rounding noise is drawn
       (:mod:`qsync_jax.parallel.buckets`). With ``"hash"`` a worker's codes
       are ``pallas_kernels.gqsgd_encode`` of its bucketed ``w_i x_i``, with
-      the worker's salt as ``seed``.
+      the worker's salt as ``seed``, and the kernel itself encodes them
+      where the kernel backend says so: on a CUDA GPU (sm_80+) under
+      ``QSYNC_KERNELS=auto``, everywhere under ``pallas``, never under
+      ``xla`` (:mod:`qsync_jax.numerics.gqsgd_encode`, which also lists
+      what makes ``auto`` keep jnp and ``pallas`` raise).
     name: the strategy's name.
   """
 
@@ -118,21 +123,29 @@ class GlobalQSGD(Reducing):
     Arguments as for :meth:`qsync_jax.parallel.wire.Averager.reduce`.
 
     Raises:
-      ValueError: more workers than the wire has levels for.
+      ValueError: more workers than the wire has levels for, or
+        ``QSYNC_KERNELS=pallas`` where the encode kernel cannot run
+        (``noise="threefry"``, a GPU below sm_80).
     """
     s = self.levels(lax.axis_size(axis_name))
     yb, m, bad = _global_max(x, weight, self.bucket_size, axis_name)
     scale = jnp.where((m > 0) & ~bad, m / s, 1.0)[:, None]
-    v = yb / scale
-    u = buckets.worker_uniform(buckets.base_key(key, self.seed, m),
-                               axis_name, yb.shape, self.noise, v)
-    # |y| / scale <= s up to the rounding of m / s; the clip keeps that
-    # last ulp from ever producing the code s + 1.
-    q = jnp.clip(jnp.floor(v + u), -s, s)
-    total = lax.psum(q.astype(self.wire), axis_name)
+    wkey = buckets.worker_key(buckets.base_key(key, self.seed, m), axis_name)
+    if encode_lib.use_kernel(self.noise, yb.shape):
+      q = encode_lib.encode(yb, m, s, buckets.hash_salt(wkey), self.wire)
+    else:
+      v = yb / scale
+      u = buckets.uniform(wkey, yb.shape, self.noise, v)
+      # |y| / scale <= s up to the rounding of m / s; the clip keeps that
+      # last ulp from ever producing the code s + 1. A non-finite bucket
+      # sends codes 0, as the kernel does (its mean is NaN either way).
+      q = jnp.clip(jnp.floor(v + u), -s, s)
+      q = jnp.where(bad[:, None], 0.0, q).astype(self.wire)
+    total = lax.psum(q, axis_name)
     # NaN in the decode scale marks the non-finite buckets in the same pass.
     mean = total.astype(jnp.float32) * buckets.nan_where(bad, scale)
-    return buckets.from_buckets(mean, x), buckets.from_buckets(q * scale, x)
+    sent = q.astype(jnp.float32) * scale
+    return buckets.from_buckets(mean, x), buckets.from_buckets(sent, x)
 
   def wire_bytes(self, num_elements: int, num_workers: int) -> float:
     """Ring all-reduce of the codes plus the float32 scale ``pmax``."""

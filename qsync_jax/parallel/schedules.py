@@ -37,6 +37,9 @@ import math
 import numbers
 from typing import Any, Callable, Protocol
 
+import jax
+import numpy as np
+
 
 class Schedule(Protocol):
   """What the trainer needs from a synchronization schedule."""
@@ -204,11 +207,39 @@ class PostLocalSGD(_Stateless):
 
 LearningRate = float | Callable[[int], Any]
 
-# optax schedules return float32, whose rounding (relative 2**-24, times
-# gamma after the power) can put (alpha / lr) ** gamma just below an integer
-# that float64 reaches exactly, e.g. (0.2 / float32(0.1)) ** 2 = 3.9999999.
-# The floor forgives that much, so H matches the rule in exact arithmetic.
-_FLOOR_RTOL = 1e-6
+
+def _float64_lr(value: Any, step: int) -> float:
+  """``value``, a learning rate, as a Python float, refusing lower precision.
+
+  Args:
+    value: what the learning-rate schedule returned (or the constant LR).
+    step: the step it was asked for, for the message.
+
+  Returns:
+    The learning rate, exactly.
+
+  Raises:
+    ValueError: ``value`` is not a real scalar, is held in a float type
+      narrower than float64, or is not finite.
+  """
+  dtype = getattr(value, "dtype", None)
+  if dtype is None:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+  else:
+    dtype = np.dtype(dtype)
+    ok = np.size(value) == 1 and (dtype == np.float64
+                                  or np.issubdtype(dtype, np.integer))
+  if not ok:
+    # Rounding in float32 moves (alpha / lr) ** gamma across integers, so
+    # the floor would not be the official rule's (issue 23).
+    raise ValueError(
+        f"QSR reads the learning rate in float64; the learning rate at step "
+        f"{step} is {value!r} ({dtype or type(value).__name__}): give a "
+        "Python float or a schedule computing in float64")
+  lr = float(value)
+  if not math.isfinite(lr):
+    raise ValueError(f"the learning rate at step {step} is {lr}, not finite")
+  return lr
 
 
 class QSR:
@@ -220,8 +251,16 @@ class QSR:
 
   with ``lr = lr_schedule(s)``, the learning rate of the next step (optax
   count ``s``), and ``H = init_h`` while ``s < warmup_steps`` or when
-  ``alpha == 0``. The cap at the remaining ``T - s`` steps makes the last
-  round end at step ``T``, so training ends with an average. ``H`` is not
+  ``alpha == 0``. It is the official code's ``adjust_h``, evaluated once
+  before training and after every average, in float64 like the official
+  ``int((alpha / lr) ** power)``: the learning rate must be a float64
+  number (a schedule returning float32 is refused, since its rounding moves
+  the floor across integers). A jax schedule such as optax's is evaluated
+  with 64-bit types enabled, so it computes its formula in float64; to
+  reproduce the official sync steps exactly, give the official scheduler's
+  formula (``experiments/config_lib.make_learning_rate_f64``). The cap at
+  the remaining ``T - s`` steps makes the last round end at step ``T``, so
+  training ends with an average. ``H`` is not
   revised inside a round, even when the LR drops (a step decay takes effect
   at the next sync). ``gamma = 2`` is QSR; 1 and 3 give the linear and cubic
   rules the paper compares against. Unlike the reference code, the cap also
@@ -239,7 +278,9 @@ class QSR:
     update order follows the official code's ``adjust_h``).
 
   Args:
-    lr_schedule: an optax schedule (step count -> LR) or a constant LR.
+    lr_schedule: a function of the step count returning a float64 LR
+      (Python, numpy, or jax evaluated in 64 bits, e.g. an optax
+      schedule), or a constant float LR.
     total_steps: ``T``, the number of training steps.
     alpha: the growth coefficient (0: constant ``init_h``).
     h_base: the smallest period.
@@ -249,8 +290,8 @@ class QSR:
     name: the schedule's name.
 
   Raises:
-    ValueError: a non-positive period or step count, or a negative alpha,
-      gamma or warmup.
+    ValueError: a non-positive period or step count, a negative alpha,
+      gamma or warmup, or a learning rate that is not a finite float64.
   """
 
   def __init__(self, lr_schedule: LearningRate, *, total_steps: int,
@@ -272,21 +313,41 @@ class QSR:
     self.warmup_steps = warmup_steps
     self.init_h = init_h
     self.name = name
+    if self.alpha > 0:
+      self.learning_rate(0)  # refuse a float32 schedule before training
     self.load_state_dict({})
 
+  def learning_rate(self, step: int) -> float:
+    """The learning rate of optax count ``step``, in float64.
+
+    Raises:
+      ValueError: it is not a finite float64 number.
+    """
+    if not callable(self.lr_schedule):
+      return _float64_lr(self.lr_schedule, step)
+    # jax computes in float32 unless 64-bit types are on; with them an
+    # optax schedule's own formula runs in float64.
+    with jax.enable_x64(True):
+      return _float64_lr(self.lr_schedule(step), step)
+
   def period(self, step: int) -> int:
-    """The period of a round starting after ``step`` completed steps."""
+    """The period of a round starting after ``step`` completed steps.
+
+    The official ``max(min(max(int((alpha / lr) ** power), min_h),
+    remaining), 1)``, with no tolerance: the floor is that of the float64
+    value, as in the official code.
+    """
     if step < self.warmup_steps or self.alpha == 0:
       h = self.init_h
     else:
-      lr = float(self.lr_schedule(step) if callable(self.lr_schedule)
-                 else self.lr_schedule)
+      lr = self.learning_rate(step)
       try:
         raw = (self.alpha / lr) ** self.gamma if lr > 0 else math.inf
       except OverflowError:  # a vanishing LR: the cap decides
         raw = math.inf
-      h = max(self.h_base, min(raw * (1 + _FLOOR_RTOL), self.total_steps))
-    return max(1, min(math.floor(h), self.total_steps - step))
+      # Capping first keeps floor() finite; it commutes with the floor.
+      h = max(self.h_base, math.floor(min(raw, self.total_steps)))
+    return max(1, min(h, self.total_steps - step))
 
   def averages_gradients_at(self, step: int) -> bool:
     """Returns False: workers step on their own gradients."""
@@ -371,7 +432,8 @@ def make_schedule(name: str, *, total_steps: int,
       ``warmup_steps``).
     total_steps: the number of training steps; local schedules end with an
       average at the last one.
-    lr_schedule: the optax learning-rate schedule (or constant) QSR reads.
+    lr_schedule: the learning rate QSR reads (see :class:`QSR`): a float64
+      function of the step count, or a constant.
     h_base: the constant period, or QSR's smallest one.
     alpha: QSR's growth coefficient.
     gamma: QSR's exponent (1 linear, 2 QSR, 3 cubic).

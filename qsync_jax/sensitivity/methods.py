@@ -6,8 +6,10 @@ inputs, and which precisions a layer is scored at (:func:`allowed_precisions`):
 * ``qsync``: QSync's bi-directional indicator as the reference code computes
   it (reference/qsync.md section 3.3; arXiv 2407.02327): plain (not squared)
   norms, the 1/6 stochastic-rounding variance, k = 9, gamma = 4, and depth
-  scaling ``gamma (L - l) fwd + l bwd`` with ``l`` the layer's position in
-  forward order (:func:`qsync_scores`, from the statistics the capture pass
+  scaling ``gamma (L - l) fwd + l bwd`` with ``l`` the layer's BFS depth
+  over the forward graph (:mod:`qsync_jax.sensitivity.depth`), the weight
+  gradient accumulated over the batches, and an embedding's table scored
+  as its input (:func:`qsync_scores`, from the statistics the capture pass
   of :mod:`qsync_jax.sensitivity.scores` averages over the batches).
 * ``qsync_var``: the same idea derived as an expected variance (below;
   :func:`qsync_var_terms` inside the capture pass, :func:`qsync_var_scores`).
@@ -170,48 +172,61 @@ def _exponent(value: float) -> int:
 
 
 def qsync_scores(stats: dict, layer_list: Sequence[policy.Layer],
-                 precisions: Sequence[Precision], gamma: float = 4.0
+                 precisions: Sequence[Precision], depths: Sequence[int],
+                 lookup_numel: Sequence[int | None], gamma: float = 4.0
                  ) -> dict[str, dict[str, float]]:
   """QSync's GVAR formula, faithful to the reference code.
+
+  As the reference's ``gradient_variance_based_indicator`` and its profiler
+  (reference qsync.md sections 3.2 and 3.3):
+  * ``||grad W||`` and ``e_g`` come from the weight gradient accumulated
+    over the batches (``stats[path]["gw"]``, their mean);
+  * an embedding's table is its input (``profile_stas_emb``): ``Sv``,
+    ``Dv`` and ``||x||`` are the table's, ``Dvv`` the lookup's size, and
+    ``Sw = Dw = ||W|| = 1``;
+  * ``l`` is the BFS depth over the forward graph and ``L`` its maximum
+    over the scored layers.
 
   Args:
     stats: ``{layer path: statistics}`` averaged over the batches by the
       capture pass.
     layer_list: the model's layers in forward order.
     precisions: the candidate precisions.
+    depths: each layer's BFS depth (:func:`.depth.forward_structure`).
+    lookup_numel: each embedding's lookup output size (None for others).
     gamma: the forward term's weight.
 
   Returns:
     ``{layer path: {precision name: score}}``.
   """
-  depth_max = len(layer_list)
+  depth_max = max(depths)
   values = {}
-  for i, layer in enumerate(layer_list):
+  for layer, depth, lookup in zip(layer_list, depths, lookup_numel):
     s = stats[layer.path]
-    depth = i + 1  # forward-order position stands in for the BFS depth
+    gw = np.asarray(s["gw"], np.float64)
+    gw_norm, e_g = float(np.linalg.norm(gw)), _exponent(np.abs(gw).max())
+    if "x_norm" in s:
+      sv, dv, x_norm, dvv = (s["x_amax"] / 127, s["dv"], s["x_norm"],
+                             s["dvv"])
+      sw, dw, w_norm = s["w_amax"] / 127, s["dw"], s["w_norm"]
+    else:  # an embedding: the table stands as the input, the weight as 1
+      sv, dv, x_norm, dvv = (s["w_amax"] / 127, s["dw"], s["w_norm"],
+                             lookup)
+      sw = dw = w_norm = 1.0
+    e_x = _exponent(np.sqrt(x_norm / dv))
+    e_w = _exponent(np.sqrt(w_norm / dw))
     row = {}
     for p in allowed_precisions(layer, precisions):
-      if "x_norm" not in s:  # embeddings: only the weight terms exist
-        sv = dv = x_norm = dvv = 0.0
-        e_x = 0
-      else:
-        sv, dv, x_norm, dvv = (s["x_amax"] / 127, s["dv"], s["x_norm"],
-                               s["dvv"])
-        e_x = _exponent(np.sqrt(x_norm / dv))
-      sw, dw, w_norm, gw = s["w_amax"] / 127, s["dw"], s["w_norm"], s[
-          "gw_norm"]
-      e_w = _exponent(np.sqrt(w_norm / dw))
-      e_g = _exponent(s["gw_amax"])
       if p is Precision.INT8:
         k = 9
         fwd = (w_norm * sv ** 2 * dv + x_norm * sw ** 2 * dw) / 6
-        bwd = (gw * sv ** 2 * dv + x_norm * 2.0 ** (2 * e_x)
+        bwd = (gw_norm * sv ** 2 * dv + x_norm * 2.0 ** (2 * e_x)
                * (2.0 ** -k) ** 2 * dvv) / 6
       else:
         k = _QSYNC_K[p]
         c = 2.0 ** (-2 * k) / 6
         fwd = c * (w_norm * dv * e_x + x_norm * dw * e_w)
-        bwd = c * (gw * dv * e_x + x_norm * dvv * e_g)
+        bwd = c * (gw_norm * dv * e_x + x_norm * dvv * e_g)
       row[p.value] = float(gamma * (depth_max - depth) * fwd + depth * bwd)
     values[layer.path] = row
   return values

@@ -8,7 +8,8 @@ much the model suffers when that layer alone computes at that precision
 live in :mod:`qsync_jax.sensitivity.methods`; this module runs the capture
 pass they start from: for ``qsync`` and ``qsync_var``, statistics (activation
 scale, norm and size, weight-gradient norm and its FP16 exponent) captured
-inside the forward and backward pass in FP32 and averaged over the batches.
+inside the forward and backward pass in FP32 and averaged over the batches
+(the weight gradient accumulated over them, as QSync's profiler does).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.plan import policy
+from qsync_jax.sensitivity import depth
 from qsync_jax.sensitivity import methods
 from qsync_jax.sensitivity.methods import METHODS
 
@@ -126,9 +128,13 @@ def compute(model: nnx.Module, loss_fn: Callable[[jax.Array, jax.Array],
     if len(batches) > 1:
       steady_s = (time.perf_counter() - steady_start) / (len(batches) - 1)
     stats = _mean_stats(per_batch)
-    values = (methods.qsync_scores(stats, layer_list, precisions)
-              if method == "qsync"
-              else methods.qsync_var_scores(stats, layer_list, precisions))
+    if method == "qsync":
+      depths, lookup = depth.forward_structure(model, layer_list,
+                                                     batches[0][0])
+      values = methods.qsync_scores(stats, layer_list, precisions, depths,
+                                    lookup)
+    else:
+      values = methods.qsync_var_scores(stats, layer_list, precisions)
   elif method == "wvar":
     values = methods.wvar_scores(model, layer_list, precisions, quant)
   elif method == "hessian":
@@ -257,8 +263,12 @@ def _capture_fn(graphdef, layer_list, loss_fn, precisions, rounding,
       s, g = stats[i], grads[i]
       w, gw = s["w"].astype(jnp.float32), g["w"]
       row = {"w_norm": jnp.linalg.norm(w), "w_amax": jnp.abs(w).max(),
-             "dw": w.size, "gw_norm": jnp.linalg.norm(gw),
-             "gw_amax": jnp.abs(gw).max()}
+             "dw": w.size}
+      if not curvature:
+        # The whole weight gradient: QSync takes the norm and the maximum of
+        # the gradient accumulated over the batches, not their per-batch
+        # mean (:func:`_mean_stats` averages it before the norm).
+        row["gw"] = gw
       if "x" in s:
         xv = s["x"].astype(jnp.float32)
         row.update({"x_norm": jnp.linalg.norm(xv), "x_amax": jnp.abs(xv).max(),
@@ -273,5 +283,9 @@ def _capture_fn(graphdef, layer_list, loss_fn, precisions, rounding,
 
 
 def _mean_stats(per_batch: list[dict]) -> dict:
-  return jax.tree.map(lambda *xs: float(np.mean([float(v) for v in xs])),
-                      *per_batch)
+  """Averages the statistics over the batches (arrays elementwise)."""
+  def mean(*xs):
+    if np.ndim(xs[0]):
+      return np.mean([np.asarray(v, np.float64) for v in xs], axis=0)
+    return float(np.mean([float(v) for v in xs]))
+  return jax.tree.map(mean, *per_batch)

@@ -14,6 +14,9 @@ averager, ...):
   gradient; no collective);
 * :func:`average_params_program`: the average of the parameters' change
   since the last synchronization (local SGD);
+* :func:`opt_fields_program`: the average of chosen optimizer-state fields
+  at the same synchronizations (the QSR code's ``optim_fields_to_average``;
+  :func:`opt_field_mask` finds and checks the fields);
 * :func:`mean_rest_program` and :func:`mean_params_program`: the workers'
   mean non-parameter state and parameters, for evaluation.
 
@@ -23,7 +26,7 @@ trainer runs these programs; the predictor times the same update program.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -210,6 +213,75 @@ def average_params_program(mesh: Mesh, averager: Any, seed: int
     return new_p[None], counter + 1, new_res
 
   return _shard_map(mesh, average, 5)
+
+
+def opt_field_mask(opt_state: Any, fields: Sequence[str]) -> Any:
+  """Which leaves of an optax state lie under one of the named fields.
+
+  A field is an attribute of an optax state (``mu`` and ``nu`` of Adam's
+  ``ScaleByAdamState``, ``trace`` of SGD momentum's ``TraceState``), at any
+  depth of a chained optimizer.
+
+  Args:
+    opt_state: an optax state (stacked, unstacked or abstract).
+    fields: the field names.
+
+  Returns:
+    A pytree of bools shaped like ``opt_state``.
+
+  Raises:
+    ValueError: a field the state does not have, naming those it has.
+  """
+  paths = jax.tree_util.tree_flatten_with_path(opt_state)[0]
+  have = sorted({k.name for path, _ in paths for k in path
+                 if isinstance(k, jax.tree_util.GetAttrKey)})
+  unknown = sorted(set(fields) - set(have))
+  if unknown:
+    raise ValueError(f"the optimizer state has no field(s) "
+                     f"{', '.join(unknown)} to average; its fields: "
+                     f"{', '.join(have) or 'none'}")
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: any(isinstance(k, jax.tree_util.GetAttrKey)
+                          and k.name in fields for k in path), opt_state)
+
+
+def opt_fields_program(mesh: Mesh, opt_state: Any, fields: Sequence[str]
+                       ) -> tuple[Callable | None, int]:
+  """Averages the named optimizer-state fields over the workers.
+
+  The QSR code (``LocalOptimizer``, ``optim_fields_to_average``) averages
+  them in the same float32 all-reduce as the parameters at each sync of a
+  local schedule; here they take an exact float32 weighted mean (the
+  parameters' weights), beside the parameters' averager. Integer leaves
+  (step counts, equal on every worker) stay as they are.
+
+  Args:
+    mesh: the mesh of all workers.
+    opt_state: the stacked optimizer state.
+    fields: the field names (see :func:`opt_field_mask`); may be empty.
+
+  Returns:
+    ``(average, size)``: ``average(opt_state, weight) -> opt_state`` (None
+    without fields) and the number of floats each worker sends per sync.
+
+  Raises:
+    ValueError: a field the optimizer state does not have.
+  """
+  mask = opt_field_mask(opt_state, fields)
+  mask = jax.tree.map(
+      lambda m, x: m and jnp.issubdtype(x.dtype, jnp.floating), mask,
+      opt_state)
+  size = sum(int(np.prod(x.shape[1:])) for m, x in zip(
+      jax.tree.leaves(mask), jax.tree.leaves(opt_state)) if m)
+  if not size:
+    return None, 0
+
+  def average(opt, weight):
+    return jax.tree.map(
+        lambda m, x: jax.lax.psum(x * weight[0], AXIS) if m else x, mask,
+        opt)
+
+  return _shard_map(mesh, average, 2), size
 
 
 def mean_rest_program(mesh: Mesh) -> Callable:

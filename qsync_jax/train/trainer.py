@@ -21,7 +21,8 @@ their parameters: each sends its change since the last synchronization (a
 pseudo-gradient, whose magnitudes suit the quantizing averagers of
 :mod:`qsync_jax.parallel.averagers` where the raw parameters would not) and adds
 the averaged change to the common starting point. Optimizer state stays local,
-as in the QSR reference code.
+as in the QSR reference code, except the fields named in
+``opt_fields_to_average`` (its ``optim_fields_to_average``), averaged too.
 
 State layout, chosen so a step costs few host operations:
 
@@ -138,13 +139,22 @@ class HybridTrainer:
       distort it.
     seed: seeds the averagers' rounding noise (a fresh key per average,
       the same on every worker).
+    bn_stats: the BatchNorm statistics :meth:`evaluate` uses:
+      ``"reestimate"`` (the QSR code's, under every schedule: recomputed
+      for the evaluated parameters on training batches) or ``"average"``
+      (the workers' running statistics averaged). No effect without
+      BatchNorm.
+    opt_fields_to_average: optimizer-state fields (``"mu"``, ``"nu"``,
+      ``"trace"``, ...) averaged with the parameters at each sync of a
+      local schedule (default none, as the QSR code).
 
   With local steps and loss scaling, each worker keeps its own loss scale
   and skips only its own non-finite steps; :attr:`skipped_steps` and
   :attr:`current_loss_scale` report the first local worker.
 
   Raises:
-    ValueError: no worker, two workers on one device, or a bad batch size.
+    ValueError: no worker, two workers on one device, a bad batch size, an
+      unknown ``bn_stats`` or optimizer-state field.
     qsync_jax.PlanError: a plan does not fit the model or its device kind.
   """
 
@@ -155,10 +165,11 @@ class HybridTrainer:
                grad_weights: Sequence[float] | None = None,
                loss_scaling: bool | str = "auto",
                sample_input: Any = None, error_feedback: bool = False,
-               seed: int = 0):
+               seed: int = 0, bn_stats: str = "reestimate",
+               opt_fields_to_average: Sequence[str] = ()):
     _check_workers(workers)
     self.workers = list(workers)
-    self.num_workers = n = len(workers)
+    self.num_workers = len(workers)
     self.tx = tx
     self.loss_fn = loss_fn
     self.averager = averager or averagers.MeanAverager()
@@ -194,14 +205,19 @@ class HybridTrainer:
         self.mesh, self.averager, self.seed)
     self._eval_fn = evaluation.eval_function(eval_graphdef, self._unravel,
                                              loss_fn)
-    self._mean_rest = None
-    self._mean_params = None
+    self._bn_fn = evaluation.bn_function(eval_graphdef, self._unravel, model,
+                                         bn_stats)
+    self._mean_rest = programs.mean_rest_program(self.mesh)
+    self._mean_params = programs.mean_params_program(self.mesh)
 
     (self.params, self.opt_state, self.loss_scale, self._weights,
      self._counter, self.residual) = programs.initial_state(
          self.mesh, self._devices, self._unravel, tx, flat,
          self.grad_weights, self.loss_scaling, self.error_feedback)
     self.rest = {i: jax.device_put(rest, d) for i, d in self._devices.items()}
+    self._average_opt, size = programs.opt_fields_program(
+        self.mesh, self.opt_state, tuple(opt_fields_to_average))
+    self._opt_bytes = averagers.MeanAverager().wire_bytes(size, len(workers))
     self._anchor = self.params
     self._finite = None
     self.step = 0
@@ -246,6 +262,9 @@ class HybridTrainer:
         self.params, self._counter, self.residual = self._average_params(
             self.params, self._anchor, self._weights, self._counter,
             self.residual)
+        if self._average_opt is not None:
+          self.opt_state = self._average_opt(self.opt_state, self._weights)
+          self.comm_bytes += self._opt_bytes
     self.step = step
     if synced:
       self._anchor = self.params
@@ -300,31 +319,38 @@ class HybridTrainer:
     row = np.asarray(layout.rows(self.params)[self._first_device])
     return hashlib.sha256(row.tobytes()).hexdigest()
 
-  def _stacked_rest(self) -> Any:
-    """The workers' non-parameter state stacked into global arrays."""
-    return layout.stack_trees({d: self.rest[i]
+  def _stacked_rest(self, rests: Any = None) -> Any:
+    """The workers' non-parameter state (default :attr:`rest`) stacked into
+    global arrays."""
+    rests = self.rest if rests is None else rests
+    return layout.stack_trees({d: rests[i]
                                for i, d in self._devices.items()},
                               self.num_workers, self.sharding)
 
-  def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 256
-               ) -> dict[str, float]:
+  def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 256,
+               train_batches: Any = None) -> dict[str, float]:
     """Mean loss and accuracy over (x, y) with FP32 compute.
 
-    The model evaluated is the workers' average: BatchNorm statistics are
-    averaged across workers first, and so are the parameters in the middle
-    of a local-SGD round (their exact float32 mean, which leaves training
-    untouched: no wire bytes, no sync round). The first local worker's
-    device runs it.
+    The model evaluated is the workers' average: mid-round parameters are
+    their exact float32 mean (no wire bytes, no sync round); BatchNorm
+    statistics the workers' mean (``bn_stats="average"``) or the mean of
+    each worker's re-estimate for those parameters on ``train_batches``
+    (per step ``{worker index: (x, y)}``, as :meth:`train_step` takes).
+    Training state is untouched. The first local worker's device runs it.
+
+    Raises:
+      ValueError: re-estimation without ``train_batches``.
     """
-    if self._mean_rest is None:
-      self._mean_rest = programs.mean_rest_program(self.mesh)
-    first = self._first_device
-    rest = layout.unstack_tree(self._mean_rest(self._stacked_rest()), first)
     params = self.params
     if not self.in_sync:
-      if self._mean_params is None:
-        self._mean_params = programs.mean_params_program(self.mesh)
       params = self._mean_params(self.params, self._weights)
+    rests = self.rest
+    if self._bn_fn is not None:
+      rests = evaluation.reestimate(self._bn_fn, params, self.rest,
+                                    self._devices, train_batches or ())
+    first = self._first_device
+    rest = layout.unstack_tree(self._mean_rest(self._stacked_rest(rests)),
+                               first)
     return evaluation.evaluate(self._eval_fn, layout.rows(params)[first],
                                rest, x, y, first, batch_size)
 

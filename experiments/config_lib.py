@@ -1,0 +1,409 @@
+"""The main job's config: its checks, and the objects it names.
+
+This module owns ``validate_config`` (every numeric field of a train config,
+checked before anything runs, each plan's device kind against the
+cluster, the BatchNorm choice of evaluation and the optimizer-state fields
+to average), reading plans and JSON given on the command line (``load_plan``,
+``read_json``: depth-bounded by Python's recursion limit), and turning the
+config into the training objects: the learning rate (optax for training, a
+float64 twin for QSR), the optimizer, the sync schedule and the averager.
+:mod:`experiments.train_lib` runs the job with them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from qsync_jax.parallel import averagers
+from qsync_jax.parallel import cluster as cluster_lib
+from qsync_jax.parallel import schedules
+from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.train import evaluation
+from qsync_jax.train import programs
+
+
+
+def load_plan(spec: Any) -> PrecisionPlan:
+  """Builds a plan from a JSON file path, JSON text, or a config mapping.
+
+  Raises:
+    FileNotFoundError: a path that does not exist.
+    qsync_jax.PlanError: a malformed plan.
+  """
+  if isinstance(spec, PrecisionPlan):
+    return spec
+  spec = to_plain(spec)
+  if isinstance(spec, Mapping):
+    return PrecisionPlan.from_dict(spec)
+  text, what = spec, "plan JSON"
+  if isinstance(spec, str) and not spec.lstrip().startswith("{"):
+    if not os.path.exists(spec):
+      raise FileNotFoundError(f"plan file {spec!r} does not exist")
+    with open(spec) as f:
+      text, what = f.read(), f"plan file {spec!r}"
+  try:
+    return PrecisionPlan.from_json(text)
+  except RecursionError:
+    raise ValueError(f"{what} is nested too deeply") from None
+
+
+def read_json(text: str, what: str) -> Any:
+  """Parses JSON text given by the user.
+
+  Args:
+    text: the JSON.
+    what: what it is, for the message (e.g. ``"--model_kwargs"``).
+
+  Returns:
+    The parsed value.
+
+  Raises:
+    ValueError: malformed JSON, or JSON nested deeper than Python's recursion
+      limit (the decoder recurses per level).
+  """
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{what} is not JSON: {e}") from None
+  except RecursionError:
+    raise ValueError(f"{what} is nested too deeply") from None
+
+
+# Integer fields and their least value.
+_INT_FIELDS: dict[str, int] = {
+    "batch_size": 1, "steps": 1, "warmup_steps": 0, "h_base": 1,
+    "switch_step": 0, "seed": 0, "log_every": 1, "eval_every": 0,
+    "checkpoint_every": 0, "allocator.num_batches": 1,
+    "allocator.timing_batch_size": 0, "compress_kwargs.bucket_size": 1,
+    "compress_kwargs.levels": 1, "bn_batches": 1,
+}
+
+
+# Float fields: the condition their (finite) value must meet, in words.
+_FLOAT_FIELDS: dict[str, tuple[Callable[[float], bool], str]] = {
+    "learning_rate": (lambda v: v > 0, "> 0"),
+    "final_learning_rate": (lambda v: v >= 0, ">= 0"),
+    "lr_decay_factor": (lambda v: v > 0, "> 0"),
+    "lr_round_base": (lambda v: v > 0 and v != 1, "> 0 and != 1"),
+    "momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "alpha": (lambda v: v >= 0, ">= 0"),
+    "gamma": (lambda v: v > 0, "> 0"),
+    "allocator.compression": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+}
+
+
+# Fields that may be None: unset, the library's default applies.
+_OPTIONAL = ("allocator.compression", "compress_kwargs.bucket_size",
+             "compress_kwargs.levels")
+
+
+def _leaves(value: Any, prefix: str = "") -> dict[str, Any]:
+  """``{dotted.path: value}`` of every non-container entry of a config."""
+  if isinstance(value, Mapping):
+    out = {}
+    for k, v in value.items():
+      out.update(_leaves(v, f"{prefix}{k}."))
+    return out
+  if isinstance(value, (list, tuple)):
+    out = {}
+    for i, v in enumerate(value):
+      out.update(_leaves(v, f"{prefix[:-1]}[{i}]."))
+    return out
+  return {prefix[:-1]: value}
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+  """Checks the main job's config before anything runs.
+
+  Every integer field has its least value (steps, batch sizes and the log
+  interval at least 1; offsets, seeds and the intervals where 0 turns
+  something off at least 0), every float field its range (a learning rate
+  > 0, momentum in [0, 1), ...), every other number anywhere in the config
+  (model and dataset arguments included) is finite, in manual plan mode
+  every entry of ``config.plans`` names a device kind of ``config.cluster``,
+  and ``config.compress`` with ``config.compress_kwargs`` builds an
+  averager. Fields the config does not have are not checked.
+
+  Args:
+    config: the job's config.
+
+  Raises:
+    ValueError: naming the first bad field and its value.
+  """
+  for name, value in _leaves(to_plain(config)).items():
+    if value is None and name in _OPTIONAL:
+      continue
+    if name in _INT_FIELDS:
+      least = _INT_FIELDS[name]
+      if not (_is_number(value) and isinstance(value, numbers.Integral)
+              and value >= least):
+        raise ValueError(f"config.{name} must be an integer >= {least}, got "
+                         f"{value!r}")
+    elif name in _FLOAT_FIELDS:
+      ok, words = _FLOAT_FIELDS[name]
+      if not (_is_number(value) and math.isfinite(value) and ok(value)):
+        raise ValueError(f"config.{name} must be a finite number {words}, "
+                         f"got {value!r}")
+    elif _is_number(value) and not math.isfinite(value):
+      raise ValueError(f"config.{name} must be a finite number, got "
+                       f"{value!r}")
+  if config.get("plan_mode", "manual") == "manual" and "cluster" in config:
+    check_plan_kinds(to_plain(config.get("plans", {})) or {},
+                     cluster_lib.parse_cluster(config.cluster))
+  bn_stats = config.get("bn_stats", "reestimate")
+  if bn_stats not in evaluation.BN_STATS:
+    raise ValueError(f"config.bn_stats must be one of "
+                     f"{', '.join(evaluation.BN_STATS)}, got {bn_stats!r}")
+  opt_fields(config)  # a field the optimizer's state does not have
+  make_averager(config)  # an unknown strategy or field; building is cheap
+
+
+def check_plan_kinds(plans: Mapping[str, Any],
+                     spec: cluster_lib.ClusterSpec) -> None:
+  """Raises ``ValueError`` if ``plans`` names a kind ``spec`` lacks.
+
+  A plan for a kind the cluster does not have is a typo or the wrong
+  cluster; dropping it would silently train that kind in FP32.
+  """
+  kinds = spec.groups()
+  outside = sorted(k for k in plans if k not in kinds)
+  if outside:
+    raise ValueError(
+        f"plan(s) given for device kind(s) {', '.join(outside)}, which the "
+        f"cluster {spec} does not have (its kinds: {', '.join(kinds)})")
+
+
+def to_plain(value: Any) -> Any:
+  """Converts ConfigDicts (recursively) to plain dicts and lists."""
+  if isinstance(value, ml_collections.ConfigDict):
+    value = value.to_dict()
+  if isinstance(value, Mapping):
+    return {k: to_plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [to_plain(v) for v in value]
+  return value
+
+
+LR_SCHEDULES = ("constant", "cosine", "linear", "step", "cosine_step")
+
+
+def _lr_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The learning-rate fields of ``config``, checked.
+
+  Raises:
+    ValueError: an unknown ``lr_schedule``, or fields it cannot use.
+  """
+  name = config.lr_schedule
+  if name not in LR_SCHEDULES:
+    raise ValueError(f"unknown lr_schedule {name!r}; valid: "
+                     f"{', '.join(LR_SCHEDULES)}")
+  s = dict(name=name, peak=float(config.learning_rate),
+           final=float(config.get("final_learning_rate", 0.0)),
+           warmup=int(config.warmup_steps), total=int(config.steps),
+           decay_steps=tuple(config.get("lr_decay_steps") or ()),
+           factor=float(config.get("lr_decay_factor", 0.1)),
+           base=float(config.get("lr_round_base", 2.0)))
+  if name == "constant":
+    return s
+  if not 0 <= s["warmup"] < s["total"]:
+    raise ValueError(f"lr_schedule={name} needs 0 <= warmup_steps < steps, "
+                     f"got warmup_steps={s['warmup']}, steps={s['total']}")
+  if name == "step":
+    d = s["decay_steps"]
+    if not d or any(not isinstance(x, int) or x < 1 for x in d) or list(
+        d) != sorted(set(d)):
+      raise ValueError("lr_schedule=step needs lr_decay_steps, increasing "
+                       f"positive step counts, got {d!r}")
+    if not s["factor"] > 0:
+      raise ValueError(f"lr_decay_factor must be > 0, got {s['factor']}")
+  if name == "cosine_step":
+    if not (s["base"] > 0 and s["base"] != 1):
+      raise ValueError(f"lr_round_base must be > 0 and != 1, got {s['base']}")
+    if not (s["final"] > 0 and s["peak"] > 0):  # it rounds log(lr)
+      raise ValueError("lr_schedule=cosine_step needs learning_rate and "
+                       "final_learning_rate > 0, got "
+                       f"{s['peak']} and {s['final']}")
+  return s
+
+
+def _rounded_to_powers(schedule: optax.Schedule, base: float
+                       ) -> optax.Schedule:
+  """``schedule`` rounded to the nearest power of ``base`` in log space."""
+  log_base = float(np.log(base))
+
+  def rounded(count):
+    return base ** jnp.round(jnp.log(schedule(count)) / log_base)
+
+  return rounded
+
+
+def make_learning_rate(config: ml_collections.ConfigDict
+                       ) -> optax.ScalarOrSchedule:
+  """The learning rate of ``config.lr_schedule``, for training.
+
+  The official QSR code's schedules (``xscheduler.py``) as optax schedules:
+  ``constant``; after a linear warmup from ``config.final_learning_rate``
+  to ``config.learning_rate`` over ``config.warmup_steps``, ``cosine``
+  (decay to ``final_learning_rate`` at ``config.steps``), ``linear`` (the
+  same, linearly), ``step`` (``learning_rate * lr_decay_factor ** i`` from
+  the ``i``-th of ``lr_decay_steps``) or ``cosine_step`` (the cosine rounded
+  to a power of ``lr_round_base``). :func:`make_learning_rate_f64` is the
+  same schedule in float64, for QSR.
+
+  Args:
+    config: the main job's config.
+
+  Returns:
+    A constant or an optax schedule (optax count -> LR).
+
+  Raises:
+    ValueError: an unknown schedule or bad fields (see ``_lr_settings``).
+  """
+  s = _lr_settings(config)
+  peak, final, warmup = s["peak"], s["final"], s["warmup"]
+  span = s["total"] - warmup
+  if s["name"] == "constant":
+    return peak
+  if s["name"] == "linear":
+    after = optax.linear_schedule(peak, final, span)
+  elif s["name"] == "step":
+    after = optax.piecewise_constant_schedule(
+        peak, {d - warmup: s["factor"] for d in s["decay_steps"]})
+  else:
+    after = optax.cosine_decay_schedule(
+        peak, span, alpha=final / peak if peak else 0.0)
+    if s["name"] == "cosine_step":
+      after = _rounded_to_powers(after, s["base"])
+  if not warmup:
+    return after
+  return optax.join_schedules(
+      [optax.linear_schedule(final, peak, warmup), after], [warmup])
+
+
+def make_learning_rate_f64(config: ml_collections.ConfigDict
+                           ) -> Callable[[int], float]:
+  """The schedule of :func:`make_learning_rate` in float64, for QSR.
+
+  Each formula is the official ``xscheduler.py``'s, operation for operation,
+  so QSR's ``int((alpha / lr) ** power)`` lands on the same integers as the
+  official code (optax's float32, or its float64 formulas, can round the
+  other way at an exact integer).
+
+  Args:
+    config: the main job's config.
+
+  Returns:
+    ``lr(step) -> float``, the LR of optax count ``step``.
+
+  Raises:
+    ValueError: an unknown schedule or bad fields (see ``_lr_settings``).
+  """
+  s = _lr_settings(config)
+  peak, final, warmup, total = s["peak"], s["final"], s["warmup"], s["total"]
+  span = total - warmup
+
+  def after(step: int) -> float:
+    delta = min(step - warmup, span)
+    if s["name"] == "constant":
+      return peak
+    if s["name"] == "linear":
+      return final + (span - delta) * (peak - final) / span
+    if s["name"] == "step":
+      i = sum(step >= d for d in s["decay_steps"])
+      return peak * s["factor"] ** i
+    lr = final + 0.5 * (peak - final) * (1 + np.cos(delta / span * np.pi))
+    if s["name"] == "cosine_step":
+      lr = s["base"] ** np.round(np.log(lr) / np.log(s["base"]))
+    return float(lr)
+
+  def lr(step: int) -> float:
+    if s["name"] != "constant" and step < warmup:
+      return final + step * (peak - final) / warmup
+    return after(int(step))
+
+  return lr
+
+
+def make_optimizer(config: ml_collections.ConfigDict
+                   ) -> optax.GradientTransformation:
+  """``config.optimizer``: Adam, or SGD with ``config.momentum`` (0: none)."""
+  lr = make_learning_rate(config)
+  name = config.get("optimizer", "adam")
+  if name == "adam":
+    return optax.adam(lr)
+  if name == "sgd":
+    return optax.sgd(lr, momentum=config.get("momentum", 0.0) or None)
+  raise ValueError(f"unknown optimizer {name!r}; valid: adam, sgd")
+
+
+def opt_fields(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """``config.opt_fields_to_average``, checked against the optimizer.
+
+  The command line gives ``--config.opt_fields_to_average=mu,nu`` as one
+  string, so every entry is split at commas.
+
+  Returns:
+    The field names (empty: none).
+
+  Raises:
+    ValueError: a field the optimizer's state does not have.
+  """
+  fields = tuple(f.strip() for entry in config.get("opt_fields_to_average",
+                                                   ()) or ()
+                 for f in str(entry).split(",") if f.strip())
+  if fields:  # the state's fields do not depend on the parameters' shapes
+    state = jax.eval_shape(make_optimizer(config).init, jnp.zeros(1))
+    programs.opt_field_mask(state, fields)
+  return fields
+
+
+def make_schedule(config: ml_collections.ConfigDict) -> schedules.Schedule:
+  """The synchronization schedule of ``config.sync``.
+
+  See schedules.make_schedule. QSR reads the learning-rate schedule and keeps
+  ``h_base`` during warmup.
+  """
+  return schedules.make_schedule(
+      config.get("sync", "dp"), total_steps=config.steps,
+      lr_schedule=make_learning_rate_f64(config),
+      h_base=config.get("h_base", 1), alpha=config.get("alpha", 0.0),
+      gamma=config.get("gamma", 2.0), warmup_steps=config.warmup_steps,
+      switch_step=config.get("switch_step", 0))
+
+
+def make_averager(config: ml_collections.ConfigDict) -> averagers.Averager:
+  """The averaging strategy of ``config.compress``.
+
+  See averagers.make_averager; built with the fields of
+  ``config.compress_kwargs`` that are set (the default config declares the
+  known ones unset, so that the command line can set them) and the run's
+  seed for its noise.
+
+  Raises:
+    ValueError: an unknown strategy, or a field it does not have.
+  """
+  kwargs = {k: v for k, v in (
+      to_plain(config.get("compress_kwargs", {})) or {}).items()
+            if v is not None}
+  name = config.get("compress", "none")
+  if name in ("gqsgd", "gqsgd_exp", "qsgd"):
+    kwargs.setdefault("seed", config.seed)
+  try:
+    return averagers.make_averager(name, **kwargs)
+  except TypeError as e:  # a field the strategy's dataclass does not have
+    raise ValueError(f"config.compress_kwargs {sorted(kwargs)} do not fit "
+                     f"compress={name!r}: {e}") from None

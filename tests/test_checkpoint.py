@@ -1,0 +1,189 @@
+"""Tests for checkpoint integrity: checksums at save, verified at restore."""
+
+import json
+import os
+import re
+import shutil
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+from qsync_jax.train import checkpoint as ckpt_lib
+from qsync_jax.train.checkpoint import Checkpointer
+from qsync_jax.train.trainer import HybridTrainer
+from test_trainer import _batch, _cnn, _split, _workers
+
+SIZES = [4, 4]
+
+
+def _trainer():
+  return HybridTrainer(_cnn(), _workers(SIZES), optax.adam(1e-2))
+
+
+def _train(trainer, steps):
+  for _ in range(steps):
+    trainer.train_step(_split(*_batch(8, seed=trainer.step), SIZES))
+
+
+def _arrays(trainer):
+  return [np.asarray(a) for a in
+          jax.tree.leaves(ckpt_lib.state_tree(trainer))]
+
+
+def _assert_same(trainer, arrays):
+  got = _arrays(trainer)
+  assert len(got) == len(arrays)
+  for a, b in zip(got, arrays):
+    assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """Checkpoints at steps 1 and 2, and the state each one holds."""
+  directory = str(tmp_path_factory.mktemp("template") / "ckpt")
+  trainer, ckpt, states = _trainer(), Checkpointer(directory), {}
+  for step in (1, 2):
+    _train(trainer, 1)
+    ckpt.save(trainer)
+    states[step] = _arrays(trainer)
+  ckpt.close()
+  return directory, states
+
+
+@pytest.fixture
+def ckpt_dir(saved, tmp_path):
+  directory = str(tmp_path / "ckpt")
+  shutil.copytree(saved[0], directory)
+  return directory
+
+
+def _data_files(step_dir):
+  # Orbax's array data: the ocdbt data files under state/.
+  return [os.path.join(root, f)
+          for root, _, files in os.walk(os.path.join(step_dir, "state"))
+          if os.path.basename(root) == "d" and "ocdbt" in root
+          for f in files]
+
+
+def _largest(step_dir):
+  files = _data_files(step_dir)
+  assert files, f"no ocdbt data files under {step_dir}"
+  return max(files, key=os.path.getsize)
+
+
+def _flip(step_dir):
+  path = _largest(step_dir)
+  with open(path, "r+b") as f:
+    data = bytearray(f.read())
+    mid = len(data) // 2
+    data[mid:mid + 16] = bytes(b ^ 0xFF for b in data[mid:mid + 16])
+    f.seek(0)
+    f.write(data)
+
+
+def _truncate(step_dir):
+  path = _largest(step_dir)
+  os.truncate(path, os.path.getsize(path) // 2)
+
+
+def _empty(step_dir):
+  for name in os.listdir(step_dir):
+    path = os.path.join(step_dir, name)
+    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def _no_meta(step_dir):
+  shutil.rmtree(os.path.join(step_dir, "meta"))
+
+
+def _edit_meta(step_dir):
+  path = os.path.join(step_dir, "meta", "metadata")
+  with open(path) as f:
+    meta = json.load(f)
+  meta["comm_bytes"] += 1.0
+  with open(path, "w") as f:
+    json.dump(meta, f)
+
+
+def test_intact_checkpoint_restores_bit_identically(ckpt_dir, saved,
+                                                    capsys):
+  trainer = _trainer()
+  meta = Checkpointer(ckpt_dir).restore_latest(trainer)
+  assert meta["step"] == 2 and trainer.step == 2
+  _assert_same(trainer, saved[1][2])
+  assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("corrupt, why", [
+    (_flip, r"checksum mismatch in \['"),
+    (_truncate, r"arrays are unreadable"),
+    (_empty, r"metadata is unreadable|no metadata"),
+    (_no_meta, r"metadata is unreadable|no metadata"),
+    (_edit_meta, r"checksum mismatch in its metadata"),
+])
+def test_corrupt_newest_falls_back_to_the_older_one(ckpt_dir, saved, capsys,
+                                                    corrupt, why):
+  corrupt(os.path.join(ckpt_dir, "2"))
+  trainer = _trainer()
+  ckpt = Checkpointer(ckpt_dir)
+  meta = ckpt.restore_latest(trainer)
+  assert meta["step"] == 1 and trainer.step == 1
+  _assert_same(trainer, saved[1][1])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("warning: ")
+  assert "step 2: " in err[0] and "restored step 1" in err[0]
+  assert re.search(why, err[0]), err[0]
+  # The bad one is set aside, so the resumed run can save step 2 again.
+  assert os.path.isdir(os.path.join(ckpt_dir, "corrupt-2"))
+  _train(trainer, 1)
+  ckpt.save(trainer)
+  again = _trainer()
+  assert Checkpointer(ckpt_dir).restore_latest(again)["step"] == 2
+  _assert_same(again, _arrays(trainer))
+
+
+def test_flipped_array_bytes_are_a_checksum_mismatch(saved):
+  # Whatever orbax's files do with flipped bytes, a changed value is caught.
+  trainer = _trainer()
+  Checkpointer(saved[0]).restore_latest(trainer)
+  tree = ckpt_lib.state_tree(trainer)
+  meta = {ckpt_lib.INTEGRITY: {"arrays": {
+      "0": ckpt_lib.array_digests(tree)}}}
+  assert ckpt_lib._array_problem(meta, tree) is None
+  tree["params"] = jax.tree.map(lambda a: a.at[(0,) * a.ndim].add(1.0),
+                                tree["params"])
+  assert "checksum mismatch in ['params']" in ckpt_lib._array_problem(
+      meta, tree)
+
+
+def test_all_corrupt_is_a_clear_error(ckpt_dir):
+  _flip(os.path.join(ckpt_dir, "2"))
+  _empty(os.path.join(ckpt_dir, "1"))
+  trainer = _trainer()
+  before = _arrays(trainer)
+  with pytest.raises(ValueError, match=r"no intact checkpoint in .*ckpt: "
+                     r"step 2: .*; step 1: "):
+    Checkpointer(ckpt_dir).restore_latest(trainer)
+  assert trainer.step == 0
+  _assert_same(trainer, before)  # nothing corrupt was loaded
+
+
+def test_checkpoint_without_checksums_restores_with_a_warning(tmp_path,
+                                                              capsys):
+  trainer = _trainer()
+  _train(trainer, 1)
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  # The format before checksums: the same items, no integrity record.
+  ckpt._manager.save(1, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(ckpt_lib.state_tree(trainer)),
+      meta=ocp.args.JsonSave(ckpt_lib.state_meta(trainer))))
+  ckpt._manager.wait_until_finished()
+  resumed = _trainer()
+  assert ckpt.restore_latest(resumed)["step"] == 1
+  _assert_same(resumed, _arrays(trainer))
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "cannot be verified" in err[0]
+  assert "step 1" in err[0]
