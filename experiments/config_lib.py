@@ -161,7 +161,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     elif _is_number(value) and not math.isfinite(value):
       raise ValueError(f"config.{name} must be a finite number, got "
                        f"{value!r}")
-  if config.get("plan_mode", "manual") == "manual" and "cluster" in config:
+  # "auto" is resolved from the devices once JAX starts (experiments.train).
+  if (config.get("plan_mode", "manual") == "manual" and "cluster" in config
+      and config.cluster.strip().lower() != cluster_lib.AUTO):
     check_plan_kinds(to_plain(config.get("plans", {})) or {},
                      cluster_lib.parse_cluster(config.cluster))
   bn_stats = config.get("bn_stats", "reestimate")

@@ -127,7 +127,8 @@ def main(argv):
     # library callers).
     config_lib.validate_config(config)
     train_lib.make_out_dir(FLAGS.out_dir, "--out_dir")
-    if not distributed.initialize():
+    auto = config.cluster.strip().lower() == cluster_lib.AUTO
+    if not distributed.initialize() and not auto:
       # Single process: one fake CPU device per worker when running on CPU
       # (before the backend starts; it does not affect GPU backends).
       workers = cluster_lib.parse_cluster(config.cluster).num_workers

@@ -249,6 +249,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     FloatingPointError: the final parameters or eval loss are not finite;
       no ``summary.json`` is written (a stale one is removed).
   """
+  if str(config.get("cluster", "")).strip().lower() == cluster_lib.AUTO:
+    # One worker per device of jax.devices() (every process's), on a copy:
+    # the caller's config keeps "auto".
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+      config.cluster = cluster_lib.cluster_string(
+          cluster_lib.resolve_cluster(cluster_lib.AUTO))
   config_lib.validate_config(config)
   writer = jax.process_index() == 0
   make_out_dir(out_dir)

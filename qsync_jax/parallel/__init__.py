@@ -11,6 +11,8 @@ training step: it owns
   with Global-QSGD in :mod:`~qsync_jax.parallel.global_qsgd`);
 * when they average, and whether gradients or parameters
   (:mod:`~qsync_jax.parallel.schedules`);
+* the optax transformation averaging updates in a user's own ``shard_map``
+  (:mod:`~qsync_jax.parallel.transform`);
 * how one process joins a multi-process run, and the localhost launcher
   (:mod:`~qsync_jax.parallel.distributed`).
 
@@ -22,11 +24,14 @@ from qsync_jax.parallel import averagers
 from qsync_jax.parallel import cluster
 from qsync_jax.parallel import distributed
 from qsync_jax.parallel import schedules
+from qsync_jax.parallel import transform
+from qsync_jax.parallel.averagers import average_tree
 from qsync_jax.parallel.averagers import CastAverager
 from qsync_jax.parallel.averagers import compress_with_feedback
 from qsync_jax.parallel.averagers import make_averager
 from qsync_jax.parallel.averagers import MeanAverager
 from qsync_jax.parallel.averagers import QSGD
+from qsync_jax.parallel.averagers import ravel_floats
 from qsync_jax.parallel.cluster import assign_devices
 from qsync_jax.parallel.cluster import ClusterSpec
 from qsync_jax.parallel.cluster import dynamic_batch_sizes
@@ -44,12 +49,15 @@ from qsync_jax.parallel.schedules import make_schedule
 from qsync_jax.parallel.schedules import PostLocalSGD
 from qsync_jax.parallel.schedules import QSR
 from qsync_jax.parallel.schedules import Schedule
+from qsync_jax.parallel.transform import averaged
+from qsync_jax.parallel.transform import AveragedState
 from qsync_jax.parallel.wire import Averager
 from qsync_jax.parallel.wire import ring_allgather_bytes
 from qsync_jax.parallel.wire import ring_allreduce_bytes
 
 __all__ = [
-    "Averager", "CastAverager", "ClusterSpec", "ConstantLocalSGD",
+    "AveragedState", "Averager", "average_tree", "averaged", "ravel_floats",
+    "transform", "CastAverager", "ClusterSpec", "ConstantLocalSGD",
     "DistributedConfig", "EveryStep", "GlobalQSGD", "GlobalQSGDExp",
     "MeanAverager", "PostLocalSGD", "QSGD", "QSR", "Schedule", "assign_devices",
     "averagers", "cluster", "compress_with_feedback", "distributed",

@@ -26,8 +26,9 @@ Strategies: :class:`MeanAverager` (float32 ``psum``), :class:`CastAverager`
 :class:`~qsync_jax.parallel.global_qsgd.GlobalQSGDExp` (exponential
 dithering merged pairwise over ``ppermute``) in
 :mod:`qsync_jax.parallel.global_qsgd`; plus :func:`compress_with_feedback`
-(error feedback). The quantizers' buckets and rounding noise (the ``key``,
-``seed`` and ``noise`` arguments) are described in
+(error feedback) and :func:`average_tree` (any averager over a pytree).
+The quantizers' buckets and rounding noise (the ``key``, ``seed`` and
+``noise`` arguments) are described in
 :mod:`qsync_jax.parallel.buckets`.
 
 Weights and unbiasedness. Every quantizer compresses the weighted
@@ -51,6 +52,7 @@ import functools
 from typing import Any, Callable
 
 import jax
+from jax import flatten_util
 from jax import lax
 import jax.numpy as jnp
 
@@ -275,3 +277,57 @@ def make_averager(name: str, **kwargs: Any) -> Averager:
     raise ValueError(f"unknown averager {name!r}; valid: "
                      f"{', '.join(_FACTORIES)}")
   return _FACTORIES[name](**kwargs)
+
+
+def ravel_floats(tree: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
+  """Ravels a pytree of floating-point arrays into one vector.
+
+  Args:
+    tree: a pytree whose leaves are all floating-point arrays.
+
+  Returns:
+    ``(flat, unravel)`` as :func:`jax.flatten_util.ravel_pytree` gives them:
+    ``flat`` in the leaves' promoted float dtype; ``unravel`` takes a vector
+    of that dtype and restores each leaf's shape and dtype.
+
+  Raises:
+    ValueError: a leaf is not a floating-point array (an integer step
+      counter, a PRNG key, a boolean mask), named by its path.
+  """
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+      raise ValueError(
+          "averaging needs floating-point leaves, got "
+          f"{dtype or type(leaf).__name__} at "
+          f"{jax.tree_util.keystr(path) or 'the root'}")
+  return flatten_util.ravel_pytree(tree)
+
+
+def average_tree(averager: Averager, tree: Any, weight: jax.Array,
+                 axis_name: str, key: jax.Array | None = None) -> Any:
+  """``sum_i w_i x_i`` of a pytree: one averager call on its raveled leaves.
+
+  The float leaves are raveled into one vector (so the averager's buckets
+  span leaf boundaries and one collective carries the whole tree), averaged,
+  and unraveled. Run it where the averager runs: inside ``jax.shard_map``
+  (or ``jax.vmap(..., axis_name=...)``) over ``axis_name``.
+
+  Args:
+    averager: any :class:`~qsync_jax.parallel.wire.Averager`.
+    tree: this worker's pytree of floating-point arrays.
+    weight: this worker's scalar weight (``1 / n`` for a plain mean).
+    axis_name: the workers' axis.
+    key: optional PRNG key, the same on every worker, as for the averager.
+
+  Returns:
+    The averaged tree, the same on every worker, each leaf in its own dtype.
+
+  Raises:
+    ValueError: a leaf is not a floating-point array.
+  """
+  flat, unravel = ravel_floats(tree)
+  if flat.size == 0:
+    return tree
+  mean = averager(flat, weight, axis_name, key)
+  return unravel(mean.astype(flat.dtype))

@@ -19,7 +19,11 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 
+from qsync_jax.plan.devices import device_kind_of
 from qsync_jax.plan.devices import supported_precisions
+
+#: The cluster spec that means "the devices JAX sees" (:func:`resolve_cluster`).
+AUTO = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +81,79 @@ def parse_cluster(spec: "str | ClusterSpec") -> ClusterSpec:
                        f"positive, got {n}")
     kinds.extend([kind] * n)
   return ClusterSpec(tuple(kinds))
+
+
+def cluster_from_devices(devices: Sequence[jax.Device] | None = None
+                         ) -> ClusterSpec:
+  """Builds the :class:`ClusterSpec` of ``devices``, one worker per device.
+
+  ``jax.devices()`` is global in a multi-process run (``jax.distributed``):
+  it lists every process's devices in the same order on every process, so
+  the default already gathers the whole cluster, and every process builds
+  the same spec.
+
+  Args:
+    devices: the devices in worker order (default ``jax.devices()``); each a
+      ``jax.Device`` or anything with a ``device_kind`` attribute.
+
+  Returns:
+    The spec whose i-th worker is the catalog kind of ``devices[i]``
+    (:func:`qsync_jax.plan.devices.device_kind_of`).
+
+  Raises:
+    ValueError: no devices, or a device kind the table does not know.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  if not devices:
+    raise ValueError("cannot build a cluster spec from an empty device list")
+  return ClusterSpec(tuple(device_kind_of(d) for d in devices))
+
+
+def resolve_cluster(spec: "str | ClusterSpec",
+                    devices: Sequence[jax.Device] | None = None
+                    ) -> ClusterSpec:
+  """Parses ``spec``; :data:`AUTO` means the spec of ``devices``.
+
+  With ``"auto"`` the workers are all ``devices`` (default
+  ``jax.devices()``). A single process on CPU has as many devices as
+  ``jax_num_cpu_devices`` (the ``JAX_NUM_CPU_DEVICES`` variable) says, 1
+  by default.
+
+  Args:
+    spec: ``"auto"`` (any case), a spec string, or a :class:`ClusterSpec`.
+    devices: the devices ``"auto"`` reads.
+
+  Returns:
+    The :class:`ClusterSpec`.
+
+  Raises:
+    ValueError: a bad spec (see :func:`parse_cluster`) or device kind.
+  """
+  if isinstance(spec, str) and spec.strip().lower() == AUTO:
+    return cluster_from_devices(devices)
+  return parse_cluster(spec)
+
+
+def cluster_string(cluster: ClusterSpec) -> str:
+  """Returns the spec string of ``cluster``, worker order kept.
+
+  Unlike ``str(cluster)``, which merges a kind's groups, runs of one kind
+  stay apart (``"v100:1,t4:1,v100:1"``), so :func:`parse_cluster` gives
+  back the same workers in the same order.
+
+  Args:
+    cluster: the spec.
+
+  Returns:
+    ``"kind:count,..."``, one group per run of equal kinds.
+  """
+  runs: list[list] = []
+  for kind in cluster.kinds:
+    if runs and runs[-1][0] == kind:
+      runs[-1][1] += 1
+    else:
+      runs.append([kind, 1])
+  return ",".join(f"{kind}:{n}" for kind, n in runs)
 
 
 def assign_devices(cluster: ClusterSpec,

@@ -18,6 +18,10 @@ Every schedule provides
 * ``sync_steps(total_steps) -> list[int]``: every sync step in
   ``1..total_steps``, the same answers as ``is_sync_step``, known before
   training;
+* ``sync_table(total_steps) -> np.ndarray``: the same answers as a boolean
+  array, ``table[t - 1] == is_sync_step(t)``, for a jitted step to index
+  with its step counter (and feed to ``lax.cond``), so one compiled step
+  serves local and sync steps;
 * ``round_length(t) -> int``: ``H``, the number of steps in the round that
   contains step ``t`` (1 for a step that averages gradients);
 * ``state_dict()`` / ``load_state_dict(state)``: JSON-able state so a
@@ -55,6 +59,9 @@ class Schedule(Protocol):
   def sync_steps(self, total_steps: int) -> list[int]:
     ...
 
+  def sync_table(self, total_steps: int) -> np.ndarray:
+    ...
+
   def round_length(self, step: int) -> int:
     ...
 
@@ -83,7 +90,31 @@ def _periodic_round(step: int, offset: int, h: int,
   return max(end - start, 1)
 
 
-class _Stateless:
+class _SyncTable:
+  """Gives a schedule ``sync_table`` from its ``sync_steps``."""
+
+  def sync_table(self, total_steps: int) -> np.ndarray:
+    """``table[t - 1] == is_sync_step(t)`` for ``t`` in ``1..total_steps``.
+
+    Built from ``sync_steps``, so a stateful schedule (QSR) answers from a
+    fresh start without touching its state.
+
+    Args:
+      total_steps: the table's length.
+
+    Returns:
+      A boolean numpy array, to index inside ``jit`` with the step counter.
+
+    Raises:
+      ValueError: ``total_steps`` is not a positive integer.
+    """
+    _check_period(total_steps, "total_steps")
+    table = np.zeros(total_steps, bool)
+    table[np.asarray(self.sync_steps(total_steps), np.int64) - 1] = True
+    return table
+
+
+class _Stateless(_SyncTable):
   """Schedules that are a pure function of the step: no checkpoint state."""
 
   def sync_steps(self, total_steps: int) -> list[int]:
@@ -242,7 +273,7 @@ def _float64_lr(value: Any, step: int) -> float:
   return lr
 
 
-class QSR:
+class QSR(_SyncTable):
   """Quadratic Synchronization Rule: the period grows as the LR decays.
 
   Right after each averaging, at ``s`` completed steps, the next period is

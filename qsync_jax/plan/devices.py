@@ -24,7 +24,8 @@ anyway).
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+import re
+from typing import Any, Mapping
 
 from qsync_jax.numerics.precision import Precision
 
@@ -102,6 +103,20 @@ _TABLE: dict[str, tuple[frozenset[Precision], DeviceSpec | None]] = {
                    "NVLink4 900 GB/s bidirectional")),
 }
 
+#: jax ``device_kind`` regex -> kind of the table, searched in order in the
+#: lowercased string; whole words only, so A10 does not match an A100 nor
+#: L4 an L40S. A new GPU needs a row here and its figures in ``_TABLE``.
+DEVICE_KIND_PATTERNS: tuple[tuple[str, str], ...] = (
+    (r"^cpu$", "cpu"),                # jax CPU devices
+    (r"\bv100s?\b", "v100"),          # Tesla V100-SXM2-16GB, V100S-PCIE-32GB
+    (r"\bt4\b", "t4"),                # Tesla T4
+    (r"\ba100\b", "a100"),            # NVIDIA A100-SXM4-80GB, A100-PCIE
+    (r"\ba10\b", "a10"),              # NVIDIA A10
+    (r"\bl40s\b", "l40s"),            # NVIDIA L40S
+    (r"\bl4\b", "l4"),                # NVIDIA L4
+    (r"\bh100\b", "h100"),            # NVIDIA H100 80GB HBM3, H100 PCIe
+)
+
 #: Precisions each device kind computes natively (tensor cores or SIMD units).
 DEVICE_PRECISIONS: Mapping[str, frozenset[Precision]] = {
     kind: precisions for kind, (precisions, _) in _TABLE.items()}
@@ -153,3 +168,36 @@ def device_spec(kind: str) -> DeviceSpec:
     raise ValueError(
         f"unknown device kind {kind!r}: the GPU catalog has "
         f"{', '.join(sorted(DEVICES))}") from None
+
+
+def device_kind_of(device: Any) -> str:
+  """Returns the table's kind of a JAX device or of its ``device_kind``.
+
+  Args:
+    device: a ``jax.Device`` (anything with a ``device_kind`` attribute; a
+      ``platform`` of ``"cpu"`` is the kind ``cpu`` whatever its
+      ``device_kind``) or a ``device_kind`` string such as ``"Tesla T4"``.
+
+  Returns:
+    A kind of :func:`device_kinds`, matched by
+    :data:`DEVICE_KIND_PATTERNS`.
+
+  Raises:
+    ValueError: the device kind matches no pattern (the message lists the
+      known kinds and where to add one).
+  """
+  if getattr(device, "platform", None) == "cpu":
+    return "cpu"
+  name = device if isinstance(device, str) else getattr(
+      device, "device_kind", None)
+  if not isinstance(name, str):
+    raise ValueError(f"{device!r} is neither a device kind string nor a "
+                     "device with a device_kind attribute")
+  for pattern, kind in DEVICE_KIND_PATTERNS:
+    if re.search(pattern, name.strip().lower()):
+      return kind
+  raise ValueError(
+      f"unknown device kind {name!r}; known kinds: "
+      f"{', '.join(device_kinds())}; to add one, add its pattern to "
+      "DEVICE_KIND_PATTERNS and its figures to _TABLE in "
+      "qsync_jax/plan/devices.py")
