@@ -37,7 +37,7 @@ import numpy as np
 from experiments import config_lib
 from experiments import progress
 from experiments import train_lib
-from qsync_jax import cli
+from experiments.studies import backend
 
 CLUSTER = "cpu:4"
 
@@ -276,12 +276,7 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
       than 1 seed, a learning rate that is not positive or an ``h_base``
       below 1 (before anything is written).
   """
-  cli.check_names("task", tasks, TASKS)
-  cli.check_names("configuration", configs, CONFIGS)
-  if not tasks or not configs or seeds < 1:
-    raise ValueError(f"a study needs a task, a configuration and a seed, got "
-                     f"{len(tasks)} tasks, {len(configs)} configurations "
-                     f"and {seeds} seeds")
+  backend.check_runs(tasks, configs, seeds, TASKS, CONFIGS)
   if learning_rate is not None and not learning_rate > 0:
     raise ValueError(f"learning_rate must be positive, got {learning_rate}")
   if h_base is not None and h_base < 1:

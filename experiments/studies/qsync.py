@@ -30,7 +30,7 @@ import numpy as np
 
 from experiments import progress
 from experiments import train_lib
-from qsync_jax import cli
+from experiments.studies import backend
 from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
 from qsync_jax import predictor
@@ -204,12 +204,7 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
     ValueError: an unknown task or configuration, none of either, or
       fewer than 1 seed.
   """
-  cli.check_names("task", tasks, TASKS)
-  cli.check_names("configuration", configs, CONFIGS)
-  if not tasks or not configs or seeds < 1:
-    raise ValueError(f"a study needs a task, a configuration and a seed, got "
-                     f"{len(tasks)} tasks, {len(configs)} configurations "
-                     f"and {seeds} seeds")
+  backend.check_runs(tasks, configs, seeds, TASKS, CONFIGS)
   os.makedirs(out_dir, exist_ok=True)
   result = {"cluster": CLUSTER, "paper_cluster": PAPER_CLUSTER,
             "configs": {c: CONFIGS[c] for c in configs}, "tasks": {}}
