@@ -174,10 +174,20 @@ def main(argv):
     train_lib.make_out_dir(FLAGS.out, "--out")
     timing_model = models_lib.build_model(
         FLAGS.model, rngs=nnx.Rngs(FLAGS.seed), **model_kwargs)
+    # A model without input_spec is traced on the dataset's inputs
+    # (resized to --batch_size), the scored one sized for the dataset.
+    needs_data = scores is None or not callable(
+        getattr(timing_model, "input_spec", None))
+    dataset = (data_lib.load_dataset(FLAGS.dataset, **dataset_kwargs)
+               if needs_data else None)
+    sample_input = (None if dataset is None or callable(
+        getattr(timing_model, "input_spec", None))
+                    else dataset.x_train[:1])
     if scores is None:
       score_model = models_lib.build_model(
-          FLAGS.model, rngs=nnx.Rngs(FLAGS.seed), **score_kwargs)
-      dataset = data_lib.load_dataset(FLAGS.dataset, **dataset_kwargs)
+          FLAGS.model, rngs=nnx.Rngs(FLAGS.seed),
+          data_kwargs=dataset.model_kwargs(),
+          sample_input=dataset.x_train[:2], **score_kwargs)
       scores = pipeline.compute_scores(
           score_model, dataset, FLAGS.indicator,
           num_batches=FLAGS.num_batches, batch_size=FLAGS.score_batch_size,
@@ -187,7 +197,8 @@ def main(argv):
         indicator_name=name, method=FLAGS.method,
         memory_limits=memory_limits,
         compression=FLAGS.compression, candidates=FLAGS.candidates,
-        optimizer_state_copies=FLAGS.optimizer_state_copies)
+        optimizer_state_copies=FLAGS.optimizer_state_copies,
+        sample_input=sample_input)
     summary = pipeline.write(result, FLAGS.out)
   print(result.table())
   print(f"\nsearch {summary['search_time_s']:.3f} s, {summary['trials']} "

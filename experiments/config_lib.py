@@ -28,6 +28,7 @@ from qsync_jax.parallel import averagers
 from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.parallel import schedules
 from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax import task
 from qsync_jax.train import evaluation
 from qsync_jax.train import programs
 
@@ -371,6 +372,24 @@ def opt_fields(config: ml_collections.ConfigDict) -> tuple[str, ...]:
     state = jax.eval_shape(make_optimizer(config).init, jnp.zeros(1))
     programs.opt_field_mask(state, fields)
   return fields
+
+
+def make_loss_fn(config: ml_collections.ConfigDict) -> Any:
+  """The objective ``config.loss_fn`` names (None: classification).
+
+  Raises:
+    ValueError: a spec that does not name a callable, or a callable of
+      neither loss form.
+  """
+  spec = str(config.get("loss_fn", "") or "").strip()
+  if not spec:
+    return None
+  fn = task.load_callable(spec, "loss_fn",
+                          "expected 'package.module:loss_fn'")
+  try:
+    return task.as_objective(fn)
+  except TypeError as err:
+    raise ValueError(f"loss_fn {spec!r}: {err}") from None
 
 
 def make_schedule(config: ml_collections.ConfigDict) -> schedules.Schedule:

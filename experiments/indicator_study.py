@@ -10,9 +10,10 @@ Usage:
       --out=indicator_bert.json
 
 --model takes a built-in name or package.module:factory: a callable taking
-rngs (and --model_kwargs) that returns an NNX module with an
-input_spec(batch_size) method giving the jax.ShapeDtypeStruct of one input
-batch, and a `task` attribute ("classification" or "lm").
+rngs (and --model_kwargs) that returns a model. It is sized for the dataset
+(input shape, channels, classes go where the model takes them) and traced
+on the dataset's batches; it needs no input_spec. A `task` attribute
+("classification" or "lm") is optional (default classification).
 A classification model on the byte-level text dataset classifies the byte
 after each window (0 letter, 1 digit, 2 whitespace, 3 punctuation, 4 other).
 
@@ -37,7 +38,7 @@ from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
 from qsync_jax import sensitivity
 from qsync_jax.allocation import pipeline
-from qsync_jax.train import losses
+from qsync_jax.task import losses
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "resnet18", "Built-in model or module:factory.")
@@ -53,7 +54,8 @@ flags.DEFINE_string("out", None, "Output JSON path.")
 
 
 def _batches(model, dataset, num_batches, batch_size):
-  if model.task == "classification" and dataset.task == "lm":
+  task = getattr(model, "task", "classification")
+  if task == "classification" and dataset.task == "lm":
     dataset = dataclasses.replace(
         dataset, y_train=data_lib.byte_category(dataset.y_train[:, -1]),
         y_test=data_lib.byte_category(dataset.y_test[:, -1]))
@@ -97,9 +99,11 @@ def main(argv):
       dataset_kwargs = json.loads(FLAGS.dataset_kwargs)
     except json.JSONDecodeError as e:
       raise ValueError(f"--model_kwargs/--dataset_kwargs are not JSON: {e}")
-    factory = models_lib.load_model_factory(FLAGS.model)
-    model = factory(rngs=nnx.Rngs(FLAGS.seed), **model_kwargs)
     dataset = data_lib.load_dataset(FLAGS.dataset, **dataset_kwargs)
+    model = models_lib.build_model(
+        FLAGS.model, rngs=nnx.Rngs(FLAGS.seed),
+        data_kwargs=dataset.model_kwargs(),
+        sample_input=dataset.x_train[:2], **model_kwargs)
     batches = _batches(model, dataset, FLAGS.num_batches, FLAGS.batch_size)
     result = indicator.study(model, losses.cross_entropy, batches,
                              FLAGS.precisions, FLAGS.methods, seed=FLAGS.seed)

@@ -30,10 +30,12 @@ import numpy as np
 from experiments import config_lib
 from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
+from qsync_jax import task
 from qsync_jax.allocation import pipeline
 from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.train.checkpoint import Checkpointer
+from qsync_jax.train import trainer as trainer_lib
 from qsync_jax.train.trainer import HybridTrainer, Worker
 
 
@@ -123,21 +125,75 @@ def auto_plans(config: ml_collections.ConfigDict, model: nnx.Module,
         f"({', '.join(sorted(devices.DEVICES))}), which has no "
         f"{', '.join(outside)}; give plans with --plan=KIND=PLAN.json")
   a = config.allocator
+  loss_fn = config_lib.make_loss_fn(config)
   scores = pipeline.compute_scores(model, dataset, a.indicator,
                                    num_batches=a.num_batches,
                                    batch_size=config.batch_size,
-                                   seed=config.seed)
-  timing_kwargs = {**config_lib.to_plain(config.get("model_kwargs", {})),
-                   **config_lib.to_plain(a.get("timing_model_kwargs", {}))}
-  timing_model = models_lib.build_model(
-      config.model, rngs=nnx.Rngs(config.seed), **timing_kwargs)
+                                   seed=config.seed, loss_fn=loss_fn)
+  timing_model = build_model(config, dataset, timing=True)
+  # A model without input_spec is traced through the job's loss on a
+  # training batch (resized to the timing batch).
+  sample = None if callable(getattr(timing_model, "input_spec", None)) else (
+      task.as_objective(loss_fn).probe(
+          task.abstract((dataset.x_train[:1], dataset.y_train[:1]))))
   return pipeline.plan_cluster(
       timing_model, config.cluster, scores.values,
       a.get("timing_batch_size", 0) or config.batch_size,
       indicator_name=a.indicator, method=a.method,
       compression=a.get("compression"),
       candidates=tuple(a.get("candidates", ("int8", "fp16", "fp32"))),
-      baselines=False)
+      baselines=False, sample_input=sample)
+
+
+def build_model(config: ml_collections.ConfigDict, dataset: data_lib.Dataset,
+                timing: bool = False) -> nnx.Module:
+  """``config.model`` sized for ``dataset`` (the dataset's facts go where
+  the model takes them), with ``config.model_kwargs``.
+
+  Args:
+    config: the job's config.
+    dataset: the data the model fits.
+    timing: build the allocator's timing model instead:
+      ``config.allocator.timing_model_kwargs`` on top of the model kwargs,
+      where the model takes them (the defaults describe the built-in CNN as
+      deployed). A user's model keeps the dataset's input facts, since it
+      is traced on the dataset's inputs; the log says what was left out.
+
+  Raises:
+    ValueError: a model kwarg the model does not take (naming those it
+      does), or a bad model spec.
+  """
+  kwargs = config_lib.to_plain(config.get("model_kwargs", {})) or {}
+  data_kwargs = dataset.model_kwargs()
+  if timing:
+    wanted = config_lib.to_plain(
+        config.allocator.get("timing_model_kwargs", {})) or {}
+    usable = models_lib.model_arguments(config.model, wanted, {})
+    if config.model not in models_lib.MODELS:
+      # A user's model is traced on the dataset's inputs: it keeps the
+      # dataset's input facts.
+      usable = {k: v for k, v in usable.items() if k not in data_kwargs}
+    left_out = sorted(set(wanted) - set(usable))
+    if left_out:
+      logging.info("timing model %s: not taking allocator.timing_model_kwargs"
+                   " %s", config.model, ", ".join(left_out))
+    data_kwargs = {**data_kwargs, **usable}
+    kwargs = {k: v for k, v in kwargs.items() if k not in usable}
+  return models_lib.build_model(
+      config.model, rngs=nnx.Rngs(config.seed), data_kwargs=data_kwargs,
+      sample_input=dataset.x_train[:2], **kwargs)
+
+
+def batcher_sample(dataset: data_lib.Dataset, workers: list[Worker]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+  """One worker's batch of the training set, to trace the model with."""
+  b = workers[0].batch_size
+  return dataset.x_train[:b], dataset.y_train[:b]
+
+
+def _metrics_text(metrics: Mapping[str, Any]) -> str:
+  return " ".join(f"{k} {v:.4f}" for k, v in metrics.items()
+                  if k != "step" and isinstance(v, float))
 
 
 def _write_json(path: str, value: Any) -> None:
@@ -156,7 +212,8 @@ def _truncate_metrics(path: str, last_step: int) -> None:
 
 
 def plot_curves(metrics_path: str, png_path: str) -> None:
-  """Writes a PNG of training loss and accuracy (and eval accuracy)."""
+  """Writes a PNG of training loss and, where logged, accuracy (train and
+  eval)."""
   import matplotlib  # local: only the plot needs it
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -164,15 +221,22 @@ def plot_curves(metrics_path: str, png_path: str) -> None:
     rows = [json.loads(line) for line in f]
   train = [r for r in rows if "loss" in r]
   evals = [r for r in rows if "eval_accuracy" in r]
-  fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+  with_accuracy = any("accuracy" in r for r in train) or evals
+  fig, axes = plt.subplots(1, 2 if with_accuracy else 1,
+                           figsize=(10 if with_accuracy else 5, 4),
+                           squeeze=False)
+  ax_loss = axes[0][0]
   ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train])
   ax_loss.set(xlabel="step", ylabel="train loss", yscale="log")
-  ax_acc.plot([r["step"] for r in train], [r["accuracy"] for r in train],
-              label="train")
-  ax_acc.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals],
-              "o-", label="eval")
-  ax_acc.set(xlabel="step", ylabel="accuracy")
-  ax_acc.legend()
+  if with_accuracy:
+    ax_acc = axes[0][1]
+    acc = [r for r in train if "accuracy" in r]
+    ax_acc.plot([r["step"] for r in acc], [r["accuracy"] for r in acc],
+                label="train")
+    ax_acc.plot([r["step"] for r in evals],
+                [r["eval_accuracy"] for r in evals], "o-", label="eval")
+    ax_acc.set(xlabel="step", ylabel="accuracy")
+    ax_acc.legend()
   fig.tight_layout()
   fig.savefig(png_path, dpi=100)
   plt.close(fig)
@@ -261,9 +325,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   make_out_dir(out_dir)
   dataset = data_lib.load_dataset(
       config.dataset, **config_lib.to_plain(config.get("dataset_kwargs", {})))
-  model = models_lib.build_model(
-      config.model, rngs=nnx.Rngs(config.seed),
-      **config_lib.to_plain(config.get("model_kwargs", {})))
+  model = build_model(config, dataset)
   plan_mode = config.get("plan_mode", "manual")
   if plan_mode == "auto" and len(
       cluster_lib.parse_cluster(config.cluster).groups()) == 1:
@@ -284,7 +346,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     raise ValueError(f"unknown plan_mode {plan_mode!r}; valid: auto, manual")
   workers = make_workers(config, plans=plans)
   schedule = config_lib.make_schedule(config)
+  sample = batcher_sample(dataset, workers)
   trainer = HybridTrainer(model, workers, config_lib.make_optimizer(config),
+                          loss_fn=config_lib.make_loss_fn(config),
+                          sample_batch=sample,
                           averager=config_lib.make_averager(config),
                           schedule=schedule,
                           error_feedback=config.get("error_feedback", False),
@@ -337,27 +402,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     row = None
     if done % config.log_every == 0 or done == config.steps:
       now = time.perf_counter()
-      loss = float(np.mean([float(m["loss"]) for m in out.values()]))
-      acc = float(np.mean([float(m["accuracy"]) for m in out.values()]))
+      # Every metric the objective reports, averaged over local workers.
+      last_train = {name: float(np.mean([float(m[name])
+                                         for m in out.values()]))
+                    for name in next(iter(out.values()))}
       rate = global_batch * (done - window_step) / (now - window_start)
       window_start, window_step = now, done
-      last_train = {"loss": loss, "accuracy": acc}
-      row = {"step": done, "loss": loss, "accuracy": acc,
+      row = {"step": done, **last_train,
              "examples_per_s": rate, "loss_scale": trainer.current_loss_scale,
              "H": schedule.round_length(done),
              "sync_rounds": trainer.sync_rounds,
              "comm_bytes": trainer.comm_bytes}
-      logging.info("step %d/%d loss %.4f accuracy %.3f %.0f examples/s",
-                   done, config.steps, loss, acc, rate)
+      logging.info("step %d/%d %s %.0f examples/s", done, config.steps,
+                   _metrics_text(last_train), rate)
     if config.eval_every and (done % config.eval_every == 0
                               or done == config.steps):
-      ev = trainer.evaluate(dataset.x_test, dataset.y_test, train_batches=(
-          bn_batches(config, batcher, trainer)))
+      ev = trainer.evaluate((dataset.x_test, dataset.y_test),
+                            train_batches=bn_batches(config, batcher,
+                                                     trainer))
       last_eval = {"step": done, **ev}
-      row = {**(row or {"step": done}), "eval_loss": ev["loss"],
-             "eval_accuracy": ev["accuracy"]}
-      logging.info("step %d eval loss %.4f accuracy %.4f", done, ev["loss"],
-                   ev["accuracy"])
+      row = {**(row or {"step": done}),
+             **{f"eval_{name}": value for name, value in ev.items()}}
+      logging.info("step %d eval %s", done, _metrics_text(ev))
     if row is not None and writer:
       with open(metrics_path, "a") as f:
         f.write(json.dumps(row) + "\n")
@@ -371,7 +437,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   wall = time.perf_counter() - start
   final = (last_eval if last_eval.get("step") == trainer.step
            else {"step": trainer.step,
-                 **trainer.evaluate(dataset.x_test, dataset.y_test,
+                 **trainer.evaluate((dataset.x_test, dataset.y_test),
                                     train_batches=bn_batches(
                                         config, batcher, trainer))})
   checkpointer.close()
@@ -379,8 +445,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                        os.path.join(out_dir, "summary.json") if writer
                        else None)
   summary = {
-      "final_eval_accuracy": final["accuracy"],
-      "final_eval_loss": final["loss"],
+      **{f"final_eval_{name}": value for name, value in final.items()
+         if name != "step"},
       "final_train_loss": last_train.get("loss"),
       "steps": trainer.step,
       "steps_this_run": trainer.step - start_step,
@@ -397,7 +463,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       "params_sha256": trainer.params_digest(),
       "cluster": config.cluster,
       "num_processes": jax.process_count(),
-      "workers": trainer.describe_workers(),
+      "workers": trainer_lib.describe_workers(trainer.workers),
       "precisions": [{k: v.value for k, v in eff.items()}
                      for eff in trainer.precisions],
   }
@@ -405,6 +471,5 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     _write_json(os.path.join(out_dir, "summary.json"), summary)
     if os.path.exists(metrics_path):
       plot_curves(metrics_path, os.path.join(out_dir, "curves.png"))
-  logging.info("final eval accuracy %.4f loss %.4f; wrote %s",
-               final["accuracy"], final["loss"], out_dir)
+  logging.info("final eval %s; wrote %s", _metrics_text(final), out_dir)
   return summary

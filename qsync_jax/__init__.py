@@ -5,6 +5,7 @@ plans and what they compute, sensitivity scores, the predictor, the
 allocator, and the training that runs the plans and synchronizes workers.
 The subpackages (``qs.numerics``, ``qs.plan``, ``qs.sensitivity``,
 ``qs.predictor``, ``qs.allocation``, ``qs.parallel``, ``qs.train``,
+``qs.task``,
 ``qs.models``, ``qs.data``) hold the rest.
 
 Typical use::
@@ -26,6 +27,7 @@ from qsync_jax import parallel
 from qsync_jax import plan
 from qsync_jax import predictor
 from qsync_jax import sensitivity
+from qsync_jax import task
 from qsync_jax import train
 from qsync_jax.plan import linen
 
@@ -35,11 +37,18 @@ from qsync_jax.numerics.quant import Granularity
 from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.numerics.quant import Rounding
 
+# The model-call contract: how a user's model is called and scored.
+from qsync_jax.task.calling import call_model
+from qsync_jax.task.objective import as_objective
+from qsync_jax.task.objective import Objective
+
 # Plans, the device table, and applying a plan to a model.
 from qsync_jax.plan.devices import device_kinds
 from qsync_jax.plan.devices import DEVICE_PRECISIONS
 from qsync_jax.plan.devices import supported_precisions
 from qsync_jax.plan.layers import MatMul
+from qsync_jax.plan.bridge import from_linen
+from qsync_jax.plan.bridge import LinenModel
 from qsync_jax.plan.policy import apply_plan
 from qsync_jax.plan.policy import describe
 from qsync_jax.plan.policy import effective_precisions
@@ -83,12 +92,15 @@ __version__ = "0.1.0"
 __all__ = [
     # subpackages
     "allocation", "data", "linen", "models", "numerics", "parallel", "plan",
-    "predictor", "sensitivity", "train",
+    "predictor", "sensitivity", "task", "train",
+    # task
+    "Objective", "as_objective", "call_model",
     # numerics
     "Granularity", "Precision", "QuantConfig", "Rounding",
     # plan
-    "DEVICE_PRECISIONS", "Layer", "MatMul", "PlanError", "PrecisionPlan",
-    "apply_plan", "describe", "device_kinds", "effective_precisions",
+    "DEVICE_PRECISIONS", "Layer", "LinenModel", "MatMul", "PlanError",
+    "PrecisionPlan", "apply_plan", "describe", "device_kinds",
+    "effective_precisions", "from_linen",
     "layer_paths", "model_layers", "supported_precisions",
     # sensitivity
     "Scores",

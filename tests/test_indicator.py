@@ -12,7 +12,7 @@ from qsync_jax import models
 from qsync_jax import sensitivity
 from qsync_jax.plan import policy
 from qsync_jax.sensitivity import depth as sensitivity_depth
-from qsync_jax.train import losses
+from qsync_jax.task import losses
 from toy_models import NoLayers
 
 
@@ -102,9 +102,14 @@ def test_bad_input_is_a_clear_error():
     sensitivity.compute(_cnn(), losses.cross_entropy, _batches(), "gvar")
   with pytest.raises(ValueError, match="at least one batch"):
     sensitivity.compute(_cnn(), losses.cross_entropy, [], "qsync")
-  wrong = [(np.zeros((4, 9, 9, 1), np.float32), np.zeros(4, np.int32))]
+  # The model is traced on the batch: one it cannot run fails, naming its
+  # input_spec; one it runs (9 x 9 pools to the same 4 x 4) is scored.
+  wrong = [(np.zeros((4, 12, 12, 1), np.float32), np.zeros(4, np.int32))]
   with pytest.raises(ValueError, match="does not match the model's input"):
     sensitivity.compute(_cnn(), losses.cross_entropy, wrong, "qsync")
+  other = [(np.zeros((4, 9, 9, 1), np.float32), np.zeros(4, np.int32))]
+  assert sensitivity.compute(_cnn(), None, other, "random").layers == [
+      "conv1", "conv2", "fc", "head"]
 
   with pytest.raises(ValueError, match="no layer a precision plan can"):
     sensitivity.compute(NoLayers(), losses.cross_entropy,

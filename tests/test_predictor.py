@@ -20,7 +20,7 @@ from qsync_jax.predictor import memory, pieces, profiling as profile_lib
 from qsync_jax.predictor import roofline
 from qsync_jax.predictor import simulation as simulate
 from qsync_jax.predictor import timing
-from qsync_jax.train import losses
+from qsync_jax.task import losses
 from jaxpr_utils import contractions_of
 
 FP32, FP16, BF16, INT8 = (Precision.FP32, Precision.FP16, Precision.BF16,
@@ -438,7 +438,8 @@ def test_stand_in_step_has_no_contraction(measured_cnn):
   g = graph_lib.trace_graph(model, model.input_spec(8))
   _, grad_fn, flat, rest = pieces.stand_in_step_functions(
       model, g, losses.cross_entropy, "float32")
-  text = grad_fn.lower(flat[None], rest, jnp.ones((1,)), *batch).as_text()
+  text = grad_fn.lower(flat[None], rest, jnp.ones((1,)), batch,
+                       np.zeros(2, np.uint32)).as_text()
   assert "convolution" not in text and "dot_general" not in text
 
 
@@ -494,7 +495,8 @@ def test_uniform_pass_computes_at_its_precision_on_a_copy():
       model, g, losses.cross_entropy, INT8)
   x = jnp.ones((4, 8), jnp.float32)
   y = jnp.zeros((4,), jnp.int32)
-  found = contractions_of(grad_fn, flat[None], rest, jnp.ones((1,)), x, y)
+  found = contractions_of(grad_fn, flat[None], rest, jnp.ones((1,)), (x, y),
+                          np.zeros(2, np.uint32))
   forward = [ops for _, ops, _ in found if ops == ("int8", "int8")]
   # fc1 and fc2 run on int8 operands; the head fc3 keeps FP32.
   assert len(forward) == 2

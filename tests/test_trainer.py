@@ -12,7 +12,7 @@ import qsync_jax as qs
 from qsync_jax import models
 from qsync_jax.parallel import cluster
 from qsync_jax.train import evaluation
-from qsync_jax.train import losses
+from qsync_jax.task import losses
 from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train.layout import rows as _rows
 from qsync_jax.train.trainer import HybridTrainer, Worker
@@ -272,7 +272,7 @@ def test_evaluation_in_the_middle_of_a_round_uses_the_mean_model():
     trainer.train_step(_split(*_batch(32, seed=step), sizes))
   assert not trainer.in_sync
   x, y = _batch(64, seed=9)
-  got = trainer.evaluate(x, y)
+  got = trainer.evaluate((x, y))
   ref = _cnn()
   mean = np.asarray(trainer.params).mean(0)
   nnx.update(ref, trainer._unravel(mean))
@@ -418,12 +418,12 @@ def test_bn_reestimation_equals_a_hand_computation():
   ref.bn.var[...] = want_var
   ref.eval()
   want = float(losses.cross_entropy(ref(x), y))
-  assert trainer.evaluate(x, y, train_batches=steps)["loss"] == (
+  assert trainer.evaluate((x, y), train_batches=steps)["loss"] == (
       pytest.approx(want, rel=1e-5))
   averaged = _bn_trainer("average")
   for b in _bn_batches(2, seed=1):
     averaged.train_step(b)
-  assert averaged.evaluate(x, y)["loss"] != pytest.approx(want, rel=1e-3)
+  assert averaged.evaluate((x, y))["loss"] != pytest.approx(want, rel=1e-3)
 
 
 def test_bn_reestimation_leaves_training_state_and_resume_bit_identical(
@@ -441,7 +441,7 @@ def test_bn_reestimation_leaves_training_state_and_resume_bit_identical(
     if step in (2, 4, 8):  # mid-round and after a sync
       before = [np.asarray(v) for v in jax.tree.leaves(
           (straight.rest, straight.opt_state))]
-      evals.append(straight.evaluate(x, y, train_batches=bn_data))
+      evals.append(straight.evaluate((x, y), train_batches=bn_data))
       after = jax.tree.leaves((straight.rest, straight.opt_state))
       for a, b2 in zip(before, after):
         np.testing.assert_array_equal(a, np.asarray(b2))
@@ -449,7 +449,7 @@ def test_bn_reestimation_leaves_training_state_and_resume_bit_identical(
   first = _bn_trainer()
   for b in batches[:2]:
     first.train_step(b)
-  first.evaluate(x, y, train_batches=bn_data)
+  first.evaluate((x, y), train_batches=bn_data)
   ckpt = Checkpointer(str(tmp_path / "ckpt"))
   ckpt.save(first)
   resumed = _bn_trainer()
@@ -457,7 +457,7 @@ def test_bn_reestimation_leaves_training_state_and_resume_bit_identical(
   for b in batches[2:]:
     resumed.train_step(b)
   assert resumed.params_digest() == straight.params_digest()
-  assert resumed.evaluate(x, y, train_batches=bn_data) == evals[-1]
+  assert resumed.evaluate((x, y), train_batches=bn_data) == evals[-1]
   ckpt.close()
 
 
@@ -471,7 +471,7 @@ def test_models_without_batchnorm_evaluate_the_same_either_way():
     assert trainer._bn_fn is None
     for b in batches:
       trainer.train_step(b)
-    results.append(trainer.evaluate(*_batch(32, seed=9)))  # no batches
+    results.append(trainer.evaluate(_batch(32, seed=9)))  # no batches
   assert results[0] == results[1]
 
 
@@ -479,9 +479,9 @@ def test_bn_settings_errors():
   with pytest.raises(ValueError, match="unknown bn_stats 'mean'"):
     _bn_trainer("mean")
   with pytest.raises(ValueError, match="needs training batches"):
-    _bn_trainer().evaluate(*_bn_batches(1)[0][0])
+    _bn_trainer().evaluate(_bn_batches(1)[0][0])
   with pytest.raises(ValueError, match=r"no batch for local workers \[1\]"):
-    _bn_trainer().evaluate(*_bn_batches(1)[0][0],
+    _bn_trainer().evaluate(_bn_batches(1)[0][0],
                            train_batches=[{0: _bn_batches(1)[0][0]}])
   with pytest.raises(ValueError, match="no field.s. mux to average; its "
                      "fields: count, mu, nu"):

@@ -28,7 +28,7 @@ import optax
 from qsync_jax import models as models_lib
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor.timing import seconds_per_call
-from qsync_jax.train import losses
+from qsync_jax.task import losses
 from qsync_jax.train.trainer import HybridTrainer, Worker
 
 

@@ -16,6 +16,10 @@ def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.model = "cnn"            # built-in name or package.module:factory
   config.model_kwargs = ml_collections.ConfigDict()
+  # The objective: "" (classification / language modelling on (inputs,
+  # labels)) or "package.module:loss_fn", a loss_fn(model, batch, rngs) ->
+  # (loss, aux) or loss_fn(logits, labels) (qsync_jax.task.as_objective).
+  config.loss_fn = ""
   config.dataset = "digits"
   config.dataset_kwargs = ml_collections.ConfigDict()
   config.cluster = "v100:2,t4:2"

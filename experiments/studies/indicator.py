@@ -14,7 +14,9 @@ from typing import Any, Sequence
 
 from flax import nnx
 from jax.flatten_util import ravel_pytree
+import jax
 import jax.numpy as jnp
+import numpy as np
 from scipy import stats as scipy_stats
 
 from qsync_jax import sensitivity
@@ -30,13 +32,14 @@ def train_step_time(model: nnx.Module, loss_fn, batch, repeats: int = 5
 
   The step is :func:`qsync_jax.train.step.grad_function`, what a worker runs
   (without the optimizer update), timed by
-  :func:`qsync_jax.predictor.timing.burst_median`.
+  :func:`qsync_jax.predictor.timing.burst_median`; ``loss_fn`` is any form
+  :func:`qsync_jax.task.as_objective` takes and ``batch`` any pytree.
   """
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   flat, unravel = ravel_pytree(params)
   grad_fn = step_lib.grad_function(graphdef, unravel, loss_fn)
   args = (flat[None], rest, jnp.ones((1,), jnp.float32),
-          jnp.asarray(batch[0]), jnp.asarray(batch[1]))
+          jax.tree.map(jnp.asarray, batch), np.zeros(2, np.uint32))
   return timing.burst_median(lambda: grad_fn(*args), repeats)
 
 
@@ -54,9 +57,10 @@ def study(model: nnx.Module, loss_fn, batches: Sequence[tuple[Any, Any]],
 
   Args:
     model: an NNX model in FP32.
-    loss_fn: ``loss_fn(logits, labels) -> scalar``.
-    batches: a few ``(inputs, labels)`` batches, for the methods and the
-      truth alike.
+    loss_fn: the loss in any form :func:`qsync_jax.task.as_objective`
+      takes (None: classification).
+    batches: a few batches (any pytrees the objective takes), for the
+      methods and the truth alike.
     precisions: the candidate precisions.
     methods: the methods judged (:data:`qsync_jax.sensitivity.METHODS`).
     seed: for the random method and the Hutchinson probes.

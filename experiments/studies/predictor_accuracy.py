@@ -31,7 +31,7 @@ from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import analytic, casting, graph as graph_lib, memory
 from qsync_jax.predictor import profiling as profile_lib
 from qsync_jax.predictor import simulation, timing
-from qsync_jax.train import losses
+from qsync_jax.task import losses
 from qsync_jax.train.trainer import HybridTrainer, Worker
 
 #: Built-in models of the check, sized so a step takes tens of milliseconds

@@ -27,6 +27,7 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
+import jax
 import numpy as np
 
 from qsync_jax import predictor
@@ -41,7 +42,7 @@ from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor import profiling
 from qsync_jax.predictor import simulation
-from qsync_jax.train import losses
+from qsync_jax.task import calling
 
 
 def indicator_batches(dataset: Dataset, num_batches: int, batch_size: int
@@ -65,12 +66,53 @@ def compute_scores(model, dataset: Dataset, method: str = "qsync", *,
                    num_batches: int = 4, batch_size: int = 32,
                    precisions: Sequence[Precision | str] = ("int8", "fp16",
                                                             "bf16"),
-                   seed: int = 0) -> sensitivity.Scores:
-  """Indicator scores of ``model`` on the first training batches."""
-  return sensitivity.compute(model, losses.cross_entropy,
+                   seed: int = 0, loss_fn: Any = None,
+                   call: calling.CallFn | None = None) -> sensitivity.Scores:
+  """Indicator scores of ``model`` on the first training batches.
+
+  ``loss_fn`` and ``call`` are as in :func:`qsync_jax.sensitivity.compute`
+  (default: classification on ``(inputs, labels)``).
+  """
+  return sensitivity.compute(model, loss_fn,
                              indicator_batches(dataset, num_batches,
                                                batch_size),
-                             method, precisions, seed=seed)
+                             method, precisions, seed=seed, call=call)
+
+
+def sample_at(model: Any, sample_input: Any, batch_size: int) -> Any:
+  """The model's sample input (or Probe) with its batch axis resized.
+
+  Args:
+    model: the model (its ``input_spec(batch_size)`` is the default).
+    sample_input: the model's inputs (arrays or ``jax.ShapeDtypeStruct``:
+      one, a tuple or a dict), a :class:`qsync_jax.task.Probe`, or None.
+    batch_size: the leading (example) dimension wanted.
+
+  Returns:
+    Abstract inputs (or a Probe on abstract data) at ``batch_size``.
+
+  Raises:
+    ValueError: no sample input and no ``input_spec`` method, or a sample
+      whose arrays have no batch axis.
+  """
+  if sample_input is None:
+    spec = getattr(model, "input_spec", None)
+    if not callable(spec):
+      raise ValueError(
+          f"{type(model).__name__} has no input_spec(batch_size): pass "
+          "sample_input (the model's inputs, any batch size) to plan it")
+    return spec(batch_size)
+
+  def resize(a):
+    if not getattr(a, "shape", None):
+      raise ValueError("every array of the sample input needs a leading "
+                       f"batch axis, got shape {getattr(a, 'shape', ())}")
+    return jax.ShapeDtypeStruct((batch_size, *a.shape[1:]), a.dtype)
+
+  if isinstance(sample_input, calling.Probe):
+    return calling.Probe(sample_input.fn,
+                         jax.tree.map(resize, sample_input.data))
+  return jax.tree.map(resize, calling.abstract(sample_input))
 
 
 @dataclasses.dataclass
@@ -153,12 +195,12 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
                  candidates: Sequence[Precision | str] = (
                      search.DEFAULT_CANDIDATES),
                  baselines: bool = True,
-                 optimizer_state_copies: int = 2) -> PlanningResult:
+                 optimizer_state_copies: int = 2,
+                 sample_input: Any = None) -> PlanningResult:
   """Allocates plans for ``cluster`` and predicts the baselines.
 
   Args:
-    timing_model: the NNX model whose step is predicted (with an
-      ``input_spec(batch_size)`` method).
+    timing_model: the NNX model whose step is predicted.
     cluster: e.g. ``"v100:8,t4:8"``; every kind must be in the GPU catalog.
     scores: indicator scores over the same layer paths.
     batch_size: the per-worker batch.
@@ -174,6 +216,10 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
     optimizer_state_copies: float32 copies of the parameters the optimizer
       keeps, which set its update time and memory: 2 for Adam(W) (QSync's
       BERT), 1 for SGD with momentum (QSync's CNNs), 0 for plain SGD.
+    sample_input: the timing model's inputs at any batch size (arrays or
+      ``jax.ShapeDtypeStruct``: one, a tuple or a dict) or a
+      :class:`qsync_jax.task.Probe`; resized to each batch traced. Default:
+      the model's ``input_spec(batch_size)``.
 
   Raises:
     ValueError: the scores do not cover the timing model's layers, a kind
@@ -187,7 +233,9 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
   analytic = functools.partial(predictor.analytic_profile,
                                optimizer_state_copies=optimizer_state_copies)
   spec = parse_cluster(cluster)
-  g = predictor.trace_graph(timing_model, timing_model.input_spec(batch_size))
+  g = predictor.trace_graph(timing_model, sample_at(timing_model,
+                                                     sample_input,
+                                                     batch_size))
   table = search.score_table(scores)
   if set(table) != set(g.paths):
     extra = sorted(set(table) - set(g.paths))
@@ -229,8 +277,8 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
 
     def graph_at(b):
       if b not in graphs:
-        graphs[b] = predictor.trace_graph(timing_model,
-                                          timing_model.input_spec(b))
+        graphs[b] = predictor.trace_graph(
+            timing_model, sample_at(timing_model, sample_input, b))
       return graphs[b]
 
     profile_cache = {(id(g), k): v for k, v in profiles.items()}

@@ -8,6 +8,7 @@ arrays; `WorkerBatcher` deals them to data-parallel workers.
 from __future__ import annotations
 
 from collections.abc import Callable
+import inspect
 from typing import Any
 
 from qsync_jax.data.base import TASKS, Dataset
@@ -43,12 +44,18 @@ def load_dataset(name: str, **kwargs: Any) -> Dataset:
     The loaded `Dataset`.
 
   Raises:
-    ValueError: If `name` is unknown, or "cifar10" is requested without
-      `data_dir`.
+    ValueError: If `name` is unknown, a keyword is not one the loader
+      takes, or "cifar10" is requested without `data_dir`.
   """
   if name not in _LOADERS:
     raise ValueError(
         f"unknown dataset {name!r}; valid names: {', '.join(DATASET_NAMES)}")
+  accepted = [p for p in inspect.signature(_LOADERS[name]).parameters]
+  unknown = sorted(set(kwargs) - set(accepted))
+  if unknown:
+    raise ValueError(
+        f"dataset {name!r} takes no argument {', '.join(unknown)}; it "
+        f"accepts: {', '.join(accepted) or 'none'}")
   if name == "cifar10" and kwargs.get("data_dir") is None:
     raise ValueError("dataset 'cifar10' needs data_dir= pointing at a local "
                      "copy of cifar-10-batches-py")

@@ -65,3 +65,29 @@ class Dataset:
   def num_test(self) -> int:
     """Number of test examples."""
     return len(self.x_test)
+
+  def model_kwargs(self) -> dict[str, object]:
+    """What a model needs to know to fit this dataset.
+
+    Returns:
+      ``input_shape`` (one example) and ``num_classes`` (the head's width)
+      always; for images (``(H, W, C)`` float inputs) ``image_size`` (when
+      square) and ``in_channels``; for integer token inputs ``max_len`` and
+      ``vocab_size`` (the largest token id plus one, train and test, and at
+      least ``num_classes`` for language modelling).
+    """
+    out: dict[str, object] = {"input_shape": self.input_shape,
+                              "num_classes": int(self.num_classes)}
+    shape = self.input_shape
+    if np.issubdtype(self.x_train.dtype, np.integer) and len(shape) == 1:
+      vocab = int(max(self.x_train.max(initial=0),
+                      self.x_test.max(initial=0))) + 1
+      if self.task == "lm":
+        vocab = max(vocab, int(self.num_classes))
+      out.update(max_len=shape[0], vocab_size=vocab)
+    elif len(shape) == 3:
+      if shape[0] == shape[1]:
+        out["image_size"] = shape[0]
+      out["in_channels"] = shape[2]
+    return out
+

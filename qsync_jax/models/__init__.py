@@ -3,9 +3,11 @@
 This package owns the registry :data:`MODELS`, :func:`create_model` (a built-in
 model from its default config plus overrides), :func:`load_model_factory`
 (a built-in name or a ``package.module:factory`` spec resolved to a callable)
-and :func:`build_model` (a spec's model, checked to be an NNX module).
+and :func:`build_model` (a spec's model sized for the data: the dataset's
+facts go to the config fields or factory parameters that take them, a Linen
+model is wrapped into NNX). A user's factory needs no special methods.
 
-Every model is built as ``cls(config, rngs=rngs)`` from a frozen dataclass
+Every built-in model is built as ``cls(config, rngs=rngs)`` from a frozen dataclass
 config (``cls.default_config`` when omitted) and exposes ``config``, ``task``
 (``"classification"`` or ``"lm"``), ``input_spec(batch_size)`` and
 ``__call__(x)`` returning float32 logits, with the head as its last layer.
@@ -15,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
-from typing import Any, Callable
+import inspect
+from typing import Any, Callable, Mapping
 
 from flax import nnx
 
@@ -26,6 +28,7 @@ from qsync_jax.models.lm import DecoderLM, DecoderLMConfig
 from qsync_jax.models.resnet import ResNet, ResNet18, ResNet50, ResNetConfig
 from qsync_jax.models.vgg import VGG16BN, VGGConfig
 from qsync_jax.models.vit import ViTConfig, ViTTiny
+from qsync_jax.task import calling
 
 MODELS: dict[str, type[nnx.Module]] = {
     'cnn': SmallCNN,
@@ -101,59 +104,101 @@ def load_model_factory(spec: str) -> Callable[..., nnx.Module]:
   """
   if spec in MODELS:
     return functools.partial(create_model, spec)
-  hint = (f"expected a built-in model ({_builtin_names()}) or "
-          f"'package.module:factory'")
-  module_name, sep, attr = spec.partition(':')
-  if not sep or not module_name or not attr.isidentifier():
-    raise ValueError(f'invalid model spec {spec!r}: {hint}')
+  return calling.load_callable(
+      spec, 'model spec', f"expected a built-in model ({_builtin_names()}) "
+      "or 'package.module:factory'")
+
+
+def _accepted_keywords(factory: Callable[..., Any]) -> tuple[list[str], bool]:
+  """(named keyword parameters, whether it takes **kwargs) of a factory."""
   try:
-    module = importlib.import_module(module_name)
-  except Exception as err:  # Any import-time failure makes the spec unusable.
-    raise ValueError(
-        f'model spec {spec!r}: cannot import module {module_name!r} '
-        f'({type(err).__name__}: {err}); {hint}') from err
-  factory = getattr(module, attr, None)
-  if factory is None:
-    raise ValueError(
-        f'model spec {spec!r}: module {module_name!r} has no attribute '
-        f'{attr!r}; {hint}')
-  if not callable(factory):
-    raise ValueError(
-        f'model spec {spec!r}: {module_name}.{attr} is not callable; {hint}')
-  return factory
+    params = inspect.signature(factory).parameters.values()
+  except (TypeError, ValueError):
+    return [], True
+  named = [p.name for p in params
+           if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+           and p.name != 'rngs']
+  return named, any(p.kind == p.VAR_KEYWORD for p in params)
 
 
-def build_model(spec: str, *, rngs: nnx.Rngs, **kwargs: Any) -> nnx.Module:
-  """Builds the model of ``spec`` as ``factory(rngs=rngs, **kwargs)``.
+def model_arguments(spec: str, data_kwargs: Mapping[str, Any] | None,
+                    kwargs: Mapping[str, Any]) -> dict[str, Any]:
+  """The keyword arguments :func:`build_model` calls the factory with.
 
-  Args:
-    spec: a built-in model name or ``"package.module:factory"``.
-    rngs: RNG streams for parameter initialisation.
-    **kwargs: config overrides (built-in) or the factory's keyword arguments.
-
-  Returns:
-    The model.
+  The dataset's facts (``data_kwargs``: ``num_classes``, ``input_shape``,
+  ``image_size``, ``in_channels``, ``max_len``, ``vocab_size``) go to the
+  fields or parameters that take them; ``kwargs`` (the user's) override
+  them and must all be accepted.
 
   Raises:
-    ValueError: a bad spec (see :func:`load_model_factory`), a factory that
-      cannot be called with these arguments, or one that returns something
-      other than an ``nnx.Module``.
+    ValueError: a user keyword the model does not take (naming the ones it
+      does).
   """
+  if spec in MODELS:
+    accepted = [f.name for f in dataclasses.fields(MODELS[spec].default_config)]
+    open_ended = False
+  else:
+    accepted, open_ended = _accepted_keywords(load_model_factory(spec))
+  unknown = [k for k in kwargs if k not in accepted]
+  if unknown and not open_ended:
+    raise ValueError(
+        f'model {spec!r} takes no argument {", ".join(map(repr, unknown))}; '
+        f'it accepts: {", ".join(accepted) or "rngs only"}')
+  sized = {k: v for k, v in (data_kwargs or {}).items() if k in accepted}
+  return {**sized, **kwargs}
+
+
+def build_model(spec: str, *, rngs: nnx.Rngs,
+                data_kwargs: Mapping[str, Any] | None = None,
+                sample_input: Any = None, **kwargs: Any) -> nnx.Module:
+  """Builds the model of ``spec``, sized for the data.
+
+  Args:
+    spec: a built-in model name or ``"package.module:factory"``. A factory
+      returns an NNX module, a Linen module, or an ``(init, apply)`` pair
+      (the last two wrapped by :func:`qsync_jax.plan.bridge.from_linen`).
+    rngs: RNG streams for parameter initialisation.
+    data_kwargs: the dataset's facts
+      (:meth:`qsync_jax.data.Dataset.model_kwargs`), passed where the
+      model's config fields or the factory's parameters take them.
+    sample_input: model inputs (arrays), to initialise a Linen model.
+    **kwargs: config overrides (built-in) or the factory's keyword
+      arguments; each must be one the model takes.
+
+  Returns:
+    The model, an NNX module.
+
+  Raises:
+    ValueError: a bad spec (see :func:`load_model_factory`), a keyword the
+      model does not take, a factory that fails on its arguments, or one
+      that returns something else than a model.
+  """
+  arguments = model_arguments(spec, data_kwargs, kwargs)
+  if spec in MODELS:
+    return create_model(spec, rngs=rngs, **arguments)
   factory = load_model_factory(spec)
   try:
-    model = factory(rngs=rngs, **kwargs)
+    model = factory(rngs=rngs, **arguments)
   except TypeError as err:
     # The call's signature does not fit: say which factory, not a traceback
     # from inside it.
-    args = ', '.join(['rngs', *kwargs])
+    args = ', '.join(['rngs', *arguments])
     raise ValueError(
         f'model spec {spec!r} is not a model factory: calling it with '
         f'({args}) raised TypeError: {err}') from err
-  if not isinstance(model, nnx.Module):
-    raise ValueError(
-        f'model spec {spec!r} is not a model factory: it returned a '
-        f'{type(model).__name__}, not an nnx.Module')
-  return model
+  if isinstance(model, nnx.Module):
+    return model
+  from qsync_jax.plan import bridge  # local: only Linen models need it
+  if bridge.is_linen(model):
+    if sample_input is None:
+      raise ValueError(
+          f'model spec {spec!r} returned a Linen model: pass sample_input '
+          '(the model\'s inputs) to initialise it')
+    return bridge.from_linen(model, sample_input, rngs=rngs)
+  raise ValueError(
+      f'model spec {spec!r} is not a model factory: it returned a '
+      f'{type(model).__name__}, not an nnx.Module, a Linen module or an '
+      '(init, apply) pair')
 
 
 __all__ = [
@@ -176,4 +221,5 @@ __all__ = [
     'build_model',
     'create_model',
     'load_model_factory',
+    'model_arguments',
 ]

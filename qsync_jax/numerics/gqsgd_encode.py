@@ -37,8 +37,6 @@ their choice.
 from __future__ import annotations
 
 import jax
-from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import _common as kernel_common
 from pallas_kernels.gqsgd_encode import gqsgd_encode
@@ -77,32 +75,6 @@ def _why_not(noise: str, shape: tuple[int, int]) -> str | None:
               f"sm_{_MIN_CAPABILITY[0]}{_MIN_CAPABILITY[1]}+, this device "
               f"has {cc}")
   return None
-
-
-def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
-  """``x`` typed as varying over the manual axes ``like`` varies over."""
-  axes = (jax.typeof(like).manual_axis_type.varying
-          - jax.typeof(x).manual_axis_type.varying)
-  return lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
-
-
-def _unchecked(fn, *args):
-  """``fn(*args)`` with ``shard_map``'s varying-axes checks off.
-
-  Inside a ``shard_map`` with ``check_vma`` (the trainer's programs), a
-  ``pallas_call`` needs its ``out_shape`` typed with manual axes, and the
-  interpreter (off GPU) evaluates the kernel's body where its literals do
-  not vary over the workers' axis while its blocks do, which the check
-  refuses (jax 0.10). A nested ``shard_map`` over no new axes with
-  ``check_vma=False`` lifts the check for the kernel alone; its result is
-  typed back as varying like ``args[0]``, so the ``psum`` that follows sums
-  the workers' codes. Outside ``shard_map`` it is a plain call.
-  """
-  if not jax.typeof(args[0]).manual_axis_type.varying:
-    return fn(*args)
-  out = jax.shard_map(fn, in_specs=P(), out_specs=P(),
-                      axis_names=frozenset(), check_vma=False)(*args)
-  return _varying_like(out, args[0])
 
 
 def use_kernel(noise: str, shape: tuple[int, int]) -> bool:
@@ -157,4 +129,6 @@ def encode(yb: jax.Array, global_max: jax.Array, levels: int,
         yb, global_max, levels, seed=salt, out_dtype=wire,
         block_rows=kernel_common.pick_block(rows, 1, _MAX_BLOCK_ROWS),
         block_cols=block_cols)
-  return _unchecked(kernel, yb, global_max, salt)
+  # Under shard_map's check_vma the kernel runs unchecked, its codes typed
+  # back as varying over the workers' axis, so the psum that follows sums them.
+  return ops.outside_vma_check(kernel, yb, global_max, salt)

@@ -22,6 +22,10 @@ LP-PyTorch, reference/qsync.md section 6.3):
 
 Gradients always come back in the primal dtype (float32 master weights), so
 every worker's gradient has the same shapes and dtype whatever its plan.
+Inside ``jax.shard_map`` (``check_vma=True`` too) each also has its operand's
+varying manual axes: a per-worker operand's gradient stays per worker, a
+replicated one's is summed over the workers in float32, as jax's autodiff
+of the ``lax`` op gives.
 
 Kernel dispatch (issue #8). The forward contraction of an INT8 or FP8
 ``dot_general`` (and so of ``Einsum``) can run as a Pallas kernel from
@@ -63,6 +67,7 @@ from typing import Any, Iterator
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import _common as kernel_common
 from pallas_kernels.fp8_matmul import fp8_matmul
@@ -242,6 +247,69 @@ def _use_kernel(spec, compute: Precision, ql, qr) -> bool:
   return min(_gemm_dims(spec, ql, qr)) >= _MIN_GEMM_DIM
 
 
+def varying_axes(x) -> frozenset:
+  """The manual mesh axes ``x`` varies over (``shard_map``'s vma type).
+
+  Reads ``jax.typeof(x).vma`` where jax has it, else the
+  ``manual_axis_type`` that jax 0.10 keeps it in.
+
+  Args:
+    x: an array or tracer.
+
+  Returns:
+    The axis names; empty outside ``shard_map`` and under
+    ``check_vma=False``.
+  """
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)
+  if vma is None:
+    mat = getattr(aval, "manual_axis_type", None)
+    vma = frozenset() if mat is None else mat.varying
+  return frozenset(vma)
+
+
+def pvary_to(x, axes) -> jax.Array:
+  """``x`` typed as varying over ``axes`` too (``lax.pcast``, no data moves).
+
+  Args:
+    x: an array or tracer inside ``shard_map`` (or anywhere, if ``axes`` adds
+      nothing to what it varies over).
+    axes: manual axis names.
+
+  Returns:
+    ``x``, varying over ``axes`` and the axes it already varied over.
+  """
+  missing = frozenset(axes) - varying_axes(x)
+  return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+
+def outside_vma_check(fn, *args):
+  """``fn(*args)`` with ``shard_map``'s varying-axes checks off for ``fn``.
+
+  Inside a ``shard_map`` with ``check_vma=True`` a ``pallas_call`` needs its
+  ``out_shape`` typed with manual axes, and off GPU its interpreter mixes
+  invariant literals with varying blocks, which the check refuses (jax
+  0.10). A nested ``shard_map`` over no new axes with ``check_vma=False``
+  runs the kernel unchecked; every output is typed back as varying over the
+  union of the arguments' axes (the kernels are elementwise in the workers:
+  each worker computes from its own blocks). Outside ``shard_map`` it is a
+  plain call.
+
+  Args:
+    fn: the function (a pytree of arrays in, a pytree of arrays out).
+    *args: its array arguments.
+
+  Returns:
+    ``fn(*args)``, typed as varying over the arguments' manual axes.
+  """
+  if not jax.sharding.get_abstract_mesh().manual_axes:
+    return fn(*args)
+  axes = frozenset().union(*(varying_axes(a) for a in args))
+  out = jax.shard_map(fn, in_specs=P(), out_specs=P(),
+                      axis_names=frozenset(), check_vma=False)(*args)
+  return jax.tree.map(lambda o: pvary_to(o, axes), out)
+
+
 def _kernel_contract(spec, compute: Precision, ql, sl, qr, sr):
   """The forward contraction through ``pallas_kernels`` (float32 output)."""
   (lc, rc), (lb, rb) = spec.dimension_numbers
@@ -304,7 +372,9 @@ def _forward(spec, compute, config, lhs, rhs):
     return spec.apply(l, r), (l, None, r, None)
   ql, sl, qr, sr = _quantize_operands(spec, compute, config, lhs, rhs)
   if _use_kernel(spec, compute, ql, qr):
-    return _kernel_contract(spec, compute, ql, sl, qr, sr), (ql, sl, qr, sr)
+    y = outside_vma_check(
+        lambda *a: _kernel_contract(spec, compute, *a), ql, sl, qr, sr)
+    return y, (ql, sl, qr, sr)
   acc_type = jnp.int32 if compute is Precision.INT8 else jnp.float32
   acc = spec.apply(ql, qr, preferred_element_type=acc_type)
   y = acc.astype(jnp.float32) * spec.out_scale(sl, sr, lhs.ndim, rhs.ndim)
@@ -318,13 +388,37 @@ def _transposes(spec, l, r, g):
   (the weight gradient) is accumulated in float32 from the same low-precision
   values: products of two fp16 / bf16 / fp8 numbers are exact in float32, so
   this equals a low-precision GEMM with a float32 accumulator.
+
+  Inside ``shard_map`` both are computed per worker: the transposes are
+  taken with every operand typed as varying over the manual axes that any
+  of ``l``, ``r``, ``g`` varies over, so neither gradient is summed over
+  workers here, in the low-precision dtype (:func:`_as_primal_type` sums it
+  in the primal dtype).
   """
-  d_lhs = jax.linear_transpose(lambda a: spec.apply(a, r), l)(g)[0]
+  axes = varying_axes(l) | varying_axes(r) | varying_axes(g)
+  l, r = pvary_to(l, axes), pvary_to(r, axes)
+  d_lhs = jax.linear_transpose(lambda a: spec.apply(a, r), jax.typeof(l))(g)[0]
   l32 = l.astype(jnp.float32)
   d_rhs = jax.linear_transpose(
       lambda b: spec.apply(l32, b),
-      jax.ShapeDtypeStruct(r.shape, jnp.float32))(g.astype(jnp.float32))[0]
+      jax.typeof(r).update(dtype=jnp.float32))(g.astype(jnp.float32))[0]
   return d_lhs, d_rhs
+
+
+def _as_primal_type(d, dtype, axes: frozenset):
+  """Gradient ``d`` cast to its primal's dtype and varying axes ``axes``.
+
+  A custom VJP's cotangent must have its primal's type, varying manual axes
+  (``shard_map``'s vma) included. A primal replicated over an axis that the
+  per-worker gradient varies over was implicitly broadcast (``pvary``) to
+  the workers, whose transpose is the sum over them: ``psum``, in the primal
+  dtype (float32), as jax's own autodiff of ``lax.dot_general`` gives.
+  """
+  d = d.astype(dtype)
+  extra = varying_axes(d) - axes
+  if extra:
+    d = lax.psum(d, tuple(sorted(extra)))
+  return pvary_to(d, axes)
 
 
 def _backward(spec, compute, config, res, g):
@@ -354,14 +448,16 @@ def _lowp_contract(spec, compute: Precision, config: QuantConfig, lhs, rhs):
   def f(lhs, rhs):
     return _forward(spec, compute, config, lhs, rhs)[0]
 
-  lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
+  lhs_type = lhs.dtype, varying_axes(lhs)
+  rhs_type = rhs.dtype, varying_axes(rhs)
 
   def fwd(lhs, rhs):
     return _forward(spec, compute, config, lhs, rhs)
 
   def bwd(res, g):
     d_lhs, d_rhs = _backward(spec, compute, config, res, g)
-    return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
+    return (_as_primal_type(d_lhs, *lhs_type),
+            _as_primal_type(d_rhs, *rhs_type))
 
   f.defvjp(fwd, bwd)
   return f(lhs, rhs)

@@ -14,9 +14,14 @@ what training applies to each worker's model. The subpackage owns
 * applying a plan to an NNX model (:mod:`.policy`: :func:`apply_plan`,
   :func:`layer_paths`, ...) with :class:`MatMul` for the attention matmuls
   (:mod:`.layers`), and to a Linen model (:mod:`.linen`:
-  ``linen.apply_plan`` returns a :class:`PlannedModule`).
+  ``linen.apply_plan`` returns a :class:`PlannedModule`);
+* a Linen model as an NNX module the whole library works on
+  (:mod:`.bridge`: :func:`from_linen` returns a :class:`LinenModel` whose
+  Linen layers are addressable by their Linen paths).
 """
 
+from qsync_jax.plan.bridge import from_linen
+from qsync_jax.plan.bridge import LinenModel
 from qsync_jax.plan.devices import device_kinds
 from qsync_jax.plan.devices import DEVICE_PRECISIONS
 from qsync_jax.plan.devices import device_spec
@@ -40,6 +45,7 @@ __all__ = [
     "DEVICE_PRECISIONS",
     "DeviceSpec",
     "Layer",
+    "LinenModel",
     "MatMul",
     "PlanError",
     "PlannedModule",
@@ -49,6 +55,7 @@ __all__ = [
     "device_kinds",
     "device_spec",
     "effective_precisions",
+    "from_linen",
     "layer_paths",
     "model_layers",
     "resolve_with_forced",

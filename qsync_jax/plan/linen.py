@@ -41,9 +41,13 @@ def _layer_path(context) -> str | None:
 
 
 @contextlib.contextmanager
-def _temporarily(module: nn.Module, **attrs):
-  # Linen modules are frozen dataclasses; the interceptor swaps attributes of
-  # the bound instance for the duration of one call and restores them.
+def temporarily(module: nn.Module, **attrs):
+  """Sets attributes of a bound Linen module for the ``with`` block.
+
+  Linen modules are frozen dataclasses; an interceptor swaps attributes of
+  the bound instance for the duration of one call and restores them (also
+  used by :mod:`qsync_jax.plan.bridge`).
+  """
   saved = {k: getattr(module, k) for k in attrs}
   for k, v in attrs.items():
     object.__setattr__(module, k, v)
@@ -141,7 +145,7 @@ class PlannedModule:
           attrs["dot_general_cls"] = None
         else:
           attrs["conv_general_dilated_cls"] = None
-      with _temporarily(module, **attrs):
+      with temporarily(module, **attrs):
         return next_fun(*call_args, **call_kwargs)
     return intercept
 

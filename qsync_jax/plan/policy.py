@@ -8,6 +8,11 @@ its attribute path in the module tree joined by ``/``
 (``"layers/0/attention/query"``), which is stable across runs and independent of
 the plan.
 
+A Linen model wrapped as a :class:`qsync_jax.plan.bridge.LinenModel` takes
+part too: its layers are :class:`~qsync_jax.plan.bridge.LayerProxy` modules
+with the attributes below, named by their Linen paths (:func:`layer_kind`,
+:func:`is_embedding` and :func:`weight_paths` hide the difference).
+
 Applying a plan swaps each layer's injectable op (``dot_general``,
 ``conv_general_dilated``, ``einsum_op``; ``dtype`` for embeddings) for a
 precision-aware op from :mod:`qsync_jax.numerics.ops`. Parameters are never
@@ -29,10 +34,12 @@ from flax import nnx
 
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
+from qsync_jax.plan import bridge
 from qsync_jax.plan.layers import MatMul
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.plan.rules import (OP_FOR_ATTRIBUTE, embed_dtype,
                                   resolve_with_forced)
+from qsync_jax.task import calling
 
 # The attribute each layer type computes through, and the op that replaces it.
 _OP_ATTR: Mapping[type, tuple[str, Callable[..., Any]]] = {
@@ -42,10 +49,14 @@ _OP_ATTR: Mapping[type, tuple[str, Callable[..., Any]]] = {
         (nnx.Conv, "conv_general_dilated"),
         (nnx.Einsum, "einsum_op"),
         (MatMul, "einsum_op"),
+        (bridge.DenseProxy, "dot_general"),
+        (bridge.ConvProxy, "conv_general_dilated"),
     )}
+#: Embedding layers: a plan sets the dtype of their table (no op to swap).
+EMBEDDING_TYPES = (nnx.Embed, bridge.EmbedProxy)
 #: Layer types that never compute below 16 bits.
-SIXTEEN_BIT_FLOOR = (nnx.Embed, MatMul)
-ADDRESSABLE_TYPES = (*_OP_ATTR, nnx.Embed)
+SIXTEEN_BIT_FLOOR = (*EMBEDDING_TYPES, MatMul)
+ADDRESSABLE_TYPES = (*_OP_ATTR, *EMBEDDING_TYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,47 +81,87 @@ def op_attribute(module: nnx.Module) -> tuple[str, Callable[..., Any]]:
   raise TypeError(f"{type(module).__name__} is not an addressable layer")
 
 
-def _path_str(path: tuple) -> str:
-  return "/".join(str(p) for p in path)
+def is_embedding(module: nnx.Module) -> bool:
+  """Whether ``module`` is an embedding (NNX ``Embed`` or a Linen one's
+  proxy): its hook is ``promote_dtype`` on the table, its weight
+  ``embedding``."""
+  return isinstance(module, EMBEDDING_TYPES)
+
+
+def layer_kind(module: nnx.Module) -> str:
+  """The kind of a layer: its NNX class name (``"Linear"``, ``"Conv"``,
+  ...), or for a Linen layer's proxy the NNX class it stands for."""
+  if isinstance(module, bridge.LayerProxy):
+    return module.kind
+  return type(module).__name__
+
+
+def weight_variable(module: nnx.Module) -> nnx.Variable | None:
+  """The layer's weight (``kernel``, or ``embedding`` for embeddings);
+  None for the attention matmuls, which have none."""
+  if isinstance(module, MatMul):
+    return None
+  return module.embedding if is_embedding(module) else module.kernel
+
+
+def weight_paths(model: nnx.Module, layer_list: list[Layer]
+                 ) -> dict[str, tuple | None]:
+  """``{layer path: state path of its weight}`` (None: no weight).
+
+  The state path indexes ``nnx.state(model)`` (and any state split from
+  it, e.g. a gradient): for NNX layers it is the layer path plus
+  ``"kernel"`` / ``"embedding"``, for a Linen layer the path of the variable
+  inside the :class:`~qsync_jax.plan.bridge.LinenModel`.
+  """
+  first: dict[int, tuple] = {}
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Variable):
+      first.setdefault(id(node), path)
+  modules = addressable_modules(model)
+  out = {}
+  for layer in layer_list:
+    var = weight_variable(modules.get(layer.path, layer.module))
+    out[layer.path] = None if var is None else first.get(id(var))
+  return out
+
+
+def _path_str(path: tuple, node: Any) -> str:
+  # A bare layer as the root has no attribute path: it is named by its class.
+  return "/".join(str(p) for p in path) if path else type(node).__name__
 
 
 def addressable_modules(model: nnx.Module) -> dict[str, nnx.Module]:
-  """Returns {path: module} of the addressable layers (graph order)."""
+  """Returns {path: module} of the addressable layers (graph order).
+
+  A bare layer as the root is its own single layer, named by its class
+  (``"Linear"``). The layers of a :class:`~qsync_jax.plan.bridge.LinenModel`
+  are its proxies, named by their Linen paths below the model's own path.
+  """
   found = {}
   for path, node in nnx.iter_graph(model):
-    if isinstance(node, ADDRESSABLE_TYPES) and path:
-      found.setdefault(_path_str(path), node)
+    if isinstance(node, bridge.LinenModel):
+      for linen_path, proxy in node.proxies.items():
+        found.setdefault("/".join((*map(str, path), linen_path)), proxy)
+    elif (isinstance(node, ADDRESSABLE_TYPES)
+          and not isinstance(node, bridge.LayerProxy)):
+      found.setdefault(_path_str(path, node), node)
   return found
-
-
-def sample_input_of(model: nnx.Module, sample_input: Any = None) -> Any:
-  """``sample_input`` if given, else ``model.input_spec(2)`` (the default of
-  :func:`model_layers`).
-
-  Raises:
-    ValueError: neither is available.
-  """
-  if sample_input is not None:
-    return sample_input
-  input_spec = getattr(model, "input_spec", None)
-  if not callable(input_spec):
-    raise ValueError(
-        f"{type(model).__name__} has no input_spec(batch_size) method: pass "
-        "sample_input (an array or jax.ShapeDtypeStruct the model accepts) so "
-        "the layers can be listed in forward order")
-  return input_spec(2)
 
 
 def model_layers(model: nnx.Module, sample_input: Any = None) -> list[Layer]:
   """Returns the model's addressable layers in forward order.
 
-  The order comes from tracing one forward pass abstractly (``nnx.eval_shape``,
-  no FLOPs); a layer the forward pass never calls is not listed.
+  The order comes from tracing one training forward pass abstractly
+  (``nnx.eval_shape``, no FLOPs, rngs supplied); the model's mode and state
+  are left as they were. A layer the forward pass never calls is not
+  listed.
 
   Args:
-    model: an NNX module.
-    sample_input: an input (array or ``jax.ShapeDtypeStruct``) of the model;
-      by default ``model.input_spec(2)``, which the built-in models provide.
+    model: an NNX module (a bare layer works too).
+    sample_input: the model's inputs (an array or ``jax.ShapeDtypeStruct``,
+      a tuple of them for several positional inputs, a dict for keyword
+      inputs), or a :class:`qsync_jax.task.Probe`; by default
+      ``model.input_spec(2)`` where the model has one.
 
   Raises:
     ValueError: the model has no addressable layer, or no sample input is
@@ -121,7 +172,7 @@ def model_layers(model: nnx.Module, sample_input: Any = None) -> list[Layer]:
     raise ValueError(
         f"{type(model).__name__} has no layer a precision plan can address "
         f"(looked for {', '.join(t.__name__ for t in ADDRESSABLE_TYPES)})")
-  x = sample_input_of(model, sample_input)
+  probe = calling.as_probe(model, sample_input)
   order: list[str] = []
   saved = []
   for path, module in by_path.items():
@@ -138,11 +189,11 @@ def model_layers(model: nnx.Module, sample_input: Any = None) -> list[Layer]:
 
     setattr(module, attr, recorder)
   try:
-    nnx.eval_shape(lambda m, inp: m(inp), model, x)
+    nnx.eval_shape(probe.fn, model, probe.data)
   finally:
     for module, attr, original in saved:
       setattr(module, attr, original)
-  return [Layer(p, by_path[p], type(by_path[p]).__name__) for p in order]
+  return [Layer(p, by_path[p], layer_kind(by_path[p])) for p in order]
 
 
 def operand_positions(module: nnx.Module) -> tuple[int, int]:
@@ -156,7 +207,7 @@ def operand_positions(module: nnx.Module) -> tuple[int, int]:
 
 def hook_attribute(module: nnx.Module) -> str:
   """The attribute :func:`instrument` wraps: the op, or an embedding's cast."""
-  return ("promote_dtype" if isinstance(module, nnx.Embed)
+  return ("promote_dtype" if is_embedding(module)
           else op_attribute(module)[0])
 
 
@@ -249,7 +300,7 @@ def set_precisions(layer_list: list[Layer], precisions: dict[str, Precision],
   for layer in layer_list:
     prec = precisions[layer.path]
     module = layer.module
-    if isinstance(module, nnx.Embed):
+    if is_embedding(module):
       module.dtype = embed_dtype(prec, module.param_dtype)
     else:
       attr, op_cls = op_attribute(module)

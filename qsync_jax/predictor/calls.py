@@ -34,7 +34,6 @@ from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor import pieces
 from qsync_jax.train import layout
-from qsync_jax.train import losses
 from qsync_jax.train import programs
 from qsync_jax.train import step as step_lib
 
@@ -61,9 +60,13 @@ def layer_calls(node: graph_lib.LayerNode, precision: Precision,
 
 
 def _batch_arrays(sample_batch, device):
-  x, y = sample_batch
-  return (jax.device_put(jnp.asarray(x), device),
-          jax.device_put(jnp.asarray(y), device))
+  """The batch (any pytree) on ``device``."""
+  return jax.device_put(jax.tree.map(jnp.asarray, sample_batch), device)
+
+
+def step_ids(worker: int = 0, step: int = 0) -> np.ndarray:
+  """The ``ids`` argument of the trainer's gradient function."""
+  return np.array([worker, step], np.uint32)
 
 
 def rest_calls(model: nnx.Module, g: graph_lib.ModelGraph, sample_batch,
@@ -72,12 +75,13 @@ def rest_calls(model: nnx.Module, g: graph_lib.ModelGraph, sample_batch,
   """(forward, gradient) zero-argument calls of the stand-in step."""
   forward, grad_fn, flat, rest = pieces.stand_in_step_functions(
       model, g, loss_fn, dtype)
-  x, y = _batch_arrays(sample_batch, device)
+  batch = _batch_arrays(sample_batch, device)
   row = jax.device_put(flat[None], device)
   rest = jax.device_put(rest, device)
   scale = jax.device_put(jnp.ones((1,), jnp.float32), device)
-  return (lambda: forward(row, rest, x, y),
-          lambda: grad_fn(row, rest, scale, x, y))
+  ids = step_ids()
+  return (lambda: forward(row, rest, batch, ids),
+          lambda: grad_fn(row, rest, scale, batch, ids))
 
 
 def optimizer_call(model: nnx.Module, tx: optax.GradientTransformation,
@@ -129,11 +133,12 @@ def pass_concurrency_calls(model: nnx.Module, g: graph_lib.ModelGraph,
   fn, flat, rest = pieces.pass_function(model, g, loss_fn, precision, quant)
 
   def make(d, i):
-    x, y = _batch_arrays(sample_batch, d)
+    batch = _batch_arrays(sample_batch, d)
     row = jax.device_put(flat[None], d)
     rest_d = jax.device_put(rest, d)
     scale = jax.device_put(jnp.ones((1,), jnp.float32), d)
-    return lambda: fn(row, rest_d, scale, x, y)
+    ids = step_ids(i)
+    return lambda: fn(row, rest_d, scale, batch, ids)
 
   return concurrency_calls(make, local_devices)
 
@@ -206,11 +211,14 @@ def update_calls(model: nnx.Module, tx: optax.GradientTransformation,
                  local_devices: Sequence[jax.Device], sample_input
                  ) -> dict[int, Callable[[], Any]]:
   """``{k: call}``: the trainer's update program (averaging and optimizer,
-  no layers) over k of the host's workers, run on zero gradients."""
+  no layers) over k of the host's workers, run on zero gradients.
+
+  ``sample_input`` is the model's inputs or a ``Probe``
+  (:attr:`.graph.ModelGraph.sample`), to list its layers.
+  """
   out = {}
   for k in host_counts(len(local_devices)):
-    dp = _data_parallel(model, tx, local_devices[:k], losses.cross_entropy,
-                        sample_input)
+    dp = _data_parallel(model, tx, local_devices[:k], None, sample_input)
     zeros = layout.zeros_like(dp.state.params, dp.sharding)
     out[k] = functools.partial(dp.update, *dp.state[:3], zeros,
                                *dp.state[3:])
@@ -235,7 +243,7 @@ def step_overhead_calls(local_devices: Sequence[jax.Device]
   out = {}
   for k in host_counts(len(local_devices)):
     dp = _data_parallel(_Tiny(), optax.sgd(0.0), local_devices[:k],
-                        losses.cross_entropy, jnp.zeros((2, 2)))
+                        None, jnp.zeros((2, 2)))
     batches = {i: (jax.device_put(jnp.zeros((2, 2)), d),
                    jax.device_put(jnp.zeros((2,), jnp.int32), d))
                for i, d in dp.devices.items()}

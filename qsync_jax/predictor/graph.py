@@ -42,6 +42,7 @@ import numpy as np
 from qsync_jax.numerics import ops
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.plan import policy
+from qsync_jax.task import calling
 
 #: Model input as a producer.
 INPUT = -1
@@ -134,17 +135,44 @@ class ModelGraph:
   Attributes:
     nodes: the layers in forward order.
     num_params: the model's parameter count.
-    input_shape: the batch's input shape the graph was traced at.
-    input_dtype: the batch's input dtype.
+    input_shape: the shape of the traced data's first array (the model's
+      input when it has one; its leading axis is the batch).
+    input_dtype: that array's dtype.
+    data_bytes: bytes of all the traced data's arrays (every input, and the
+      labels when traced through an objective); None: the first array's.
+    probe: the :class:`qsync_jax.task.Probe` the graph was traced with, on
+      abstract data, to trace the model again (not serialized).
   """
   nodes: tuple[LayerNode, ...]
   num_params: int
   input_shape: tuple[int, ...]
   input_dtype: str = "float32"
+  data_bytes: int | None = None
+  probe: calling.Probe | None = dataclasses.field(
+      default=None, compare=False, repr=False)
 
   @property
   def input_spec(self) -> jax.ShapeDtypeStruct:
+    """The first traced array's spec (the input of a one-input model)."""
     return jax.ShapeDtypeStruct(self.input_shape, jnp.dtype(self.input_dtype))
+
+  @property
+  def sample(self) -> Any:
+    """What re-traces the model: the probe, or :attr:`input_spec`."""
+    return self.probe if self.probe is not None else self.input_spec
+
+  @property
+  def batch_size(self) -> int:
+    """The per-worker batch the graph was traced at."""
+    return int(self.input_shape[0]) if self.input_shape else 1
+
+  @property
+  def batch_bytes(self) -> int:
+    """Bytes of the traced batch (:attr:`data_bytes`, else the input's)."""
+    if self.data_bytes is not None:
+      return int(self.data_bytes)
+    return int(np.prod(self.input_shape)) * jnp.dtype(
+        self.input_dtype).itemsize
 
   @functools.cached_property
   def paths(self) -> list[str]:
@@ -267,8 +295,9 @@ def _flops(node_call: Callable[..., Any], kind: str,
   return float((cost or {}).get("flops", 0.0))
 
 
-def _capture(model: nnx.Module, layer_list, sample, uniform: Precision | None):
-  """Traces the forward pass with each layer's op behind a named marker.
+def _capture(model: nnx.Module, layer_list, probe: calling.Probe,
+             uniform: Precision | None):
+  """Traces the probe's pass with each layer's op behind a named marker.
 
   Returns (jaxpr, records, number of parameters): records[i] holds the op's
   arguments, the positions of its array operands and its output aval.
@@ -279,7 +308,7 @@ def _capture(model: nnx.Module, layer_list, sample, uniform: Precision | None):
 
   def make_wrapper(i, layer, base):
     module = layer.module
-    if isinstance(module, nnx.Embed):
+    if policy.is_embedding(module):
       def promote(arrays, **kw):
         (table,) = arrays
         if uniform is not None:
@@ -315,15 +344,15 @@ def _capture(model: nnx.Module, layer_list, sample, uniform: Precision | None):
       return out
     return wrapped
 
-  def forward(flat, x):
+  def forward(flat, data):
     # Instrument a fresh copy so the caller's model is left as it was.
     m = nnx.merge(graphdef, unravel(flat), jax.tree.map(lambda v: v, rest))
     found = policy.addressable_modules(m)
     policy.instrument(m, [policy.Layer(l.path, found[l.path], l.kind)
                           for l in layer_list], make_wrapper)
-    return m(x)
+    return probe.fn(m, data)
 
-  jaxpr = jax.make_jaxpr(forward)(flat, sample)
+  jaxpr = jax.make_jaxpr(forward)(flat, probe.data)
   return jaxpr, records, flat.size
 
 
@@ -333,9 +362,10 @@ def _walk(jaxpr, n_layers: int):
   Returns per layer: for each marker input, (producer set, depends-on-params).
   """
   info: dict[Any, tuple[frozenset, bool]] = {}
-  params_var, input_var = jaxpr.jaxpr.invars
+  params_var, *data_vars = jaxpr.jaxpr.invars
   info[params_var] = (frozenset(), True)
-  info[input_var] = (frozenset([INPUT]), False)
+  for v in data_vars:  # every array of the traced data is model input
+    info[v] = (frozenset([INPUT]), False)
   inputs: list[list[tuple[frozenset, bool]]] = [None] * n_layers
 
   def get(v):
@@ -362,25 +392,36 @@ def _walk(jaxpr, n_layers: int):
 
 
 def trace_graph(model: nnx.Module, sample_input: Any = None) -> ModelGraph:
-  """Records the model's layer graph from one abstract forward pass.
+  """Records the model's layer graph from one abstract training pass.
 
   Args:
-    model: an NNX model (left unchanged).
-    sample_input: an input batch or ``jax.ShapeDtypeStruct``; by default
-      ``model.input_spec(2)`` (use the real batch size: shapes matter).
+    model: an NNX model (left unchanged, its mode included; a bare layer
+      works too).
+    sample_input: the model's inputs at the per-worker batch (an array or
+      ``jax.ShapeDtypeStruct``, a tuple of them for several positional
+      inputs, a dict for keyword inputs), or a :class:`qsync_jax.task.Probe`
+      (e.g. ``objective.probe(batch)``); by default ``model.input_spec(2)``
+      (use the real batch size: shapes matter).
 
   Returns:
     The :class:`ModelGraph`.
+
+  Raises:
+    ValueError: no sample input and no ``input_spec``, or a model with no
+      addressable layer.
   """
-  layer_list = policy.model_layers(model, sample_input)
-  sample = policy.sample_input_of(model, sample_input)
-  if not isinstance(sample, jax.ShapeDtypeStruct):
-    sample = jax.ShapeDtypeStruct(np.shape(sample), jnp.asarray(sample).dtype)
-  jaxpr, records, num_params = _capture(model, layer_list, sample, None)
+  given = calling.as_probe(model, sample_input)
+  probe = calling.Probe(given.fn, calling.abstract(given.data))
+  layer_list = policy.model_layers(model, probe)
+  leaves = jax.tree.leaves(probe.data)
+  if not leaves:
+    raise ValueError("the sample input holds no array to trace with")
+  first = leaves[0]
+  jaxpr, records, num_params = _capture(model, layer_list, probe, None)
   flow = _walk(jaxpr, len(layer_list))
   # Which operands keep the dtype their producers emit: trace once with every
   # layer (head and floors included) in FP16 and see what arrives.
-  _, fp16_records, _ = _capture(model, layer_list, sample, Precision.FP16)
+  _, fp16_records, _ = _capture(model, layer_list, probe, Precision.FP16)
   nodes = []
   for i, layer in enumerate(layer_list):
     rec, flow_i = records[i], flow[i]
@@ -410,8 +451,11 @@ def trace_graph(model: nnx.Module, sample_input: Any = None) -> ModelGraph:
         flops=_flops(call, layer.kind, avals),
         floored=isinstance(layer.module, policy.SIXTEEN_BIT_FLOOR),
         call=call))
-  return ModelGraph(tuple(nodes), int(num_params),
-                    tuple(int(d) for d in sample.shape), str(sample.dtype))
+  return ModelGraph(
+      tuple(nodes), int(num_params), tuple(int(d) for d in first.shape),
+      str(first.dtype),
+      sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+          for a in leaves), probe)
 
 
 def _make_call(rec: dict[str, Any], order: list[int]) -> Callable[..., Any]:

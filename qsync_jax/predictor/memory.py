@@ -33,7 +33,6 @@ from flax import nnx
 import jax
 from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from qsync_jax.numerics.precision import Precision
@@ -42,7 +41,9 @@ from qsync_jax.plan import policy
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor import pieces
-from qsync_jax.train import losses
+from qsync_jax.task import calling
+from qsync_jax.task.objective import as_objective
+from qsync_jax.train import step as step_lib
 
 _BITS = {Precision.FP32: 32, Precision.TF32: 32, Precision.BF16: 16,
          Precision.FP16: 16, Precision.INT8: 8, Precision.FP8: 8}
@@ -122,7 +123,7 @@ def analytic_memory_model(g: graph_lib.ModelGraph, capacity_bytes: float,
   write, backward two of each). Rough: use measured models where possible.
   """
   params = 4.0 * g.num_params * (2 + optimizer_state_copies)
-  batch = float(np.prod(g.input_shape)) * jnp.dtype(g.input_dtype).itemsize
+  batch = float(g.batch_bytes)
   outs = 4.0 * sum(n.out_numel for n in g.nodes if n.kind != "Embed")
   residual = sum(residual_bytes(n, Precision.FP32) for n in g.nodes)
   return MemoryModel(params + batch + residual + outs, analytic_deltas(g),
@@ -132,12 +133,19 @@ def analytic_memory_model(g: graph_lib.ModelGraph, capacity_bytes: float,
 
 def train_step_function(graphdef, unravel, loss_fn,
                         tx: optax.GradientTransformation):
-  """One worker's full step, ``(flat, opt_state, rest, x, y) -> (flat,
-  opt_state, rest, loss)``, with parameters and optimizer state donated."""
+  """One worker's full step, ``(flat, opt_state, rest, batch, ids) -> (flat,
+  opt_state, rest, loss)``, with parameters and optimizer state donated.
 
-  def step(flat, opt_state, rest, x, y):
+  ``loss_fn`` is any form :func:`qsync_jax.task.as_objective` takes; the
+  batch any pytree it takes; ``ids`` the ``uint32[2]`` (worker, step) that
+  seed the step's rngs, as in the trainer's step.
+  """
+  objective = as_objective(loss_fn)
+
+  def step(flat, opt_state, rest, batch, ids):
     m = nnx.merge(graphdef, unravel(flat), rest)
-    loss, grads = nnx.value_and_grad(lambda m: loss_fn(m(x), y))(m)
+    loss, grads = nnx.value_and_grad(lambda m: objective(
+        m, batch, step_lib.step_rngs(0, ids), train=True)[0])(m)
     g = ravel_pytree(grads)[0]
     updates, opt_state = tx.update(g, opt_state, flat)
     new_rest = nnx.split(m, nnx.Param, ...)[2]
@@ -147,32 +155,43 @@ def train_step_function(graphdef, unravel, loss_fn,
 
 
 def _abstract(tree):
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a),
-                                                     jnp.asarray(a).dtype),
-                      tree)
+  return calling.abstract(jax.tree.map(jnp.asarray, tree))
+
+
+_IDS = jax.ShapeDtypeStruct((2,), jnp.uint32)
 
 
 def compiled_step_bytes(model: nnx.Module, precisions: Mapping[str, Precision],
-                        sample_batch, loss_fn=losses.cross_entropy,
+                        sample_batch, loss_fn=None,
                         tx: optax.GradientTransformation | None = None,
                         quant: QuantConfig | None = None) -> float:
   """Bytes XLA reports for the compiled step of ``model`` at ``precisions``.
 
   Compiles (does not run) :func:`train_step_function` on abstract inputs and
   returns ``argument + output + temp - alias`` from ``memory_analysis``.
+
+  Args:
+    model: the NNX model (left unchanged).
+    precisions: ``{layer path: precision}``.
+    sample_batch: one batch (any pytree the objective takes).
+    loss_fn: the loss in any form :func:`qsync_jax.task.as_objective` takes
+      (default: classification).
+    tx: the optimizer (default ``optax.adam(1e-3)``).
+    quant: operand quantization of INT8 / FP8 layers.
   """
   tx = tx or optax.adam(1e-3)
+  objective = as_objective(loss_fn)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   copy = nnx.merge(graphdef, params, rest)
-  x, y = sample_batch
-  layer_list = policy.model_layers(copy, _abstract(x))
+  batch = _abstract(sample_batch)
+  layer_list = policy.model_layers(copy, objective.probe(batch))
   policy.set_precisions(layer_list, dict(precisions), quant or QuantConfig())
   graphdef, params, rest = nnx.split(copy, nnx.Param, ...)
   flat, unravel = ravel_pytree(params)
   opt_state = jax.eval_shape(tx.init, flat)
-  step = train_step_function(graphdef, unravel, loss_fn, tx)
+  step = train_step_function(graphdef, unravel, objective, tx)
   compiled = step.lower(_abstract(flat), opt_state, _abstract(rest),
-                        _abstract(x), _abstract(y)).compile()
+                        batch, _IDS).compile()
   ma = compiled.memory_analysis()
   return float(ma.argument_size_in_bytes + ma.output_size_in_bytes
                + ma.temp_size_in_bytes - ma.alias_size_in_bytes)
@@ -223,10 +242,9 @@ def _rest_bytes(model, g, sample_batch, loss_fn) -> float:
   """XLA's bytes accessed by the float32 step without its layers."""
   _, grad_fn, flat, rest = pieces.stand_in_step_functions(
       model, g, loss_fn, "float32")
-  x, y = sample_batch
   lowered = grad_fn.lower(_abstract(flat[None]), _abstract(rest),
                           jax.ShapeDtypeStruct((1,), jnp.float32),
-                          _abstract(x), _abstract(y))
+                          _abstract(sample_batch), _IDS)
   cost = lowered.cost_analysis()
   if isinstance(cost, (list, tuple)):
     cost = cost[0]

@@ -31,6 +31,7 @@ from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.plan import policy
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import graph as graph_lib
+from qsync_jax.task.objective import as_objective
 from qsync_jax.train import step as step_lib
 
 
@@ -146,7 +147,7 @@ def _stand_in_wrapper(nodes: Sequence[graph_lib.LayerNode], dtype: str):
     del base
     node = nodes[i]
     module = layer.module
-    if isinstance(module, nnx.Embed):
+    if policy.is_embedding(module):
       def promote(arrays, **kw):
         del kw
         (table,) = arrays
@@ -164,7 +165,8 @@ def _stand_in_wrapper(nodes: Sequence[graph_lib.LayerNode], dtype: str):
 def _edited_grad_function(model: nnx.Module, loss_fn,
                           edit: Callable[[nnx.Module], None]):
   """The trainer's gradient function of a copy of ``model`` that ``edit``
-  changed in place (``model`` is left unchanged).
+  changed in place (``model`` is left unchanged). ``loss_fn`` is any form
+  :func:`qsync_jax.task.as_objective` takes.
 
   Returns:
     ``(grad_fn, graphdef, unravel, flat_params, rest)`` of the copy;
@@ -183,8 +185,16 @@ def _edited_grad_function(model: nnx.Module, loss_fn,
 def stand_in_step_functions(model: nnx.Module, g: graph_lib.ModelGraph,
                             loss_fn, dtype: str):
   """(forward, gradient) functions of the step with stand-in layers: on a
-  copy of the model whose layers only emit ``dtype``."""
-  layer_list = policy.model_layers(model, g.input_spec)
+  copy of the model whose layers only emit ``dtype``.
+
+  Returns:
+    ``(forward, grad_fn, flat, rest)``: ``forward(params_row, rest, batch,
+    ids)`` the loss, ``grad_fn`` the trainer's gradient function
+    (:func:`qsync_jax.train.step.grad_function`, same arguments plus the
+    loss scale), the copy's flat parameters and other state.
+  """
+  objective = as_objective(loss_fn)
+  layer_list = policy.model_layers(model, g.sample)
 
   def stand_in(copy):
     found = policy.addressable_modules(copy)
@@ -193,13 +203,14 @@ def stand_in_step_functions(model: nnx.Module, g: graph_lib.ModelGraph,
                       _stand_in_wrapper(g.nodes, dtype))
 
   grad_fn, s_graphdef, unravel, flat, s_rest = _edited_grad_function(
-      model, loss_fn, stand_in)
+      model, objective, stand_in)
 
   @jax.jit
-  def forward(params_row, rest_state, x, y):
+  def forward(params_row, rest_state, batch, ids):
     m = nnx.merge(s_graphdef, unravel(params_row[0]),
                   jax.tree.map(lambda v: v, rest_state))
-    return loss_fn(m(x), y)
+    # The rngs of the trainer's step (the same dropout as its gradient).
+    return objective(m, batch, step_lib.step_rngs(0, ids), train=True)[0]
 
   return forward, grad_fn, flat, s_rest
 
@@ -212,7 +223,7 @@ def pass_function(model: nnx.Module, g: graph_lib.ModelGraph, loss_fn,
   plan = PrecisionPlan.uniform(precision, quant)
 
   def set_plan(copy):
-    layer_list = policy.model_layers(copy, g.input_spec)
+    layer_list = policy.model_layers(copy, g.sample)
     policy.set_precisions(layer_list, policy.resolve_layers(layer_list, plan),
                           plan.quant)
 

@@ -49,7 +49,8 @@ from qsync_jax.predictor import calls as calls_lib
 from qsync_jax.predictor import casting, graph as graph_lib, memory
 from qsync_jax.predictor import pieces
 from qsync_jax.predictor import timing
-from qsync_jax.train import losses
+from qsync_jax.task import calling
+from qsync_jax.task.objective import as_objective
 
 DEFAULT_PRECISIONS = (Precision.FP32, Precision.BF16, Precision.FP16,
                       Precision.INT8)
@@ -194,10 +195,10 @@ def _cache_path(cache_dir: str, key: dict) -> str:
                       f"{digest}.json")
 
 
-def profile(model: nnx.Module, sample_batch: tuple[Any, Any], *,
+def profile(model: nnx.Module, sample_batch: Any, *,
             device: jax.Device | None = None, device_kind: str = "cpu",
             precisions: Sequence[Precision | str] = DEFAULT_PRECISIONS,
-            loss_fn=losses.cross_entropy,
+            loss_fn=None, call: calling.CallFn | None = None,
             tx: optax.GradientTransformation | None = None,
             optimizer_name: str = "adam",
             model_name: str | None = None, cache_dir: str | None = None,
@@ -207,12 +208,17 @@ def profile(model: nnx.Module, sample_batch: tuple[Any, Any], *,
   """Measures a model's profile on the device at hand.
 
   Args:
-    model: the NNX model (FP32 parameters; left unchanged).
-    sample_batch: ``(x, y)`` at the worker's batch size.
+    model: the NNX model (FP32 parameters; left unchanged, its mode
+      included).
+    sample_batch: one batch at the worker's batch size (any pytree the
+      objective takes; ``(inputs, labels)`` for classification).
     device: the device to measure on (default: the first).
     device_kind: the kind this device stands for.
     precisions: precisions to profile each layer at (FP32 is always added).
-    loss_fn: the training loss.
+    loss_fn: the training loss, in any form
+      :func:`qsync_jax.task.as_objective` takes (default: classification).
+    call: the call hook ``call(model, inputs, *, train, rngs)`` of the
+      classification objectives.
     tx: the optimizer (default ``optax.adam(1e-3)``).
     optimizer_name: its name in the cache key.
     model_name: the model's name in the cache key (default: class name).
@@ -223,7 +229,8 @@ def profile(model: nnx.Module, sample_batch: tuple[Any, Any], *,
       more than one, host sharing and the host all-reduce too.
     quant: operand quantization of INT8 / FP8 layers.
     repeats: timed calls per measurement (at least).
-    graph: the model's graph if already traced at this batch.
+    graph: the model's graph if already traced at this batch (default:
+      traced through the objective's training step on ``sample_batch``).
 
   Returns:
     The :class:`Profile`.
@@ -241,9 +248,10 @@ def profile(model: nnx.Module, sample_batch: tuple[Any, Any], *,
     raise ValueError(f"device kind {device_kind!r} does not support "
                      f"{', '.join(lacking)}")
   tx = tx or optax.adam(1e-3)
-  x, _ = sample_batch
+  objective = as_objective(loss_fn, call=call)
   g = graph or graph_lib.trace_graph(
-      model, jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype))
+      model, objective.probe(calling.abstract(
+          jax.tree.map(jnp.asarray, sample_batch))))
   key = profile_key(g, model_name or type(model).__name__, device_kind,
                     precisions, optimizer_name)
   host_devices = list(host_devices or [])
@@ -256,7 +264,7 @@ def profile(model: nnx.Module, sample_batch: tuple[Any, Any], *,
 
   job = profile_job(model, sample_batch, g, key, device=device,
                     device_kind=device_kind, precisions=precisions,
-                    loss_fn=loss_fn, tx=tx, host_devices=host_devices,
+                    loss_fn=objective, tx=tx, host_devices=host_devices,
                     quant=quant)
   result = job.finish(timing.interleaved(job.calls, repeats,
                                          subtract_overhead=False))
@@ -289,9 +297,12 @@ def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
                 ) -> ProfileJob:
   """Builds the calls of :func:`profile` (see there); keys are tuples.
 
-  ``casts`` and ``memory_model``, when given, are reused instead of fitted
-  and compiled again (for several jobs on one model).
+  ``loss_fn`` is any form :func:`qsync_jax.task.as_objective` takes and
+  ``sample_batch`` any pytree it takes. ``casts`` and ``memory_model``, when
+  given, are reused instead of fitted and compiled again (for several jobs
+  on one model).
   """
+  loss_fn = as_objective(loss_fn)
   calls: dict[tuple, Callable[[], Any]] = {}
   host_devices = list(host_devices)
   # Layers with equal pieces are timed once, under the first one's path:
@@ -333,7 +344,7 @@ def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
     for k, c in calls_lib.step_overhead_calls(host_devices).items():
       calls[("overhead", k)] = c
     for k, c in calls_lib.update_calls(model, tx, host_devices,
-                                       g.input_spec).items():
+                                       g.sample).items():
       calls[("update", k)] = c
 
   def finish(raw: Mapping[tuple, float]) -> Profile:

@@ -25,6 +25,7 @@ from jax.extend import core as jex_core
 import numpy as np
 
 from qsync_jax.plan import policy
+from qsync_jax.task import calling
 
 _MARK = "qsync_depth_layer_"
 # Loops and branches run their body more than once or not at all: a BFS
@@ -39,7 +40,9 @@ def forward_structure(model: nnx.Module, layer_list: Sequence[policy.Layer],
   Args:
     model: the NNX model (left unchanged).
     layer_list: its addressable layers in forward order.
-    sample: an input batch (or ``jax.ShapeDtypeStruct``).
+    sample: the model's inputs (arrays or ``jax.ShapeDtypeStruct``: one, a
+      tuple or a dict) or a :class:`qsync_jax.task.Probe` of its forward
+      pass; every array of the probe's data is a model input.
 
   Returns:
     ``(depths, lookup_numel)`` in ``layer_list`` order: depth 0 for a
@@ -54,7 +57,7 @@ def forward_structure(model: nnx.Module, layer_list: Sequence[policy.Layer],
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   def make_wrapper(i, layer, base):
-    if isinstance(layer.module, nnx.Embed):
+    if policy.is_embedding(layer.module):
       def promote(arrays, **kw):
         def body(table):
           return base((table,), **kw)[0]
@@ -72,20 +75,26 @@ def forward_structure(model: nnx.Module, layer_list: Sequence[policy.Layer],
       return jax.jit(body)(args[li], args[ri])
     return wrapped
 
-  def forward(p, r, x):
+  probe = calling.as_probe(model, sample)
+  data = calling.abstract(probe.data)
+
+  def forward(p, r, d):
     # Instrument a fresh copy so the caller's model is left as it was.
     m = nnx.merge(graphdef, p, jax.tree.map(lambda v: v, r))
     found = policy.addressable_modules(m)
     policy.instrument(m, [policy.Layer(l.path, found[l.path], l.kind)
                           for l in layer_list], make_wrapper)
-    return m(x)
+    return probe.fn(m, d)
 
-  closed = jax.make_jaxpr(forward)(params, rest, sample)
+  closed = jax.make_jaxpr(forward)(params, rest, data)
   jaxpr = closed.jaxpr
   env: dict[Any, int | None] = {v: None for v in jaxpr.invars}
-  env[jaxpr.invars[-1]] = -1  # the model input: its readers are depth 0
+  # The data's arrays are the model inputs: their readers are depth 0.
+  num_data = len(jax.tree.leaves(data))
+  for v in jaxpr.invars[len(jaxpr.invars) - num_data:]:
+    env[v] = -1
   walk = _Walk(len(layer_list), {i for i, l in enumerate(layer_list)
-                                 if isinstance(l.module, nnx.Embed)})
+                                 if policy.is_embedding(l.module)})
   walk.run(jaxpr, env)
   missing = [l.path for i, l in enumerate(layer_list)
              if walk.depths[i] is None]

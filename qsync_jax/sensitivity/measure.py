@@ -11,7 +11,7 @@ compiled program that selects each layer's precision at run time with
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from flax import nnx
 import jax
@@ -24,24 +24,31 @@ from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.plan import policy
 from qsync_jax.sensitivity import methods
+from qsync_jax.sensitivity.scores import as_batches
+from qsync_jax.sensitivity.scores import batch_key
 from qsync_jax.sensitivity.scores import checked_layers
 from qsync_jax.sensitivity.scores import DEFAULT_PRECISIONS
 from qsync_jax.sensitivity.scores import Scores
+from qsync_jax.task import calling
+from qsync_jax.task.objective import as_objective
 
 
-def measure(model: nnx.Module, loss_fn: Callable[[jax.Array, jax.Array],
-                                                 jax.Array],
-            batches: Sequence[tuple[Any, Any]],
+def measure(model: nnx.Module, loss_fn: Any, batches: Sequence[Any],
             precisions: Sequence[Precision | str] = DEFAULT_PRECISIONS, *,
-            quant: QuantConfig | None = None) -> dict[str, Scores]:
+            quant: QuantConfig | None = None, seed: int = 0,
+            call: calling.CallFn | None = None) -> dict[str, Scores]:
   """Measured sensitivity: each layer alone at each precision.
 
   Args:
-    model: an NNX model in FP32.
-    loss_fn: ``loss_fn(logits, labels) -> scalar``.
-    batches: a few ``(inputs, labels)`` batches.
+    model: an NNX model in FP32 (left unchanged, its mode included).
+    loss_fn: the loss in any form :func:`qsync_jax.task.as_objective` takes
+      (None: classification on ``(inputs, labels)`` batches).
+    batches: a few batches (any pytrees the objective takes).
     precisions: the precisions each layer is switched to.
     quant: the quantization (rounding mode) the ops use.
+    seed: batch ``b``'s RNG streams (dropout) come from ``seed + b``, the
+      same for every variant, as in :func:`qsync_jax.sensitivity.compute`.
+    call: the call hook of the classification objectives.
 
   Returns:
     ``{"loss": Scores, "grad": Scores}``: mean |loss change| and mean
@@ -53,16 +60,19 @@ def measure(model: nnx.Module, loss_fn: Callable[[jax.Array, jax.Array],
   """
   precisions = [Precision.parse(p) for p in precisions]
   quant = quant or QuantConfig()
-  layer_list = checked_layers(model, batches)
+  objective = as_objective(loss_fn, call=call)
+  batches = as_batches(batches)
+  keys = [batch_key(seed, b) for b in range(len(batches))]
+  layer_list = checked_layers(model, batches, objective)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   choices = [Precision.FP32, *[p for p in precisions
                                if p not in methods.ZERO_PRECISIONS]]
-  evaluate = _switch_fn(graphdef, layer_list, loss_fn, choices, quant)
+  evaluate = _switch_fn(graphdef, layer_list, objective, choices, quant)
   start = time.perf_counter()
   n = len(layer_list)
   ref = []
-  for x, y in batches:
-    ref.append(evaluate(params, rest, x, y, jnp.zeros(n, jnp.int32)))
+  for batch, key in zip(batches, keys):
+    ref.append(evaluate(params, rest, batch, key, jnp.zeros(n, jnp.int32)))
   loss_values: dict[str, dict[str, float]] = {}
   grad_values: dict[str, dict[str, float]] = {}
   for i, layer in enumerate(layer_list):
@@ -70,8 +80,8 @@ def measure(model: nnx.Module, loss_fn: Callable[[jax.Array, jax.Array],
     for p in methods.allowed_precisions(layer, precisions):
       select = jnp.zeros(n, jnp.int32).at[i].set(choices.index(p))
       dl, dg = [], []
-      for (x, y), (l0, g0) in zip(batches, ref):
-        l1, g1 = evaluate(params, rest, x, y, select)
+      for batch, key, (l0, g0) in zip(batches, keys, ref):
+        l1, g1 = evaluate(params, rest, batch, key, select)
         dl.append(abs(float(l1 - l0)))
         dg.append(float(jnp.linalg.norm(g1 - g0) / jnp.linalg.norm(g0)))
       loss_values[layer.path][p.value] = float(np.mean(dl))
@@ -81,24 +91,24 @@ def measure(model: nnx.Module, loss_fn: Callable[[jax.Array, jax.Array],
           "grad": Scores(grad_values, "measured_grad", elapsed)}
 
 
-def _switch_fn(graphdef, layer_list, loss_fn, choices, quant):
-  """A jitted fn(params, rest, x, y, select) -> (loss, flat grad).
+def _switch_fn(graphdef, layer_list, objective, choices, quant):
+  """A jitted fn(params, rest, batch, key, select) -> (loss, flat grad).
 
   ``select[i]`` indexes ``choices`` for layer i (0 = FP32), so one compiled
   program evaluates every single-layer variant.
   """
   def op_for(module, precision):
-    if isinstance(module, nnx.Embed):
+    if policy.is_embedding(module):
       return None
     return policy.op_attribute(module)[1](precision, quant)
 
   @jax.jit
-  def evaluate(params, rest, x, y, select):
+  def evaluate(params, rest, batch, key, select):
     model = nnx.merge(graphdef, params, rest)
 
     def make_wrapper(i, layer, base):
       module = layer.module
-      if isinstance(module, nnx.Embed):
+      if policy.is_embedding(module):
         dtypes = [jnp.float32 if p is Precision.FP32 else
                   {Precision.FP16: jnp.float16,
                    Precision.BF16: jnp.bfloat16}.get(p, jnp.float32)
@@ -125,7 +135,10 @@ def _switch_fn(graphdef, layer_list, loss_fn, choices, quant):
       return switched
 
     policy.instrument(model, layer_list, make_wrapper)
-    loss, grads = nnx.value_and_grad(lambda m: loss_fn(m(x), y))(model)
+    # The batch's RNG streams are rebuilt from its key in every variant:
+    # one dropout mask per batch (scores' capture pass derives them alike).
+    loss, grads = nnx.value_and_grad(lambda m: objective(
+        m, batch, nnx.Rngs(jax.random.fold_in(key, 1)), train=True)[0])(model)
     return loss, ravel_pytree(grads)[0]
 
   return evaluate

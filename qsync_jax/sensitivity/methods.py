@@ -252,7 +252,7 @@ def _layer_weights(model, layer_list) -> dict[str, jax.Array | None]:
   weights = {}
   for layer in layer_list:
     m = layer.module
-    if isinstance(m, nnx.Embed):
+    if policy.is_embedding(m):
       weights[layer.path] = m.embedding[...]
     elif isinstance(m, MatMul):
       weights[layer.path] = None
@@ -325,36 +325,49 @@ def hutchinson_traces(loss: Callable[[Any], jax.Array], params: Any,
   return jax.tree.map(lambda t: t.mean(), per_probe)
 
 
+def _state_paths(model: nnx.Module) -> dict[int, tuple]:
+  """``{id(module): its path in the model's state}`` (``()`` for the root,
+  which a bare layer as the model is)."""
+  return {id(node): tuple(path) for path, node in nnx.iter_graph(model)
+          if isinstance(node, nnx.Module)}
+
+
 def hessian_scores(model: nnx.Module, layer_list: Sequence[policy.Layer],
-                   loss_fn: Callable[[jax.Array, jax.Array], jax.Array],
-                   batches: Sequence[tuple[Any, Any]],
+                   objective: Callable[..., tuple[jax.Array, Any]],
+                   batches: Sequence[Any],
                    precisions: Sequence[Precision], quant: QuantConfig,
                    num_probes: int, seed: int) -> dict[str, dict[str, float]]:
   """Each weight's Hessian trace (:func:`hutchinson_traces`, averaged over
-  the batches) times its mean quantization noise variance, halved."""
+  the batches) times its mean quantization noise variance, halved.
+
+  ``objective(model, batch, rngs, train=True) -> (loss, metrics)`` is a
+  :class:`qsync_jax.task.Objective`; batch ``b``'s RNG streams (dropout)
+  come from ``key(seed + b)``, the same for every probe.
+  """
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   weight_of = {}
   for layer in layer_list:
     m = layer.module
     if isinstance(m, MatMul):
       continue
-    weight_of[layer.path] = "embedding" if isinstance(m, nnx.Embed) else (
+    weight_of[layer.path] = "embedding" if policy.is_embedding(m) else (
         "kernel")
 
   @jax.jit
-  def traces(params, x, y, key):
-    # A fresh copy of the BatchNorm statistics per trace: the model may
-    # update them, but every probe sees the same function.
+  def traces(params, batch, key):
+    # A fresh copy of the BatchNorm statistics (and RNG counts) per trace:
+    # the model may update them, but every probe sees the same function.
     def loss(p):
       model = nnx.merge(graphdef, p, jax.tree.map(lambda v: v, rest))
-      return loss_fn(model(x), y)
+      return objective(model, batch, nnx.Rngs(jax.random.fold_in(key, 1)),
+                       train=True)[0]
     return hutchinson_traces(loss, params, key, num_probes)
 
-  per_batch = [traces(params, jnp.asarray(x), jnp.asarray(y),
-                      jax.random.key(seed + b))
-               for b, (x, y) in enumerate(batches)]
+  per_batch = [traces(params, batch, jax.random.key(seed + b))
+               for b, batch in enumerate(batches)]
   mean_trace = jax.tree.map(lambda *t: float(np.mean(t)), *per_batch)
   weights = _layer_weights(model, layer_list)
+  state_path = _state_paths(model)
   values = {}
   for layer in layer_list:
     row = {}
@@ -363,8 +376,8 @@ def hessian_scores(model: nnx.Module, layer_list: Sequence[policy.Layer],
         row[p.value] = 0.0
         continue
       node = mean_trace
-      for part in layer.path.split("/"):
-        node = node[int(part) if part.isdigit() else part]
+      for part in state_path[id(layer.module)]:
+        node = node[part]
       trace = node[weight_of[layer.path]]
       w = weights[layer.path]
       # E[dW^T H dW] / 2 with i.i.d. noise: tr(H) * mean noise variance / 2.

@@ -10,6 +10,12 @@ pass they start from: for ``qsync`` and ``qsync_var``, statistics (activation
 scale, norm and size, weight-gradient norm and its FP16 exponent) captured
 inside the forward and backward pass in FP32 and averaged over the batches
 (the weight gradient accumulated over them, as QSync's profiler does).
+
+Models are scored through the model-call contract of :mod:`qsync_jax.task`:
+the loss is any form :func:`qsync_jax.task.as_objective` takes, batches are
+any pytrees, the model runs in train mode with RNG streams fixed per batch
+(dropout draws one mask per batch, the same in every pass over it), and the
+model's own mode is left as it was.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from flax import nnx
 import jax
@@ -30,6 +36,8 @@ from qsync_jax.plan import policy
 from qsync_jax.sensitivity import depth
 from qsync_jax.sensitivity import methods
 from qsync_jax.sensitivity.methods import METHODS
+from qsync_jax.task import calling
+from qsync_jax.task.objective import Objective, as_objective
 
 DEFAULT_PRECISIONS = (Precision.INT8, Precision.FP16, Precision.BF16)
 
@@ -79,25 +87,31 @@ class Scores:
                data.get("per_batch_s"))
 
 
-def compute(model: nnx.Module, loss_fn: Callable[[jax.Array, jax.Array],
-                                                 jax.Array],
-            batches: Sequence[tuple[Any, Any]], method: str = "qsync",
+def compute(model: nnx.Module, loss_fn: Any, batches: Sequence[Any],
+            method: str = "qsync",
             precisions: Iterable[Precision | str] = DEFAULT_PRECISIONS, *,
             quant: QuantConfig | None = None, seed: int = 0,
-            hessian_probes: int = 8) -> Scores:
+            hessian_probes: int = 8,
+            call: calling.CallFn | None = None) -> Scores:
   """Scores every (layer, precision) of ``model`` with ``method``.
 
   Args:
     model: an NNX model in FP32 (its current plan is ignored: statistics are
-      captured in FP32).
-    loss_fn: ``loss_fn(logits, labels) -> scalar``.
-    batches: a few ``(inputs, labels)`` batches.
+      captured in FP32; its mode and state are left unchanged).
+    loss_fn: the loss in any form :func:`qsync_jax.task.as_objective` takes:
+      None (classification on ``(inputs, labels)``), ``loss_fn(logits,
+      labels)``, ``loss_fn(model, batch, rngs)`` or an ``Objective``.
+    batches: a few batches (any pytrees the objective takes).
     method: one of :data:`METHODS`.
     precisions: candidate precisions (FP32 scores 0; embeddings and
       attention matmuls only get 16-bit ones).
     quant: the quantization (rounding mode) the ops use.
-    seed: for ``random`` and the Hutchinson probes.
+    seed: for ``random`` and the Hutchinson probes; batch ``b``'s RNG
+      streams (dropout) are seeded with ``seed + b``.
     hessian_probes: Hutchinson probes per batch.
+    call: the call hook ``call(model, inputs, *, train, rngs)`` of the
+      classification objectives (default
+      :func:`qsync_jax.task.call_model`).
 
   Returns:
     :class:`Scores`; ``time_s`` is the method's wall time.
@@ -111,26 +125,27 @@ def compute(model: nnx.Module, loss_fn: Callable[[jax.Array, jax.Array],
                      f"{', '.join(METHODS)}")
   precisions = [Precision.parse(p) for p in precisions]
   quant = quant or QuantConfig()
-  batches = [(jnp.asarray(x), jnp.asarray(y)) for x, y in batches]
-  layer_list = checked_layers(model, batches)
+  objective = as_objective(loss_fn, call=call)
+  batches = as_batches(batches)
+  layer_list = checked_layers(model, batches, objective)
   start = time.perf_counter()
   steady_s = None
   if method in ("qsync", "qsync_var"):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    capture = _capture_fn(graphdef, layer_list, loss_fn, precisions,
+    capture = _capture_fn(graphdef, layer_list, objective, precisions,
                           quant.rounding, curvature=method == "qsync_var")
     per_batch = []
-    for b, (x, y) in enumerate(batches):
+    for b, batch in enumerate(batches):
       if b == 1:
         steady_start = time.perf_counter()
       per_batch.append(jax.block_until_ready(
-          capture(params, rest, x, y, jax.random.key(seed + b))[1]))
+          capture(params, rest, batch, batch_key(seed, b))[1]))
     if len(batches) > 1:
       steady_s = (time.perf_counter() - steady_start) / (len(batches) - 1)
     stats = _mean_stats(per_batch)
     if method == "qsync":
-      depths, lookup = depth.forward_structure(model, layer_list,
-                                                     batches[0][0])
+      depths, lookup = depth.forward_structure(
+          model, layer_list, forward_probe(objective, batches[0]))
       values = methods.qsync_scores(stats, layer_list, precisions, depths,
                                     lookup)
     else:
@@ -138,7 +153,7 @@ def compute(model: nnx.Module, loss_fn: Callable[[jax.Array, jax.Array],
   elif method == "wvar":
     values = methods.wvar_scores(model, layer_list, precisions, quant)
   elif method == "hessian":
-    values = methods.hessian_scores(model, layer_list, loss_fn, batches,
+    values = methods.hessian_scores(model, layer_list, objective, batches,
                                     precisions, quant, hessian_probes, seed)
   else:
     values = methods.random_scores(layer_list, precisions, seed)
@@ -148,9 +163,39 @@ def compute(model: nnx.Module, loss_fn: Callable[[jax.Array, jax.Array],
   return Scores(values, method, time.perf_counter() - start, steady_s)
 
 
-def checked_layers(model: nnx.Module, batches: Sequence[tuple[Any, Any]]
+def as_batches(batches: Sequence[Any]) -> list[Any]:
+  """The batches as a list of pytrees of jax arrays (any pytree works)."""
+  return [jax.tree.map(jnp.asarray, batch) for batch in batches]
+
+
+def batch_key(seed: int, b: int) -> jax.Array:
+  """The PRNG key of batch ``b``: its RNG streams (dropout) are derived
+  from it, fixed per batch, so every pass over a batch draws one mask."""
+  return jax.random.key(seed + b)
+
+
+def forward_probe(objective: Objective, batch: Any) -> calling.Probe:
+  """A Probe of the model's train-mode forward pass on ``batch``'s inputs
+  (of the objective's whole loss when it does not know its inputs)."""
+  return calling.Probe(
+      lambda model, b: objective.forward(model, b, train=True),
+      calling.abstract(batch))
+
+
+def checked_layers(model: nnx.Module, batches: Sequence[Any],
+                   objective: Objective | None = None
                    ) -> list[policy.Layer]:
-  """The layers a plan can address in ``model``, run on ``batches[0]``.
+  """The layers a plan can address in ``model``, traced on ``batches[0]``.
+
+  The model is traced (abstractly) through the objective's training step on
+  the first batch, so no ``input_spec`` is needed; where the trace fails and
+  the model has an ``input_spec`` the batch disagrees with, the error says
+  so.
+
+  Args:
+    model: the NNX model.
+    batches: the batches (any pytrees the objective takes).
+    objective: the objective (default: classification).
 
   Raises:
     ValueError: no batches, batches the model cannot take, or a model with
@@ -158,21 +203,40 @@ def checked_layers(model: nnx.Module, batches: Sequence[tuple[Any, Any]]
   """
   if not batches:
     raise ValueError("the indicator needs at least one batch")
-  x0 = batches[0][0]
-  spec = getattr(model, "input_spec", None)
-  if callable(spec):
-    want = spec(np.shape(x0)[0])
-    if tuple(np.shape(x0)) != tuple(want.shape):
-      raise ValueError(f"batch input of shape {tuple(np.shape(x0))} does "
-                       f"not match the model's input_spec "
-                       f"{tuple(want.shape)}")
+  objective = objective or as_objective(None)
+  batch = calling.abstract(jax.tree.map(jnp.asarray, batches[0]))
   try:
-    return policy.model_layers(model, jnp.asarray(x0))
+    return policy.model_layers(model, objective.probe(batch))
   except (TypeError, ValueError) as e:
     if "no layer a precision plan can address" in str(e):
       raise
-    raise ValueError(f"the model cannot run on batches of shape "
-                     f"{tuple(np.shape(x0))}: {e}") from None
+    mismatch = _input_spec_mismatch(model, objective, batch)
+    if mismatch:
+      raise ValueError(mismatch) from None
+    shapes = jax.tree.map(lambda a: tuple(a.shape), batch)
+    raise ValueError(f"the model cannot run on batches of shape {shapes}: "
+                     f"{e}") from None
+
+
+def _input_spec_mismatch(model: nnx.Module, objective: Objective,
+                         batch: Any) -> str | None:
+  """How a batch's single input differs from ``model.input_spec`` (None
+  when the model has none, the inputs are unknown or not one array, or they
+  agree)."""
+  spec = getattr(model, "input_spec", None)
+  if not callable(spec) or objective.inputs is None:
+    return None
+  try:
+    inputs = objective.inputs(batch)
+  except (TypeError, ValueError, IndexError, KeyError):
+    return None
+  if not getattr(inputs, "shape", None):
+    return None
+  want = spec(inputs.shape[0])
+  if tuple(inputs.shape) == tuple(getattr(want, "shape", ())):
+    return None
+  return (f"batch input of shape {tuple(inputs.shape)} does not match the "
+          f"model's input_spec {tuple(want.shape)}")
 
 
 # --------------------------------------------------------------------------
@@ -192,9 +256,13 @@ def _bilinear_wrapper(module, base, transform):
   return wrapped
 
 
-def _capture_fn(graphdef, layer_list, loss_fn, precisions, rounding,
-                curvature: bool):
-  """Returns a jitted fn(params, rest, x, y, key) -> per-layer statistics.
+def _capture_fn(graphdef, layer_list, objective: Objective, precisions,
+                rounding, curvature: bool):
+  """Returns a jitted fn(params, rest, batch, key) -> per-layer statistics.
+
+  ``key`` seeds the Hutchinson probe and the batch's RNG streams (a fresh
+  ``nnx.Rngs`` per pass, so the gradient and the Hessian-vector product see
+  one dropout mask).
 
   With ``curvature`` it also estimates the Hessian diagonal (``qsync_var``);
   QSync's own formula needs only the statistics and gradients.
@@ -203,14 +271,14 @@ def _capture_fn(graphdef, layer_list, loss_fn, precisions, rounding,
             for layer in layer_list]
 
   @jax.jit
-  def capture(params, rest, x, y, key):
+  def capture(params, rest, batch, key):
     model = nnx.merge(graphdef, params, rest)
     # The wrappers read the perturbations of the current trace from `box`
     # and record each layer's operands and output into it.
     box = {"perturb": None, "stats": {}}
 
     def make_wrapper(i, layer, base):
-      if isinstance(layer.module, nnx.Embed):
+      if policy.is_embedding(layer.module):
         def promote(arrays, **kw):
           (table,) = arrays
           table = table + box["perturb"][i]["w"]
@@ -237,7 +305,9 @@ def _capture_fn(graphdef, layer_list, loss_fn, precisions, rounding,
     def run(perturb):
       box["perturb"], box["stats"] = perturb, {}
       m = nnx.merge(instrumented, p_state, jax.tree.map(lambda v: v, r_state))
-      return loss_fn(m(x), y), box["stats"]
+      loss, _ = objective(m, batch, nnx.Rngs(jax.random.fold_in(key, 1)),
+                          train=True)
+      return loss, box["stats"]
 
     # Zero perturbations shaped like each layer's operands and output: their
     # gradients are dL/dx, dL/dW and dL/dy.

@@ -92,7 +92,8 @@ def load_state(trainer: HybridTrainer, tree: dict[str, Any],
   trainer.loss_scale = ls.LossScale(*tree["loss_scale"])
   for i in trainer.local_workers:
     trainer.rest[i] = layout.unstack_tree(tree["rest"],
-                                          trainer.workers[i].device)
+                                          trainer.workers[i].device,
+                                          like=trainer.rest[i])
   trainer.step = int(meta["step"])
   trainer.sync_rounds = int(meta["sync_rounds"])
   trainer.comm_bytes = float(meta["comm_bytes"])

@@ -2,7 +2,7 @@
 
 This module owns :func:`eval_function` (one jitted evaluation batch of the
 model in eval mode, with the default FP32 plan), :func:`evaluate` (the mean
-loss and accuracy over a dataset, batch by batch on one device) and the
+metrics over a dataset, batch by batch on one device) and the
 BatchNorm statistics the evaluated model uses: :data:`BN_STATS` names the
 choices, :func:`bn_function` and :func:`reestimate` re-estimate them for the
 evaluated parameters on training batches, as the official QSR code's
@@ -13,17 +13,17 @@ evaluated parameters on training batches, as the official QSR code's
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qsync_jax.data.batching import eval_batches
+from qsync_jax.plan import bridge
+from qsync_jax.task.objective import as_objective
+from qsync_jax.task.objective import batch_size as batch_size_of
 from qsync_jax.train import layout
-
-LossFn = Callable[[jax.Array, jax.Array], jax.Array]
 
 #: How evaluation sets the BatchNorm statistics: ``"average"`` (the mean of
 #: the workers' running statistics) or ``"reestimate"`` (recomputed for the
@@ -32,58 +32,70 @@ BN_STATS = ("average", "reestimate")
 
 
 def eval_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
-                  loss_fn: LossFn) -> Callable:
+                  loss_fn: Any = None) -> Callable:
   """The jitted evaluation of one batch.
 
   Args:
-    graphdef: the model's graph definition in eval mode.
+    graphdef: the model's FP32 graph definition.
     unravel: flat parameter vector to parameter pytree.
-    loss_fn: ``loss_fn(logits, labels) -> scalar`` (a mean).
+    loss_fn: the objective, in any form :func:`qsync_jax.task.as_objective`
+      takes (default: classification).
 
   Returns:
-    ``eval_fn(params_row, rest, x, y) -> (loss_sum, correct)`` over the
-    batch, where ``params_row`` is a ``(1, P)`` flat parameter row.
+    ``eval_fn(params_row, rest, batch) -> {"loss", ...metrics}``, the
+    batch's means with the model in eval mode, where ``params_row`` is a
+    ``(1, P)`` flat parameter row.
   """
+  objective = as_objective(loss_fn)
 
   @jax.jit
-  def eval_fn(params_row, rest, x, y):
+  def eval_fn(params_row, rest, batch):
     model = nnx.merge(graphdef, unravel(params_row[0]), rest)
-    logits = model(x)
-    n = y.size
-    return loss_fn(logits, y) * n, (jnp.argmax(logits, -1) == y).sum()
+    loss, metrics = objective(model, batch, train=False)
+    return {"loss": loss, **metrics}
 
   return eval_fn
 
 
+def slices(data: Any, batch_size: int) -> Iterator[Any]:
+  """``data`` (a pytree of arrays sharing the leading axis) in consecutive
+  batches of at most ``batch_size`` examples, the last one shorter."""
+  n = batch_size_of(data)
+  for start in range(0, n, batch_size):
+    yield jax.tree.map(lambda a, s=start: a[s:s + batch_size], data)
+
+
 def evaluate(eval_fn: Callable, params_row: jax.Array, rest: Any,
-             x: np.ndarray, y: np.ndarray, device: jax.Device,
+             data: Any, device: jax.Device,
              batch_size: int = 256) -> dict[str, float]:
-  """Mean loss and accuracy of ``eval_fn`` over ``(x, y)`` on ``device``.
+  """The means of ``eval_fn``'s metrics over ``data`` on ``device``.
 
   Args:
     eval_fn: from :func:`eval_function`.
     params_row: the ``(1, P)`` parameters, on ``device``.
     rest: the non-parameter state, on ``device``.
-    x: inputs (leading axis: examples).
-    y: labels.
+    data: the evaluation set as one batch pytree (``(x, y)`` for
+      classification), leading axis examples.
     device: the device that runs the evaluation.
     batch_size: examples per evaluation batch.
 
   Returns:
-    ``{"loss", "accuracy"}`` over all examples.
+    ``{"loss", ...metrics}``, each the example-weighted mean over ``data``.
   """
-  loss_sum = correct = count = 0.0
-  for xb, yb in eval_batches(x, y, batch_size):
-    xb, yb = jax.device_put((xb, yb), device)
-    l, c = eval_fn(params_row, rest, xb, yb)
-    loss_sum += float(l)
-    correct += float(c)
-    count += yb.size
-  return {"loss": loss_sum / count, "accuracy": correct / count}
+  sums: dict[str, float] = {}
+  count = 0
+  for batch in slices(data, batch_size):
+    n = batch_size_of(batch)
+    out = eval_fn(params_row, rest, jax.device_put(batch, device))
+    for name, value in out.items():
+      sums[name] = sums.get(name, 0.0) + float(value) * n
+    count += n
+  return {name: total / count for name, total in sums.items()}
 
 
 def bn_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
-                model: nnx.Module, bn_stats: str) -> Callable | None:
+                model: nnx.Module, bn_stats: str,
+                loss_fn: Any = None) -> Callable | None:
   """The jitted step that re-estimates BatchNorm statistics on one batch.
 
   The official QSR code (``XModel.estimate_BN_params``) runs training
@@ -98,11 +110,13 @@ def bn_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
     unravel: flat parameter vector to parameter pytree.
     model: the model (to find its BatchNorm layers).
     bn_stats: one of :data:`BN_STATS`.
+    loss_fn: the objective (:func:`qsync_jax.task.as_objective`); its
+      forward pass in train mode runs the batches.
 
   Returns:
-    ``bn_fn(params_row, rest, x, m) -> rest``: ``rest`` with every
+    ``bn_fn(params_row, rest, batch, m) -> rest``: ``rest`` with every
     ``BatchStat`` replaced by ``(1 - m) * old + m * batch`` (the batch's
-    statistics of ``x`` under the ``(1, P)`` parameters ``params_row``),
+    statistics under the ``(1, P)`` parameters ``params_row``),
     other entries unchanged; None for ``"average"`` or a model without
     BatchNorm statistics.
 
@@ -111,6 +125,7 @@ def bn_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
       statistics outside ``nnx.BatchNorm`` layers, whose update this cannot
       steer.
   """
+  objective = as_objective(loss_fn)
   if bn_stats not in BN_STATS:
     raise ValueError(f"unknown bn_stats {bn_stats!r}; valid: "
                      f"{', '.join(BN_STATS)}")
@@ -119,7 +134,10 @@ def bn_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
   if bn_stats == "average" or not stats:
     return None
   norms = {p for p, n in nodes if isinstance(n, nnx.BatchNorm)}
-  outside = ["/".join(map(str, p)) for p in stats if p[:-1] not in norms]
+  # A wrapped Linen model steers its nn.BatchNorm layers' momentum itself.
+  linen = [p for p, n in nodes if isinstance(n, bridge.LinenModel)]
+  outside = ["/".join(map(str, p)) for p in stats if p[:-1] not in norms
+             and not any(p[:len(q)] == q for q in linen)]
   if outside:
     raise ValueError(
         f"bn_stats='reestimate' re-estimates nnx.BatchNorm statistics, but "
@@ -127,16 +145,17 @@ def bn_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
         "bn_stats='average'")
 
   @jax.jit
-  def bn_fn(params_row, rest, x, m):
+  def bn_fn(params_row, rest, batch, m):
     model = nnx.merge(graphdef, unravel(params_row[0]), rest)
     # A snapshot: the state's variables alias the model's, which the
     # forward pass overwrites.
     old = jax.tree.map(jnp.asarray, nnx.state(model, nnx.BatchStat))
-    model.train()
     for _, node in nnx.iter_graph(model):
       if isinstance(node, nnx.BatchNorm):
         node.momentum = 0.0  # the running statistics become the batch's
-    model(x)
+      elif isinstance(node, bridge.LinenModel):
+        node.batch_norm_momentum = 0.0
+    objective.forward(model, batch, train=True)
     new = jax.tree.map(lambda a, b: (1 - m) * a + m * b, old,
                        nnx.state(model, nnx.BatchStat))
     # A fresh merge: the forward pass may have moved other state (dropout
@@ -163,7 +182,7 @@ def reestimate(bn_fn: Callable, params: jax.Array,
     params: the stacked ``(n, P)`` parameters to evaluate.
     rests: ``{worker index: non-parameter state}``; left untouched.
     devices: ``{worker index: device}`` of this process's workers.
-    train_batches: per step, ``{worker index: (x, y)}`` as
+    train_batches: per step, ``{worker index: batch}`` as
       :meth:`~qsync_jax.train.trainer.HybridTrainer.train_step` takes.
 
   Returns:
@@ -186,7 +205,7 @@ def reestimate(bn_fn: Callable, params: jax.Array,
   for i, device in devices.items():
     rest = rests[i]
     for idx, batches in enumerate(steps):
-      x = jax.device_put(batches[i][0], device)
-      rest = bn_fn(rows[device], rest, x, np.float32(1 / (1 + idx)))
+      batch = jax.device_put(batches[i], device)
+      rest = bn_fn(rows[device], rest, batch, np.float32(1 / (1 + idx)))
     out[i] = rest
   return out

@@ -54,9 +54,22 @@ def local_scalar(x: jax.Array) -> Any:
   return x.addressable_shards[0].data[0].item()
 
 
+def _is_key(a: Any) -> bool:
+  return jnp.issubdtype(getattr(a, "dtype", None), jax.dtypes.prng_key)
+
+
+def _key_data(a: Any) -> Any:
+  # Typed PRNG keys (a Dropout's own stream) cannot be assembled into global
+  # arrays or checkpointed as they are; their raw uint32 data can.
+  return jax.random.key_data(a) if _is_key(a) else a
+
+
 def stack_trees(trees: Mapping[jax.Device, Any], num_workers: int,
                 sharding: NamedSharding) -> Any:
   """Stacks per-device pytrees of equal structure into global arrays.
+
+  Typed PRNG keys are stacked as their raw ``key_data``;
+  :func:`unstack_tree` wraps them back given the original tree.
 
   Args:
     trees: ``{device: pytree}``, each on its device.
@@ -66,6 +79,7 @@ def stack_trees(trees: Mapping[jax.Device, Any], num_workers: int,
   Returns:
     One pytree whose leaves are ``(num_workers, *leaf.shape)`` arrays.
   """
+  trees = {d: jax.tree.map(_key_data, t) for d, t in trees.items()}
   per_device = {d: jax.tree.leaves(t) for d, t in trees.items()}
   leaves, treedef = jax.tree.flatten(next(iter(trees.values())))
   stacked = [
@@ -75,9 +89,21 @@ def stack_trees(trees: Mapping[jax.Device, Any], num_workers: int,
   return jax.tree.unflatten(treedef, stacked)
 
 
-def unstack_tree(tree: Any, device: jax.Device) -> Any:
-  """The row of ``device`` of every stacked leaf of ``tree`` (unbatched)."""
-  return jax.tree.map(lambda a: rows(a)[device][0], tree)
+def unstack_tree(tree: Any, device: jax.Device, like: Any = None) -> Any:
+  """The row of ``device`` of every stacked leaf of ``tree`` (unbatched).
+
+  Args:
+    tree: stacked global arrays (:func:`stack_trees`).
+    device: whose row.
+    like: a tree of the original structure; where it holds a typed PRNG
+      key, the row's raw key data is wrapped back into a key of its kind.
+  """
+  out = jax.tree.map(lambda a: rows(a)[device][0], tree)
+  if like is None:
+    return out
+  return jax.tree.map(
+      lambda a, ref: jax.random.wrap_key_data(
+          a, impl=jax.random.key_impl(ref)) if _is_key(ref) else a, out, like)
 
 
 def zeros_like(x: jax.Array, sharding: NamedSharding) -> jax.Array:

@@ -25,15 +25,17 @@ import jax
 from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
+import numpy as np
 import optax
 
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.plan import policy
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.train import layout
-from qsync_jax.train import losses
+from qsync_jax.task.objective import as_objective
 
-LossFn = Callable[[jax.Array, jax.Array], jax.Array]
+#: A loss in any form :func:`qsync_jax.task.as_objective` takes.
+LossFn = Any
 
 
 def plan_graphdefs(model: nnx.Module, plans: Sequence[tuple[PrecisionPlan,
@@ -44,22 +46,21 @@ def plan_graphdefs(model: nnx.Module, plans: Sequence[tuple[PrecisionPlan,
   """One graph definition per distinct plan, sharing the model's parameters.
 
   Args:
-    model: the NNX model (FP32 parameters); it is left in train mode with
-      the default plan applied.
+    model: the NNX model (FP32 parameters); it is left with the default
+      plan applied, in the mode it was in.
     plans: ``(plan, device kind)`` of each worker.
-    sample_input: an input the model accepts, to trace layer paths (default
-      ``model.input_spec``).
+    sample_input: the model's inputs or a :class:`qsync_jax.task.Probe`, to
+      trace layer paths (default ``model.input_spec``).
 
   Returns:
-    ``(graphdefs, precisions, eval_graphdef, params, rest)``: each worker's
-    training graph definition (workers with equal plans share one object),
-    each worker's effective layer precisions, the FP32 graph definition in
-    eval mode, and the model's parameters and other state.
+    ``(graphdefs, precisions, fp32_graphdef, params, rest)``: each worker's
+    graph definition (workers with equal plans share one object), each
+    worker's effective layer precisions, the FP32 graph definition (for
+    evaluation), and the model's parameters and other state.
 
   Raises:
     qsync_jax.PlanError: a plan does not fit the model or its device kind.
   """
-  model.train()
   layer_list = policy.model_layers(model, sample_input)  # traced once
   precisions: list[dict[str, Precision]] = []
   by_plan: dict[str, Any] = {}
@@ -74,56 +75,80 @@ def plan_graphdefs(model: nnx.Module, plans: Sequence[tuple[PrecisionPlan,
     graphdefs.append(by_plan[key])
   policy.set_precisions(layer_list, policy.resolve_layers(
       layer_list, PrecisionPlan()), PrecisionPlan().quant)
-  model.eval()
-  eval_graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  model.train()
-  return graphdefs, precisions, eval_graphdef, params, rest
+  fp32_graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  return graphdefs, precisions, fp32_graphdef, params, rest
+
+
+def step_rngs(seed: int, ids: jax.Array) -> nnx.Rngs:
+  """The RNG streams of one worker's step (dropout and the like).
+
+  Args:
+    seed: the run's seed.
+    ids: ``uint32[2]``: the worker's index and the step.
+
+  Returns:
+    ``nnx.Rngs`` whose default stream is ``key(seed)`` folded with both, so
+    workers draw different masks and every step new ones, reproducibly.
+  """
+  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), ids[0]),
+                           ids[1])
+  return nnx.Rngs(key)
 
 
 def grad_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
-                  loss_fn: LossFn) -> Callable:
+                  loss_fn: LossFn = None, seed: int = 0) -> Callable:
   """One worker's jitted gradient computation (its plan is in ``graphdef``).
 
+  Args:
+    graphdef: the worker's graph definition (its plan applied).
+    unravel: flat parameter vector to parameter pytree.
+    loss_fn: the objective, in any form :func:`qsync_jax.task.as_objective`
+      takes (default: classification).
+    seed: seeds the step's rngs (:func:`step_rngs`).
+
   Returns:
-    ``grad_fn(params_row, rest, scale_row, x, y) -> (grads_row, new_rest,
-    loss, accuracy)`` where ``params_row`` is the ``(1, P)`` flat float32
+    ``grad_fn(params_row, rest, scale_row, batch, ids) -> (grads_row,
+    new_rest, metrics)`` where ``params_row`` is the ``(1, P)`` flat float32
     parameter row, ``rest`` the non-parameter state, ``scale_row`` the
-    ``(1,)`` loss scale; ``grads_row`` is the ``(1, P)`` flat gradient of the
-    scaled loss.
+    ``(1,)`` loss scale, ``ids`` the ``uint32[2]`` (worker, step) of
+    :func:`step_rngs`; ``grads_row`` is the ``(1, P)`` flat gradient of the
+    scaled loss and ``metrics`` ``{"loss", ...the objective's metrics}``.
   """
+  objective = as_objective(loss_fn)
 
   @jax.jit
-  def grad_fn(params_row, rest, scale_row, x, y):
+  def grad_fn(params_row, rest, scale_row, batch, ids):
     model = nnx.merge(graphdef, unravel(params_row[0]), rest)
 
     def scaled_loss(m):
-      logits = m(x)
-      loss = loss_fn(logits, y)
-      return loss * scale_row[0], (loss, losses.accuracy(logits, y))
+      loss, metrics = objective(m, batch, step_rngs(seed, ids), train=True)
+      return loss * scale_row[0], {"loss": loss, **metrics}
 
-    # nnx.grad carries the BatchNorm statistics' updates back to `model`.
-    grads, (loss, acc) = nnx.grad(scaled_loss, has_aux=True)(model)
+    # nnx.grad carries the BatchNorm statistics' (and RNG counts') updates
+    # back to `model`.
+    grads, metrics = nnx.grad(scaled_loss, has_aux=True)(model)
     new_rest = nnx.split(model, nnx.Param, ...)[2]
-    return ravel_pytree(grads)[0][None], new_rest, loss, acc
+    return ravel_pytree(grads)[0][None], new_rest, metrics
 
   return grad_fn
 
 
 def grad_functions(graphdefs: Sequence[Any],
-                   unravel: Callable[[jax.Array], Any], loss_fn: LossFn
-                   ) -> list[Callable]:
+                   unravel: Callable[[jax.Array], Any], loss_fn: LossFn = None,
+                   seed: int = 0) -> list[Callable]:
   """Each worker's :func:`grad_function`, one per distinct graph definition
   (workers with equal plans share one compiled function)."""
+  objective = as_objective(loss_fn)
   by_graphdef: dict[int, Callable] = {}
-  return [by_graphdef.setdefault(id(gd), grad_function(gd, unravel, loss_fn))
-          for gd in graphdefs]
+  return [by_graphdef.setdefault(
+      id(gd), grad_function(gd, unravel, objective, seed)) for gd in graphdefs]
 
 
 def local_gradients(grad_fns: Mapping[int, Callable],
                     devices: Mapping[int, jax.Device], params: jax.Array,
                     scale: jax.Array, rests: dict[int, Any],
-                    batches: Mapping[int, tuple[Any, Any]],
-                    sharding: NamedSharding
+                    batches: Mapping[int, Any], sharding: NamedSharding,
+                    step: int = 0
                     ) -> tuple[jax.Array, dict[int, dict[str, jax.Array]]]:
   """Runs every local worker's gradient function on its batch.
 
@@ -133,23 +158,23 @@ def local_gradients(grad_fns: Mapping[int, Callable],
     params: the stacked ``(n, P)`` parameters.
     scale: the stacked ``(n,)`` loss scales.
     rests: ``{worker index: non-parameter state}``; updated in place.
-    batches: ``{worker index: (x, y)}``.
+    batches: ``{worker index: batch}`` (any pytree the objective takes).
     sharding: the stacked arrays' sharding.
+    step: the step's number, which seeds its rngs.
 
   Returns:
     ``(grads, metrics)``: the stacked ``(n, P)`` gradients of the scaled
-    losses, and ``{worker index: {"loss", "accuracy"}}`` as device scalars.
+    losses, and ``{worker index: {"loss", ...}}`` as device scalars.
   """
   params_rows = layout.rows(params)
   scale_rows = layout.rows(scale)
   grad_rows, metrics = {}, {}
   for i, device in devices.items():
-    x, y = (v if isinstance(v, jax.Array) and v.devices() == {device}
-            else jax.device_put(v, device) for v in batches[i])
-    g, rests[i], loss, acc = grad_fns[i](params_rows[device], rests[i],
-                                         scale_rows[device], x, y)
+    batch = jax.device_put(batches[i], device)
+    ids = np.array([i, step], np.uint32)
+    g, rests[i], metrics[i] = grad_fns[i](params_rows[device], rests[i],
+                                          scale_rows[device], batch, ids)
     grad_rows[device] = g
-    metrics[i] = {"loss": loss, "accuracy": acc}
   return layout.stack_local(grad_rows, params.shape, sharding), metrics
 
 

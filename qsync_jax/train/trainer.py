@@ -48,13 +48,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from typing import Any, Sequence
 
 from flax import nnx
 import jax
 from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -62,9 +62,10 @@ from qsync_jax.numerics.precision import Precision
 from qsync_jax.parallel import averagers
 from qsync_jax.parallel import schedules
 from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.task import calling
+from qsync_jax.task import objective as objective_lib
 from qsync_jax.train import evaluation
 from qsync_jax.train import layout
-from qsync_jax.train import losses
 from qsync_jax.train import programs
 from qsync_jax.train import step as step_lib
 from qsync_jax.train.layout import AXIS
@@ -87,6 +88,15 @@ class Worker:
   kind: str
   plan: PrecisionPlan
   batch_size: int
+
+
+def _worker_rest(rest: Any, index: int) -> Any:
+  """Worker ``index``'s copy of the non-parameter state: every typed PRNG
+  key (a layer's own RNG stream, e.g. ``nnx.Dropout(rngs=...)``) folded with
+  the index, so workers draw different dropout masks."""
+  return jax.tree.map(
+      lambda a: jax.random.fold_in(a, index)
+      if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a, rest)
 
 
 def _check_workers(workers: Sequence[Worker]) -> None:
@@ -119,10 +129,12 @@ class HybridTrainer:
   """Synchronous training over workers that run different precision plans.
 
   Args:
-    model: the NNX model (FP32 parameters); it is left in train mode.
+    model: the NNX model (FP32 parameters); its mode is left as it was.
     workers: the workers, one distinct device each.
     tx: the optax optimizer every worker applies.
-    loss_fn: ``loss_fn(logits, labels) -> scalar`` (float32).
+    loss_fn, call: the objective and call hook, as
+      :func:`qsync_jax.task.as_objective` takes them (default:
+      classification on ``(inputs, labels)`` batches).
     averager: how gradients are averaged (:mod:`qsync_jax.parallel.averagers`).
     schedule: when workers synchronize (:mod:`qsync_jax.parallel.schedules`).
     grad_weights: each worker's share of the averaged gradient (summing to
@@ -130,23 +142,21 @@ class HybridTrainer:
       which is the plain mean when batch sizes are equal.
     loss_scaling: ``"auto"`` (dynamic loss scaling when any worker computes
       a layer in FP16), ``True`` or ``False``.
-    sample_input: an input the model accepts, to trace layer paths (default
-      ``model.input_spec``).
-    error_feedback: keep each worker's compression error and send it again
-      with the next average
-      (:func:`qsync_jax.parallel.averagers.compress_with_feedback`). The
-      residual is kept in unscaled units, so a changing loss scale does not
-      distort it.
-    seed: seeds the averagers' rounding noise (a fresh key per average,
-      the same on every worker).
+    sample_input, sample_batch: the model's inputs (or a
+      :class:`qsync_jax.task.Probe`), else one worker's batch, to trace the
+      layers with (default: the model's ``input_spec``).
+    error_feedback: keep each worker's compression error (unscaled) and
+      send it again with the next average
+      (:func:`qsync_jax.parallel.averagers.compress_with_feedback`).
+    seed: seeds the averagers' rounding noise and the step rngs
+      (:func:`qsync_jax.train.step.step_rngs`); a layer's own RNG stream is
+      folded with the worker's index.
     bn_stats: the BatchNorm statistics :meth:`evaluate` uses:
-      ``"reestimate"`` (the QSR code's, under every schedule: recomputed
-      for the evaluated parameters on training batches) or ``"average"``
-      (the workers' running statistics averaged). No effect without
-      BatchNorm.
-    opt_fields_to_average: optimizer-state fields (``"mu"``, ``"nu"``,
-      ``"trace"``, ...) averaged with the parameters at each sync of a
-      local schedule (default none, as the QSR code).
+      ``"reestimate"`` (the QSR code's: recomputed for the evaluated
+      parameters on training batches) or ``"average"`` (the workers').
+    opt_fields_to_average: optimizer-state fields (``"mu"``, ...) averaged
+      with the parameters at each sync of a local schedule (as the QSR
+      code, default none).
 
   With local steps and loss scaling, each worker keeps its own loss scale
   and skips only its own non-finite steps; :attr:`skipped_steps` and
@@ -160,18 +170,21 @@ class HybridTrainer:
 
   def __init__(self, model: nnx.Module, workers: Sequence[Worker],
                tx: optax.GradientTransformation, *,
-               loss_fn: LossFn = losses.cross_entropy,
+               loss_fn: LossFn = None, call: Any = None,
                averager: Any = None, schedule: Any = None,
                grad_weights: Sequence[float] | None = None,
                loss_scaling: bool | str = "auto",
-               sample_input: Any = None, error_feedback: bool = False,
+               sample_input: Any = None, sample_batch: Any = None,
+               error_feedback: bool = False,
                seed: int = 0, bn_stats: str = "reestimate",
                opt_fields_to_average: Sequence[str] = ()):
     _check_workers(workers)
     self.workers = list(workers)
     self.num_workers = len(workers)
     self.tx = tx
-    self.loss_fn = loss_fn
+    self.objective = objective_lib.as_objective(loss_fn, call=call)
+    if sample_input is None and sample_batch is not None:
+      sample_input = self.objective.probe(calling.abstract(sample_batch))
     self.averager = averager or averagers.MeanAverager()
     self.schedule = schedule or schedules.EveryStep()
     self.error_feedback = bool(error_feedback)
@@ -184,7 +197,7 @@ class HybridTrainer:
     self._devices = {i: workers[i].device for i in self.local_workers}
     self.grad_weights = _grad_weights(workers, grad_weights)
 
-    graphdefs, self.precisions, eval_graphdef, params, rest = (
+    graphdefs, self.precisions, fp32_graphdef, params, rest = (
         step_lib.plan_graphdefs(model, [(w.plan, w.kind) for w in workers],
                                 sample_input))
     flat, self._unravel = ravel_pytree(params)
@@ -194,7 +207,8 @@ class HybridTrainer:
                          for eff in self.precisions)
     self.loss_scaling = bool(loss_scaling)
 
-    grad_fns = step_lib.grad_functions(graphdefs, self._unravel, loss_fn)
+    grad_fns = step_lib.grad_functions(graphdefs, self._unravel,
+                                       self.objective, self.seed)
     self._grad_fns = {i: grad_fns[i] for i in self.local_workers}
     self._update = programs.update_program(
         self.mesh, self._unravel, tx, self.averager, self.seed,
@@ -203,10 +217,10 @@ class HybridTrainer:
         self.mesh, self._unravel, tx)
     self._average_params = programs.average_params_program(
         self.mesh, self.averager, self.seed)
-    self._eval_fn = evaluation.eval_function(eval_graphdef, self._unravel,
-                                             loss_fn)
-    self._bn_fn = evaluation.bn_function(eval_graphdef, self._unravel, model,
-                                         bn_stats)
+    self._eval_fn = evaluation.eval_function(fp32_graphdef, self._unravel,
+                                             self.objective)
+    self._bn_fn = evaluation.bn_function(fp32_graphdef, self._unravel, model,
+                                         bn_stats, self.objective)
     self._mean_rest = programs.mean_rest_program(self.mesh)
     self._mean_params = programs.mean_params_program(self.mesh)
 
@@ -214,7 +228,8 @@ class HybridTrainer:
      self._counter, self.residual) = programs.initial_state(
          self.mesh, self._devices, self._unravel, tx, flat,
          self.grad_weights, self.loss_scaling, self.error_feedback)
-    self.rest = {i: jax.device_put(rest, d) for i, d in self._devices.items()}
+    self.rest = {i: jax.device_put(_worker_rest(rest, i), d)
+                 for i, d in self._devices.items()}
     self._average_opt, size = programs.opt_fields_program(
         self.mesh, self.opt_state, tuple(opt_fields_to_average))
     self._opt_bytes = averagers.MeanAverager().wire_bytes(size, len(workers))
@@ -228,24 +243,26 @@ class HybridTrainer:
   # Training.
   # ------------------------------------------------------------------
 
-  def train_step(self, batches: dict[int, tuple[Any, Any]]
+  def train_step(self, batches: dict[int, Any]
                  ) -> dict[int, dict[str, jax.Array]]:
     """Runs one synchronous step.
 
     Args:
-      batches: ``{worker index: (x, y)}`` for this process's workers; worker
+      batches: ``{worker index: batch}`` for this process's workers (a batch
+        is what the objective takes, ``(x, y)`` for classification); worker
         ``i``'s batch has ``workers[i].batch_size`` examples.
 
     Returns:
-      ``{worker index: {"loss", "accuracy"}}`` as device scalars (not
-      synchronized with the host, so logging them is the caller's choice).
+      ``{worker index: {"loss", ...the objective's metrics}}`` as device
+      scalars (not synchronized with the host, so logging them is the
+      caller's choice).
     """
     missing = [i for i in self.local_workers if i not in batches]
     if missing:
       raise ValueError(f"no batch for local workers {missing}")
     grads, metrics = step_lib.local_gradients(
         self._grad_fns, self._devices, self.params, self.loss_scale.scale,
-        self.rest, batches, self.sharding)
+        self.rest, batches, self.sharding, self.step)
     step = self.step + 1
     if self.schedule.averages_gradients_at(step):
       (self.params, self.opt_state, self.loss_scale, self._finite,
@@ -327,15 +344,18 @@ class HybridTrainer:
                                for i, d in self._devices.items()},
                               self.num_workers, self.sharding)
 
-  def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 256,
+  def evaluate(self, data: Any, batch_size: int = 256,
                train_batches: Any = None) -> dict[str, float]:
-    """Mean loss and accuracy over (x, y) with FP32 compute.
+    """The objective's mean loss and metrics over ``data``, FP32 compute.
+
+    ``data`` is the evaluation set as one batch (``(x, y)`` for
+    classification), leading axis examples; the model is in eval mode.
 
     The model evaluated is the workers' average: mid-round parameters are
     their exact float32 mean (no wire bytes, no sync round); BatchNorm
     statistics the workers' mean (``bn_stats="average"``) or the mean of
     each worker's re-estimate for those parameters on ``train_batches``
-    (per step ``{worker index: (x, y)}``, as :meth:`train_step` takes).
+    (per step ``{worker index: batch}``, as :meth:`train_step` takes).
     Training state is untouched. The first local worker's device runs it.
 
     Raises:
@@ -350,18 +370,14 @@ class HybridTrainer:
                                     self._devices, train_batches or ())
     first = self._first_device
     rest = layout.unstack_tree(self._mean_rest(self._stacked_rest(rests)),
-                               first)
+                               first, like=rests[self.local_workers[0]])
     return evaluation.evaluate(self._eval_fn, layout.rows(params)[first],
-                               rest, x, y, first, batch_size)
-
-  def describe_workers(self) -> list[dict[str, Any]]:
-    """Returns [{kind, device, batch_size, plan}] for summaries."""
-    return [{"kind": w.kind, "device": str(w.device),
-             "batch_size": w.batch_size, "plan": w.plan.to_dict()}
-            for w in self.workers]
+                               rest, data, first, batch_size)
 
 
-def plans_json(workers: Sequence[Worker]) -> str:
-  """The workers' plans as one JSON document (for run directories)."""
-  return json.dumps([{"kind": w.kind, "device": str(w.device),
-                      "plan": w.plan.to_dict()} for w in workers], indent=2)
+def describe_workers(workers: Sequence[Worker]) -> list[dict[str, Any]]:
+  """Returns [{kind, device, batch_size, plan}] of the workers, for
+  summaries."""
+  return [{"kind": w.kind, "device": str(w.device),
+           "batch_size": w.batch_size, "plan": w.plan.to_dict()}
+          for w in workers]

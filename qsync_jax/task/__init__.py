@@ -1,0 +1,30 @@
+"""How the library calls and scores a user's model (the model-call contract).
+
+:mod:`.calling` owns how a model is called (inputs, train/eval mode, rngs)
+and the :class:`Probe` every tracer runs; :mod:`.objective` owns the
+:class:`Objective` (loss and metrics on a batch) built from a user's
+``loss_fn``; :mod:`.losses` the float32 losses and metrics. The package sits
+below every other part of the library, which all call models through it.
+"""
+
+from qsync_jax.task.calling import (Probe, abstract, as_probe, call_model,
+                                    input_probe, load_callable, mode,
+                                    split_inputs)
+from qsync_jax.task.objective import (Objective, as_objective, batch_size,
+                                      classification, from_loss_fn)
+
+__all__ = [
+    "Objective",
+    "Probe",
+    "abstract",
+    "as_objective",
+    "as_probe",
+    "batch_size",
+    "call_model",
+    "classification",
+    "from_loss_fn",
+    "input_probe",
+    "load_callable",
+    "mode",
+    "split_inputs",
+]

@@ -1,0 +1,143 @@
+"""Models written the usual way, end to end: plan, train binary, resume.
+
+The models (tests/user_models.py) have no qsync_jax methods: an NNX CNN with
+BatchNorm and its own Dropout stream, a Linen ResNet-style module with a
+``train`` flag, a bare ``nnx.Linear`` and a two-input model. The indicator
+and the predictor on them are tested in test_user_models_indicator.py.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.configs import default as default_config
+import qsync_jax as qs
+from qsync_jax import models
+from qsync_jax import task
+import user_models
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+# name: (factory, dataset, loss_fn spec, the int8 rule of a plan)
+CASES = {
+    "nnx_cnn": ("user_models:nnx_cnn", "digits", "", "conv1"),
+    "linen_resnet": ("user_models:linen_resnet", "digits", "",
+                     "ResidualBlock_0/Conv_0"),
+    "bare_linear": ("user_models:bare_linear", "mnist1d", "", "Linear"),
+    "two_input": ("user_models:two_input", "mnist1d",
+                  "user_models:two_input_loss", "a"),
+}
+
+
+def _build(name):
+  spec, dataset_name, _, _ = CASES[name]
+  dataset = qs.data.load_dataset(dataset_name)
+  model = models.build_model(spec, rngs=nnx.Rngs(0),
+                             data_kwargs=dataset.model_kwargs(),
+                             sample_input=dataset.x_train[:2])
+  x = dataset.x_train[:4]
+  inputs = user_models.split_inputs(x) if name == "two_input" else x
+  return model, inputs
+
+
+def _modes(model):
+  return [(p, getattr(n, a)) for p, n in nnx.iter_graph(model)
+          for a in ("deterministic", "use_running_average")
+          if isinstance(n, nnx.Module) and a in vars(n)]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_plan_puts_int8_on_the_named_layer_and_keeps_the_mode(name):
+  model, inputs = _build(name)
+  model.eval()
+  modes = _modes(model)
+  paths = qs.layer_paths(model, inputs)
+  rule = CASES[name][3]
+  assert rule in paths
+  want = task.call_model(model, inputs, train=False)
+  qs.apply_plan(model, qs.PrecisionPlan([(rule, "int8")]), inputs)
+  assert _modes(model) == modes  # tracing left eval mode alone
+  jaxpr = str(jax.make_jaxpr(
+      lambda: task.call_model(model, inputs, train=False))())
+  assert "i8[" in jaxpr  # real int8 operands
+  got = task.call_model(model, inputs, train=False)
+  np.testing.assert_allclose(got, want, atol=0.1 * float(jnp.abs(want).max()))
+
+
+def _env():
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS,
+                                       env.get("PYTHONPATH", "")])
+  env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # faster compiles
+  return env
+
+
+def _config(name, **overrides):
+  spec, dataset_name, loss_fn, _ = CASES[name]
+  config = default_config.get_config()
+  config.model = spec
+  config.dataset = dataset_name
+  config.loss_fn = loss_fn
+  config.cluster = "v100:1,t4:1"
+  config.plan_mode = "auto"
+  config.batch_size = 16
+  config.allocator.num_batches = 1
+  config.allocator.timing_batch_size = 16
+  config.bn_batches = 2
+  config.steps = 4
+  config.eval_every = 4
+  config.log_every = 2
+  config.checkpoint_every = 2
+  for key, value in overrides.items():
+    setattr(config, key, value)
+  return config
+
+
+def _flags(config):
+  keys = ("model", "dataset", "loss_fn", "cluster", "plan_mode", "batch_size",
+          "bn_batches", "steps", "eval_every", "log_every", "checkpoint_every")
+  flags = [f"--config.{k}={config[k]}" for k in keys]
+  flags += ["--config.allocator.num_batches=1",
+            "--config.allocator.timing_batch_size=16"]
+  return flags
+
+
+def _train(out, config, *extra):
+  return subprocess.run(
+      [sys.executable, "-m", "experiments.train", f"--out_dir={out}",
+       *_flags(config), *extra], cwd=ROOT, env=_env(), capture_output=True,
+      text=True, timeout=900)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_train_binary_runs_a_user_factory_and_resumes_bit_identically(
+    name, tmp_path):
+  config = _config(name)
+  out = tmp_path / "run"
+  result = _train(out, config)
+  assert result.returncode == 0, result.stderr[-3000:]
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["steps"] == 4
+  assert np.isfinite(summary["final_eval_loss"])
+  assert 0.0 <= summary["final_eval_accuracy"] <= 1.0
+  rows = [json.loads(r)
+          for r in (out / "metrics.jsonl").read_text().splitlines()]
+  assert any("eval_accuracy" in r for r in rows)
+  # Resume from the step-2 checkpoint (the step-4 one removed): the same
+  # parameters, BatchNorm statistics and dropout streams give the same run.
+  shutil.rmtree(out / "checkpoints" / "4")
+  result = _train(out, config, "--resume")
+  assert result.returncode == 0, result.stderr[-3000:]
+  resumed = json.loads((out / "summary.json").read_text())
+  assert resumed["steps_this_run"] == 2
+  assert resumed["params_sha256"] == summary["params_sha256"]
+  assert resumed["final_eval_loss"] == summary["final_eval_loss"]
