@@ -26,6 +26,7 @@ import optax
 
 from qsync_jax.parallel import averagers
 from qsync_jax.parallel import cluster as cluster_lib
+from qsync_jax.parallel import launchers
 from qsync_jax.parallel import schedules
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax import task
@@ -87,6 +88,8 @@ _INT_FIELDS: dict[str, int] = {
     "checkpoint_every": 0, "allocator.num_batches": 1,
     "allocator.timing_batch_size": 0, "compress_kwargs.bucket_size": 1,
     "compress_kwargs.levels": 1, "bn_batches": 1,
+    "distributed.initialization_timeout_s": 1,
+    "distributed.heartbeat_timeout_s": 1, "distributed.shutdown_timeout_s": 1,
 }
 
 
@@ -171,6 +174,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if bn_stats not in evaluation.BN_STATS:
     raise ValueError(f"config.bn_stats must be one of "
                      f"{', '.join(evaluation.BN_STATS)}, got {bn_stats!r}")
+  local_devices = config.get("distributed", {}).get("local_devices", "auto")
+  if local_devices not in launchers.LOCAL_DEVICES:
+    raise ValueError(f"config.distributed.local_devices must be one of "
+                     f"{', '.join(launchers.LOCAL_DEVICES)}, got "
+                     f"{local_devices!r}")
   opt_fields(config)  # a field the optimizer's state does not have
   make_averager(config)  # an unknown strategy or field; building is cheap
 

@@ -16,10 +16,21 @@ Usage:
   predictor and the allocator before training and writes the result to
   <out_dir>/allocation/ (summary.json, scores.json, one plan per kind).
 
-  Multi-process (one device per process; the launcher SIGKILLs every worker
-  if one dies):
+  Multi-process: started by srun, mpirun (Open MPI 4 or 5) or a Kubernetes
+  indexed Job/JobSet, the same command needs no extra variables (jax.distributed
+  detects the launcher; qsync_jax.parallel.launchers fills in what it cannot).
+  --coordinator_address, --num_processes and --process_id override what is
+  detected; config.distributed holds the timeouts and local_devices. On one
+  host, for development (one device per process; the launcher SIGKILLs every
+  worker if one dies):
   python -m qsync_jax.distributed --num_processes=4 -- \
       python -m experiments.train --out_dir=runs/mp
+  Before training the processes check that they agree (versions, XLA_FLAGS,
+  config, initial parameters, data seed); a mismatch ends every process with
+  `error: process K disagrees with process 0 on FIELD: ...` and status 1.
+
+Preemption: SIGTERM makes every process checkpoint the step they agree on and
+exit 0, leaving <out_dir>/PREEMPTED; the same command then resumes from it.
 
 Writes to --out_dir:
   summary.json: final_eval_accuracy, final_eval_loss, final_train_loss, steps,
@@ -60,6 +71,7 @@ from ml_collections import config_flags
 from experiments import config_lib
 from experiments import train_lib
 from qsync_jax import cli
+from qsync_jax.parallel import agreement
 from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.parallel import distributed
 
@@ -85,6 +97,12 @@ flags.DEFINE_multi_string(
     "default config's mode) or KIND=PLAN.json: the precision plan of one "
     "device kind (repeatable; sets config.plan_mode=manual, and kinds not "
     "named train in FP32).")
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0's "
+                    "coordination service; default: from the launcher.")
+flags.DEFINE_integer("num_processes", None, "Processes in the run; default: "
+                     "from the launcher.")
+flags.DEFINE_integer("process_id", None, "This process's index; default: "
+                     "from the launcher.")
 config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG,
                                 "Path to a get_config() file.",
                                 lock_config=True)
@@ -128,7 +146,15 @@ def main(argv):
     config_lib.validate_config(config)
     train_lib.make_out_dir(FLAGS.out_dir, "--out_dir")
     auto = config.cluster.strip().lower() == cluster_lib.AUTO
-    if not distributed.initialize() and not auto:
+    dist = config.get("distributed", {})
+    multi = distributed.initialize(
+        timeout_s=dist.get("initialization_timeout_s", 300),
+        heartbeat_timeout_s=dist.get("heartbeat_timeout_s", 100),
+        shutdown_timeout_s=dist.get("shutdown_timeout_s", 300),
+        local_devices=dist.get("local_devices", "auto"),
+        coordinator_address=FLAGS.coordinator_address,
+        num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
+    if not multi and not auto:
       # Single process: one fake CPU device per worker when running on CPU
       # (before the backend starts; it does not affect GPU backends).
       workers = cluster_lib.parse_cluster(config.cluster).num_workers
@@ -137,6 +163,9 @@ def main(argv):
       train_lib.train_and_evaluate(config, FLAGS.out_dir)
     except FloatingPointError as e:  # diverged: not bad input, still a fail
       print(f"error: {e}", file=sys.stderr)
+      raise SystemExit(1) from None
+    except agreement.AgreementError as e:
+      print(f"error: {e}", file=sys.stderr, flush=True)
       raise SystemExit(1) from None
 
 

@@ -32,13 +32,17 @@ from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
 from qsync_jax import task
 from qsync_jax.allocation import pipeline
+from qsync_jax.parallel import agreement
 from qsync_jax.parallel import cluster as cluster_lib
+from qsync_jax.parallel import preemption
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train import trainer as trainer_lib
 from qsync_jax.train.trainer import HybridTrainer, Worker
 
-
+#: The file a preempted run leaves in its directory: the same command then
+#: resumes from the checkpoint it wrote, without --resume.
+PREEMPTED = "PREEMPTED"
 
 
 def make_out_dir(path: str, what: str = "output directory") -> None:
@@ -196,6 +200,29 @@ def _metrics_text(metrics: Mapping[str, Any]) -> str:
                   if k != "step" and isinstance(v, float))
 
 
+def check_agreement(config: ml_collections.ConfigDict,
+                    model: nnx.Module) -> None:
+  """Checks that every process has the same run before any collective.
+
+  Compares the library versions, ``XLA_FLAGS``, the config (less its
+  ``distributed`` settings, which may differ per process), the initial
+  parameters' count and digest and the data-order seed
+  (:mod:`qsync_jax.parallel.agreement`); a no-op with one process.
+
+  Raises:
+    qsync_jax.parallel.agreement.AgreementError: naming the process and the
+      field that differ, or a process that did not report in time.
+  """
+  if jax.process_count() == 1:
+    return
+  plain = {k: v for k, v in config_lib.to_plain(config).items()
+           if k != "distributed"}
+  logging.info("checking that %d processes agree", jax.process_count())
+  agreement.check(agreement.local_facts(
+      config=plain, params=nnx.state(model, nnx.Param),
+      data_seed=config.seed))
+
+
 def _write_json(path: str, value: Any) -> None:
   with open(path, "w") as f:
     json.dump(value, f, indent=2)
@@ -300,19 +327,34 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                        out_dir: str) -> dict[str, Any]:
   """Runs the main job; see ``experiments/configs/default.py`` for fields.
 
+  Before training, every process checks that the others run the same job
+  (:func:`check_agreement`). SIGTERM makes every process checkpoint the
+  step they agree on and return early; the ``PREEMPTED`` file it leaves makes
+  the next call with the same directory resume, as ``config.resume`` does.
+
   Args:
     config: the job's config.
-    out_dir: the run directory. With ``config.resume`` a run continues from
-      the newest checkpoint in ``out_dir/checkpoints``.
+    out_dir: the run directory. With ``config.resume``, or after a
+      preemption, a run continues from the newest checkpoint in
+      ``out_dir/checkpoints``.
 
   Returns:
-    The summary written to ``summary.json``.
+    The summary written to ``summary.json``; after a preemption
+    ``{"preempted": True, "steps": step}`` (no summary is written).
 
   Raises:
     ValueError: a bad config (see ``validate_config``) or output directory.
     FloatingPointError: the final parameters or eval loss are not finite;
       no ``summary.json`` is written (a stale one is removed).
+    qsync_jax.parallel.agreement.AgreementError: the processes disagree.
   """
+  with preemption.PreemptionWatch() as watch:
+    return _train_and_evaluate(config, out_dir, watch)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
+                        watch: preemption.PreemptionWatch) -> dict[str, Any]:
+  """:func:`train_and_evaluate` with the preemption watch ``watch``."""
   if str(config.get("cluster", "")).strip().lower() == cluster_lib.AUTO:
     # One worker per device of jax.devices() (every process's), on a copy:
     # the caller's config keeps "auto".
@@ -326,6 +368,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   dataset = data_lib.load_dataset(
       config.dataset, **config_lib.to_plain(config.get("dataset_kwargs", {})))
   model = build_model(config, dataset)
+  check_agreement(config, model)
   plan_mode = config.get("plan_mode", "manual")
   if plan_mode == "auto" and len(
       cluster_lib.parse_cluster(config.cluster).groups()) == 1:
@@ -361,7 +404,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                                    seed=config.seed)
   metrics_path = os.path.join(out_dir, "metrics.jsonl")
   checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"))
-  if config.resume:
+  preempted_path = os.path.join(out_dir, PREEMPTED)
+  was_preempted = os.path.exists(preempted_path)
+  if was_preempted:
+    logging.info("%s was preempted: resuming from its checkpoint", out_dir)
+  if config.resume or was_preempted:
     meta = checkpointer.restore_latest(trainer)
     if meta is None:
       logging.info("no checkpoint in %s: starting from step 0", out_dir)
@@ -393,6 +440,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   start_step = trainer.step
   window_start, window_step = start, trainer.step
   last_train, last_eval = {}, {}
+  saved_step = None
   while trainer.step < config.steps:
     step = trainer.step
     all_batches = batcher.step_batches(step)
@@ -430,6 +478,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     if config.checkpoint_every and (done % config.checkpoint_every == 0
                                     or done == config.steps):
       checkpointer.save(trainer)
+      saved_step = done
+    if watch.reached(done):
+      # Every process reaches this at the same step (PreemptionWatch).
+      if saved_step != done:
+        checkpointer.save(trainer)
+      checkpointer.close()
+      if writer:
+        _write_json(preempted_path, {"step": done})
+      logging.info("preempted: checkpointed step %d; the same command "
+                   "resumes it", done)
+      return {"preempted": True, "steps": done}
     if "eval_loss" in (row or {}) or (
         config.checkpoint_every and done % config.checkpoint_every == 0):
       # Throughput windows count training only, not evals or checkpoints.
@@ -469,6 +528,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   }
   if writer:
     _write_json(os.path.join(out_dir, "summary.json"), summary)
+    if os.path.exists(preempted_path):
+      os.remove(preempted_path)
     if os.path.exists(metrics_path):
       plot_curves(metrics_path, os.path.join(out_dir, "curves.png"))
   logging.info("final eval %s; wrote %s", _metrics_text(final), out_dir)

@@ -14,3 +14,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 jax.config.update("jax_disable_most_optimizations", True)
 # Four fake CPU devices for the multi-worker tests (before the backend starts).
 jax.config.update("jax_num_cpu_devices", 4)
+
+
+def _gpu_count() -> int:
+  try:
+    return len(jax.devices("gpu"))
+  except RuntimeError:  # No GPU backend: jax has only CPU devices.
+    return 0
+
+
+def pytest_runtest_setup(item):
+  # Checked when a `gpu` test is about to run, not at collection, so that
+  # collecting starts no JAX backend.
+  marker = item.get_closest_marker("gpu")
+  if marker is None:
+    return
+  need = marker.kwargs.get("count", 1)
+  have = _gpu_count()
+  if have < need:
+    import pytest  # local: conftest otherwise needs only jax
+    pytest.skip(f"needs {need} GPU{'s' if need > 1 else ''}; jax sees "
+                f"{have} (run on a GPU host: pytest -m gpu tests)")

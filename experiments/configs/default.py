@@ -103,4 +103,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.opt_fields_to_average = ()
   config.checkpoint_every = 100
   config.resume = False
+  # Multi-process runs (srun, mpirun, Kubernetes, explicit
+  # --coordinator_address/--num_processes/--process_id, or python -m
+  # qsync_jax.distributed): seconds to wait for every process to join, without
+  # a heartbeat before a process counts as dead, and at the shutdown barrier;
+  # local_devices "auto" (every device of a node that runs one process, else
+  # one device per process), "one" or "all". Not part of the agreement check.
+  config.distributed = ml_collections.ConfigDict(dict(
+      initialization_timeout_s=300, heartbeat_timeout_s=100,
+      shutdown_timeout_s=300, local_devices="auto"))
   return config

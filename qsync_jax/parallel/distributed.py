@@ -1,7 +1,9 @@
 r"""Multi-process JAX: per-process initialization and a localhost launcher.
 
-This module owns how a qsync_jax process joins a multi-process JAX run (the
-``QSYNC_*`` environment contract, ``initialize`` and ``shutdown``) and a
+This module owns how a qsync_jax process joins a multi-process JAX run
+(``initialize`` over whatever :mod:`qsync_jax.parallel.launchers` detects:
+srun, mpirun, Kubernetes, explicit flags or the ``QSYNC_*`` variables of the
+launcher below; ``shutdown``) and a
 launcher that starts N such processes on one host, relays their output and
 never leaves one behind: when any process dies, the others are SIGKILLed
 (a JAX worker ignores SIGTERM once initialized, and its peers would otherwise
@@ -34,13 +36,15 @@ import threading
 import time
 from typing import IO, Callable, Mapping, Sequence
 
+from absl import logging
 import jax
 
+from qsync_jax.parallel import launchers
 
-ENV_COORDINATOR_ADDRESS = "QSYNC_COORDINATOR_ADDRESS"
-ENV_NUM_PROCESSES = "QSYNC_NUM_PROCESSES"
-ENV_PROCESS_ID = "QSYNC_PROCESS_ID"
-_ENV_VARS = (ENV_COORDINATOR_ADDRESS, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+
+ENV_COORDINATOR_ADDRESS = launchers.ENV_COORDINATOR_ADDRESS
+ENV_NUM_PROCESSES = launchers.ENV_NUM_PROCESSES
+ENV_PROCESS_ID = launchers.ENV_PROCESS_ID
 
 #: Exit status of a launch that ran past its timeout (as timeout(1) uses).
 TIMEOUT_EXIT_CODE = 124
@@ -65,14 +69,6 @@ class DistributedConfig:
   process_id: int
 
 
-def _parse_int(environ: Mapping[str, str], name: str) -> int:
-  try:
-    return int(environ[name])
-  except ValueError:
-    raise ValueError(
-        f"{name} must be an integer, got {environ[name]!r}") from None
-
-
 def config_from_env(
     environ: Mapping[str, str] = os.environ) -> DistributedConfig | None:
   """Reads the ``QSYNC_*`` variables the launcher sets.
@@ -88,62 +84,90 @@ def config_from_env(
     ValueError: Some but not all variables are set, or one is malformed;
       the message names the variable.
   """
-  present = [name for name in _ENV_VARS if environ.get(name)]
-  if not present:
+  launch = launchers.from_qsync_env(environ)
+  if launch is None:
     return None
-  missing = [name for name in _ENV_VARS if name not in present]
-  if missing:
-    raise ValueError(f"{missing[0]} is not set but {present[0]} is; set all "
-                     f"of {', '.join(_ENV_VARS)} or none")
-  address = environ[ENV_COORDINATOR_ADDRESS]
-  host, _, port = address.rpartition(":")
-  if not host or not port.isdigit():
-    raise ValueError(
-        f"{ENV_COORDINATOR_ADDRESS} must be host:port, got {address!r}")
-  num_processes = _parse_int(environ, ENV_NUM_PROCESSES)
-  if num_processes < 1:
-    raise ValueError(f"{ENV_NUM_PROCESSES} must be >= 1, got {num_processes}")
-  process_id = _parse_int(environ, ENV_PROCESS_ID)
-  if not 0 <= process_id < num_processes:
-    raise ValueError(f"{ENV_PROCESS_ID} must be in [0, {num_processes}) "
-                     f"({ENV_NUM_PROCESSES}={num_processes}), got {process_id}")
-  return DistributedConfig(address, num_processes, process_id)
+  return DistributedConfig(launch.coordinator_address, launch.num_processes,
+                           launch.process_id)
 
 
 def initialize(config: DistributedConfig | None = None, *,
-               timeout_s: int = 60) -> bool:
-  """Joins the multi-process run described by ``config`` or the environment.
+               timeout_s: int = 60, heartbeat_timeout_s: int = 100,
+               shutdown_timeout_s: int = 300, local_devices: str = "auto",
+               coordinator_address: str | None = None,
+               num_processes: int | None = None,
+               process_id: int | None = None,
+               environ: Mapping[str, str] | None = None) -> bool:
+  """Joins the multi-process run its launcher or its arguments describe.
 
+  The run comes from ``config``, else from
+  :func:`qsync_jax.parallel.launchers.detect` over the explicit arguments and
+  the environment (srun, mpirun, Kubernetes, the localhost launcher); where
+  ``jax.distributed`` detects the environment itself, it is left to do so.
   Call it before anything starts a JAX backend (``jax.devices()``, any
   computation). Calling it again once initialized does nothing.
 
   Args:
-    config: The run to join; None reads ``config_from_env()``.
+    config: The run to join; None detects it.
     timeout_s: Seconds to wait for every process to reach the coordinator.
+    heartbeat_timeout_s: Seconds without a heartbeat before the coordinator
+      declares a process dead (and every process fails).
+    shutdown_timeout_s: Seconds the shutdown barrier waits for every process.
+    local_devices: ``"one"`` device per process, ``"all"`` of its node's, or
+      ``"auto"``: all when the launcher put one process on the node.
+    coordinator_address: ``--coordinator_address``; overrides the launcher's.
+    num_processes: ``--num_processes``; overrides the launcher's.
+    process_id: ``--process_id``; overrides the launcher's.
+    environ: The environment to read; None: ``os.environ``.
 
   Returns:
     True when this process is part of an initialized multi-process run, False
-    for a single-process run (no configuration, or one process).
+    for a single-process run (no launcher, or one process).
 
   Raises:
-    ValueError: The environment holds a malformed configuration.
+    ValueError: A malformed or incomplete launch configuration; the message
+      names the variable or flag.
     RuntimeError: A JAX backend was started before this call.
   """
   if jax.distributed.is_initialized():
     return True
-  if config is None:
-    config = config_from_env()
-  if config is None or config.num_processes == 1:
+  if config is not None:
+    launch = launchers.Launch("explicit", config.num_processes,
+                              config.process_id, config.coordinator_address)
+  else:
+    launch = launchers.detect(
+        os.environ if environ is None else environ,
+        coordinator_address=coordinator_address, num_processes=num_processes,
+        process_id=process_id)
+  if launch is None or launch.num_processes == 1:
     return False
+  every_device = launchers.wants_all_devices(launch, local_devices)
+  local_ids = (None if every_device or launch.local_rank is None
+               else [launch.local_rank])
+  known = None not in (launch.coordinator_address, launch.num_processes,
+                       launch.process_id)
   jax.distributed.initialize(
-      coordinator_address=config.coordinator_address,
-      num_processes=config.num_processes,
-      process_id=config.process_id,
-      initialization_timeout=timeout_s)
+      coordinator_address=launch.coordinator_address,
+      num_processes=launch.num_processes, process_id=launch.process_id,
+      local_device_ids=local_ids,
+      # Known values need no detection, which would also pick device ids;
+      # else the launcher found decides which of jax's detections runs.
+      cluster_detection_method="deactivate" if known else launch.detection,
+      initialization_timeout=timeout_s,
+      heartbeat_timeout_seconds=heartbeat_timeout_s,
+      shutdown_timeout_seconds=shutdown_timeout_s)
+  if every_device:
+    # jax's detection restricts a process to its local rank's device; one
+    # process per node of several GPUs uses them all.
+    jax.config.update("jax_cuda_visible_devices", "all")
+    jax.config.update("jax_rocm_visible_devices", "all")
   # Both only affect the CPU backend. Gloo gives CPU processes cross-process
   # collectives; more than one CPU device per process hangs the first one.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.config.update("jax_num_cpu_devices", 1)
+  logging.info("joined a %d-process run as process %d (launcher: %s, "
+               "coordinator: %s)", jax.process_count(), jax.process_index(),
+               launch.source, launch.coordinator_address or "detected by jax")
   return True
 
 

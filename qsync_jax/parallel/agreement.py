@@ -1,0 +1,183 @@
+"""The agreement check: every process of a run has the same settings.
+
+This module owns what processes compare before their first collective and how.
+Processes that disagree on library versions, the config, the initial
+parameters, the data order or ``XLA_FLAGS`` would train different models or
+hang in a collective (NCCL on mixed nodes hangs rather than fails). So each
+process puts its :func:`local_facts` in the ``jax.distributed`` coordination
+service's key-value store, which needs no collective and no device, and reads
+every other process's; all compare the same table, so all fail together, with
+the same one line naming the first process and field that differ from
+process 0's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+from typing import Any, Mapping
+
+import flax
+import jax
+import jaxlib
+import numpy as np
+
+#: The compared fields, in the order a mismatch is reported.
+FIELDS = ("jax", "jaxlib", "flax", "XLA_FLAGS", "config", "param_count",
+          "params", "data_seed")
+
+# A unique key prefix per check within one process (all processes call the
+# checks in the same order, so the n-th calls share their keys).
+_CALLS = itertools.count()
+_SHOWN = 48  # Longest value quoted in the error line.
+
+
+class AgreementError(RuntimeError):
+  """The processes of a run disagree on a field, or one never reported."""
+
+
+def tree_digest(tree: Any) -> str:
+  """SHA-256 over a pytree's leaf paths, dtypes, shapes and bytes.
+
+  Args:
+    tree: A pytree of arrays (host or device).
+
+  Returns:
+    The hex digest.
+  """
+  h = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    data = np.ascontiguousarray(np.asarray(leaf))
+    h.update(f"{jax.tree_util.keystr(path)}:{data.dtype}:{data.shape};"
+             .encode())
+    h.update(data.tobytes())
+  return h.hexdigest()
+
+
+def json_digest(value: Any) -> str:
+  """SHA-256 of ``value`` as JSON with sorted keys (non-JSON values by repr).
+  """
+  text = json.dumps(value, sort_keys=True, default=repr)
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def local_facts(*, config: Any, params: Any, data_seed: int,
+                environ: Mapping[str, str] | None = None) -> dict[str, str]:
+  """What this process compares with the others.
+
+  Args:
+    config: The run's config as plain JSON-able data, without the fields
+      that may differ per process.
+    params: The initial parameters (a pytree of arrays).
+    data_seed: The seed of the data order.
+    environ: The environment ``XLA_FLAGS`` is read from; None: os.environ.
+
+  Returns:
+    ``{field: value}`` over :data:`FIELDS`, each a string.
+  """
+  environ = os.environ if environ is None else environ
+  leaves = jax.tree.leaves(params)
+  return {
+      "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+      "flax": flax.__version__,
+      "XLA_FLAGS": environ.get("XLA_FLAGS", ""),
+      "config": json_digest(config),
+      "param_count": str(sum(int(np.size(x)) for x in leaves)),
+      "params": tree_digest(params),
+      "data_seed": str(data_seed),
+  }
+
+
+def _short(value: str) -> str:
+  value = repr(value)
+  return value if len(value) <= _SHOWN else value[:_SHOWN - 3] + "..."
+
+
+def first_mismatch(table: list[Mapping[str, str]]) -> str | None:
+  """The message for the first process and field differing from process 0.
+
+  Args:
+    table: Every process's facts, in process order.
+
+  Returns:
+    One line, or None when every process agrees.
+  """
+  reference = table[0]
+  for k, facts in enumerate(table[1:], start=1):
+    for field in FIELDS:
+      if facts.get(field) != reference.get(field):
+        return (f"process {k} disagrees with process 0 on {field}: "
+                f"{_short(facts.get(field, '<missing>'))} vs "
+                f"{_short(reference.get(field, '<missing>'))}")
+  return None
+
+
+def _client():
+  """The coordination service's client (``jax.distributed``'s)."""
+  # Orbax's public accessor; jax itself exposes the client only privately.
+  from orbax.checkpoint import multihost  # local: only multi-process runs
+  return multihost.get_jax_distributed_client()
+
+
+def gather(client: Any, facts: Mapping[str, str], process_index: int,
+           process_count: int, *, timeout_s: float = 60,
+           prefix: str = "qsync_agreement") -> list[dict[str, str]]:
+  """Every process's facts through the key-value store ``client``.
+
+  Args:
+    client: The store (``key_value_set``, ``blocking_key_value_get``).
+    facts: This process's facts.
+    process_index: This process's index.
+    process_count: How many processes report.
+    timeout_s: The longest wait for another process's facts.
+    prefix: The keys' prefix, the same on every process.
+
+  Returns:
+    The facts in process order.
+
+  Raises:
+    AgreementError: A process did not report within ``timeout_s``.
+  """
+  client.key_value_set(f"{prefix}/{process_index}", json.dumps(dict(facts)))
+  table = []
+  for k in range(process_count):
+    if k == process_index:
+      table.append(dict(facts))
+      continue
+    try:
+      text = client.blocking_key_value_get(f"{prefix}/{k}",
+                                           int(timeout_s * 1000))
+    except Exception:  # pylint: disable=broad-except
+      # The store raises a runtime error (DEADLINE_EXCEEDED) on timeout.
+      raise AgreementError(
+          f"process {k} did not report its settings within {timeout_s:g} s "
+          f"(process {process_index} waited)") from None
+    table.append(json.loads(text))
+  return table
+
+
+def check(facts: Mapping[str, str], *, timeout_s: float = 60) -> None:
+  """Checks that every process of the run reports the same ``facts``.
+
+  A no-op in a single-process run. Every process must call it, before any
+  collective; it uses ``jax.distributed``'s key-value store, not a device.
+
+  Args:
+    facts: This process's :func:`local_facts`.
+    timeout_s: The longest wait for another process's facts.
+
+  Raises:
+    AgreementError: A process differs from process 0 (the message names the
+      process and the field) or did not report within ``timeout_s``.
+  """
+  n = jax.process_count()
+  if n == 1:
+    return
+  table = gather(_client(), facts, jax.process_index(), n,
+                 timeout_s=timeout_s,
+                 prefix=f"qsync_agreement/{next(_CALLS)}")
+  problem = first_mismatch(table)
+  if problem is not None:
+    raise AgreementError(problem)

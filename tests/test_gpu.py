@@ -1,0 +1,71 @@
+"""Tests that need GPUs: the Pallas kernels on the device, catalog kinds, NCCL.
+
+Each carries the ``gpu`` marker (``gpu(count=2)`` for two GPUs); where jax
+sees fewer, tests/conftest.py skips it with the reason. On a GPU host:
+``python -m pytest -m gpu tests``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from qsync_jax.parallel import cluster as cluster_lib
+from qsync_jax.plan import devices as devices_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.gpu
+def test_int8_kernel_compiles_and_is_bit_exact_on_the_gpu():
+  gpu = jax.devices("gpu")[0]
+  rng = np.random.default_rng(0)
+  x = jax.device_put(jnp.asarray(rng.integers(-127, 128, (256, 192)),
+                                 jnp.int8), gpu)
+  w = jax.device_put(jnp.asarray(rng.integers(-127, 128, (192, 128)),
+                                 jnp.int8), gpu)
+  # interpret=False: the Triton kernel itself, not Pallas's interpreter.
+  y = pk.int8_matmul(x, w, 1.0, 1.0, interpret=False)
+  assert y.devices() == {gpu}
+  acc = jnp.dot(x, w, preferred_element_type=jnp.int32)
+  np.testing.assert_array_equal(np.asarray(y).astype(np.int32),
+                                np.asarray(acc))
+
+
+@pytest.mark.gpu
+def test_the_gpu_is_a_catalog_kind_and_auto_cluster_names_it():
+  kind = devices_lib.device_kind_of(jax.devices("gpu")[0])
+  assert kind in devices_lib.DEVICES
+  spec = cluster_lib.resolve_cluster(cluster_lib.AUTO)
+  assert set(spec.kinds) == {kind}
+
+
+@pytest.mark.gpu(count=2)
+def test_two_processes_over_nccl_match_one_process(tmp_path):
+  args = ["--cluster=auto", "--config.steps=8", "--config.eval_every=0",
+          "--config.checkpoint_every=0", "--config.log_every=4"]
+  env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": "0,1"}
+  single = subprocess.run(
+      [sys.executable, "-m", "experiments.train",
+       f"--out_dir={tmp_path / 'single'}", *args], cwd=ROOT, env=env,
+      capture_output=True, text=True, timeout=600)
+  assert single.returncode == 0, single.stderr[-3000:]
+  multi = subprocess.run(
+      [sys.executable, "-m", "qsync_jax.distributed", "--num_processes=2",
+       "--timeout_s=500", "--", sys.executable, "-m", "experiments.train",
+       f"--out_dir={tmp_path / 'multi'}", *args], cwd=ROOT, env=env,
+      capture_output=True, text=True, timeout=600)
+  assert multi.returncode == 0, (multi.stdout + multi.stderr)[-3000:]
+  s, m = (json.loads((tmp_path / d / "summary.json").read_text())
+          for d in ("single", "multi"))
+  assert m["num_processes"] == 2 and m["cluster"] == s["cluster"]
+  # The same kind, plans and batches; NCCL's mean may differ from the one
+  # process's in the last bits, so compare the losses, not the digest.
+  assert m["final_train_loss"] == pytest.approx(s["final_train_loss"],
+                                                rel=1e-4)
