@@ -147,6 +147,8 @@ class HybridTrainer:
     opt_fields_to_average: optimizer-state fields (``"mu"``, ``"nu"``,
       ``"trace"``, ...) averaged with the parameters at each sync of a
       local schedule (default none, as the QSR code).
+    outer_tx: an optax outer optimizer (DiLoCo) stepping the anchor by
+      ``anchor - mean`` at each parameter average; None: plain averaging.
 
   With local steps and loss scaling, each worker keeps its own loss scale
   and skips only its own non-finite steps; :attr:`skipped_steps` and
@@ -166,7 +168,7 @@ class HybridTrainer:
                loss_scaling: bool | str = "auto",
                sample_input: Any = None, error_feedback: bool = False,
                seed: int = 0, bn_stats: str = "reestimate",
-               opt_fields_to_average: Sequence[str] = ()):
+               opt_fields_to_average: Sequence[str] = (), outer_tx=None):
     _check_workers(workers)
     self.workers = list(workers)
     self.num_workers = len(workers)
@@ -202,7 +204,7 @@ class HybridTrainer:
     self._local_update = programs.local_update_program(
         self.mesh, self._unravel, tx)
     self._average_params = programs.average_params_program(
-        self.mesh, self.averager, self.seed)
+        self.mesh, self.averager, self.seed, outer_tx, self._unravel)
     self._eval_fn = evaluation.eval_function(eval_graphdef, self._unravel,
                                              loss_fn)
     self._bn_fn = evaluation.bn_function(eval_graphdef, self._unravel, model,
@@ -214,6 +216,8 @@ class HybridTrainer:
      self._counter, self.residual) = programs.initial_state(
          self.mesh, self._devices, self._unravel, tx, flat,
          self.grad_weights, self.loss_scaling, self.error_feedback)
+    self.outer_state = programs.initial_outer_state(
+        self.mesh, self._unravel, outer_tx, self.params, self.schedule)
     self.rest = {i: jax.device_put(rest, d) for i, d in self._devices.items()}
     self._average_opt, size = programs.opt_fields_program(
         self.mesh, self.opt_state, tuple(opt_fields_to_average))
@@ -259,9 +263,10 @@ class HybridTrainer:
                              grads))
       synced = self.schedule.is_sync_step(step)
       if synced:
-        self.params, self._counter, self.residual = self._average_params(
-            self.params, self._anchor, self._weights, self._counter,
-            self.residual)
+        self.params, self._counter, self.residual, self.outer_state = (
+            self._average_params(self.params, self._anchor, self._weights,
+                                 self._counter, self.residual,
+                                 self.outer_state))
         if self._average_opt is not None:
           self.opt_state = self._average_opt(self.opt_state, self._weights)
           self.comm_bytes += self._opt_bytes
