@@ -90,6 +90,7 @@ _INT_FIELDS: dict[str, int] = {
     "compress_kwargs.levels": 1, "bn_batches": 1,
     "distributed.initialization_timeout_s": 1,
     "distributed.heartbeat_timeout_s": 1, "distributed.shutdown_timeout_s": 1,
+    "compress_kwargs.rank": 1, "compress_kwargs.cols": 1,
 }
 
 
@@ -103,12 +104,15 @@ _FLOAT_FIELDS: dict[str, tuple[Callable[[float], bool], str]] = {
     "alpha": (lambda v: v >= 0, ">= 0"),
     "gamma": (lambda v: v > 0, "> 0"),
     "allocator.compression": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "outer_lr": (lambda v: v > 0, "> 0"),
+    "outer_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
 }
 
 
 # Fields that may be None: unset, the library's default applies.
 _OPTIONAL = ("allocator.compression", "compress_kwargs.bucket_size",
-             "compress_kwargs.levels")
+             "compress_kwargs.levels", "compress_kwargs.rank",
+             "compress_kwargs.cols")
 
 
 def _leaves(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -181,6 +185,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                      f"{local_devices!r}")
   opt_fields(config)  # a field the optimizer's state does not have
   make_averager(config)  # an unknown strategy or field; building is cheap
+  make_outer_optimizer(config)  # an unknown one, or one dp would not use
 
 
 def check_plan_kinds(plans: Mapping[str, Any],
@@ -400,6 +405,37 @@ def make_loss_fn(config: ml_collections.ConfigDict) -> Any:
     raise ValueError(f"loss_fn {spec!r}: {err}") from None
 
 
+#: The outer optimizers of ``config.outer_optimizer``.
+OUTER_OPTIMIZERS = ("none", "diloco")
+
+
+def make_outer_optimizer(config: ml_collections.ConfigDict
+                         ) -> optax.GradientTransformation | None:
+  """The outer optimizer of ``config.outer_optimizer`` (None for "none").
+
+  "diloco" is DiLoCo's (Douillard et al., arXiv 2311.08105, as MaxText and
+  torchft run it): SGD with Nesterov momentum, ``optax.sgd(outer_lr,
+  momentum=outer_momentum, nesterov=True)``, stepping the anchor by
+  ``anchor - mean`` at each parameter average.
+
+  Raises:
+    ValueError: an unknown name, or "diloco" with ``sync=dp`` (which never
+      averages parameters).
+  """
+  name = config.get("outer_optimizer", "none")
+  if name not in OUTER_OPTIMIZERS:
+    raise ValueError(f"config.outer_optimizer must be one of "
+                     f"{', '.join(OUTER_OPTIMIZERS)}, got {name!r}")
+  if name == "none":
+    return None
+  if config.get("sync", "dp") == "dp":
+    raise ValueError(f"config.outer_optimizer={name} needs a local sync "
+                     "(local, postlocal, qsr), got sync='dp'")
+  return optax.sgd(config.get("outer_lr", 0.7),
+                   momentum=config.get("outer_momentum", 0.9) or None,
+                   nesterov=True)
+
+
 def make_schedule(config: ml_collections.ConfigDict) -> schedules.Schedule:
   """The synchronization schedule of ``config.sync``.
 
@@ -429,7 +465,7 @@ def make_averager(config: ml_collections.ConfigDict) -> averagers.Averager:
       to_plain(config.get("compress_kwargs", {})) or {}).items()
             if v is not None}
   name = config.get("compress", "none")
-  if name in ("gqsgd", "gqsgd_exp", "qsgd"):
+  if name in ("gqsgd", "gqsgd_exp", "qsgd", "powersgd"):
     kwargs.setdefault("seed", config.seed)
   try:
     return averagers.make_averager(name, **kwargs)

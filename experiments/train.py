@@ -6,7 +6,7 @@ Usage:
       [--model=resnet18] [--cluster=v100:2,t4:2] [--plan=auto]
       [--plan=t4=t4_plan.json] [--resume]
       [--sync=dp|local|postlocal|qsr] [--h_base=4] [--alpha=0.01]
-      [--compress=none|fp16|bf16|gqsgd|gqsgd_exp|qsgd]
+      [--compress=none|fp16|bf16|gqsgd|gqsgd_exp|qsgd|powersgd]
 
   --sync=qsr with --config.lr_schedule=cosine is QSR local SGD: the period
   grows as the learning rate decays. --compress quantizes what each average
@@ -34,7 +34,8 @@ exit 0, leaving <out_dir>/PREEMPTED; the same command then resumes from it.
 
 Writes to --out_dir:
   summary.json: final_eval_accuracy, final_eval_loss, final_train_loss, steps,
-    sync, compress, error_feedback, sync_rounds, comm_bytes (bytes each
+    sync, compress, error_feedback, outer_optimizer, sync_rounds,
+    comm_bytes (bytes each
     worker sent, ring all-reduce model),
     wall_time_s, examples_per_s, loss_scaling, skipped_steps, params_sha256,
     cluster, num_processes, workers [{kind, device, batch_size, plan}],
@@ -90,7 +91,8 @@ flags.DEFINE_integer("h_base", None, "Overrides config.h_base: the local-SGD "
 flags.DEFINE_float("alpha", None, "Overrides config.alpha: QSR's growth "
                    "coefficient, H = max(h_base, floor((alpha / lr)^2)).")
 flags.DEFINE_enum("compress", None,
-                  ["none", "fp16", "bf16", "gqsgd", "gqsgd_exp", "qsgd"],
+                  ["none", "fp16", "bf16", "gqsgd", "gqsgd_exp", "qsgd",
+                   "powersgd"],
                   "Overrides config.compress: what goes on the wire.")
 flags.DEFINE_multi_string(
     "plan", [], "'auto' (the allocator chooses every kind's plan; the "

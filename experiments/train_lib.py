@@ -398,7 +398,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
                           error_feedback=config.get("error_feedback", False),
                           seed=config.seed,
                           bn_stats=config.get("bn_stats", "reestimate"),
-                          opt_fields_to_average=config_lib.opt_fields(config))
+                          opt_fields_to_average=config_lib.opt_fields(config),
+                          outer_tx=config_lib.make_outer_optimizer(config))
   batcher = data_lib.WorkerBatcher(dataset.x_train, dataset.y_train,
                                    [w.batch_size for w in workers],
                                    seed=config.seed)
@@ -512,6 +513,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
       "sync": schedule.name,
       "compress": trainer.averager.name,
       "error_feedback": trainer.error_feedback,
+      "outer_optimizer": config.get("outer_optimizer", "none"),
       "sync_rounds": trainer.sync_rounds,
       "comm_bytes": trainer.comm_bytes,
       "wall_time_s": wall,

@@ -75,7 +75,8 @@ def get_config() -> ml_collections.ConfigDict:
   # What goes on the wire (Global-QSGD, arXiv 2305.18627): none (float32
   # mean), fp16, bf16, gqsgd (standard dithering, int8 sums that cannot
   # wrap), gqsgd_exp (exponential dithering), qsgd (per-worker scales,
-  # all-gather). compress_kwargs sets the strategy's fields, e.g.
+  # all-gather), powersgd (rank-r factors, PowerSGD: compress_kwargs.rank,
+  # .cols). compress_kwargs sets the strategy's fields, e.g.
   # --config.compress_kwargs.wire=int16 (gqsgd's int8 or int16 sums); the
   # known ones are declared unset (the strategy's default) so that the
   # locked config takes them from the command line.
@@ -85,7 +86,9 @@ def get_config() -> ml_collections.ConfigDict:
       bucket_size=ml_collections.config_dict.placeholder(int),
       levels=ml_collections.config_dict.placeholder(int),
       norm=ml_collections.config_dict.placeholder(str),
-      noise=ml_collections.config_dict.placeholder(str)))
+      noise=ml_collections.config_dict.placeholder(str),
+      rank=ml_collections.config_dict.placeholder(int),
+      cols=ml_collections.config_dict.placeholder(int)))
   config.error_feedback = False
   config.seed = 0
   config.log_every = 50
@@ -101,6 +104,12 @@ def get_config() -> ml_collections.ConfigDict:
   # local schedule (the QSR code's optim_fields_to_average; default none),
   # e.g. --config.opt_fields_to_average=mu,nu (Adam) or trace (SGD momentum).
   config.opt_fields_to_average = ()
+  # Outer optimizer at each parameter average of a local schedule: "none"
+  # (the workers' mean) or "diloco" (DiLoCo, arXiv 2311.08105: SGD with
+  # Nesterov momentum, outer_lr and outer_momentum, on anchor - mean).
+  config.outer_optimizer = "none"
+  config.outer_lr = 0.7
+  config.outer_momentum = 0.9
   config.checkpoint_every = 100
   config.resume = False
   # Multi-process runs (srun, mpirun, Kubernetes, explicit

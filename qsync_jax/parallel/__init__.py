@@ -8,7 +8,8 @@ training step: it owns
 * what goes on the wire when workers average
   (:mod:`~qsync_jax.parallel.averagers`, built on
   :mod:`~qsync_jax.parallel.wire` and :mod:`~qsync_jax.parallel.buckets`,
-  with Global-QSGD in :mod:`~qsync_jax.parallel.global_qsgd`);
+  with Global-QSGD in :mod:`~qsync_jax.parallel.global_qsgd` and PowerSGD
+  in :mod:`~qsync_jax.parallel.powersgd`);
 * when they average, and whether gradients or parameters
   (:mod:`~qsync_jax.parallel.schedules`);
 * the optax transformation averaging updates in a user's own ``shard_map``
@@ -43,6 +44,7 @@ from qsync_jax.parallel.distributed import launch
 from qsync_jax.parallel.distributed import shutdown
 from qsync_jax.parallel.global_qsgd import GlobalQSGD
 from qsync_jax.parallel.global_qsgd import GlobalQSGDExp
+from qsync_jax.parallel.powersgd import PowerSGD
 from qsync_jax.parallel.schedules import ConstantLocalSGD
 from qsync_jax.parallel.schedules import EveryStep
 from qsync_jax.parallel.schedules import make_schedule
@@ -59,8 +61,8 @@ __all__ = [
     "AveragedState", "Averager", "average_tree", "averaged", "ravel_floats",
     "transform", "CastAverager", "ClusterSpec", "ConstantLocalSGD",
     "DistributedConfig", "EveryStep", "GlobalQSGD", "GlobalQSGDExp",
-    "MeanAverager", "PostLocalSGD", "QSGD", "QSR", "Schedule", "assign_devices",
-    "averagers", "cluster", "compress_with_feedback", "distributed",
+    "MeanAverager", "PostLocalSGD", "PowerSGD", "QSGD", "QSR", "Schedule",
+    "assign_devices", "averagers", "cluster", "compress_with_feedback", "distributed",
     "dynamic_batch_sizes", "initialize", "launch", "make_averager",
     "make_schedule", "parse_cluster", "parse_speeds", "ring_allgather_bytes",
     "ring_allreduce_bytes", "schedules", "shutdown",

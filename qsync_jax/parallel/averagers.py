@@ -25,8 +25,11 @@ Strategies: :class:`MeanAverager` (float32 ``psum``), :class:`CastAverager`
 (standard dithering with a global scale and an integer ``psum``) and
 :class:`~qsync_jax.parallel.global_qsgd.GlobalQSGDExp` (exponential
 dithering merged pairwise over ``ppermute``) in
-:mod:`qsync_jax.parallel.global_qsgd`; plus :func:`compress_with_feedback`
-(error feedback) and :func:`average_tree` (any averager over a pytree).
+:mod:`qsync_jax.parallel.global_qsgd`;
+:class:`~qsync_jax.parallel.powersgd.PowerSGD` (rank-``r`` factors, two
+float32 ``psum``) in :mod:`qsync_jax.parallel.powersgd`; plus
+:func:`compress_with_feedback` (error feedback) and :func:`average_tree`
+(any averager over a pytree).
 The quantizers' buckets and rounding noise (the ``key``, ``seed`` and
 ``noise`` arguments) are described in
 :mod:`qsync_jax.parallel.buckets`.
@@ -59,6 +62,7 @@ import jax.numpy as jnp
 from qsync_jax.parallel import buckets
 # Re-exported: callers know the whole family by this module's name.
 from qsync_jax.parallel.global_qsgd import GlobalQSGD, GlobalQSGDExp
+from qsync_jax.parallel.powersgd import PowerSGD
 from qsync_jax.parallel.wire import (Averager, Reducing, ring_allgather_bytes,
                                      ring_allreduce_bytes)
 
@@ -256,6 +260,7 @@ _FACTORIES: dict[str, Callable[..., Any]] = {
     "gqsgd": GlobalQSGD,
     "gqsgd_exp": GlobalQSGDExp,
     "qsgd": QSGD,
+    "powersgd": PowerSGD,
 }
 
 
@@ -264,8 +269,9 @@ def make_averager(name: str, **kwargs: Any) -> Averager:
 
   Args:
     name: one of none, fp32, mean (float32 mean), fp16, bf16, gqsgd,
-      gqsgd_exp, qsgd.
-    **kwargs: the strategy's dataclass fields (e.g. ``wire="int16"``).
+      gqsgd_exp, qsgd, powersgd.
+    **kwargs: the strategy's dataclass fields (e.g. ``wire="int16"``,
+      ``rank=4``).
 
   Returns:
     The strategy.

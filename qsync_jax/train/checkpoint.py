@@ -59,6 +59,8 @@ def state_tree(trainer: HybridTrainer) -> dict[str, Any]:
           "anchor": trainer._anchor, "counter": trainer._counter}
   if trainer.residual is not None:
     tree["residual"] = trainer.residual
+  if trainer.outer_state is not None:  # DiLoCo's outer optimizer state
+    tree["outer_state"] = trainer.outer_state
   return tree
 
 
@@ -88,6 +90,8 @@ def load_state(trainer: HybridTrainer, tree: dict[str, Any],
   trainer._counter = tree["counter"]
   if trainer.residual is not None:
     trainer.residual = tree["residual"]
+  if trainer.outer_state is not None:
+    trainer.outer_state = tree["outer_state"]
   trainer.opt_state = tree["opt_state"]
   trainer.loss_scale = ls.LossScale(*tree["loss_scale"])
   for i in trainer.local_workers:

@@ -13,7 +13,8 @@ averager, ...):
 * :func:`local_update_program`: a local step (each worker applies its own
   gradient; no collective);
 * :func:`average_params_program`: the average of the parameters' change
-  since the last synchronization (local SGD);
+  since the last synchronization (local SGD), optionally through an outer
+  optimizer (DiLoCo; its state from :func:`initial_outer_state`);
 * :func:`opt_fields_program`: the average of chosen optimizer-state fields
   at the same synchronizations (the QSR code's ``optim_fields_to_average``;
   :func:`opt_field_mask` finds and checks the fields);
@@ -29,12 +30,14 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
+from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import optax
 
 from qsync_jax.parallel import averagers
+from qsync_jax.parallel import schedules
 from qsync_jax.train import layout
 from qsync_jax.train import loss_scale as ls
 from qsync_jax.train import step as step_lib
@@ -192,27 +195,94 @@ def local_update_program(mesh: Mesh, unravel: Unravel,
   return _shard_map(mesh, local_update, 4)
 
 
-def average_params_program(mesh: Mesh, averager: Any, seed: int
-                           ) -> Callable:
+def average_params_program(mesh: Mesh, averager: Any, seed: int,
+                           outer_tx: optax.GradientTransformation | None = None,
+                           unravel: Unravel | None = None) -> Callable:
   """Averages the parameters' change since the last synchronization.
 
   Each worker sends its change since the anchor (a pseudo-gradient, whose
   magnitudes suit the quantizing averagers) and adds the average to it.
+  With ``outer_tx`` (DiLoCo, Douillard et al., arXiv 2311.08105) the
+  average goes through an outer optimizer instead: ``anchor - mean`` is its
+  gradient, and its update is applied to the anchor. Every worker holds the
+  same outer state and gets the same averaged change, so the workers stay
+  identical. ``optax.sgd(1.0)`` gives back plain averaging bit for bit
+  (``anchor + -1 * -delta``).
+
+  Args:
+    mesh: the mesh of all workers.
+    averager: how the changes are averaged.
+    seed: seeds the averager's rounding noise.
+    outer_tx: the outer optimizer, or None for plain averaging.
+    unravel: flat vector to parameter pytree (needed with ``outer_tx``,
+      which sees the parameters' pytree, so masks and per-leaf rules work).
 
   Returns:
-    ``average(params, anchor, weight, counter, residual) -> (params,
-    counter, residual)``.
-  """
+    ``average(params, anchor, weight, counter, residual, outer_state=None)
+    -> (params, counter, residual, outer_state)``; ``outer_state`` is the
+    stacked state of :func:`initial_outer_state` (None without
+    ``outer_tx``).
 
-  def average(params, anchor, weight, counter, residual):
+  Raises:
+    ValueError: ``outer_tx`` without ``unravel``.
+  """
+  if outer_tx is not None and unravel is None:
+    raise ValueError("average_params_program needs unravel with an outer_tx")
+
+  def average(params, anchor, weight, counter, residual, outer_state):
     delta, new_res = _average(averager, seed, params[0] - anchor[0],
                               weight[0], counter[0],
                               None if residual is None else residual[0])
-    new_p = anchor[0] + delta
     new_res = residual if new_res is None else new_res[None]
-    return new_p[None], counter + 1, new_res
+    if outer_tx is None:
+      return (anchor[0] + delta)[None], counter + 1, new_res, outer_state
+    state = jax.tree.map(lambda x: x[0], outer_state)
+    updates, state = outer_tx.update(unravel(-delta), state,
+                                     unravel(anchor[0]))
+    new_p = anchor[0] + ravel_pytree(updates)[0]
+    return (new_p[None], counter + 1, new_res,
+            jax.tree.map(_expand, state))
 
-  return _shard_map(mesh, average, 5)
+  program = _shard_map(mesh, average, 6)
+
+  def run(params, anchor, weight, counter, residual, outer_state=None):
+    if (outer_state is None) != (outer_tx is None):
+      raise ValueError("average_params_program: pass outer_state exactly "
+                       "when the program has an outer_tx")
+    return program(params, anchor, weight, counter, residual, outer_state)
+
+  return run
+
+
+def initial_outer_state(mesh: Mesh, unravel: Unravel,
+                        outer_tx: optax.GradientTransformation | None,
+                        params: jax.Array, schedule: Any = None) -> Any:
+  """``outer_tx``'s initial state, stacked per worker, or None without one.
+
+  Args:
+    mesh: the mesh of all workers.
+    unravel: flat vector to parameter pytree.
+    outer_tx: the outer optimizer, or None.
+    params: the stacked ``(n, P)`` parameters, the same on every worker (so
+      is the state).
+    schedule: the sync schedule, if known; one that averages gradients at
+      every step never averages parameters, so it would never use
+      ``outer_tx``.
+
+  Returns:
+    The state, each leaf stacked ``(n, ...)``; None without ``outer_tx``.
+
+  Raises:
+    ValueError: an ``outer_tx`` with an every-step data-parallel schedule.
+  """
+  if outer_tx is None:
+    return None
+  if isinstance(schedule, schedules.EveryStep):
+    raise ValueError("outer_tx steps parameter averages, which data "
+                     "parallelism (EveryStep) never makes; use a local "
+                     "schedule (local, postlocal, qsr)")
+  return _shard_map(mesh, lambda p: jax.tree.map(
+      _expand, outer_tx.init(unravel(p[0]))), 1)(params)
 
 
 def opt_field_mask(opt_state: Any, fields: Sequence[str]) -> Any:

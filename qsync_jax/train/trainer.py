@@ -157,6 +157,8 @@ class HybridTrainer:
     opt_fields_to_average: optimizer-state fields (``"mu"``, ...) averaged
       with the parameters at each sync of a local schedule (as the QSR
       code, default none).
+    outer_tx: an optax outer optimizer (DiLoCo) stepping the anchor by
+      ``anchor - mean`` at each parameter average; None: plain averaging.
 
   With local steps and loss scaling, each worker keeps its own loss scale
   and skips only its own non-finite steps; :attr:`skipped_steps` and
@@ -177,7 +179,8 @@ class HybridTrainer:
                sample_input: Any = None, sample_batch: Any = None,
                error_feedback: bool = False,
                seed: int = 0, bn_stats: str = "reestimate",
-               opt_fields_to_average: Sequence[str] = ()):
+               opt_fields_to_average: Sequence[str] = (),
+               outer_tx: optax.GradientTransformation | None = None):
     _check_workers(workers)
     self.workers = list(workers)
     self.num_workers = len(workers)
@@ -202,10 +205,8 @@ class HybridTrainer:
                                 sample_input))
     flat, self._unravel = ravel_pytree(params)
     self.num_params = int(flat.size)
-    if loss_scaling == "auto":
-      loss_scaling = any(Precision.FP16 in eff.values()
-                         for eff in self.precisions)
-    self.loss_scaling = bool(loss_scaling)
+    self.loss_scaling = bool(loss_scaling) if loss_scaling != "auto" else any(
+        Precision.FP16 in eff.values() for eff in self.precisions)
 
     grad_fns = step_lib.grad_functions(graphdefs, self._unravel,
                                        self.objective, self.seed)
@@ -216,7 +217,7 @@ class HybridTrainer:
     self._local_update = programs.local_update_program(
         self.mesh, self._unravel, tx)
     self._average_params = programs.average_params_program(
-        self.mesh, self.averager, self.seed)
+        self.mesh, self.averager, self.seed, outer_tx, self._unravel)
     self._eval_fn = evaluation.eval_function(fp32_graphdef, self._unravel,
                                              self.objective)
     self._bn_fn = evaluation.bn_function(fp32_graphdef, self._unravel, model,
@@ -228,6 +229,8 @@ class HybridTrainer:
      self._counter, self.residual) = programs.initial_state(
          self.mesh, self._devices, self._unravel, tx, flat,
          self.grad_weights, self.loss_scaling, self.error_feedback)
+    self.outer_state = programs.initial_outer_state(
+        self.mesh, self._unravel, outer_tx, self.params, self.schedule)
     self.rest = {i: jax.device_put(_worker_rest(rest, i), d)
                  for i, d in self._devices.items()}
     self._average_opt, size = programs.opt_fields_program(
@@ -276,9 +279,10 @@ class HybridTrainer:
                              grads))
       synced = self.schedule.is_sync_step(step)
       if synced:
-        self.params, self._counter, self.residual = self._average_params(
-            self.params, self._anchor, self._weights, self._counter,
-            self.residual)
+        self.params, self._counter, self.residual, self.outer_state = (
+            self._average_params(self.params, self._anchor, self._weights,
+                                 self._counter, self.residual,
+                                 self.outer_state))
         if self._average_opt is not None:
           self.opt_state = self._average_opt(self.opt_state, self._weights)
           self.comm_bytes += self._opt_bytes
@@ -346,10 +350,8 @@ class HybridTrainer:
 
   def evaluate(self, data: Any, batch_size: int = 256,
                train_batches: Any = None) -> dict[str, float]:
-    """The objective's mean loss and metrics over ``data``, FP32 compute.
-
-    ``data`` is the evaluation set as one batch (``(x, y)`` for
-    classification), leading axis examples; the model is in eval mode.
+    """The objective's mean loss and metrics over ``data`` (one batch,
+    ``(x, y)`` for classification), in eval mode with FP32 compute.
 
     The model evaluated is the workers' average: mid-round parameters are
     their exact float32 mean (no wire bytes, no sync round); BatchNorm
