@@ -32,6 +32,7 @@ from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
 from qsync_jax.allocation import pipeline
 from qsync_jax.parallel import cluster as cluster_lib
+from qsync_jax.parallel import links
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train.trainer import HybridTrainer, Worker
@@ -397,6 +398,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       "params_sha256": trainer.params_digest(),
       "cluster": config.cluster,
       "num_processes": jax.process_count(),
+      # The launcher's emulated link and its measured rate, or None.
+      "link": links.link_info_from_env(),
       "workers": trainer.describe_workers(),
       "precisions": [{k: v.value for k, v in eff.items()}
                      for eff in trainer.precisions],
