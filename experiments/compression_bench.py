@@ -4,7 +4,7 @@ Usage:
   python -m experiments.compression_bench --out=compression.json \
       [--sizes=1048576,4194304,16777216] [--repeats=11] \
       [--settings=fake_devices,multiprocess] [--num_workers=4] [--donate] \
-      [--parts]
+      [--parts] [--strategies=none,gqsgd]
 
 For each strategy of qsync_jax.parallel.averagers (none = float32 mean, fp16,
 bf16, gqsgd, gqsgd_int16, gqsgd_threefry, gqsgd_exp, qsgd) and each size, one
@@ -15,6 +15,12 @@ experiments.benches.compression). Writes JSON {"settings": {...}, "results":
 time_vs_fp32, ...}], "gqsgd_vs_fp32_time_ratio_16M_<setting>": float} and
 prints one line per result. The goal: gqsgd at 16M floats in <= 0.4x the
 float32 mean's time in the multiprocess setting.
+
+Under the launcher (python -m qsync_jax.distributed --num_processes=4
+[--link=1gbit --topology=per_node] -- python -m experiments.compression_bench
+--sizes=16777216 --out=x.json) the launched processes are the multiprocess
+setting's workers (the default setting there); process 0 writes the JSON, with
+the emulated link and its measured rate under settings.link.
 
 --parts also times, across the processes, the pieces of gqsgd's all-reduce
 (the int8 and float32 all-reduces alone, gqsgd's passes without collectives,
@@ -32,6 +38,7 @@ import jax
 
 from experiments.benches import compression
 from qsync_jax import cli
+from qsync_jax.parallel import distributed
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output JSON file.")
@@ -45,6 +52,9 @@ flags.DEFINE_integer("num_workers", 4, "Workers: fake devices or processes.")
 flags.DEFINE_bool("donate", False,
                   "Each all-reduce takes its input buffer (as a training "
                   "step's dead gradient), so its output may reuse it.")
+flags.DEFINE_list("strategies", None,
+                  "Strategies to measure (default: all); see "
+                  "experiments.benches.compression_cases.STRATEGIES.")
 flags.DEFINE_bool("parts", False,
                   "Also time the pieces of gqsgd's all-reduce across the "
                   "processes (multiprocess setting) and report its floor.")
@@ -53,19 +63,30 @@ flags.DEFINE_bool("parts", False,
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  # Before anything starts the backend: the fake_devices setting's devices.
-  jax.config.update("jax_num_cpu_devices", max(FLAGS.num_workers, 1))
+  settings, num_workers = FLAGS.settings, FLAGS.num_workers
   with cli.bad_input_exits():
+    # Before anything starts the backend: join the launch this process is
+    # one of, or make the fake_devices setting's devices.
+    if distributed.initialize():
+      settings = settings if FLAGS["settings"].present else ["multiprocess"]
+      if not FLAGS["num_workers"].present:
+        num_workers = jax.process_count()
+    else:
+      jax.config.update("jax_num_cpu_devices", max(num_workers, 1))
     try:
       sizes = [int(s) for s in FLAGS.sizes]
     except ValueError:
       raise ValueError(f"--sizes must be integers, got {FLAGS.sizes}") from None
-    report = compression.run(sizes, FLAGS.repeats, FLAGS.settings,
-                             FLAGS.num_workers, donate=FLAGS.donate,
+    report = compression.run(sizes, FLAGS.repeats, settings, num_workers,
+                             FLAGS.strategies, donate=FLAGS.donate,
                              parts=FLAGS.parts)
-    with open(FLAGS.out, "w") as f:
-      json.dump(report, f, indent=2)
-  for setting in FLAGS.settings:
+  first = jax.process_index() == 0
+  distributed.shutdown()
+  if not first:
+    return  # Process 0 alone writes and reports.
+  with open(FLAGS.out, "w") as f:
+    json.dump(report, f, indent=2)
+  for setting in settings:
     key = f"gqsgd_vs_fp32_time_ratio_16M_{setting}"
     print(f"{key}: {report.get(key)}")
   for floor in report.get("gqsgd_floor", []):

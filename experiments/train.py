@@ -38,7 +38,8 @@ Writes to --out_dir:
     comm_bytes (bytes each
     worker sent, ring all-reduce model),
     wall_time_s, examples_per_s, loss_scaling, skipped_steps, params_sha256,
-    cluster, num_processes, workers [{kind, device, batch_size, plan}],
+    cluster, num_processes, link (the launcher's --link and its measured
+    rate, or null), workers [{kind, device, batch_size, plan}],
     precisions (per worker: {layer: precision}).
   metrics.jsonl: one row per log/eval step (step, loss, accuracy,
     examples_per_s, loss_scale, H (the period of the step's round),

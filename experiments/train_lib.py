@@ -35,6 +35,7 @@ from qsync_jax.allocation import pipeline
 from qsync_jax.parallel import agreement
 from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.parallel import preemption
+from qsync_jax.parallel import links
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train import trainer as trainer_lib
@@ -524,6 +525,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
       "params_sha256": trainer.params_digest(),
       "cluster": config.cluster,
       "num_processes": jax.process_count(),
+      # The launcher's emulated link and its measured rate, or None.
+      "link": links.link_info_from_env(),
       "workers": trainer_lib.describe_workers(trainer.workers),
       "precisions": [{k: v.value for k, v in eff.items()}
                      for eff in trainer.precisions],

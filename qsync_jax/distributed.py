@@ -2,15 +2,23 @@ r"""The localhost launcher as a command: ``python -m qsync_jax.distributed``.
 
 Usage:
   python -m qsync_jax.distributed --num_processes=4 [--port=N] \
-      [--timeout_s=S] -- python -m experiments.train --out_dir=/tmp/run
+      [--timeout_s=S] [--link=1gbit [--latency=0ms] [--topology=per_node]
+      [--cpu_quota=1,1,0.5,0.5]] -- python -m experiments.train --out_dir=R
 
 Starts the processes with :func:`qsync_jax.parallel.distributed.launch` and
-exits with its status. The library itself lives in
-:mod:`qsync_jax.parallel.distributed`; this module only parses flags.
+exits with its status. With ``--link`` (root only) every process runs in its
+own network namespace behind an emulated link
+(:class:`qsync_jax.parallel.links.LinkEmulator`), the achieved rate between
+processes 0 and 1 is measured first and passed on in
+``QSYNC_LINK_MEASURED_BPS``, and everything is torn down at exit; without
+root, or without ip/tc, it says so in one line and exits with 1. The library
+itself lives in :mod:`qsync_jax.parallel.distributed` and
+:mod:`qsync_jax.parallel.links`; this module only parses flags.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Sequence
 
@@ -18,6 +26,7 @@ from absl import app
 from absl import flags
 
 from qsync_jax import cli
+from qsync_jax.parallel import links
 from qsync_jax.parallel.distributed import launch
 
 
@@ -29,6 +38,17 @@ def _define_flags() -> None:
   flags.DEFINE_float("timeout_s", None, "Kill every process after this long.")
   flags.DEFINE_float("dead_peer_timeout_s", 60,
                      "Longest wait for killed processes to be reaped.")
+  flags.DEFINE_string("link", None, "Emulated link rate per process, as "
+                      "1gbit or 100mbit (root only); default: no emulation.")
+  flags.DEFINE_string("latency", "0ms", "With --link: one-way delay from "
+                      "each process to the switch (needs tc netem).")
+  flags.DEFINE_enum("topology", "per_node", list(links.TOPOLOGIES),
+                    "With --link: a link each (per_node) or one bottleneck "
+                    "all processes share (shared).")
+  flags.DEFINE_string("cpu_quota", None, "With --link: CPUs each process "
+                      "may use, as 1,1,0.5,0.5 (cgroup cpu controller).")
+  flags.DEFINE_float("link_probe_s", 0.5, "With --link: seconds of the rate "
+                     "measurement before the run.")
 
 
 def _main(argv: Sequence[str]) -> None:
@@ -40,9 +60,28 @@ def _main(argv: Sequence[str]) -> None:
     if len(argv) < 2:
       raise ValueError("no command to launch; put it after --, as in "
                        "-- python -m experiments.train")
-    code = launch(argv[1:], opts.num_processes, port=opts.port,
-                  timeout_s=opts.timeout_s,
+    kwargs = dict(port=opts.port, timeout_s=opts.timeout_s,
                   dead_peer_timeout_s=opts.dead_peer_timeout_s)
+    if opts.link is None:
+      if opts.cpu_quota:
+        raise ValueError("--cpu_quota needs --link (it shares the set-up)")
+      sys.exit(launch(argv[1:], opts.num_processes, **kwargs))
+    spec = links.LinkSpec.parse(opts.link, opts.latency, opts.topology,
+                                opts.cpu_quota, opts.num_processes)
+    try:
+      with links.LinkEmulator(opts.num_processes, spec) as emulator:
+        measured = emulator.measure_rate(opts.link_probe_s)
+        if measured is not None:
+          print(f"link: {spec.rate} {spec.topology}, measured "
+                f"{measured / 1e6:.1f} Mbit/s from process 0 to 1",
+                file=sys.stderr, flush=True)
+        code = launch(argv[1:], opts.num_processes,
+                      env={**os.environ, **emulator.env(measured)},
+                      coordinator_host=emulator.address(0),
+                      wrap=emulator.wrap, **kwargs)
+    except links.LinkUnavailableError as e:
+      print(f"error: {e}", file=sys.stderr)
+      code = 1
   sys.exit(code)
 
 

@@ -38,6 +38,13 @@ all-reduce and the floor they put under its time
 
 Run as ``python -m experiments.benches.compression SPEC`` this module is one
 worker process of the ``multiprocess`` setting (:func:`run_multiprocess`).
+
+Under the launcher (``python -m qsync_jax.distributed --num_processes=N
+[--link=1gbit ...] -- python -m experiments.compression_bench ...``) every
+process runs :func:`run` and the launch itself is the ``multiprocess``
+setting; the emulated link, with the rate measured before the run, is
+recorded under ``settings.link`` and the headline ratio is also reported as
+``gqsgd_vs_fp32_time_ratio_16M_<topology>_<rate>``.
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ from experiments.benches.compression_parts import floor_analysis
 from experiments.benches.compression_parts import PARTS
 from qsync_jax.parallel import averagers
 from qsync_jax.parallel import distributed
+from qsync_jax.parallel import links
 
 SETTINGS = ("fake_devices", "multiprocess")
 DEFAULT_SIZES = (1 << 20, 1 << 22, 1 << 24)
@@ -354,6 +362,15 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
   if parts and not {"none", HEADLINE_STRATEGY} <= set(names):
     raise ValueError(f"parts are compared with the strategies 'none' and "
                      f"{HEADLINE_STRATEGY!r}; include both (got {names})")
+  # One process of a launch: the launch's processes are the workers.
+  launched = jax.process_count() > 1
+  if launched and (settings != ["multiprocess"]
+                   or num_workers != jax.process_count()):
+    raise ValueError(
+        f"under the launcher only the multiprocess setting runs, with the "
+        f"{jax.process_count()} launched processes as workers; got settings "
+        f"{settings} and {num_workers} workers")
+  link = links.link_info_from_env()
 
   info = {
       "jax_version": jax.__version__,
@@ -381,7 +398,9 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
                  "seconds per call of the timing process (all threads)"),
       "rel_error": "||avg - exact|| / ||exact||, exact the float64 mean",
       "multiprocess": "one CPU device per process, gloo collectives over "
-                      "localhost TCP; process 0's timings",
+                      + ("the emulated link (see link)" if link else
+                         "localhost TCP") + "; process 0's timings",
+      "link": link,
       "notes": [
           "wire_bytes is each averager's model of its wire format; on "
           "XLA:CPU a bfloat16 all-reduce is promoted to float32 (see "
@@ -401,6 +420,11 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
     if setting == "fake_devices":
       results += run_fake_devices(sizes, repeats, num_workers, names,
                                   seed=seed, donate=donate)
+    elif launched:
+      results += bench_mesh(sizes, repeats, setting, names, seed=seed,
+                            donate=donate)
+      if parts:
+        results += bench_parts(sizes, repeats, seed=seed, donate=donate)
     else:
       results += run_multiprocess(sizes, repeats, num_workers, names,
                                   seed=seed, timeout_s=timeout_s,
@@ -415,6 +439,9 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
   for setting in SETTINGS:
     report[f"gqsgd_vs_fp32_time_ratio_16M_{setting}"] = (
         time_ratio(results, setting) if setting in settings else None)
+  if link is not None and "multiprocess" in settings:
+    report[f"gqsgd_vs_fp32_time_ratio_16M_{link['topology']}_"
+           f"{link['link']}"] = time_ratio(results, "multiprocess")
   if parts:
     report["gqsgd_floor"] = [floor_analysis(results, d) for d in sizes]
   return report

@@ -260,7 +260,9 @@ def _describe_exit(code: int) -> str:
 def launch(command: Sequence[str], num_processes: int, *,
            port: int | None = None, timeout_s: float | None = None,
            dead_peer_timeout_s: float = 60,
-           env: Mapping[str, str] | None = None) -> int:
+           env: Mapping[str, str] | None = None,
+           coordinator_host: str = "127.0.0.1",
+           wrap: Callable[[int, list[str]], list[str]] | None = None) -> int:
   """Runs ``command`` as ``num_processes`` processes of one localhost run.
 
   Each process gets the ``QSYNC_*`` variables ``initialize()`` reads and
@@ -281,6 +283,10 @@ def launch(command: Sequence[str], num_processes: int, *,
     dead_peer_timeout_s: The longest to wait for killed processes to be
       reaped once one process failed (SIGKILL makes this near-instant).
     env: The processes' base environment; None uses ``os.environ``.
+    coordinator_host: Process 0's address as the others reach it (an
+      emulated link's namespace address, see ``links.LinkEmulator``).
+    wrap: Maps (process id, command) to the command actually run, e.g.
+      inside a network namespace (``links.LinkEmulator.wrap``).
 
   Returns:
     0 when every process exits 0; the failing process's exit code (1 if a
@@ -304,7 +310,7 @@ def launch(command: Sequence[str], num_processes: int, *,
     check_port_free(port)
   base_env = dict(os.environ if env is None else env)
   base_env.update({
-      ENV_COORDINATOR_ADDRESS: f"127.0.0.1:{port}",
+      ENV_COORDINATOR_ADDRESS: f"{coordinator_host}:{port}",
       ENV_NUM_PROCESSES: str(num_processes),
       "JAX_NUM_CPU_DEVICES": "1",
   })
@@ -351,7 +357,8 @@ def launch(command: Sequence[str], num_processes: int, *,
     for i in range(num_processes):
       # Own process group (pgid = pid): a terminal's Ctrl-C reaches only
       # the launcher, which then kills each group as a whole.
-      p = subprocess.Popen(list(command),
+      argv = list(command) if wrap is None else wrap(i, list(command))
+      p = subprocess.Popen(argv,
                            env={**base_env, ENV_PROCESS_ID: str(i)},
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            process_group=0, preexec_fn=preexec)
