@@ -8,14 +8,15 @@ the one jitted step) and Global-QSGD averaging of the parameter change.
   python examples/byo_model.py   # 4 fake CPU devices when no GPUs
 """
 import os
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-from flax import nnx  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-import qsync_jax as qs  # noqa: E402
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from sklearn.datasets import load_digits
+
+import qsync_jax as qs
 
 
 class CNN(nnx.Module):
@@ -96,4 +97,5 @@ def main(steps: int = 300, n: int | None = None, batch: int = 32,
 
 
 if __name__ == "__main__":
+  jax.config.update("jax_num_cpu_devices", 4)  # on CPU: four fake devices
   main()

@@ -56,9 +56,11 @@ existing file as --out_dir, ...) ends the run before training with one line
 loss are not finite; it writes no summary.json.
 
 --model takes a built-in model (cnn, resnet18, resnet50, vgg16_bn, bert, lm,
-vit_tiny) or package.module:factory: a callable taking rngs (and the keyword
-arguments in --config.model_kwargs) that returns an NNX module with an
-input_spec(batch_size) method returning the jax.ShapeDtypeStruct of one batch.
+vit_tiny) or package.module:factory: a callable taking rngs, the dataset's
+facts it names (num_classes, input_shape, image_size, in_channels, max_len,
+vocab_size) and the keyword arguments of --model_kwargs='{...}' (JSON), that
+returns an NNX module, a Linen module or an (init, apply) pair. No special
+methods are needed; --config.loss_fn=package.module:fn sets the loss.
 """
 
 import os
@@ -83,6 +85,10 @@ _DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs",
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", None, "Run directory for outputs.")
 flags.DEFINE_string("model", None, "Overrides config.model.")
+flags.DEFINE_string("model_kwargs", None, "JSON object merged into "
+                    "config.model_kwargs (the model's keyword arguments).")
+flags.DEFINE_string("dataset_kwargs", None, "JSON object merged into "
+                    "config.dataset_kwargs (the dataset loader's arguments).")
 flags.DEFINE_string("cluster", None, "Overrides config.cluster.")
 flags.DEFINE_bool("resume", None, "Overrides config.resume.")
 flags.DEFINE_enum("sync", None, ["dp", "local", "postlocal", "qsr"],
@@ -106,9 +112,12 @@ flags.DEFINE_integer("num_processes", None, "Processes in the run; default: "
                      "from the launcher.")
 flags.DEFINE_integer("process_id", None, "This process's index; default: "
                      "from the launcher.")
-config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG,
-                                "Path to a get_config() file.",
-                                lock_config=True)
+try:
+  config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG,
+                                  "Path to a get_config() file.",
+                                  lock_config=True)
+except (AttributeError, KeyError) as err:  # a --config.x override
+  cli.exit_on_bad_override(err, sys.argv)
 
 
 def _parse_plan_flags(values):
@@ -135,6 +144,15 @@ def main(argv):
       if getattr(FLAGS, name) is not None:
         config[name] = getattr(FLAGS, name)
   with cli.bad_input_exits():
+    for name in ("model_kwargs", "dataset_kwargs"):
+      if getattr(FLAGS, name) is not None:
+        value = config_lib.read_json(getattr(FLAGS, name), f"--{name}")
+        if not isinstance(value, dict):
+          raise ValueError(f"--{name} must be a JSON object, got "
+                           f"{getattr(FLAGS, name)!r}")
+        with config.unlocked():
+          config[name] = ml_collections.ConfigDict(
+              {**config_lib.to_plain(config[name]), **value})
     if FLAGS.plan == ["auto"]:
       with config.unlocked():
         config.plan_mode = "auto"

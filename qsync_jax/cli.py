@@ -38,3 +38,21 @@ def check_names(what: str, names: Sequence[str],
   if unknown:
     raise ValueError(f"unknown {what}(s) {unknown}; valid: "
                      f"{', '.join(valid)}")
+
+
+def exit_on_bad_override(error: Exception, argv: Sequence[str]) -> None:
+  """Reports a ``--config.a.b=...`` override of a field the config lacks.
+
+  ``ml_collections`` applies the overrides while the config flag is defined
+  and refuses a missing field with a bare ``AttributeError`` or
+  ``KeyError``; a binary catches it there and calls this, which prints one
+  ``error:`` line naming the override and exits with status 1.
+  """
+  key = str(error).strip("'\"")
+  named = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")
+           and a.split("=", 1)[0].rsplit(".", 1)[-1] == key]
+  where = named[0] if named else "a --config override"
+  print(f"error: {where}: the config has no field {key!r} (give model and "
+        "dataset arguments as JSON: --model_kwargs='{...}', "
+        "--dataset_kwargs='{...}')", file=sys.stderr)
+  raise SystemExit(1)

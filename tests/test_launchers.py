@@ -219,8 +219,10 @@ def test_agreement_gathers_through_the_store_and_times_out():
 # --- End to end: the main job under real launchers ------------------------
 
 def _env(**extra):
+  # XLA_FLAGS too: the runs compare it, and another test may have set it.
   env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("QSYNC_", "SLURM_", "OMPI_", "PMIX_"))}
+         if not k.startswith(("QSYNC_", "SLURM_", "OMPI_", "PMIX_"))
+         and k != "XLA_FLAGS"}
   env["PYTHONPATH"] = os.pathsep.join(
       p for p in (ROOT, env.get("PYTHONPATH")) if p)
   # Open MPI refuses root without both; the main job's compiles are the

@@ -141,3 +141,52 @@ def test_the_train_binary_runs_a_user_factory_and_resumes_bit_identically(
   assert resumed["steps_this_run"] == 2
   assert resumed["params_sha256"] == summary["params_sha256"]
   assert resumed["final_eval_loss"] == summary["final_eval_loss"]
+
+
+def test_a_tonnx_factory_is_wrapped_and_a_bare_tonnx_is_a_clear_error():
+  dataset = qs.data.load_dataset("digits")
+  model = models.build_model("user_models:tonnx_resnet", rngs=nnx.Rngs(0),
+                             data_kwargs=dataset.model_kwargs(),
+                             sample_input=dataset.x_train[:2])
+  assert isinstance(model, qs.LinenModel)
+  assert "Dense_0" in qs.layer_paths(model, dataset.x_train[:2])
+  tonnx = user_models.tonnx_resnet(rngs=nnx.Rngs(0), num_classes=10)
+  nnx.bridge.lazy_init(tonnx, dataset.x_train[:2], train=False)
+  with pytest.raises(ValueError, match="from_linen"):
+    qs.layer_paths(tonnx, dataset.x_train[:2])
+
+
+def test_unknown_model_and_dataset_kwargs_name_the_accepted_ones():
+  with pytest.raises(ValueError, match="accepts: in_channels, num_classes, "
+                     "width"):
+    models.build_model("user_models:nnx_cnn", rngs=nnx.Rngs(0),
+                       data_kwargs={"in_channels": 1, "num_classes": 10},
+                       depth=3)
+  with pytest.raises(ValueError, match="accepts: .*image_size"):
+    models.build_model("cnn", rngs=nnx.Rngs(0), depth=3)
+  with pytest.raises(ValueError, match="accepts: test_fraction, seed"):
+    qs.data.load_dataset("digits", input_shape=(8, 8, 1))
+  # The factory gets only the dataset facts it names.
+  assert models.model_arguments(
+      "user_models:bare_linear", {"input_shape": (4,), "num_classes": 3,
+                                  "image_size": 8}, {}) == {
+                                      "input_shape": (4,), "num_classes": 3}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config.model=user_models:nnx_cnn", '--model_kwargs={"depth": 3}'],
+     "accepts: in_channels, num_classes, width"),
+    (['--dataset_kwargs={"input_shape": 3}'], "accepts: test_fraction, seed"),
+    (["--config.dataset_kwargs.input_shape=3"],
+     "--config.dataset_kwargs.input_shape: the config has no field"),
+])
+def test_the_binary_reports_unknown_kwargs_in_one_line(tmp_path, args,
+                                                       message):
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.train", f"--out_dir={tmp_path}",
+       *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
+      timeout=300)
+  assert result.returncode == 1
+  errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+  assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+  assert "Traceback" not in result.stderr

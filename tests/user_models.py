@@ -103,3 +103,8 @@ def two_input_loss(model, batch, rngs):
   """The user's loss: ``(logits, labels)``, scored as classification."""
   x, y = batch
   return model(*split_inputs(x), rngs=rngs), y
+
+
+def tonnx_resnet(*, rngs, num_classes):
+  """The Linen ResNet the way flax's bridge docs wrap it."""
+  return nnx.bridge.ToNNX(LinenResNet(num_classes=num_classes), rngs=rngs)

@@ -155,8 +155,9 @@ def build_model(spec: str, *, rngs: nnx.Rngs,
 
   Args:
     spec: a built-in model name or ``"package.module:factory"``. A factory
-      returns an NNX module, a Linen module, or an ``(init, apply)`` pair
-      (the last two wrapped by :func:`qsync_jax.plan.bridge.from_linen`).
+      returns an NNX module, a Linen module, an ``(init, apply)`` pair or
+      an ``nnx.bridge.ToNNX`` of a Linen module (the last three wrapped by
+      :func:`qsync_jax.plan.bridge.from_linen`).
     rngs: RNG streams for parameter initialisation.
     data_kwargs: the dataset's facts
       (:meth:`qsync_jax.data.Dataset.model_kwargs`), passed where the
@@ -186,9 +187,13 @@ def build_model(spec: str, *, rngs: nnx.Rngs,
     raise ValueError(
         f'model spec {spec!r} is not a model factory: calling it with '
         f'({args}) raised TypeError: {err}') from err
-  if isinstance(model, nnx.Module):
-    return model
   from qsync_jax.plan import bridge  # local: only Linen models need it
+  if isinstance(model, nnx.bridge.ToNNX):
+    # ToNNX hides the Linen layers from plans: wrap its module our way
+    # (initialised afresh from the same rngs, as the factory did).
+    model = model.to_nnx__module
+  elif isinstance(model, nnx.Module):
+    return model
   if bridge.is_linen(model):
     if sample_input is None:
       raise ValueError(

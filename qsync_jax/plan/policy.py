@@ -169,6 +169,11 @@ def model_layers(model: nnx.Module, sample_input: Any = None) -> list[Layer]:
   """
   by_path = addressable_modules(model)
   if not by_path:
+    if any(isinstance(n, nnx.bridge.ToNNX) for _, n in nnx.iter_graph(model)):
+      raise ValueError(
+          f"{type(model).__name__} wraps a Linen module in nnx.bridge.ToNNX, "
+          "whose layers a plan cannot reach: wrap it with "
+          "qsync_jax.from_linen(module, sample_input, rngs=...) instead")
     raise ValueError(
         f"{type(model).__name__} has no layer a precision plan can address "
         f"(looked for {', '.join(t.__name__ for t in ADDRESSABLE_TYPES)})")
