@@ -38,6 +38,11 @@ CASES = {
 }
 
 
+# The models with non-parameter state (BatchNorm statistics, dropout RNG
+# streams) resume in the test below; the others only train and evaluate.
+STATEFUL = ("nnx_cnn", "linen_resnet")
+
+
 def _build(name):
   spec, dataset_name, _, _ = CASES[name]
   dataset = qs.data.load_dataset(dataset_name)
@@ -132,6 +137,8 @@ def test_the_train_binary_runs_a_user_factory_and_resumes_bit_identically(
   rows = [json.loads(r)
           for r in (out / "metrics.jsonl").read_text().splitlines()]
   assert any("eval_accuracy" in r for r in rows)
+  if name not in STATEFUL:
+    return
   # Resume from the step-2 checkpoint (the step-4 one removed): the same
   # parameters, BatchNorm statistics and dropout streams give the same run.
   shutil.rmtree(out / "checkpoints" / "4")
