@@ -238,8 +238,10 @@ def test_batcher_invalid_sizes(sizes):
 
 def test_eval_batches():
   x, y = np.arange(23), np.arange(23)
-  got = list(data.eval_batches(x, y, 5))
+  got = list(data.eval_batches((x, y), 5))
   assert [len(b[0]) for b in got] == [5, 5, 5, 5, 3]
   np.testing.assert_array_equal(np.concatenate([b[1] for b in got]), y)
   with pytest.raises(ValueError):
-    data.eval_batches(x, y, 0)
+    data.eval_batches((x, y), 0)
+  with pytest.raises(ValueError, match="differ in length"):
+    data.eval_batches((x, y[:4]), 5)

@@ -10,6 +10,9 @@ the batches the original run would have, without replaying earlier steps.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
 
 import numpy as np
 
@@ -110,29 +113,31 @@ class WorkerBatcher:
     return [(self.x[i], self.y[i]) for i in self.step_indices(step)]
 
 
-def eval_batches(x: np.ndarray, y: np.ndarray, batch_size: int
-                 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def eval_batches(data: Any, batch_size: int) -> Iterator[Any]:
   """Iterates over all examples exactly once, in order.
 
   Args:
-    x: Inputs, leading axis is the example axis.
-    y: Targets with the same leading length as `x`.
+    data: a pytree of arrays (``(x, y)`` for classification) whose leading
+      axis is the example axis.
     batch_size: Examples per batch; the last batch may be smaller.
 
   Returns:
-    An iterator of `(x_batch, y_batch)` pairs.
+    An iterator of pytrees like ``data``, sliced along the example axis.
 
   Raises:
-    ValueError: If `batch_size` is not positive or `x` and `y` differ in
+    ValueError: If `batch_size` is not positive or the arrays differ in
       length (raised at call time, not on first iteration).
   """
   if batch_size <= 0:
     raise ValueError(f"batch_size must be positive, got {batch_size}")
-  if len(x) != len(y):
-    raise ValueError(f"x has {len(x)} examples but y has {len(y)}")
+  lengths = {len(a) for a in jax.tree.leaves(data)}
+  if len(lengths) != 1:
+    raise ValueError(f"the arrays of an eval set differ in length: "
+                     f"{sorted(lengths)}")
+  n = lengths.pop()
 
   def gen():
-    for i in range(0, len(x), batch_size):
-      yield x[i:i + batch_size], y[i:i + batch_size]
+    for i in range(0, n, batch_size):
+      yield jax.tree.map(lambda a, i=i: a[i:i + batch_size], data)
 
   return gen()

@@ -437,8 +437,7 @@ def from_linen(module_or_pair: Any, sample_input: Any, *,
   if isinstance(module_or_pair, nn.Module):
     return LinenModel(module_or_pair, sample_input, rngs=rngs,
                       train_kwarg=train_kwarg)
-  if (isinstance(module_or_pair, (tuple, list)) and len(module_or_pair) == 2
-      and all(callable(f) for f in module_or_pair)):
+  if is_linen(module_or_pair):
     init_fn, apply_fn = module_or_pair
     return LinenModel(None, sample_input, rngs=rngs, init_fn=init_fn,
                       apply_fn=apply_fn, train_kwarg=train_kwarg)

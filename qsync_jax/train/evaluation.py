@@ -13,13 +13,14 @@ evaluated parameters on training batches, as the official QSR code's
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qsync_jax.data.batching import eval_batches
 from qsync_jax.plan import bridge
 from qsync_jax.task.objective import as_objective
 from qsync_jax.task.objective import batch_size as batch_size_of
@@ -57,14 +58,6 @@ def eval_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
   return eval_fn
 
 
-def slices(data: Any, batch_size: int) -> Iterator[Any]:
-  """``data`` (a pytree of arrays sharing the leading axis) in consecutive
-  batches of at most ``batch_size`` examples, the last one shorter."""
-  n = batch_size_of(data)
-  for start in range(0, n, batch_size):
-    yield jax.tree.map(lambda a, s=start: a[s:s + batch_size], data)
-
-
 def evaluate(eval_fn: Callable, params_row: jax.Array, rest: Any,
              data: Any, device: jax.Device,
              batch_size: int = 256) -> dict[str, float]:
@@ -84,7 +77,7 @@ def evaluate(eval_fn: Callable, params_row: jax.Array, rest: Any,
   """
   sums: dict[str, float] = {}
   count = 0
-  for batch in slices(data, batch_size):
+  for batch in eval_batches(data, batch_size):
     n = batch_size_of(batch)
     out = eval_fn(params_row, rest, jax.device_put(batch, device))
     for name, value in out.items():

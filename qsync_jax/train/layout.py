@@ -54,14 +54,15 @@ def local_scalar(x: jax.Array) -> Any:
   return x.addressable_shards[0].data[0].item()
 
 
-def _is_key(a: Any) -> bool:
+def is_key(a: Any) -> bool:
+  """Whether ``a`` is an array of typed PRNG keys."""
   return jnp.issubdtype(getattr(a, "dtype", None), jax.dtypes.prng_key)
 
 
 def _key_data(a: Any) -> Any:
   # Typed PRNG keys (a Dropout's own stream) cannot be assembled into global
   # arrays or checkpointed as they are; their raw uint32 data can.
-  return jax.random.key_data(a) if _is_key(a) else a
+  return jax.random.key_data(a) if is_key(a) else a
 
 
 def stack_trees(trees: Mapping[jax.Device, Any], num_workers: int,
@@ -103,7 +104,7 @@ def unstack_tree(tree: Any, device: jax.Device, like: Any = None) -> Any:
     return out
   return jax.tree.map(
       lambda a, ref: jax.random.wrap_key_data(
-          a, impl=jax.random.key_impl(ref)) if _is_key(ref) else a, out, like)
+          a, impl=jax.random.key_impl(ref)) if is_key(ref) else a, out, like)
 
 
 def zeros_like(x: jax.Array, sharding: NamedSharding) -> jax.Array:

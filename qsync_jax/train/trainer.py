@@ -54,7 +54,6 @@ from flax import nnx
 import jax
 from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -95,8 +94,8 @@ def _worker_rest(rest: Any, index: int) -> Any:
   key (a layer's own RNG stream, e.g. ``nnx.Dropout(rngs=...)``) folded with
   the index, so workers draw different dropout masks."""
   return jax.tree.map(
-      lambda a: jax.random.fold_in(a, index)
-      if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a, rest)
+      lambda a: jax.random.fold_in(a, index) if layout.is_key(a) else a,
+      rest)
 
 
 def _check_workers(workers: Sequence[Worker]) -> None:
