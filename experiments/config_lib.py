@@ -5,8 +5,9 @@ checked before anything runs, each plan's device kind against the
 cluster, the BatchNorm choice of evaluation and the optimizer-state fields
 to average), reading plans and JSON given on the command line (``load_plan``,
 ``read_json``: depth-bounded by Python's recursion limit), and turning the
-config into the training objects: the learning rate (optax for training, a
-float64 twin for QSR), the optimizer, the sync schedule and the averager.
+config into the training objects: the model (``build_model``, sized for the
+dataset), the learning rate (optax for training, a float64 twin for QSR),
+the optimizer, the sync schedule and the averager.
 :mod:`experiments.train_lib` runs the job with them.
 """
 
@@ -18,12 +19,17 @@ import numbers
 import os
 from typing import Any, Callable, Mapping
 
+from absl import logging
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
 
+from qsync_jax import data as data_lib
+from qsync_jax import models as models_lib
+from qsync_jax.allocation import sharing
 from qsync_jax.parallel import averagers
 from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.parallel import launchers
@@ -91,6 +97,7 @@ _INT_FIELDS: dict[str, int] = {
     "distributed.initialization_timeout_s": 1,
     "distributed.heartbeat_timeout_s": 1, "distributed.shutdown_timeout_s": 1,
     "compress_kwargs.rank": 1, "compress_kwargs.cols": 1,
+    "allocator.profile_repeats": 1, "distributed.planning_timeout_s": 1,
 }
 
 
@@ -183,6 +190,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.distributed.local_devices must be one of "
                      f"{', '.join(launchers.LOCAL_DEVICES)}, got "
                      f"{local_devices!r}")
+  source = config.get("allocator", {}).get("profiles", "auto")
+  if source not in sharing.SOURCES:
+    raise ValueError(f"config.allocator.profiles must be one of "
+                     f"{', '.join(sharing.SOURCES)}, got {source!r}")
   opt_fields(config)  # a field the optimizer's state does not have
   make_averager(config)  # an unknown strategy or field; building is cheap
   make_outer_optimizer(config)  # an unknown one, or one dp would not use
@@ -472,3 +483,42 @@ def make_averager(config: ml_collections.ConfigDict) -> averagers.Averager:
   except TypeError as e:  # a field the strategy's dataclass does not have
     raise ValueError(f"config.compress_kwargs {sorted(kwargs)} do not fit "
                      f"compress={name!r}: {e}") from None
+
+
+def build_model(config: ml_collections.ConfigDict, dataset: data_lib.Dataset,
+                timing: bool = False) -> nnx.Module:
+  """``config.model`` sized for ``dataset`` (the dataset's facts go where
+  the model takes them), with ``config.model_kwargs``.
+
+  Args:
+    config: the job's config.
+    dataset: the data the model fits.
+    timing: build the allocator's timing model instead:
+      ``config.allocator.timing_model_kwargs`` on top of the model kwargs,
+      where the model takes them (the defaults describe the built-in CNN as
+      deployed). A user's model keeps the dataset's input facts, since it
+      is traced on the dataset's inputs; the log says what was left out.
+
+  Raises:
+    ValueError: a model kwarg the model does not take (naming those it
+      does), or a bad model spec.
+  """
+  kwargs = to_plain(config.get("model_kwargs", {})) or {}
+  data_kwargs = dataset.model_kwargs()
+  if timing:
+    wanted = to_plain(
+        config.allocator.get("timing_model_kwargs", {})) or {}
+    usable = models_lib.model_arguments(config.model, wanted, {})
+    if config.model not in models_lib.MODELS:
+      # A user's model is traced on the dataset's inputs: it keeps the
+      # dataset's input facts.
+      usable = {k: v for k, v in usable.items() if k not in data_kwargs}
+    left_out = sorted(set(wanted) - set(usable))
+    if left_out:
+      logging.info("timing model %s: not taking allocator.timing_model_kwargs"
+                   " %s", config.model, ", ".join(left_out))
+    data_kwargs = {**data_kwargs, **usable}
+    kwargs = {k: v for k, v in kwargs.items() if k not in usable}
+  return models_lib.build_model(
+      config.model, rngs=nnx.Rngs(config.seed), data_kwargs=data_kwargs,
+      sample_input=dataset.x_train[:2], **kwargs)

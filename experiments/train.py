@@ -75,7 +75,7 @@ from ml_collections import config_flags
 from experiments import config_lib
 from experiments import train_lib
 from qsync_jax import cli
-from qsync_jax.parallel import agreement
+from qsync_jax.parallel import coordination
 from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.parallel import distributed
 
@@ -185,7 +185,9 @@ def main(argv):
     except FloatingPointError as e:  # diverged: not bad input, still a fail
       print(f"error: {e}", file=sys.stderr)
       raise SystemExit(1) from None
-    except agreement.AgreementError as e:
+    except coordination.CoordinationError as e:
+      # The processes disagree, or another failed while planning: the same
+      # line on every process.
       print(f"error: {e}", file=sys.stderr, flush=True)
       raise SystemExit(1) from None
 

@@ -28,9 +28,8 @@ import ml_collections
 import numpy as np
 
 from experiments import config_lib
+from experiments import plans_lib
 from qsync_jax import data as data_lib
-from qsync_jax import models as models_lib
-from qsync_jax import task
 from qsync_jax.allocation import pipeline
 from qsync_jax.parallel import agreement
 from qsync_jax.parallel import cluster as cluster_lib
@@ -102,91 +101,6 @@ def make_workers(config: ml_collections.ConfigDict, devices=None,
                      "equal, dynamic")
   return [Worker(d, k, plan_of[k], b)
           for d, k, b in zip(devices, spec.kinds, sizes)]
-
-
-def auto_plans(config: ml_collections.ConfigDict, model: nnx.Module,
-               dataset: data_lib.Dataset) -> pipeline.PlanningResult:
-  """The allocator's plans for ``config.cluster`` (``plan_mode="auto"``).
-
-  Scores ``model`` with ``config.allocator.indicator`` on the first training
-  batches, predicts the step of the timing model (``model`` rebuilt with
-  ``config.allocator.timing_model_kwargs`` at ``timing_batch_size`` per
-  worker) on the cluster's GPU kinds, and runs the allocator. The kinds must
-  be in the GPU catalog (:data:`qsync_jax.plan.DEVICES`): their
-  profiles are analytic. Every process of a multi-process run computes the
-  same plans (the same model, batches and seed).
-
-  Raises:
-    ValueError: a bad allocator setting, or a timing model whose layers
-      differ from ``model``'s.
-    qsync_jax.allocation.allocator.AllocationError: no plan fits.
-  """
-  from qsync_jax.plan import devices  # local: only auto plans need it
-  outside = [k for k in cluster_lib.parse_cluster(config.cluster).groups()
-             if k not in devices.DEVICES]
-  if outside:
-    raise ValueError(
-        f"plan_mode=auto predicts steps with the GPU catalog "
-        f"({', '.join(sorted(devices.DEVICES))}), which has no "
-        f"{', '.join(outside)}; give plans with --plan=KIND=PLAN.json")
-  a = config.allocator
-  loss_fn = config_lib.make_loss_fn(config)
-  scores = pipeline.compute_scores(model, dataset, a.indicator,
-                                   num_batches=a.num_batches,
-                                   batch_size=config.batch_size,
-                                   seed=config.seed, loss_fn=loss_fn)
-  timing_model = build_model(config, dataset, timing=True)
-  # A model without input_spec is traced through the job's loss on a
-  # training batch (resized to the timing batch).
-  sample = None if callable(getattr(timing_model, "input_spec", None)) else (
-      task.as_objective(loss_fn).probe(
-          task.abstract((dataset.x_train[:1], dataset.y_train[:1]))))
-  return pipeline.plan_cluster(
-      timing_model, config.cluster, scores.values,
-      a.get("timing_batch_size", 0) or config.batch_size,
-      indicator_name=a.indicator, method=a.method,
-      compression=a.get("compression"),
-      candidates=tuple(a.get("candidates", ("int8", "fp16", "fp32"))),
-      baselines=False, sample_input=sample)
-
-
-def build_model(config: ml_collections.ConfigDict, dataset: data_lib.Dataset,
-                timing: bool = False) -> nnx.Module:
-  """``config.model`` sized for ``dataset`` (the dataset's facts go where
-  the model takes them), with ``config.model_kwargs``.
-
-  Args:
-    config: the job's config.
-    dataset: the data the model fits.
-    timing: build the allocator's timing model instead:
-      ``config.allocator.timing_model_kwargs`` on top of the model kwargs,
-      where the model takes them (the defaults describe the built-in CNN as
-      deployed). A user's model keeps the dataset's input facts, since it
-      is traced on the dataset's inputs; the log says what was left out.
-
-  Raises:
-    ValueError: a model kwarg the model does not take (naming those it
-      does), or a bad model spec.
-  """
-  kwargs = config_lib.to_plain(config.get("model_kwargs", {})) or {}
-  data_kwargs = dataset.model_kwargs()
-  if timing:
-    wanted = config_lib.to_plain(
-        config.allocator.get("timing_model_kwargs", {})) or {}
-    usable = models_lib.model_arguments(config.model, wanted, {})
-    if config.model not in models_lib.MODELS:
-      # A user's model is traced on the dataset's inputs: it keeps the
-      # dataset's input facts.
-      usable = {k: v for k, v in usable.items() if k not in data_kwargs}
-    left_out = sorted(set(wanted) - set(usable))
-    if left_out:
-      logging.info("timing model %s: not taking allocator.timing_model_kwargs"
-                   " %s", config.model, ", ".join(left_out))
-    data_kwargs = {**data_kwargs, **usable}
-    kwargs = {k: v for k, v in kwargs.items() if k not in usable}
-  return models_lib.build_model(
-      config.model, rngs=nnx.Rngs(config.seed), data_kwargs=data_kwargs,
-      sample_input=dataset.x_train[:2], **kwargs)
 
 
 def batcher_sample(dataset: data_lib.Dataset, workers: list[Worker]
@@ -368,27 +282,36 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
   make_out_dir(out_dir)
   dataset = data_lib.load_dataset(
       config.dataset, **config_lib.to_plain(config.get("dataset_kwargs", {})))
-  model = build_model(config, dataset)
+  model = config_lib.build_model(config, dataset)
   check_agreement(config, model)
   plan_mode = config.get("plan_mode", "manual")
+  profile_sources = None
   if plan_mode == "auto" and len(
       cluster_lib.parse_cluster(config.cluster).groups()) == 1:
     plans = {}
     logging.info("one device kind in %s: nothing to allocate, FP32",
                  config.cluster)
   elif plan_mode == "auto":
-    result = auto_plans(config, model, dataset)
-    plans = dict(result.allocation.plans)
-    logging.info("allocator (%s, %s indicator) on %s in %.2f s:\n%s",
-                 result.allocation.method, result.indicator, config.cluster,
-                 result.allocation.search_time_s, result.table())
-    if writer:
+    plans, result, profile_sources = plans_lib.auto_plans(config, model,
+                                                          dataset)
+    logging.info("profiles: %s", ", ".join(
+        f"{k} {v}" for k, v in profile_sources.items()))
+    if result is None:
+      logging.info("plans from process 0's allocator")
+    else:
+      logging.info("allocator (%s, %s indicator) on %s in %.2f s:\n%s",
+                   result.allocation.method, result.indicator,
+                   config.cluster, result.allocation.search_time_s,
+                   result.table())
+    if writer and result is not None:
       pipeline.write(result, os.path.join(out_dir, "allocation"))
   elif plan_mode == "manual":
     plans = None
   else:
     raise ValueError(f"unknown plan_mode {plan_mode!r}; valid: auto, manual")
   workers = make_workers(config, plans=plans)
+  digest = plans_lib.check_plans({w.kind: w.plan for w in workers})
+  logging.info("plans %s on %d process(es)", digest[:12], jax.process_count())
   schedule = config_lib.make_schedule(config)
   sample = batcher_sample(dataset, workers)
   trainer = HybridTrainer(model, workers, config_lib.make_optimizer(config),
@@ -525,6 +448,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
       "params_sha256": trainer.params_digest(),
       "cluster": config.cluster,
       "num_processes": jax.process_count(),
+      "plans_sha256": digest,
+      # Where each kind's profile came from (auto plans), or None.
+      "profiles": profile_sources,
       # The launcher's emulated link and its measured rate, or None.
       "link": links.link_info_from_env(),
       "workers": trainer_lib.describe_workers(trainer.workers),

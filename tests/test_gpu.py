@@ -69,3 +69,49 @@ def test_two_processes_over_nccl_match_one_process(tmp_path):
   # process's in the last bits, so compare the losses, not the digest.
   assert m["final_train_loss"] == pytest.approx(s["final_train_loss"],
                                                 rel=1e-4)
+
+
+@pytest.mark.gpu
+def test_the_gpu_kind_is_profiled_on_the_gpu():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from qsync_jax import models, predictor
+  from qsync_jax.allocation import sharing
+  gpu = jax.devices("gpu")[0]
+  kind = devices_lib.device_kind_of(gpu)
+  spec = cluster_lib.parse_cluster(f"{kind}:1,t4:1" if kind != "t4"
+                                   else "t4:1,v100:1")
+  sites = sharing.profile_sites(spec, [gpu, gpu])
+  assert sites[kind] is gpu and list(sites.values())[1] is None
+  model = models.build_model("cnn", rngs=nnx.Rngs(0))
+  batch = (np.zeros((32, 8, 8, 1), np.float32), np.zeros((32,), np.int32))
+  g = predictor.trace_graph(model, model.input_spec(32))
+
+  def measure(k, device, local):
+    return predictor.profile(model, batch, device=device, device_kind=k,
+                             precisions=["fp32", "bf16"], repeats=3, graph=g)
+
+  profiles = sharing.gather_profiles(g, spec, [gpu, gpu], sites, measure)
+  assert profiles[kind].source == "measured"
+  assert profiles[kind].device_kind == kind
+  assert [p.source for p in profiles.values()][1] == "analytic"
+  assert all(fb > 0 for per in profiles[kind].layers.values()
+             for _, fb in per.values())
+
+
+@pytest.mark.gpu(count=2)
+def test_two_processes_profile_their_own_gpu_and_share_the_plans(tmp_path):
+  kind = devices_lib.device_kind_of(jax.devices("gpu")[0])
+  other = "t4" if kind != "t4" else "v100"
+  env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": "0,1"}
+  multi = subprocess.run(
+      [sys.executable, "-m", "qsync_jax.distributed", "--num_processes=2",
+       "--timeout_s=500", "--", sys.executable, "-m", "experiments.train",
+       f"--out_dir={tmp_path}", f"--cluster={kind}:1,{other}:1",
+       "--plan=auto", "--config.allocator.profiles=measured",
+       "--config.steps=4", "--config.eval_every=0",
+       "--config.checkpoint_every=0"], cwd=ROOT, env=env,
+      capture_output=True, text=True, timeout=600)
+  assert multi.returncode == 0, (multi.stdout + multi.stderr)[-3000:]
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["profiles"][kind].startswith("measured on process 0")
+  assert summary["profiles"][other].startswith("measured on process 1")

@@ -23,6 +23,7 @@ import pytest
 
 from experiments import train_lib
 from qsync_jax.parallel import agreement
+from qsync_jax.parallel import coordination
 from qsync_jax.parallel import launchers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -207,13 +208,15 @@ def test_agreement_names_the_process_and_field():
 
 def test_agreement_gathers_through_the_store_and_times_out():
   store = _Store({"p/0": json.dumps(_facts())})
-  table = agreement.gather(store, _facts(data_seed="1"), 1, 2, prefix="p")
+  table = coordination.gather(store, _facts(data_seed="1"), 1, 2,
+                              prefix="p")
   assert json.loads(store.items["p/1"])["data_seed"] == "1"
   assert agreement.first_mismatch(table).startswith(
       "process 1 disagrees with process 0 on data_seed")
-  with pytest.raises(agreement.AgreementError,
-                     match="process 1 did not report its settings within 2 s"):
-    agreement.gather(_Store(), _facts(), 0, 2, timeout_s=2, prefix="q")
+  with pytest.raises(coordination.CoordinationError,
+                     match="process 1 did not report its settings "
+                     r"within 2 s \(process 0 waited\)"):
+    coordination.gather(_Store(), _facts(), 0, 2, timeout_s=2, prefix="q")
 
 
 # --- End to end: the main job under real launchers ------------------------
@@ -371,6 +374,61 @@ def test_processes_that_disagree_all_exit_with_one_line(
     assert line.startswith("error: " + expected), line
     assert line.count("\n") == 1
   assert not (tmp_path / "summary.json").exists()
+
+
+# A timing model small enough to profile in seconds on a shared CPU.
+_PROFILED = ["--config.allocator.timing_model_kwargs="
+             '{"widths": [8, 16], "hidden": 32}',
+             "--config.allocator.timing_batch_size=16",
+             "--config.allocator.profile_repeats=1", "--config.steps=2",
+             "--config.log_every=2"]
+
+
+@needs_mpirun
+def test_mpirun_profiles_each_kind_where_it_runs(tmp_path, procs):
+  # Two kinds on two processes; "measured" profiles each kind on its own
+  # (CPU) device, as "auto" does on GPUs of those kinds.
+  procs.start([MPIRUN, "-n", "2", "--oversubscribe", *_train_cmd(
+      tmp_path, "--cluster=cpu:1,t4:1", "--plan=auto",
+      "--config.allocator.profiles=measured", *_PROFILED)], _env())
+  assert procs.wait() == [0], procs.output()
+  lines = [line for _, line in procs.lines]
+  # Each kind profiled once, by the process whose device runs it.
+  assert sum("profiling cpu on cpu:0" in l for l in lines) == 1
+  assert sum("profiling t4 on " in l for l in lines) == 1
+  summary = _summary(tmp_path)
+  assert summary["profiles"]["cpu"] == "measured on process 0 (cpu:0)"
+  assert summary["profiles"]["t4"].startswith("measured on process 1 ")
+  # The allocator ran once (process 0) and both processes agreed.
+  assert sum("plans from process 0's allocator" in l for l in lines) == 1
+  assert sum("allocator (greedy" in l for l in lines) == 1
+  assert sum(f"plans {summary['plans_sha256'][:12]} on 2 process" in l
+             for l in lines) == 2
+  allocation = json.loads((tmp_path / "allocation" / "summary.json")
+                          .read_text())
+  assert allocation["profile_sources"] == {"cpu": "measured",
+                                           "t4": "measured"}
+
+
+@needs_mpirun
+def test_a_process_with_other_plans_stops_the_run(tmp_path, procs):
+  # The same command on two nodes whose plan.json differ: the config agrees
+  # (same relative path), the plans do not.
+  for name, precision in (("a", "fp32"), ("b", "bf16")):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "plan.json").write_text(
+        json.dumps({"rules": [], "default": precision}))
+  command = _train_cmd(tmp_path / "out", "--plan=cpu=plan.json")
+  procs.start([MPIRUN, "--oversubscribe", "-n", "1", "--wdir",
+               str(tmp_path / "a"), *command, ":", "-n", "1", "--wdir",
+               str(tmp_path / "b"), *command], _env())
+  assert procs.wait()[0] != 0
+  errors = [line for _, line in procs.lines if line.startswith("error: ")]
+  assert len(errors) == 2, procs.output()
+  for line in errors:
+    assert line.startswith("error: process 1 disagrees with process 0 on "
+                           "plans: '"), line
+  assert not (tmp_path / "out" / "summary.json").exists()
 
 
 def test_sigterm_checkpoints_and_the_same_command_resumes(tmp_path, procs,

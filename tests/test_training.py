@@ -283,8 +283,11 @@ def test_launcher_ends_a_training_run_whose_worker_dies(tmp_path):
     (["--model=nosuch"], "invalid model spec 'nosuch'"),
     (["--cluster=k80:1"], "unknown device kind 'k80'"),
     (["--cluster=t4:0"], "count must be positive"),
-    (["--cluster=cpu:1,t4:1"], "GPU catalog (a10, a100, h100, l4, l40s, "
-     "t4, v100), which has no cpu"),
+    (["--cluster=cpu:1,t4:1", "--config.allocator.profiles=analytic"],
+     "cannot profile cpu: analytic profiles were asked for, and the GPU "
+     "catalog (a10, a100, h100, l4, l40s, t4, v100) has no figures for it"),
+    (["--config.allocator.profiles=never"],
+     "config.allocator.profiles must be one of auto, measured, analytic"),
     (["--plan=auto", "--plan=t4={int8}"], "--plan=auto cannot be combined"),
     (["--sync=qsr"], "the qsr schedule needs alpha > 0"),
     (["--config.compress=zip"], "unknown averager 'zip'"),

@@ -24,8 +24,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset_kwargs = ml_collections.ConfigDict()
   config.cluster = "v100:2,t4:2"
   # Precision plans. "auto": the allocator chooses each device kind's plan
-  # (QSync: indicator on the first training batches, analytic profiles of
-  # the cluster's GPU kinds, greedy search); "manual": config.plans, a plan
+  # (QSync: indicator on the first training batches, each kind's profile
+  # measured where it runs or from the GPU catalog (allocator.profiles),
+  # greedy search, once for all processes); "manual": config.plans, a plan
   # per kind (a mapping, JSON text or a .json path; kinds not named train in
   # FP32). An FP16 layer turns on loss scaling.
   config.plan_mode = "auto"
@@ -42,6 +43,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.allocator.timing_model_kwargs = ml_collections.ConfigDict(dict(
       image_size=32, in_channels=3, widths=(128, 256), hidden=1024))
   config.allocator.timing_batch_size = 128  # 0: config.batch_size
+  # Where each kind's profile comes from. "auto": measured on the first
+  # device of that kind in the run (by its process; the profiles are then
+  # shared with every process), the GPU catalog for a kind no device is;
+  # "measured": every kind measured on its first worker's device, whatever
+  # that device is; "analytic": the catalog for every kind. Measured
+  # profiles are cached in profile_cache_dir when it is set.
+  config.allocator.profiles = "auto"
+  config.allocator.profile_repeats = 5
+  config.allocator.profile_cache_dir = ""
   config.batch_size = 32          # per worker; global = batch_size * workers
   config.batch_mode = "equal"     # or "dynamic": QSync's DB baseline
   config.speeds = "v100:1.3,t4:1.0"  # relative throughput, batch_mode=dynamic
@@ -115,10 +125,13 @@ def get_config() -> ml_collections.ConfigDict:
   # Multi-process runs (srun, mpirun, Kubernetes, explicit
   # --coordinator_address/--num_processes/--process_id, or python -m
   # qsync_jax.distributed): seconds to wait for every process to join, without
-  # a heartbeat before a process counts as dead, and at the shutdown barrier;
+  # a heartbeat before a process counts as dead, at the shutdown barrier and
+  # (planning_timeout_s) for another process's profile or plans;
   # local_devices "auto" (every device of a node that runs one process, else
   # one device per process), "one" or "all". Not part of the agreement check.
   config.distributed = ml_collections.ConfigDict(dict(
       initialization_timeout_s=300, heartbeat_timeout_s=100,
-      shutdown_timeout_s=300, local_devices="auto"))
+      shutdown_timeout_s=300, local_devices="auto",
+      # The longest wait for another process's profile or process 0's plans.
+      planning_timeout_s=900))
   return config

@@ -160,6 +160,8 @@ class PlanningResult:
                           for k, v in self.baselines.items()},
             "optimizer_update_s": {k: prof.optimizer_s
                                    for k, prof in self.profiles.items()},
+            "profile_sources": {k: prof.source
+                                for k, prof in self.profiles.items()},
             "layers": len(self.graph.nodes),
             "batch_shape": list(self.graph.input_shape)}
 
@@ -196,7 +198,9 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
                      search.DEFAULT_CANDIDATES),
                  baselines: bool = True,
                  optimizer_state_copies: int = 2,
-                 sample_input: Any = None) -> PlanningResult:
+                 sample_input: Any = None,
+                 profiles: Mapping[str, profiling.Profile] | None = None
+                 ) -> PlanningResult:
   """Allocates plans for ``cluster`` and predicts the baselines.
 
   Args:
@@ -220,6 +224,11 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
       ``jax.ShapeDtypeStruct``: one, a tuple or a dict) or a
       :class:`qsync_jax.task.Probe`; resized to each batch traced. Default:
       the model's ``input_spec(batch_size)``.
+    profiles: ``{kind: Profile}`` of the timing model at ``batch_size``
+      (e.g. measured where each kind runs,
+      :func:`qsync_jax.allocation.sharing.gather_profiles`); the kinds not
+      given, and every kind at the other batch sizes the dynamic-batch
+      baseline traces, use the analytic catalog.
 
   Raises:
     ValueError: the scores do not cover the timing model's layers, a kind
@@ -244,7 +253,9 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
                      f"different layers (scores only: {extra[:5]}, timing "
                      f"model only: {lack[:5]}); score a model with the same "
                      "layer paths")
-  profiles = {k: analytic(g, k) for k in spec.groups()}
+  given = dict(profiles or {})
+  profiles = {k: given[k] if k in given else analytic(g, k)
+              for k in spec.groups()}
   training = allocator_lib.training_kinds_of(g, spec, profiles)
   if compression is not None:
     if memory_limits:

@@ -24,6 +24,8 @@ import jax
 import jaxlib
 import numpy as np
 
+from qsync_jax.parallel import coordination
+
 #: The compared fields, in the order a mismatch is reported.
 FIELDS = ("jax", "jaxlib", "flax", "XLA_FLAGS", "config", "param_count",
           "params", "data_seed")
@@ -34,7 +36,7 @@ _CALLS = itertools.count()
 _SHOWN = 48  # Longest value quoted in the error line.
 
 
-class AgreementError(RuntimeError):
+class AgreementError(coordination.CoordinationError):
   """The processes of a run disagree on a field, or one never reported."""
 
 
@@ -105,57 +107,16 @@ def first_mismatch(table: list[Mapping[str, str]]) -> str | None:
     One line, or None when every process agrees.
   """
   reference = table[0]
+  # FIELDS in their order, then any other field a caller compares.
+  fields = [f for f in FIELDS if f in reference] + sorted(
+      set(reference) - set(FIELDS))
   for k, facts in enumerate(table[1:], start=1):
-    for field in FIELDS:
+    for field in fields:
       if facts.get(field) != reference.get(field):
         return (f"process {k} disagrees with process 0 on {field}: "
                 f"{_short(facts.get(field, '<missing>'))} vs "
                 f"{_short(reference.get(field, '<missing>'))}")
   return None
-
-
-def _client():
-  """The coordination service's client (``jax.distributed``'s)."""
-  # Orbax's public accessor; jax itself exposes the client only privately.
-  from orbax.checkpoint import multihost  # local: only multi-process runs
-  return multihost.get_jax_distributed_client()
-
-
-def gather(client: Any, facts: Mapping[str, str], process_index: int,
-           process_count: int, *, timeout_s: float = 60,
-           prefix: str = "qsync_agreement") -> list[dict[str, str]]:
-  """Every process's facts through the key-value store ``client``.
-
-  Args:
-    client: The store (``key_value_set``, ``blocking_key_value_get``).
-    facts: This process's facts.
-    process_index: This process's index.
-    process_count: How many processes report.
-    timeout_s: The longest wait for another process's facts.
-    prefix: The keys' prefix, the same on every process.
-
-  Returns:
-    The facts in process order.
-
-  Raises:
-    AgreementError: A process did not report within ``timeout_s``.
-  """
-  client.key_value_set(f"{prefix}/{process_index}", json.dumps(dict(facts)))
-  table = []
-  for k in range(process_count):
-    if k == process_index:
-      table.append(dict(facts))
-      continue
-    try:
-      text = client.blocking_key_value_get(f"{prefix}/{k}",
-                                           int(timeout_s * 1000))
-    except Exception:  # pylint: disable=broad-except
-      # The store raises a runtime error (DEADLINE_EXCEEDED) on timeout.
-      raise AgreementError(
-          f"process {k} did not report its settings within {timeout_s:g} s "
-          f"(process {process_index} waited)") from None
-    table.append(json.loads(text))
-  return table
 
 
 def check(facts: Mapping[str, str], *, timeout_s: float = 60) -> None:
@@ -165,7 +126,9 @@ def check(facts: Mapping[str, str], *, timeout_s: float = 60) -> None:
   collective; it uses ``jax.distributed``'s key-value store, not a device.
 
   Args:
-    facts: This process's :func:`local_facts`.
+    facts: This process's :func:`local_facts`, or any other ``{field:
+      text}`` every process reports (the main job also compares its
+      precision plans' digest this way).
     timeout_s: The longest wait for another process's facts.
 
   Raises:
@@ -175,9 +138,12 @@ def check(facts: Mapping[str, str], *, timeout_s: float = 60) -> None:
   n = jax.process_count()
   if n == 1:
     return
-  table = gather(_client(), facts, jax.process_index(), n,
-                 timeout_s=timeout_s,
-                 prefix=f"qsync_agreement/{next(_CALLS)}")
+  try:
+    table = coordination.gather(
+        coordination.client(), facts, jax.process_index(), n,
+        timeout_s=timeout_s, prefix=f"qsync_agreement/{next(_CALLS)}")
+  except coordination.CoordinationError as e:
+    raise AgreementError(str(e)) from None
   problem = first_mismatch(table)
   if problem is not None:
     raise AgreementError(problem)

@@ -34,7 +34,7 @@ import numpy as np
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
 from qsync_jax.plan import rules
-from qsync_jax.plan.devices import device_spec
+from qsync_jax.plan.devices import DEVICES, device_spec
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import graph as graph_lib, roofline
 from qsync_jax.predictor.profiling import Profile, PROFILED_INPUT_DTYPE
@@ -107,10 +107,13 @@ def cluster_link(kinds: Sequence[str], gpus_per_node: int = GPUS_PER_NODE
   """(alpha_s, seconds_per_byte) of a ring over GPUs of these kinds.
 
   One kind within one node uses that kind's link; otherwise the ring crosses
-  nodes and runs at the slower of the network and the slowest link.
+  nodes and runs at the slower of the network and the slowest link. A kind
+  outside the GPU catalog (a measured CPU) has no link figure: its ring is
+  taken to cross the network.
   """
-  specs = [device_spec(k) for k in kinds]
-  if len(set(kinds)) == 1 and len(kinds) <= gpus_per_node:
+  specs = [device_spec(k) for k in kinds if k in DEVICES]
+  if (len(specs) == len(kinds) and len(set(kinds)) == 1
+      and len(kinds) <= gpus_per_node):
     return INTRA_NODE_LATENCY_S, 1.0 / specs[0].link_bandwidth
   bw = min([roofline.NETWORK_BANDWIDTH] + [s.link_bandwidth for s in specs])
   return roofline.NETWORK_LATENCY_S, 1.0 / bw
