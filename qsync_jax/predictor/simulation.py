@@ -34,7 +34,7 @@ import numpy as np
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
 from qsync_jax.plan import rules
-from qsync_jax.plan.devices import DEVICES, device_spec
+from qsync_jax.plan.devices import DEVICE_PRECISIONS, DEVICES, device_spec
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import graph as graph_lib, roofline
 from qsync_jax.predictor.profiling import Profile, PROFILED_INPUT_DTYPE
@@ -111,7 +111,9 @@ def cluster_link(kinds: Sequence[str], gpus_per_node: int = GPUS_PER_NODE
   outside the GPU catalog (a measured CPU) has no link figure: its ring is
   taken to cross the network.
   """
-  specs = [device_spec(k) for k in kinds if k in DEVICES]
+  # Unknown kinds still reach device_spec, which names them.
+  specs = [device_spec(k) for k in kinds
+           if k in DEVICES or k not in DEVICE_PRECISIONS]
   if (len(specs) == len(kinds) and len(set(kinds)) == 1
       and len(kinds) <= gpus_per_node):
     return INTRA_NODE_LATENCY_S, 1.0 / specs[0].link_bandwidth
