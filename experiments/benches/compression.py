@@ -3,7 +3,7 @@
 This module owns the measurement behind ``experiments/compression_bench.py``:
 for each strategy of :func:`qsync_jax.parallel.averagers.make_averager`
 (float32 mean, fp16, bf16, Global-QSGD with int8 and int16 wires,
-Global-QSGD with exponential dithering, QSGD) and each size of the
+Global-QSGD with exponential dithering, QSGD, PowerSGD) and each size of the
 all-reduced gradient bucket (float32 elements per worker; not the
 quantizers' ``bucket_size``, the elements sharing one scale, which keep
 their defaults), the time of one all-reduce (a jitted ``jax.shard_map`` over
@@ -44,7 +44,13 @@ Under the launcher (``python -m qsync_jax.distributed --num_processes=N
 process runs :func:`run` and the launch itself is the ``multiprocess``
 setting; the emulated link, with the rate measured before the run, is
 recorded under ``settings.link`` and the headline ratio is also reported as
-``gqsgd_vs_fp32_time_ratio_16M_<topology>_<rate>``.
+``gqsgd_vs_fp32_time_ratio_16M_<topology>_<rate>``. There every result also
+gets the comm-aware predictor's ``predicted_s`` (the bytes the compiled
+program moves, ``moved_bytes``, over the measured rate, its latency steps,
+and the encode/decode profiled in the same run, ``codec_s``;
+:func:`~experiments.benches.compression_cases.predict_cases`), and the report
+``predicted_vs_measured_max_rel_error``: the max over strategies of
+``|predicted_s - time_s| / time_s`` at 16M floats.
 """
 
 from __future__ import annotations
