@@ -21,7 +21,13 @@ Writes to --out: <kind>.json (a PrecisionPlan per device kind, usable with
 "training_only", "qsync_shuffled"}, "predicted_memory_bytes": {same keys:
 {kind: bytes}}, "baselines": {name: {"quantized_layers", "indicator_sum",
 ...}}, "optimizer_update_s": {kind: seconds}, ...},
-and prints a per-layer table. --optimizer_state_copies sets the optimizer the
+and prints a per-layer table. With --link=1gbit [--latency=1ms]
+[--topology=per_node|shared] it also predicts, for the cluster on that link,
+the step time of each sync method (dp every step; local SGD and QSR
+amortized over their periods, --sync_period, --total_steps) with each
+averager (none, fp16, gqsgd, gqsgd_exp, qsgd, powersgd), prints the table
+and the fastest, and writes them to summary.json under "sync" (accuracy is
+not modelled). --optimizer_state_copies sets the optimizer the
 predictor costs (2: Adam, 1: SGD with momentum, 0: plain SGD).
 
 Bad input (a malformed or wrongly shaped --scores file, a batch size below 1,
@@ -42,7 +48,10 @@ from qsync_jax import cli
 from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
 from qsync_jax.allocation import pipeline
+from qsync_jax.allocation import sync_methods
+from qsync_jax.parallel import links
 from qsync_jax.numerics.precision import Precision
+from qsync_jax.predictor import communication
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "resnet50", "Built-in model or module:factory.")
@@ -72,11 +81,22 @@ flags.DEFINE_integer("optimizer_state_copies", 2,
                      "SGD with momentum (QSync's CNNs), 0 for plain SGD.")
 flags.DEFINE_integer("seed", 0, "Model and indicator seed.")
 flags.DEFINE_string("out", None, "Output directory.")
+flags.DEFINE_string("link", None, "Link rate between workers (1gbit, "
+                    "100mbit): also compare sync methods and averagers.")
+flags.DEFINE_string("latency", "0ms", "With --link: one-way delay from a "
+                    "worker to the switch.")
+flags.DEFINE_enum("topology", "per_node", list(links.TOPOLOGIES),
+                  "With --link: a link each or one shared link.")
+flags.DEFINE_integer("sync_period", 8, "With --link: local SGD's period and "
+                     "QSR's smallest one.")
+flags.DEFINE_integer("total_steps", 1000, "With --link: training steps (QSR's "
+                     "periods grow as the cosine learning rate decays).")
 
 
 # Integer flags and their least value.
 _LEAST = {"batch_size": 1, "score_batch_size": 1, "num_batches": 1,
-          "optimizer_state_copies": 0, "seed": 0}
+          "optimizer_state_copies": 0, "seed": 0, "sync_period": 1,
+          "total_steps": 1}
 _SCORES_SHAPE = ('expected {layer: {precision: number}} or {"values": '
                  '{layer: {precision: number}}, "method": name}')
 
@@ -164,6 +184,8 @@ def main(argv):
   with cli.bad_input_exits():
     # Every flag is checked before the models are built.
     _check_numeric_flags()
+    link = (communication.Link.parse(FLAGS.link, FLAGS.latency,
+                                     FLAGS.topology) if FLAGS.link else None)
     memory_limits = _memory_limits(FLAGS.memory_limit) or None
     model_kwargs = _kwargs_flag("model_kwargs")
     score_kwargs = (model_kwargs if FLAGS.score_model_kwargs is None
@@ -200,6 +222,9 @@ def main(argv):
         optimizer_state_copies=FLAGS.optimizer_state_copies,
         sample_input=sample_input)
     summary = pipeline.write(result, FLAGS.out)
+    sync = None if link is None else sync_methods.compare_for(
+        result, link, period=FLAGS.sync_period,
+        total_steps=FLAGS.total_steps, out_dir=FLAGS.out)
   print(result.table())
   print(f"\nsearch {summary['search_time_s']:.3f} s, {summary['trials']} "
         f"trials; quantized layers {summary['quantized_layers']}")
@@ -211,6 +236,8 @@ def main(argv):
              if summary["straggling"] else ""))
   for k, v in summary["predicted_step_time_s"].items():
     print(f"predicted step {k:14s} {v * 1e3:9.2f} ms")
+  if sync is not None:
+    print(f"\nsync methods on {FLAGS.link} {FLAGS.topology}:\n{sync.table()}")
   print(f"wrote {FLAGS.out}")
 
 

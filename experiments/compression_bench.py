@@ -7,7 +7,7 @@ Usage:
       [--parts] [--strategies=none,gqsgd]
 
 For each strategy of qsync_jax.parallel.averagers (none = float32 mean, fp16,
-bf16, gqsgd, gqsgd_int16, gqsgd_threefry, gqsgd_exp, qsgd) and each size, one
+bf16, gqsgd, gqsgd_int16, gqsgd_threefry, gqsgd_exp, qsgd, powersgd) and each size, one
 all-reduce of gradient-like float32 data over num_workers workers: fake CPU
 devices in this process, and localhost processes with gloo collectives (see
 experiments.benches.compression). Writes JSON {"settings": {...}, "results":
@@ -20,7 +20,10 @@ Under the launcher (python -m qsync_jax.distributed --num_processes=4
 [--link=1gbit --topology=per_node] -- python -m experiments.compression_bench
 --sizes=16777216 --out=x.json) the launched processes are the multiprocess
 setting's workers (the default setting there); process 0 writes the JSON, with
-the emulated link and its measured rate under settings.link.
+the emulated link and its measured rate under settings.link, each result's
+predicted_s (the comm-aware predictor: compiled bytes over the measured rate
+plus the encode/decode profiled in the run) and
+"predicted_vs_measured_max_rel_error" at 16M floats.
 
 --parts also times, across the processes, the pieces of gqsgd's all-reduce
 (the int8 and float32 all-reduces alone, gqsgd's passes without collectives,

@@ -207,6 +207,14 @@ def test_launcher_runs_the_bench_over_the_link(tmp_path):
   assert {r["strategy"] for r in rows} == {"none", "gqsgd"}
   assert all("error" not in r and r["num_workers"] == 2
                       for r in rows)
+  # The predictor's time beside the measured one: the compiled program's
+  # bytes over the measured rate, plus the codec profiled in the same run.
+  for r in rows:
+    assert r["predicted_s"] > 0 and r["codec_s"] >= 0
+    assert r["wire_s"] == pytest.approx(
+        r["moved_bytes"] * 8 / link["measured_bps"])
+  # Not measured at the headline size (16M): no error figure yet.
+  assert report["predicted_vs_measured_max_rel_error"] is None
   _assert_nothing_left(p.pid)
 
 

@@ -3,7 +3,7 @@
 This module owns the measurement behind ``experiments/compression_bench.py``:
 for each strategy of :func:`qsync_jax.parallel.averagers.make_averager`
 (float32 mean, fp16, bf16, Global-QSGD with int8 and int16 wires,
-Global-QSGD with exponential dithering, QSGD) and each size of the
+Global-QSGD with exponential dithering, QSGD, PowerSGD) and each size of the
 all-reduced gradient bucket (float32 elements per worker; not the
 quantizers' ``bucket_size``, the elements sharing one scale, which keep
 their defaults), the time of one all-reduce (a jitted ``jax.shard_map`` over
@@ -44,7 +44,13 @@ Under the launcher (``python -m qsync_jax.distributed --num_processes=N
 process runs :func:`run` and the launch itself is the ``multiprocess``
 setting; the emulated link, with the rate measured before the run, is
 recorded under ``settings.link`` and the headline ratio is also reported as
-``gqsgd_vs_fp32_time_ratio_16M_<topology>_<rate>``.
+``gqsgd_vs_fp32_time_ratio_16M_<topology>_<rate>``. There every result also
+gets the comm-aware predictor's ``predicted_s`` (the bytes the compiled
+program moves, ``moved_bytes``, over the measured rate, its latency steps,
+and the encode/decode profiled in the same run, ``codec_s``;
+:func:`~experiments.benches.compression_cases.predict_cases`), and the report
+``predicted_vs_measured_max_rel_error``: the max over strategies of
+``|predicted_s - time_s| / time_s`` at 16M floats.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ from experiments.benches.compression_cases import check_arguments
 from experiments.benches.compression_cases import copies
 from experiments.benches.compression_cases import DATA_DOC
 from experiments.benches.compression_cases import exact_mean
+from experiments.benches.compression_cases import predict_cases
 from experiments.benches.compression_cases import first_row
 from experiments.benches.compression_cases import HEADLINE_SIZE
 from experiments.benches.compression_cases import HEADLINE_STRATEGY
@@ -86,6 +93,7 @@ from experiments.benches.compression_parts import PARTS
 from qsync_jax.parallel import averagers
 from qsync_jax.parallel import distributed
 from qsync_jax.parallel import links
+from qsync_jax.predictor import communication
 
 SETTINGS = ("fake_devices", "multiprocess")
 DEFAULT_SIZES = (1 << 20, 1 << 22, 1 << 24)
@@ -96,7 +104,9 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
                strategies: Sequence[str] | None = None, *,
                devices: Sequence[jax.Device] | None = None, seed: int = 0,
                report: bool = True, on_size=None,
-               donate: bool = False) -> list[dict[str, Any]]:
+               donate: bool = False,
+               link: communication.Link | None = None
+               ) -> list[dict[str, Any]]:
   """Measures the strategies over a mesh of ``devices``, one worker each.
 
   In a multi-process run every process calls this with the same arguments
@@ -115,6 +125,9 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
     on_size: called with the results so far after each size.
     donate: each call takes (a fresh copy of) its input buffer (module
       docstring).
+    link: the run's link; with it every result also gets the predictor's
+      ``predicted_s`` (:func:`predict_cases`), ``moved_bytes`` (what the
+      compiled program moves) and its parts.
 
   Returns:
     One dict per (size, strategy): {setting, strategy, num_elements,
@@ -164,16 +177,21 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
         case.rel_error = relative_error(first_row(out), exact)
       del out
     time_rounds(cases, repeats, calls)
+    predicted = ({} if link is None else
+                 predict_cases(cases, d, devices, devices[local[0]], link))
     for case in cases:
       result = result_row(case, calls, setting=setting, strategy=case.name,
                           num_elements=d, num_workers=n)
       if "error" not in result:
         result.update(wire_bytes=float(case.averager.wire_bytes(d, n)),
-                      rel_error=case.rel_error)
+                      rel_error=case.rel_error,
+                      **predicted.get(case.name, {}))
       if say:
         print_row(setting, result, "" if "error" in result else (
             f"  {result['wire_bytes'] / 2**20:8.2f} MiB/worker  "
-            f"rel err {result['rel_error']:.3e}"))
+            f"rel err {result['rel_error']:.3e}" + (
+                f"  predicted {result['predicted_s'] * 1e3:9.2f} ms"
+                if "predicted_s" in result else "")))
       results.append(result)
     del x, w, cases
     if sizes_done is not None:
@@ -421,8 +439,9 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
       results += run_fake_devices(sizes, repeats, num_workers, names,
                                   seed=seed, donate=donate)
     elif launched:
-      results += bench_mesh(sizes, repeats, setting, names, seed=seed,
-                            donate=donate)
+      results += bench_mesh(
+          sizes, repeats, setting, names, seed=seed, donate=donate,
+          link=communication.Link.from_record(link) if link else None)
       if parts:
         results += bench_parts(sizes, repeats, seed=seed, donate=donate)
     else:
@@ -442,9 +461,21 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
   if link is not None and "multiprocess" in settings:
     report[f"gqsgd_vs_fp32_time_ratio_16M_{link['topology']}_"
            f"{link['link']}"] = time_ratio(results, "multiprocess")
+  if any("predicted_s" in r for r in results):
+    report["predicted_vs_measured_max_rel_error"] = max_rel_error(results)
   if parts:
     report["gqsgd_floor"] = [floor_analysis(results, d) for d in sizes]
   return report
+
+
+def max_rel_error(results: Sequence[dict[str, Any]],
+                  num_elements: int = HEADLINE_SIZE) -> float | None:
+  """Max over strategies of ``|predicted_s - time_s| / time_s`` at
+  ``num_elements`` (None if no result there has both)."""
+  errors = [abs(r["predicted_s"] - r["time_s"]) / r["time_s"]
+            for r in results if r["num_elements"] == num_elements
+            and "predicted_s" in r and "time_s" in r]
+  return max(errors) if errors else None
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from qsync_jax import cli
+from qsync_jax.predictor import communication
 from qsync_jax.predictor import timing
 
 AXIS = "workers"
@@ -46,6 +47,8 @@ STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gqsgd_threefry": ("gqsgd", {"noise": "threefry"}),
     "gqsgd_exp": ("gqsgd_exp", {}),
     "qsgd": ("qsgd", {}),
+    # PyTorch DDP's comm hook baseline; rank 4 is the hook's common setting.
+    "powersgd": ("powersgd", {"rank": 4}),
 }
 #: The headline: Global-QSGD (int8) against the float32 mean at 2**24 floats.
 HEADLINE_STRATEGY = "gqsgd"
@@ -217,6 +220,41 @@ def all_reduce_fn(averager, mesh, donate: bool = False):
 def first_row(out: jax.Array) -> np.ndarray:
   """This process's first row of the (n, d) output (all rows agree)."""
   return np.asarray(out.addressable_shards[0].data)[0]
+
+
+def predict_cases(cases: Sequence[Case], num_elements: int,
+                  devices: Sequence[jax.Device], device: jax.Device,
+                  link: communication.Link) -> dict[str, dict[str, Any]]:
+  """The predictor's time for every case that ran, next to the measured one.
+
+  The bytes are those the program compiled over ``devices`` moves (XLA:CPU
+  widens bfloat16 before the all-reduce); the encode/decode cost is profiled
+  here on ``device``, every process at once (a barrier before each timed
+  block), so the processes share the cores as they did while measuring.
+
+  Returns:
+    ``{case name: {"predicted_s", "moved_bytes", "wire_s", "latency_s",
+    "codec_s", "codec_fit"}}``.
+  """
+  n = len(devices)
+  out = {}
+  for case in cases:
+    if case.fn is None:
+      continue
+    traffic = communication.averager_traffic(case.averager, num_elements, n,
+                                             devices=devices)
+    codec = communication.profile_codec(
+        case.averager, num_elements, device, num_workers=n,
+        sync=lambda: multihost_utils.sync_global_devices("codec profile"))
+    out[case.name] = {
+        "predicted_s": communication.averaging_time(
+            case.averager, num_elements, n, link, codec, traffic=traffic),
+        "moved_bytes": traffic.bytes,
+        "wire_s": link.wire_time(traffic.bytes, n),
+        "latency_s": traffic.steps * link.latency_s,
+        "codec_s": codec(num_elements),
+        "codec_fit": codec.to_dict()}
+  return out
 
 
 def check_arguments(sizes: Sequence[int], repeats: int,

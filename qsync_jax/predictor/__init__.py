@@ -20,7 +20,11 @@ goes out. Read its modules in this order:
   profile;
 * :func:`simulate` / :func:`predict`: a synchronous step over hybrid workers
   with gradient buckets overlapping the backward pass and all-reduces aligned
-  across workers, returning a :class:`Prediction` (:mod:`.simulation`).
+  across workers, returning a :class:`Prediction` (:mod:`.simulation`);
+* :class:`Link`, :func:`averaging_time`, :func:`profile_codec`: what one
+  average costs on a link, with the bytes an averager's compiled program
+  moves and its measured encode/decode (:mod:`.communication`,
+  :mod:`.codec`); :func:`predict` takes them.
 
 The step it profiles is the trainer's own (:mod:`qsync_jax.train.step` and
 :mod:`qsync_jax.train.programs`); the predictor never imports the trainer.
@@ -29,6 +33,10 @@ The step it profiles is the trainer's own (:mod:`qsync_jax.train.step` and
 from qsync_jax.predictor.analytic import analytic_profile
 from qsync_jax.predictor.casting import analytic_cast_model
 from qsync_jax.predictor.casting import CastModel
+from qsync_jax.predictor.codec import CodecCost
+from qsync_jax.predictor.codec import profile_codec
+from qsync_jax.predictor.communication import averaging_time
+from qsync_jax.predictor.communication import Link
 from qsync_jax.predictor.casting import fit_cast_model
 from qsync_jax.predictor.graph import casts
 from qsync_jax.predictor.graph import input_dtypes
@@ -47,6 +55,8 @@ from qsync_jax.predictor.simulation import SimWorker
 
 __all__ = [
     "CastModel",
+    "CodecCost",
+    "Link",
     "LayerNode",
     "MemoryModel",
     "ModelGraph",
@@ -55,12 +65,14 @@ __all__ = [
     "SimWorker",
     "analytic_cast_model",
     "analytic_profile",
+    "averaging_time",
     "casts",
     "compiled_step_bytes",
     "fit_cast_model",
     "input_dtypes",
     "predict",
     "profile",
+    "profile_codec",
     "resolve_plan",
     "simulate",
     "trace_graph",

@@ -12,7 +12,10 @@ slowest worker's link makes it; each worker then runs its optimizer update,
 and the step time is the maximum over workers.
 
 All-reduce times follow the alpha-beta model of a ring: ``2 (n-1) alpha + 2
-(n-1)/n bytes beta`` (:func:`ring_allreduce_time`).
+(n-1)/n bytes beta`` (:func:`ring_allreduce_time`), at 4 bytes per element.
+Given an averager (and a :class:`~.communication.Link`), a bucket's time is
+instead :func:`~.communication.averaging_time`: the bytes that averager's
+compiled program moves, its latency steps and its measured encode/decode.
 
 A measured profile also holds the model's whole pass at each uniform
 precision; each precision's pieces are scaled so that its uniform plan costs
@@ -36,7 +39,11 @@ from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
 from qsync_jax.plan import rules
 from qsync_jax.plan.devices import DEVICE_PRECISIONS, DEVICES, device_spec
 from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.parallel.averagers import MeanAverager
+from qsync_jax.parallel.wire import Averager
 from qsync_jax.predictor import graph as graph_lib, roofline
+from qsync_jax.predictor.communication import (averaging_time, CodecCost,
+                                               Link)
 from qsync_jax.predictor.profiling import Profile, PROFILED_INPUT_DTYPE
 
 #: PyTorch DDP's default bucket size (bytes).
@@ -253,9 +260,12 @@ def _precision_list(g, w: SimWorker) -> list[Precision]:
 
 def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
              bucket_bytes: float | None = DEFAULT_BUCKET_BYTES,
-             link: tuple[float, float] | None = None,
+             link: tuple[float, float] | Link | None = None,
              shared_host: bool = False,
-             costs_cache: dict | None = None) -> Prediction:
+             costs_cache: dict | None = None,
+             averager: Averager | None = None,
+             codec_cost: CodecCost | None = None,
+             platform: str | None = None) -> Prediction:
   """Simulates one synchronous data-parallel step.
 
   Args:
@@ -263,9 +273,9 @@ def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
     workers: the workers, each with its profile and effective precisions.
     bucket_bytes: gradient bucket size; ``None`` for one bucket after the
       backward pass (what :class:`qsync_jax.HybridTrainer` does).
-    link: ``(alpha_s, seconds_per_byte)`` of the all-reduce ring; by default
-      :func:`cluster_link` of the workers' kinds, or the host's fitted model
-      when ``shared_host``.
+    link: ``(alpha_s, seconds_per_byte)`` of the all-reduce ring, or a
+      :class:`~.communication.Link`; by default :func:`cluster_link` of the
+      workers' kinds, or the host's fitted model when ``shared_host``.
     shared_host: the workers are fake devices of one host (see the module
       docstring).
     costs_cache: a dict kept across calls that simulate the same graph and
@@ -298,6 +308,14 @@ def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
       link = tuple(host.get("allreduce", (0.0, 0.0)))
     else:
       link = cluster_link([w.profile.device_kind for w in workers])
+  if isinstance(link, Link) and averager is None:
+    averager = MeanAverager()
+  if averager is not None:
+    if not isinstance(link, Link):  # an alpha-beta pair: a link each
+      link = Link(1.0 / link[1], link[0]) if link[1] > 0 else None
+    if platform is None:
+      platform = ("cpu" if all(w.profile.device_kind == "cpu"
+                               for w in workers) else "gpu")
   # Bucket readiness per worker: gradients become ready in reverse order.
   grad_bytes = costs[0].grad_bytes
   order = np.arange(len(g.nodes))[::-1]
@@ -326,7 +344,13 @@ def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
   for b, (_, nbytes) in enumerate(bounds):
     r = float(ready[b].max())
     start = max(r, prev_end)
-    dur = ring_allreduce_time(nbytes, n, *link)
+    if averager is None:
+      dur = ring_allreduce_time(nbytes, n, *link)
+    elif link is None or nbytes <= 0:  # an infinitely fast link
+      dur = 0.0
+    else:
+      dur = averaging_time(averager, max(int(nbytes // 4), 1), n, link,
+                           codec_cost, platform=platform)
     prev_end = start + dur
     comm += dur
     buckets.append({"bytes": float(nbytes), "ready_s": r, "start_s": start,
@@ -395,8 +419,10 @@ def predict(g: graph_lib.ModelGraph, cluster: ClusterSpec | str,
             plans: Mapping[str, PrecisionPlan],
             profiles: Mapping[str, Profile], *,
             bucket_bytes: float | None = DEFAULT_BUCKET_BYTES,
-            link: tuple[float, float] | None = None,
-            shared_host: bool = False) -> Prediction:
+            link: tuple[float, float] | Link | None = None,
+            shared_host: bool = False,
+            averager: Averager | None = None,
+            codec_cost: CodecCost | None = None) -> Prediction:
   """Predicts a cluster's step from one plan and one profile per kind.
 
   Args:
@@ -404,7 +430,8 @@ def predict(g: graph_lib.ModelGraph, cluster: ClusterSpec | str,
     cluster: e.g. ``"v100:8,t4:8"``.
     plans: ``{kind: PrecisionPlan}``; a kind without a plan runs FP32.
     profiles: ``{kind: Profile}`` (measured or :func:`analytic_profile`).
-    bucket_bytes, link, shared_host: see :func:`simulate`.
+    bucket_bytes, link, shared_host, averager, codec_cost: see
+      :func:`simulate`.
 
   Raises:
     ValueError: a malformed cluster, a kind without a profile, or a plan for
@@ -429,4 +456,5 @@ def predict(g: graph_lib.ModelGraph, cluster: ClusterSpec | str,
     workers += [SimWorker(f"{kind}[{i}]", profiles[kind], effective[kind])
                 for i in range(count)]
   return simulate(g, workers, bucket_bytes=bucket_bytes, link=link,
-                  shared_host=shared_host)
+                  shared_host=shared_host, averager=averager,
+                  codec_cost=codec_cost)

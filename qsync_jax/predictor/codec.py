@@ -1,0 +1,280 @@
+"""An averager's own work, everything but the wire: measured and fitted.
+
+This module owns :func:`profile_codec` and :class:`CodecCost`, the
+encode/decode part of :func:`qsync_jax.predictor.communication.averaging_time`,
+and :func:`local_program`, what it times: the averager's program as one
+worker runs it, with its collectives replaced by local passes. It also holds
+the ``shard_map`` body both modules trace an averager in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, PartitionSpec as P
+import numpy as np
+
+from qsync_jax.parallel.wire import Averager
+from qsync_jax.predictor import timing
+
+AXIS = "workers"
+#: Collective primitives and the kind of collective each issues.
+COLLECTIVE_PRIMITIVES = {"psum": "all_reduce", "psum_invariant": "all_reduce",
+                "pmax": "all_reduce", "pmin": "all_reduce",
+                "all_gather": "all_gather",
+                "all_gather_invariant": "all_gather",
+                "ppermute": "permute", "psum_scatter": "reduce_scatter",
+                "reduce_scatter": "reduce_scatter",
+                "all_to_all": "all_to_all"}
+#: Sizes (per worker) the codec cost is fitted on.
+CODEC_FIT_SIZES = (1 << 20, 1 << 21, 1 << 22)
+
+
+def shard_body(averager: Averager):
+  """The ``shard_map`` body of one average: a ``(1, d)`` row per worker."""
+  def body(x, w):
+    return averager(x[0], w[0], AXIS)[None]
+  return body
+
+
+def abstract_args(num_elements: int, num_workers: int):
+  """The abstract ``(x, w)`` of :func:`shard_body` over the whole mesh."""
+  return (jax.ShapeDtypeStruct((num_workers, num_elements), jnp.float32),
+          jax.ShapeDtypeStruct((num_workers,), jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecCost:
+  """An averager's local work (encode, decode, reduction arithmetic) per call:
+  ``a_s + b_s * num_elements`` seconds (never below 0).
+
+  Attributes:
+    a_s: fixed seconds per call.
+    b_s: seconds per element.
+    sizes: the sizes it was fitted on.
+    seconds: the times measured at them.
+  """
+  a_s: float
+  b_s: float
+  sizes: tuple[int, ...] = ()
+  seconds: tuple[float, ...] = ()
+
+  def __call__(self, num_elements: int) -> float:
+    return max(self.a_s + self.b_s * num_elements, 0.0)
+
+  @classmethod
+  def fit(cls, sizes: Sequence[int], seconds: Sequence[float]) -> "CodecCost":
+    """Least-squares ``a + b n`` through (size, seconds) points.
+
+    Raises:
+      ValueError: fewer than two distinct sizes, or lengths differ.
+    """
+    if len(sizes) != len(seconds) or len(set(sizes)) < 2:
+      raise ValueError(f"a codec fit needs >= 2 distinct sizes with one time "
+                       f"each, got sizes {list(sizes)}, times {list(seconds)}")
+    b, a = np.polyfit(np.asarray(sizes, np.float64),
+                      np.asarray(seconds, np.float64), 1)
+    return cls(float(a), float(b), tuple(int(s) for s in sizes),
+               tuple(float(t) for t in seconds))
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+# Collectives over the workers' axis, and what stands in for each when one
+# worker's program runs alone: one pass over the operand, no wire.
+_LOCAL_STAND_INS = {
+    "psum": lambda x, n, out: x * n, "psum_invariant": lambda x, n, out: x * n,
+    "pmax": lambda x, n, out: x, "pmin": lambda x, n, out: x,
+    "ppermute": lambda x, n, out: x,
+    "pvary": lambda x, n, out: x, "pcast": lambda x, n, out: x,
+    "all_gather": lambda x, n, out: _gathered(x, n, out),
+    "all_gather_invariant": lambda x, n, out: _gathered(x, n, out),
+    "axis_index": lambda n, out: jnp.zeros(out.shape, out.dtype),
+}
+
+
+# Equations that call a jaxpr (which may hold collectives); a reduce's or a
+# scan's jaxpr is its computation, bound as is.
+_CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
+          "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint")
+
+
+def _gathered(x, n: int, out):
+  """n copies of ``x`` in the gather's output shape, made outside the
+  program (a host callback), as a collective's receive buffer is.
+
+  Inside the program XLA:CPU fuses the copies into the decode that reads
+  them and runs it about 10 times slower than the real program does (QSGD at
+  1M floats, 4 workers: 80 ms against 10 ms), whatever barrier stands
+  between them; a buffer from outside keeps the decode as the real program
+  compiles it, for the cost of one copy of the gathered bytes, which the
+  collective also writes.
+  """
+  def copies(v):
+    return np.ascontiguousarray(np.broadcast_to(np.asarray(v)[None],
+                                                (n, *v.shape)))
+  gathered = jax.pure_callback(
+      copies, jax.ShapeDtypeStruct((n, *x.shape), x.dtype), x)
+  return gathered.reshape(out.shape)
+
+
+def _called_jaxpr(eqn):
+  """The jaxpr a call-like equation runs (jit, custom_jvp/vjp), or None."""
+  if eqn.primitive.name not in _CALLS:
+    return None
+  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    sub = eqn.params.get(key)
+    if sub is not None and (hasattr(sub, "eqns") or hasattr(sub, "consts")):
+      return sub
+  return None
+
+
+def _eval_local(jaxpr, consts, args, n: int):
+  """Evaluates a ``shard_map`` body with its collectives replaced by local
+  stand-ins (:data:`_LOCAL_STAND_INS`), recursing into nested ``jit``s."""
+  env = {}
+
+  def read(v):
+    return v.val if hasattr(v, "val") else env[v]
+
+  for var, val in zip(jaxpr.constvars, consts):
+    env[var] = val
+  for var, val in zip(jaxpr.invars, args):
+    env[var] = val
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    invals = [read(v) for v in eqn.invars]
+    if name == "axis_index":
+      outs = [_LOCAL_STAND_INS[name](n, eqn.outvars[0].aval)]
+    elif name in _LOCAL_STAND_INS:
+      outs = [_LOCAL_STAND_INS[name](x, n, o.aval)
+              for x, o in zip(invals, eqn.outvars)]
+    elif name in COLLECTIVE_PRIMITIVES:
+      raise ValueError(f"profile_codec has no local stand-in for {name}")
+    elif _called_jaxpr(eqn) is not None:
+      # jit, closed calls and custom_jvp/vjp calls: their body, which may
+      # hold collectives (forward only, so the custom rules do not matter).
+      sub = _called_jaxpr(eqn)
+      outs = _eval_local(getattr(sub, "jaxpr", sub),
+                         getattr(sub, "consts", ()), invals, n)
+    else:
+      # As jax's own evaluator binds; before jax 0.10 call primitives also
+      # returned sub-functions to bind with.
+      params = eqn.primitive.get_bind_params(eqn.params)
+      subfuns = []
+      if isinstance(params, tuple):
+        subfuns, params = params
+      outs = eqn.primitive.bind(*subfuns, *invals, **params)
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    for var, val in zip(eqn.outvars, outs):
+      env[var] = val
+  return [read(v) for v in jaxpr.outvars]
+
+
+def local_program(averager: Averager, num_elements: int, num_workers: int):
+  """One worker's averager program with its collectives replaced.
+
+  The averager is traced in a ``shard_map`` over an abstract mesh of
+  ``num_workers`` (so what depends on the count, Global-QSGD's levels and
+  the exponential merges' ``log2 n`` stages, is as in the real run), and its
+  body is replayed with every collective swapped for one local pass over its
+  operand (a sum becomes a scaling, a gather a repeat, a permute or max the
+  operand itself). What is left is the averager's own work: encode, decode,
+  scales, noise.
+
+  Returns:
+    A jitted ``fn(x, w)`` on one worker's ``(num_elements,)`` float32 ``x``
+    and scalar ``w``.
+  """
+  mesh = AbstractMesh((num_workers,), (AXIS,))
+  fn = jax.shard_map(shard_body(averager), mesh=mesh,
+                     in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS))
+  outer = jax.make_jaxpr(fn)(*abstract_args(num_elements, num_workers))
+  (eqn,) = [e for e in outer.jaxpr.eqns if e.primitive.name == "shard_map"]
+  body = eqn.params["jaxpr"]
+
+  def run(x, w):
+    return _eval_local(body, (), (x[None], w[None]), num_workers)[0][0]
+
+  return jax.jit(run)
+
+
+def profile_codec(averager: Averager, num_elements: int | Sequence[int],
+                  device: jax.Device | None = None, *, num_workers: int = 2,
+                  repeats: int = 5, calls: int = 3,
+                  sync: Callable[[], Any] | None = None) -> CodecCost:
+  """Measures an averager's local work on ``device``, fitted as ``a + b n``.
+
+  Times :func:`local_program`: the averager as one worker runs it, with
+  every collective replaced by a local pass over its operand, so the time is
+  everything but the wire. (A ``jax.vmap`` over the workers' axis would be
+  the obvious alternative, but it batches the per-worker PRNG keys, and
+  batched-key noise is several times slower than one worker's: it overstated
+  the exponential dithering's cost eightfold.)
+
+  The statistic is the one a run pays: the median over ``repeats`` blocks
+  of ``calls`` back-to-back calls (:func:`qsync_jax.predictor.timing.
+  seconds_per_call`), dispatch included, not the fastest call. Where several
+  processes share the host's cores, have them all profile at once, with
+  ``sync`` a barrier: each block then shares the cores as the averagers'
+  calls do.
+
+  Args:
+    averager: the averaging strategy.
+    num_elements: the size (float32 elements per worker) to fit at: the
+      ``CODEC_FIT_SIZES`` no larger than it (at least two sizes), or an
+      explicit list of sizes.
+    device: where to time (default: the first local device).
+    num_workers: workers in the average it models.
+    repeats: timed blocks per size.
+    calls: calls per block.
+    sync: called before each block (a barrier across processes).
+
+  Returns:
+    The fitted :class:`CodecCost`.
+
+  Raises:
+    ValueError: a size below 2, fewer than one worker, repeat or call.
+  """
+  if isinstance(num_elements, (int, np.integer)):
+    top = int(num_elements)
+    sizes = [s for s in CODEC_FIT_SIZES if s <= top]
+    if len(sizes) < 2:
+      sizes = [max(top // 2, 1), top]
+  else:
+    sizes = [int(s) for s in num_elements]
+  if min(sizes) < 2 or min(num_workers, repeats, calls) < 1:
+    raise ValueError(f"profile_codec needs sizes >= 2 and at least one "
+                     f"worker, repeat and call; got sizes {sizes}, "
+                     f"{num_workers} workers, {repeats} repeats, {calls} "
+                     "calls")
+  device = device or jax.local_devices()[0]
+  w = jax.device_put(jnp.float32(1.0 / num_workers), device)
+  # Compile everything first, so processes that share the host stay in step.
+  programs = []
+  for d in sizes:
+    x = jax.device_put(jax.random.normal(jax.random.key(d), (d,)), device)
+    fn = local_program(averager, d, num_workers)
+    jax.block_until_ready(fn(x, w))
+    programs.append((fn, x))
+  times = []
+  for fn, x in programs:
+
+    def block(k, fn=fn, x=x):
+      out = None
+      for _ in range(k):
+        out = fn(x, w)
+      jax.block_until_ready(out)
+
+    rounds = []
+    for _ in range(repeats):
+      if sync is not None:
+        sync()
+      rounds.append(timing.seconds_per_call(block, calls))
+    times.append(float(np.median(rounds)))
+  del programs
+  return CodecCost.fit(sizes, times)

@@ -1,0 +1,186 @@
+"""Tests of the comm-aware predictor: links, bytes moved, codec cost, sync.
+
+On the 4 fake CPU devices conftest.py gives every test process; the
+emulated-link path (the bench under the launcher) is in tests/test_links.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qsync_jax.allocation import sync_methods
+from qsync_jax.parallel import averagers
+from qsync_jax.predictor import communication as comm
+from qsync_jax.predictor import simulation
+from test_predictor import _chain, _profile, _workers
+
+NAMES = ["none", "fp16", "bf16", "gqsgd", "gqsgd_exp", "qsgd", "powersgd"]
+SIZE = 1 << 12
+
+
+def test_link_parses_the_launcher_strings():
+  link = comm.Link.parse("1gbit", "1ms", "shared")
+  assert link.bandwidth == pytest.approx(1.25e8)
+  # The launcher's latency is one way to the switch: a step is twice it.
+  assert link.latency_s == pytest.approx(2e-3)
+  assert link.topology == "shared"
+  with pytest.raises(ValueError, match="topology"):
+    comm.Link.parse("1gbit", topology="ring")
+  with pytest.raises(ValueError, match="link rate"):
+    comm.Link.parse("fast")
+  with pytest.raises(ValueError, match="bandwidth"):
+    comm.Link(0.0)
+
+
+def test_link_from_a_record_prefers_the_measured_rate():
+  record = {"link": "1gbit", "rate_bps": 1e9, "measured_bps": 9.5e8,
+            "latency_s": 0.0, "topology": "per_node"}
+  assert comm.Link.from_record(record).bandwidth == pytest.approx(9.5e8 / 8)
+  del record["measured_bps"]
+  assert comm.Link.from_record(record).bandwidth == pytest.approx(1.25e8)
+
+
+def test_a_shared_link_multiplies_the_wire_time_by_the_workers():
+  per_node = comm.Link(1e8, topology="per_node")
+  shared = comm.Link(1e8, topology="shared")
+  assert per_node.wire_time(1e6, 4) == pytest.approx(0.01)
+  assert shared.wire_time(1e6, 4) == pytest.approx(0.04)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_traced_collectives_match_the_averagers_wire_bytes(name):
+  averager = averagers.make_averager(name)
+  traffic = comm.traffic_of(comm.traced_collectives(averager, SIZE, 4), 4)
+  assert traffic.bytes == pytest.approx(averager.wire_bytes(SIZE, 4))
+  assert traffic.steps > 0
+
+
+def test_cpu_widens_bf16_to_float32_but_keeps_fp16():
+  fp32 = averagers.make_averager("none").wire_bytes(SIZE, 4)
+  bf16 = comm.averager_traffic(averagers.make_averager("bf16"), SIZE, 4,
+                               platform="cpu")
+  fp16 = comm.averager_traffic(averagers.make_averager("fp16"), SIZE, 4,
+                               platform="cpu")
+  assert bf16.widening == 2.0 and bf16.bytes == pytest.approx(fp32)
+  assert fp16.widening == 1.0 and fp16.bytes == pytest.approx(fp32 / 2)
+  # On the run's own devices, at the run's size, the same.
+  exact = comm.averager_traffic(averagers.make_averager("bf16"), SIZE, 4,
+                                devices=jax.devices()[:4])
+  assert exact.bytes == pytest.approx(fp32)
+  # A platform not present keeps its types (NCCL sums bf16 natively).
+  gpu = comm.averager_traffic(averagers.make_averager("bf16"), SIZE, 4,
+                              platform="gpu")
+  assert gpu.bytes == pytest.approx(fp32 / 2)
+
+
+def test_hlo_collectives_count_gathers_and_tuples_per_worker():
+  hlo = "\n".join([
+      "  %ag = s8[4,128,512]{2,1,0} all-gather(%x), dimensions={0}",
+      "  %ar = (f32[8]{0}, s8[16]{0}) all-reduce(%a, %b), to_apply=%sum",
+      "  %cp = u8[1,64]{1,0} collective-permute(%c), source_target_pairs={}",
+      "  %add = f32[8]{0} add(%a, %a)"])
+  found = comm.hlo_collectives(hlo, 4)
+  assert [(c.kind, c.operand_bytes, c.dtype) for c in found] == [
+      ("all_gather", 128 * 512, "s8"), ("all_reduce", 32, "f32"),
+      ("all_reduce", 16, "s8"), ("permute", 64, "u8")]
+  traffic = comm.traffic_of(found, 4)
+  assert traffic.bytes == pytest.approx(3 * 128 * 512 + 1.5 * 48 + 64)
+  assert traffic.steps == 3 + 6 + 6 + 1
+
+
+def test_codec_cost_fit_recovers_a_line():
+  cost = comm.CodecCost.fit([1000, 2000, 4000], [0.003, 0.005, 0.009])
+  assert cost.a_s == pytest.approx(1e-3) and cost.b_s == pytest.approx(2e-6)
+  assert cost(10_000) == pytest.approx(0.021)
+  with pytest.raises(ValueError, match="distinct sizes"):
+    comm.CodecCost.fit([1000, 1000], [0.1, 0.2])
+
+
+def test_local_program_has_no_collectives_and_keeps_the_codes():
+  averager = averagers.make_averager("gqsgd")
+  fn = comm.local_program(averager, SIZE, 4)
+  jaxpr = jax.make_jaxpr(fn)(jnp.ones(SIZE), jnp.float32(0.25))
+  names = {e.primitive.name for e in jaxpr.jaxpr.eqns}
+  assert not names & set(comm.COLLECTIVE_PRIMITIVES)
+  # The psum of codes became codes * n: one worker's mean is n x its share.
+  x = jnp.asarray(np.random.default_rng(0).standard_normal(SIZE),
+                  jnp.float32)
+  mean = fn(x, jnp.float32(0.25))
+  assert mean.shape == (SIZE,)
+  np.testing.assert_allclose(np.asarray(mean), np.asarray(x), atol=0.3)
+
+
+def test_profile_codec_times_every_averager():
+  for name in ["gqsgd_exp", "qsgd", "powersgd"]:
+    cost = comm.profile_codec(averagers.make_averager(name), [1024, 4096],
+                              num_workers=4, repeats=1, calls=1)
+    assert cost.sizes == (1024, 4096)
+    assert all(t > 0 for t in cost.seconds)
+  with pytest.raises(ValueError, match="sizes >= 2"):
+    comm.profile_codec(averagers.make_averager("none"), [1, 8])
+
+
+def test_averaging_time_adds_wire_latency_and_codec():
+  link = comm.Link(1e8, latency_s=1e-4)
+  averager = averagers.make_averager("gqsgd")
+  codec = comm.CodecCost(0.001, 1e-9)
+  t = comm.averaging_time(averager, SIZE, 4, link, codec, platform="cpu")
+  traffic = comm.averager_traffic(averager, SIZE, 4, platform="cpu")
+  assert t == pytest.approx(traffic.bytes / 1e8 + traffic.steps * 1e-4
+                            + 0.001 + 1e-9 * SIZE)
+  assert comm.averaging_time(averager, SIZE, 1, link, codec) == 0.0
+  fp32 = comm.averaging_time(averagers.make_averager("none"), 1 << 20, 4,
+                             comm.Link(1.25e8))
+  gq = comm.averaging_time(averager, 1 << 20, 4, comm.Link(1.25e8))
+  assert gq == pytest.approx(fp32 / 4, rel=0.01)
+
+
+def test_simulate_prices_buckets_with_the_averager():
+  g = _chain(3, weight=1 << 14)
+  prof = _profile(g, [1e-3] * 3, [1e-3] * 3)
+  workers = _workers(g, prof, 4)
+  tuple_link = (1e-5, 1 / 1.25e8)
+  today = simulation.simulate(g, workers, bucket_bytes=None, link=tuple_link)
+  # No averager: today's ring model, unchanged.
+  assert today.comm_s == pytest.approx(simulation.ring_allreduce_time(
+      4 * 3 * (1 << 14), 4, *tuple_link))
+  link = comm.Link(1.25e8, latency_s=1e-5)
+  fp32 = simulation.simulate(g, workers, bucket_bytes=None, link=link)
+  assert fp32.comm_s == pytest.approx(today.comm_s)
+  gq = simulation.simulate(g, workers, bucket_bytes=None, link=link,
+                           averager=averagers.make_averager("gqsgd"))
+  assert gq.comm_s < 0.3 * fp32.comm_s
+  codec = comm.CodecCost(0.05, 0.0)
+  slow = simulation.simulate(g, workers, bucket_bytes=None, link=link,
+                             averager=averagers.make_averager("gqsgd"),
+                             codec_cost=codec)
+  assert slow.comm_s == pytest.approx(gq.comm_s + 0.05)
+
+
+def test_sync_comparison_amortizes_local_steps_and_recommends_the_fastest():
+  g = _chain(3, weight=1 << 16)
+  prof = _profile(g, [1e-3] * 3, [1e-3] * 3)
+  link = comm.Link.parse("100mbit")
+  cmp = sync_methods.compare_sync(
+      g, "v100:4", {}, {"v100": prof}, link, period=8, total_steps=64,
+      averager_names=["none", "gqsgd"])
+  by = {(o.method, o.averager): o for o in cmp.options}
+  assert len(by) == 6
+  local = by["local", "none"]
+  assert local.averages_per_step == pytest.approx(1 / 8)
+  compute = simulation.predict(g, "v100:4", {}, {"v100": prof},
+                               link=(0.0, 0.0)).step_time_s
+  assert local.step_time_s == pytest.approx(compute + local.averaging_s / 8)
+  # QSR's periods grow as the learning rate decays: fewer averages.
+  assert by["qsr", "none"].averages_per_step < 1 / 8
+  assert by["dp", "gqsgd"].step_time_s < by["dp", "none"].step_time_s
+  assert cmp.recommended == min(cmp.options, key=lambda o: o.step_time_s)
+  assert cmp.recommended.method == "qsr"
+  out = cmp.to_dict()
+  assert out["recommended"]["method"] == "qsr"
+  assert any("accuracy is not modelled" in n for n in out["notes"])
+  assert "recommended: qsr" in cmp.table()
+  with pytest.raises(ValueError, match="unknown averager"):
+    sync_methods.compare_sync(g, "v100:4", {}, {"v100": prof}, link,
+                              averager_names=["zip"])
