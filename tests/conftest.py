@@ -10,7 +10,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 # Most test programs are tiny and run a few times: XLA's optimization passes
-# cost more than they save (the flax examples' tests do the same).
+# cost more than they save (the flax examples' tests do the same). The
+# variable carries the setting to the binaries the tests start.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 jax.config.update("jax_disable_most_optimizations", True)
 # Four fake CPU devices for the multi-worker tests (before the backend starts).
 jax.config.update("jax_num_cpu_devices", 4)
