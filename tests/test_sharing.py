@@ -10,6 +10,7 @@ import threading
 import types
 
 from flax import nnx
+import numpy as np
 import pytest
 
 from qsync_jax import models
@@ -188,3 +189,23 @@ def test_process_0_allocates_once_and_shares_the_plans():
                      match=r"process 0 did not share its plans within 1 s "
                      r"\(process 1 waited\)"):
     sharing.plan_once(allocate, store=_Store(), process_index=1, timeout_s=1)
+
+
+def test_the_timing_batch_is_what_the_timing_model_takes():
+  from experiments import plans_lib  # pylint: disable=g-import-not-at-top
+  from qsync_jax import data
+  digits = data.load_dataset("digits")
+  kwargs = digits.model_kwargs()
+  # The CNN as deployed (32 x 32 x 3): random inputs of its spec, the
+  # dataset's labels, repeated past the dataset's length.
+  wide = models.build_model("cnn", rngs=nnx.Rngs(0), data_kwargs={
+      **kwargs, "image_size": 32, "in_channels": 3})
+  x, y = plans_lib.timing_batch(wide, digits, 16)
+  assert x.shape == (16, 32, 32, 3) and x.dtype == np.float32
+  np.testing.assert_array_equal(y, digits.y_train[:16])
+  # The trained twin takes the dataset's examples themselves.
+  twin = models.build_model("cnn", rngs=nnx.Rngs(0), data_kwargs=kwargs)
+  n = len(digits.x_train)
+  x, y = plans_lib.timing_batch(twin, digits, n + 3)
+  np.testing.assert_array_equal(x[n:], digits.x_train[:3])
+  np.testing.assert_array_equal(y[:n], digits.y_train)
