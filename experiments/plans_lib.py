@@ -160,7 +160,8 @@ def auto_plans(config: ml_collections.ConfigDict, model: Any,
         timing_model, spec, scores.values, batch_size,
         indicator_name=a.indicator, method=a.method,
         compression=a.get("compression"), candidates=candidates,
-        baselines=False, sample_input=sample, profiles=profiles)
+        baselines=False, sample_input=sample, profiles=profiles,
+        graph=graph)
     return result.allocation.plans
 
   plans = sharing.plan_once(allocate, store=store,

@@ -199,7 +199,8 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
                  baselines: bool = True,
                  optimizer_state_copies: int = 2,
                  sample_input: Any = None,
-                 profiles: Mapping[str, profiling.Profile] | None = None
+                 profiles: Mapping[str, profiling.Profile] | None = None,
+                 graph: graph_lib.ModelGraph | None = None
                  ) -> PlanningResult:
   """Allocates plans for ``cluster`` and predicts the baselines.
 
@@ -229,6 +230,8 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
       :func:`qsync_jax.allocation.sharing.gather_profiles`); the kinds not
       given, and every kind at the other batch sizes the dynamic-batch
       baseline traces, use the analytic catalog.
+    graph: the timing model's graph at ``batch_size`` when already traced
+      (default: traced here).
 
   Raises:
     ValueError: the scores do not cover the timing model's layers, a kind
@@ -242,9 +245,8 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
   analytic = functools.partial(predictor.analytic_profile,
                                optimizer_state_copies=optimizer_state_copies)
   spec = parse_cluster(cluster)
-  g = predictor.trace_graph(timing_model, sample_at(timing_model,
-                                                     sample_input,
-                                                     batch_size))
+  g = graph or predictor.trace_graph(
+      timing_model, sample_at(timing_model, sample_input, batch_size))
   table = search.score_table(scores)
   if set(table) != set(g.paths):
     extra = sorted(set(table) - set(g.paths))

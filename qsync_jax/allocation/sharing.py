@@ -142,13 +142,12 @@ def gather_profiles(graph: graph_lib.ModelGraph, cluster: ClusterSpec,
   for kind, device in sites.items():
     if device is None or not here(device):
       continue
+    local = _local_devices(cluster, devices, kind, process_index)
     if store is None:
-      measured[kind] = measure(kind, device, _local_devices(
-          cluster, devices, kind, process_index))
+      measured[kind] = measure(kind, device, local)
       continue
     try:
-      prof = measure(kind, device, _local_devices(cluster, devices, kind,
-                                                  process_index))
+      prof = measure(kind, device, local)
     except Exception as e:  # pylint: disable=broad-except
       coordination.share(
           store, f"qsync_profiles/{kind}", source=process_index,

@@ -174,13 +174,16 @@ def compare_sync(g: graph_lib.ModelGraph, cluster: ClusterSpec | str,
     raise ValueError(f"unknown averager(s) {unknown}; valid: "
                      f"{', '.join(AVERAGERS)}")
   cluster = parse_cluster(cluster)
-  n = sum(cluster.groups().values())
+  n = cluster.num_workers
   codec_costs = dict(codec_costs or {})
   num_params = int(sum(node.weight_numel for node in g.nodes))
   # Local steps: the same step with a free all-reduce.
   compute_s = simulation.predict(g, cluster, plans, profiles,
                                  link=(0.0, 0.0)).step_time_s
   platform = ("cpu" if all(k == "cpu" for k in cluster.groups()) else "gpu")
+  # Each method's averages per step, the same for every averager.
+  rates = {m: averages_per_step(m, period, total_steps, lr, qsr_alpha)
+           for m in methods}
   options = []
   for name in averager_names:
     averager = averagers_lib.make_averager(AVERAGERS[name][0],
@@ -188,8 +191,7 @@ def compare_sync(g: graph_lib.ModelGraph, cluster: ClusterSpec | str,
     codec = codec_costs.get(name)
     whole = communication.averaging_time(averager, max(num_params, 1), n,
                                          link, codec, platform=platform)
-    for method in methods:
-      rate = averages_per_step(method, period, total_steps, lr, qsr_alpha)
+    for method, rate in rates.items():
       if method == "dp":
         step = simulation.predict(g, cluster, plans, profiles, link=link,
                                   averager=averager,
@@ -212,7 +214,7 @@ def compare_for(result, link: communication.Link, *, period: int = 8,
   its ``summary.json`` under ``"sync"``.
   """
   cluster = result.cluster
-  n = sum(cluster.groups().values())
+  n = cluster.num_workers
   num_params = int(sum(node.weight_numel for node in result.graph.nodes))
   codecs = (profile_codecs(list(AVERAGERS), max(num_params, 2), n)
             if set(cluster.groups()) == {"cpu"} else None)
