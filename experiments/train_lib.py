@@ -366,12 +366,19 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
   window_start, window_step = start, trainer.step
   last_train, last_eval = {}, {}
   saved_step = None
+  # Seconds spent in evals and checkpoints, left out of train_time_s.
+  excluded = 0.0
   while trainer.step < config.steps:
     step = trainer.step
     all_batches = batcher.step_batches(step)
     out = trainer.train_step({i: all_batches[i]
                               for i in trainer.local_workers})
     done = trainer.step
+    if done == start_step + 1:
+      # The training clock starts once the first step (which compiles the
+      # step's programs) has run.
+      jax.block_until_ready(out)
+      train_start = time.perf_counter()
     row = None
     if done % config.log_every == 0 or done == config.steps:
       now = time.perf_counter()
@@ -390,11 +397,16 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
                    _metrics_text(last_train), rate)
     if config.eval_every and (done % config.eval_every == 0
                               or done == config.steps):
+      # The step's queued work finishes before the clock stops for the eval.
+      jax.block_until_ready(out)
+      eval_start = time.perf_counter()
+      train_time = eval_start - train_start - excluded
       ev = trainer.evaluate((dataset.x_test, dataset.y_test),
                             train_batches=bn_batches(config, batcher,
                                                      trainer))
       last_eval = {"step": done, **ev}
-      row = {**(row or {"step": done}),
+      excluded += time.perf_counter() - eval_start
+      row = {**(row or {"step": done}), "train_time_s": train_time,
              **{f"eval_{name}": value for name, value in ev.items()}}
       logging.info("step %d eval %s", done, _metrics_text(ev))
     if row is not None and writer:
@@ -402,7 +414,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
         f.write(json.dumps(row) + "\n")
     if config.checkpoint_every and (done % config.checkpoint_every == 0
                                     or done == config.steps):
+      jax.block_until_ready(out)
+      save_start = time.perf_counter()
       checkpointer.save(trainer)
+      excluded += time.perf_counter() - save_start
       saved_step = done
     if watch.reached(done):
       # Every process reaches this at the same step (PreemptionWatch).
@@ -419,6 +434,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
       # Throughput windows count training only, not evals or checkpoints.
       window_start, window_step = time.perf_counter(), done
   wall = time.perf_counter() - start
+  train_time = (time.perf_counter() - train_start - excluded
+                if trainer.step > start_step else 0.0)
   final = (last_eval if last_eval.get("step") == trainer.step
            else {"step": trainer.step,
                  **trainer.evaluate((dataset.x_test, dataset.y_test),
@@ -441,6 +458,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
       "sync_rounds": trainer.sync_rounds,
       "comm_bytes": trainer.comm_bytes,
       "wall_time_s": wall,
+      # From the end of this run's first step (compilation), less evals
+      # and checkpoints.
+      "train_time_s": train_time,
       "examples_per_s": (global_batch * (trainer.step - start_step) / wall
                          if wall > 0 else None),
       "loss_scaling": trainer.loss_scaling,

@@ -26,10 +26,12 @@ flags.DEFINE_integer("num_workers", 4, "Workers (fake CPU devices on CPU).")
 flags.DEFINE_integer("rounds", 7, "Interleaved measurement rounds.")
 
 # (model, batch per worker, config overrides): the main job's CNN on digits,
+# the network study's wide CNN (4.26M parameters, most in one dense layer),
 # and a small BERT-style encoder on 64-token sequences.
 CASES = [
     ("cnn", 32, {}),
     ("cnn", 128, {}),
+    ("cnn", 16, {"widths": (32, 64), "hidden": 4096}),
     ("bert", 16, {"vocab_size": 512, "max_len": 64, "num_layers": 2,
                   "hidden": 128, "mlp_dim": 256}),
 ]

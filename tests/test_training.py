@@ -107,6 +107,11 @@ def test_qsr_with_global_qsgd_logs_h_rounds_and_wire_bytes(tmp_path):
           (tmp_path / "metrics.jsonl").read_text().splitlines()]
   hs = [r["H"] for r in rows if "H" in r]
   assert hs == [planned.round_length(r["step"]) for r in rows if "H" in r]
+  # Training time at each eval: after the first step, evals left out.
+  times = [r["train_time_s"] for r in rows if "eval_accuracy" in r]
+  assert len(times) == 2 and 0 < times[0] < times[1]
+  assert times[1] == pytest.approx(summary["train_time_s"], abs=0.5)
+  assert summary["train_time_s"] < summary["wall_time_s"]
   assert hs[0] == 2 and hs[-1] > 2  # the period grew as the LR decayed
   assert summary["final_eval_accuracy"] > 0.5
 

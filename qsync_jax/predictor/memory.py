@@ -35,6 +35,7 @@ from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 import optax
 
+from qsync_jax.numerics import flatten
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.plan import policy
@@ -146,7 +147,7 @@ def train_step_function(graphdef, unravel, loss_fn,
     m = nnx.merge(graphdef, unravel(flat), rest)
     loss, grads = nnx.value_and_grad(lambda m: objective(
         m, batch, step_lib.step_rngs(0, ids), train=True)[0])(m)
-    g = ravel_pytree(grads)[0]
+    g = flatten.ravel(grads)
     updates, opt_state = tx.update(g, opt_state, flat)
     new_rest = nnx.split(m, nnx.Param, ...)[2]
     return optax.apply_updates(flat, updates), opt_state, new_rest, loss

@@ -276,8 +276,10 @@ def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
     link: ``(alpha_s, seconds_per_byte)`` of the all-reduce ring, or a
       :class:`~.communication.Link`; by default :func:`cluster_link` of the
       workers' kinds, or the host's fitted model when ``shared_host``.
-    shared_host: the workers are fake devices of one host (see the module
-      docstring).
+    shared_host: the workers share one host's cores (see the module
+      docstring): fake devices of one process, or, with a ``Link``,
+      processes of one host whose average crosses that link (added whole,
+      after the backward pass, to the measured update program).
     costs_cache: a dict kept across calls that simulate the same graph and
       profiles (the allocator's search): each worker plan is costed once.
 
@@ -303,6 +305,8 @@ def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
       cache[key] = worker_costs(wg, w.profile, precs, shared)
     costs.append(cache[key])
   host = workers[0].profile.host if shared_host else {}
+  # A Link means workers in separate processes behind that link.
+  between_processes = isinstance(link, Link)
   if link is None:
     if shared_host:
       link = tuple(host.get("allreduce", (0.0, 0.0)))
@@ -363,8 +367,15 @@ def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
     # worker) was timed whole on this host: it replaces both models.
     measured = host_value(update, n)
     comm_end = float(bwd_end.max())
-    buckets = [dict(buckets[-1], start_s=comm_end, end_s=comm_end)]
     comm = 0.0
+    if between_processes and n > 1:
+      # Processes sharing the host's cores (the profile's contention) whose
+      # average also crosses the link: once, whole, after the backward pass,
+      # as the trainer's update program runs it.
+      comm = averaging_time(averager, max(int(sum(grad_bytes) // 4), 1), n,
+                            link, codec_cost, platform=platform)
+    buckets = [dict(buckets[-1], start_s=comm_end, end_s=comm_end + comm)]
+    comm_end += comm
     opt = np.full(n, measured)
   elif shared_host and n > 1:
     opt = opt * n  # optimizer passes share the host's memory bandwidth

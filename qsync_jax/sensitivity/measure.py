@@ -16,10 +16,10 @@ from typing import Any, Sequence
 from flax import nnx
 import jax
 from jax import lax
-from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 import numpy as np
 
+from qsync_jax.numerics import flatten
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.plan import policy
@@ -139,6 +139,6 @@ def _switch_fn(graphdef, layer_list, objective, choices, quant):
     # one dropout mask per batch (scores' capture pass derives them alike).
     loss, grads = nnx.value_and_grad(lambda m: objective(
         m, batch, nnx.Rngs(jax.random.fold_in(key, 1)), train=True)[0])(model)
-    return loss, ravel_pytree(grads)[0]
+    return loss, flatten.ravel(grads)
 
   return evaluate

@@ -30,12 +30,12 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
-from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import optax
 
+from qsync_jax.numerics import flatten
 from qsync_jax.parallel import averagers
 from qsync_jax.parallel import schedules
 from qsync_jax.train import layout
@@ -239,7 +239,7 @@ def average_params_program(mesh: Mesh, averager: Any, seed: int,
     state = jax.tree.map(lambda x: x[0], outer_state)
     updates, state = outer_tx.update(unravel(-delta), state,
                                      unravel(anchor[0]))
-    new_p = anchor[0] + ravel_pytree(updates)[0]
+    new_p = anchor[0] + flatten.ravel(updates)
     return (new_p[None], counter + 1, new_res,
             jax.tree.map(_expand, state))
 

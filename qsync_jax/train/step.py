@@ -22,12 +22,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 from flax import nnx
 import jax
-from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 import numpy as np
 import optax
 
+from qsync_jax.numerics import flatten
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.plan import policy
 from qsync_jax.plan.precision import PrecisionPlan
@@ -128,7 +128,7 @@ def grad_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
     # back to `model`.
     grads, metrics = nnx.grad(scaled_loss, has_aux=True)(model)
     new_rest = nnx.split(model, nnx.Param, ...)[2]
-    return ravel_pytree(grads)[0][None], new_rest, metrics
+    return flatten.ravel(grads)[None], new_rest, metrics
 
   return grad_fn
 
@@ -198,7 +198,7 @@ def apply_update(unravel: Callable[[jax.Array], Any],
   finite = jnp.all(jnp.isfinite(g))
   p = unravel(flat)
   updates, new_opt = tx.update(unravel(g), opt_state, p)
-  new_flat = ravel_pytree(optax.apply_updates(p, updates))[0]
+  new_flat = flatten.ravel(optax.apply_updates(p, updates))
   new_flat = jnp.where(finite, new_flat, flat)
   new_opt = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_opt,
                          opt_state)
