@@ -20,6 +20,8 @@ step_time_mean_s, ...}}, "runs": [...]}, --out/time_to_accuracy.png and
 --out/time_to_accuracy_hetero.png.
 """
 
+import json
+
 from absl import app
 from absl import flags
 
@@ -34,6 +36,9 @@ flags.DEFINE_string("link", "1gbit", "Each process's emulated link rate.")
 flags.DEFINE_enum("topology", "per_node", ["per_node", "shared"],
                   "A link per process, or one shared bottleneck.")
 flags.DEFINE_integer("steps", None, "Override the training steps.")
+flags.DEFINE_string("model_kwargs", None, "The CNN's arguments as JSON "
+                    "instead of the study's wide CNN, e.g. a small one for a "
+                    "quick check: '{\"widths\": [8, 16], \"hidden\": 64}'.")
 flags.DEFINE_bool("predict", True, "Add the predictor's step time of each "
                   "homogeneous configuration (profiles this host).")
 
@@ -47,12 +52,18 @@ def main(argv):
   from experiments.studies import network
   from qsync_jax.parallel import links
   try:
+    model_kwargs = (None if FLAGS.model_kwargs is None
+                    else json.loads(FLAGS.model_kwargs))
+  except json.JSONDecodeError as e:
+    raise SystemExit(f"error: --model_kwargs is not JSON: {e}") from None
+  try:
     with cli.bad_input_exits():
       result = network.run(FLAGS.out,
                            names=FLAGS.configs or list(network.RUNS),
                            seeds=FLAGS.seeds, target=FLAGS.target,
                            link=FLAGS.link, topology=FLAGS.topology,
-                           steps=FLAGS.steps, predict=FLAGS.predict)
+                           steps=FLAGS.steps, predict=FLAGS.predict,
+                           model_kwargs=model_kwargs)
   except RuntimeError as e:  # a failed run; links.LinkUnavailableError
     raise SystemExit(f"error: {e}") from None
   for name, s in result["configs"].items():

@@ -112,8 +112,11 @@ KEY_RATIO = ("time_to_target_ratio_qsr_gqsgd_vs_dp", "qsr_gqsgd", "dp")
 
 
 def run_config(name: str, seed: int, *, steps: int | None = None,
-               rounds_fraction: float = 0.15) -> ml_collections.ConfigDict:
-  """The full config of one run (``alpha`` set from the round budget)."""
+               rounds_fraction: float = 0.15,
+               model_kwargs: Mapping[str, Any] | None = None
+               ) -> ml_collections.ConfigDict:
+  """The full config of one run (``alpha`` set from the round budget;
+  ``model_kwargs`` replace :data:`MODEL_KWARGS`)."""
   spec = RUNS[name]
   config = default.get_config()
   fields = {**BASE, **(HETERO if spec.hetero else {}), **spec.overrides,
@@ -123,7 +126,8 @@ def run_config(name: str, seed: int, *, steps: int | None = None,
     fields["steps"] = steps
     fields["warmup_steps"] = min(BASE["warmup_steps"],
                                  steps * BASE["warmup_steps"] // BASE["steps"])
-  config.model_kwargs = ml_collections.ConfigDict(MODEL_KWARGS)
+  config.model_kwargs = ml_collections.ConfigDict(
+      dict(MODEL_KWARGS if model_kwargs is None else model_kwargs))
   for key, value in fields.items():
     node = config
     *parents, leaf = key.split(".")
@@ -136,9 +140,9 @@ def run_config(name: str, seed: int, *, steps: int | None = None,
   return config
 
 
-def num_params() -> int:
+def num_params(model_kwargs: Mapping[str, Any] | None = None) -> int:
   """The study model's parameter count."""
-  config = run_config("dp", 0)
+  config = run_config("dp", 0, model_kwargs=model_kwargs)
   return _param_count(config_lib.build_model(
       config, data_lib.load_dataset(config.dataset)))
 
@@ -165,7 +169,7 @@ def command(config: ml_collections.ConfigDict, name: str, run_dir: str, *,
     cmd.append(f"--cpu_quota={HETERO_QUOTA}")
   cmd += ["--", sys.executable, "-m", "experiments.train",
           f"--out_dir={run_dir}",
-          f"--model_kwargs={json.dumps(MODEL_KWARGS)}"]
+          f"--model_kwargs={json.dumps(config.model_kwargs.to_dict())}"]
   flat = config.to_dict()
   keys = sorted({*BASE, *HETERO, *spec.overrides, "seed", "alpha"})
   for key in keys:
@@ -197,10 +201,12 @@ def time_to_target(curve: Sequence[Mapping[str, float]], target: float
 
 def _run_one(name: str, seed: int, run_dir: str, *, link: str,
              topology: str, steps: int | None, rounds_fraction: float,
-             timeout_s: float) -> dict[str, Any]:
+             timeout_s: float, model_kwargs: Mapping[str, Any] | None
+             ) -> dict[str, Any]:
   """Trains one run (unless its summary is there) and reads its results."""
   config = run_config(name, seed, steps=steps,
-                      rounds_fraction=rounds_fraction)
+                      rounds_fraction=rounds_fraction,
+                      model_kwargs=model_kwargs)
   summary_path = os.path.join(run_dir, "summary.json")
   if not os.path.exists(summary_path):
     if os.path.exists(run_dir):
@@ -227,7 +233,8 @@ def _run_one(name: str, seed: int, run_dir: str, *, link: str,
           "curve": eval_curve(run_dir)}
 
 
-def predict_steps(runs: Sequence[Mapping[str, Any]], *, repeats: int = 5
+def predict_steps(runs: Sequence[Mapping[str, Any]], *, repeats: int = 5,
+                  model_kwargs: Mapping[str, Any] | None = None
                   ) -> dict[str, float]:
   """The predictor's step time of each homogeneous configuration.
 
@@ -244,6 +251,7 @@ def predict_steps(runs: Sequence[Mapping[str, Any]], *, repeats: int = 5
   Args:
     runs: the study's runs (seed 0 of each configuration is used).
     repeats: timed rounds per measured piece.
+    model_kwargs: the runs' model arguments (default :data:`MODEL_KWARGS`).
 
   Returns:
     ``{name: predicted seconds per step}``.
@@ -261,7 +269,7 @@ def predict_steps(runs: Sequence[Mapping[str, Any]], *, repeats: int = 5
             if r["seed"] == 0 and not RUNS[r["name"]].hetero}
   if not firsts:
     return {}
-  config = run_config("dp", 0)
+  config = run_config("dp", 0, model_kwargs=model_kwargs)
   dataset = data_lib.load_dataset(config.dataset)
   model = config_lib.build_model(config, dataset)
   batch = (dataset.x_train[:config.batch_size],
@@ -281,7 +289,7 @@ def predict_steps(runs: Sequence[Mapping[str, Any]], *, repeats: int = 5
   codecs: dict[str, Any] = {}
   out = {}
   for name, r in firsts.items():
-    c = run_config(name, 0)
+    c = run_config(name, 0, model_kwargs=model_kwargs)
     averager = config_lib.make_averager(c)
     if c.compress not in codecs:
       codecs[c.compress] = predictor.profile_codec(
@@ -371,7 +379,8 @@ def run(out_dir: str, *, names: Sequence[str] = tuple(RUNS), seeds: int = 3,
         target: float = 0.95, link: str = "1gbit",
         topology: str = "per_node", steps: int | None = None,
         rounds_fraction: float = 0.15, timeout_s: float = 1200.0,
-        predict: bool = True) -> dict[str, Any]:
+        predict: bool = True,
+        model_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """Runs the study (reusing finished runs) and writes its outputs.
 
   Args:
@@ -388,6 +397,8 @@ def run(out_dir: str, *, names: Sequence[str] = tuple(RUNS), seeds: int = 3,
     predict: add the predictor's step time of each homogeneous
       configuration (:func:`predict_steps`; needs :data:`NUM_PROCESSES`
       local devices).
+    model_kwargs: the CNN's arguments instead of :data:`MODEL_KWARGS`
+      (e.g. a small one for a quick check).
 
   Returns:
     The summary written to ``summary.json``.
@@ -419,11 +430,12 @@ def run(out_dir: str, *, names: Sequence[str] = tuple(RUNS), seeds: int = 3,
       runs.append(_run_one(
           name, seed, os.path.join(out_dir, name, f"seed{seed}"), link=link,
           topology=topology, steps=steps, rounds_fraction=rounds_fraction,
-          timeout_s=timeout_s))
+          timeout_s=timeout_s, model_kwargs=model_kwargs))
       bar.done(f"network {name} seed {seed}")
   per_config = summarize(runs, target)
   if predict:
-    for name, step_s in predict_steps(runs).items():
+    for name, step_s in predict_steps(runs,
+                                      model_kwargs=model_kwargs).items():
       measured = per_config[name]["step_time_mean_s"]
       per_config[name]["predicted_step_s"] = step_s
       per_config[name]["predicted_vs_measured_step"] = (step_s - measured
@@ -445,8 +457,9 @@ def run(out_dir: str, *, names: Sequence[str] = tuple(RUNS), seeds: int = 3,
       "hetero_cpu_quota": HETERO_QUOTA,
       "num_processes": NUM_PROCESSES,
       "base_config": dict(BASE),
-      "model_kwargs": MODEL_KWARGS,
-      "num_params": num_params(),
+      "model_kwargs": dict(MODEL_KWARGS if model_kwargs is None
+                           else model_kwargs),
+      "num_params": num_params(model_kwargs),
       "configs": per_config,
       "runs": [{k: r[k] for k in ("name", "seed", "alpha", "curve")}
                | {"summary": {k: r["summary"].get(k) for k in (
