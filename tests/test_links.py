@@ -144,10 +144,13 @@ def test_shared_topology_is_one_bottleneck():
             emulator.address(s + 1)) for s in (0, 2)])
       tag = emulator.tag
     _assert_nothing_left(tag)
-  # Shared: together at the one link's rate (FIFO tbf is not fair between
-  # flows, so only the sum is checked); per node: each at its link's.
-  assert sum(rates["shared"]) == pytest.approx(1e8, rel=0.15), rates
+  # Shared: together at most the one link's rate (FIFO tbf is not fair
+  # between flows, so only the sum is checked; a loaded host may not fill
+  # it: 82 Mbit/s was seen in CI); per node: each at its link's, so the two
+  # together well above the shared link.
+  assert 0.6e8 <= sum(rates["shared"]) <= 1.15e8, rates
   assert rates["per_node"] == pytest.approx([1e8, 1e8], rel=0.15), rates
+  assert sum(rates["per_node"]) > 1.5 * sum(rates["shared"]), rates
 
 
 @needs_root
