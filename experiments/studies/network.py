@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -211,7 +212,7 @@ def _run_one(name: str, seed: int, run_dir: str, *, link: str,
   if not os.path.exists(summary_path):
     if os.path.exists(run_dir):
       # A run cut short: start it again from nothing.
-      subprocess.run(["rm", "-rf", run_dir], check=True)
+      shutil.rmtree(run_dir)
     os.makedirs(os.path.dirname(run_dir), exist_ok=True)
     cmd = command(config, name, run_dir, link=link, topology=topology)
     logging.info("%s seed %d: %s", name, seed, " ".join(cmd))
