@@ -194,8 +194,9 @@ def main(argv):
     scores, name = (_load_scores(FLAGS.scores) if FLAGS.scores
                     else (None, FLAGS.indicator))
     train_lib.make_out_dir(FLAGS.out, "--out")
-    timing_model = models_lib.build_model(
-        FLAGS.model, rngs=nnx.Rngs(FLAGS.seed), **model_kwargs)
+    # Only the timing model's shapes are used: built without its weights.
+    timing_model = nnx.eval_shape(lambda: models_lib.build_model(
+        FLAGS.model, rngs=nnx.Rngs(FLAGS.seed), **model_kwargs))
     # A model without input_spec is traced on the dataset's inputs
     # (resized to --batch_size), the scored one sized for the dataset.
     needs_data = scores is None or not callable(

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from absl import logging
+from flax import nnx
 import jax
 import ml_collections
 import numpy as np
@@ -118,7 +119,18 @@ def auto_plans(config: ml_collections.ConfigDict, model: Any,
   devices = cluster_lib.assign_devices(spec)
   sites = sharing.profile_sites(spec, devices, a.get("profiles", "auto"))
   loss_fn = config_lib.make_loss_fn(config)
-  timing_model = config_lib.build_model(config, dataset, timing=True)
+  # The timing model is deployment-sized (the default job's has a 67M-weight
+  # layer): only its shapes are needed to trace the graph and allocate, so
+  # it is built abstractly, and for real only where a kind is measured here.
+  timing_model = nnx.eval_shape(
+      lambda: config_lib.build_model(config, dataset, timing=True))
+  concrete = []
+
+  def concrete_timing_model():
+    if not concrete:
+      concrete.append(config_lib.build_model(config, dataset, timing=True))
+    return concrete[0]
+
   batch_size = a.get("timing_batch_size", 0) or config.batch_size
   # A model without input_spec is traced through the job's loss on a
   # training batch (resized to the timing batch).
@@ -134,7 +146,7 @@ def auto_plans(config: ml_collections.ConfigDict, model: Any,
     logging.info("profiling %s on %s", kind, device)
     supported = supported_precisions(kind)
     return predictor.profile(
-        timing_model, batch, device=device, device_kind=kind,
+        concrete_timing_model(), batch, device=device, device_kind=kind,
         precisions=[p for p in candidates if p in {
             q.value for q in supported}],
         loss_fn=loss_fn, tx=config_lib.make_optimizer(config),

@@ -1,7 +1,10 @@
 """Test-wide JAX settings: fast compiles on a 2-core CPU."""
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import jax
 
@@ -14,6 +17,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 # variable carries the setting to the binaries the tests start.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 jax.config.update("jax_disable_most_optimizations", True)
+# One compilation cache for the whole run, shared by the xdist workers and the
+# binaries the tests start (they inherit the variables): many tests compile
+# the same small programs, in this process or in a binary's. Tests of the
+# cache's own users pass their own directory.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _cache = tempfile.mkdtemp(prefix="qsync_jax_test_xla_cache_")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir",
+                  os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 # Four fake CPU devices for the multi-worker tests (before the backend starts).
 jax.config.update("jax_num_cpu_devices", 4)
 

@@ -359,12 +359,29 @@ def test_allocate_binary_impossible_memory_is_one_clear_error(tmp_path):
 
 def test_qsync_study_binary_writes_runs_and_plot(tmp_path):
   result = _run("experiments.qsync_study", f"--out={tmp_path}",
-                "--tasks=cnn", "--configs=uniform_low,qsync", "--seeds=1",
+                "--tasks=cnn", "--configs=fp32,qsync", "--seeds=1",
                 "--steps=2", "--nopredict")
   assert result.returncode == 0, result.stderr[-3000:]
   study = json.loads((tmp_path / "study.json").read_text())
   runs = study["tasks"]["cnn"]["runs"]
-  assert [r["config"] for r in runs] == ["uniform_low", "qsync"]
-  assert set(runs[0]["t4_precisions"].values()) == {"int8", "fp32"}
-  assert set(study["tasks"]["cnn"]["accuracy"]) == {"uniform_low", "qsync"}
+  assert [r["config"] for r in runs] == ["fp32", "qsync"]
+  assert set(runs[0]["t4_precisions"].values()) == {"fp32"}
+  assert "fp16" in set(runs[1]["t4_precisions"].values())
+  assert set(study["tasks"]["cnn"]["accuracy"]) == {"fp32", "qsync"}
   assert (tmp_path / "study.png").stat().st_size > 1000
+
+
+def test_qsync_study_uniform_low_puts_the_t4s_in_int8_where_allowed():
+  from experiments.configs import default as default_config
+  from experiments.studies import qsync as study
+  task = study.TASKS["cnn"]
+  config = study.task_config(default_config.get_config(), task,
+                             "uniform_low", 0)
+  assert config.plan_mode == "manual"
+  plan = qs.PrecisionPlan.from_dict(config.plans.t4.to_dict())
+  model = nnx.eval_shape(lambda: models.build_model(
+      task["model"], rngs=nnx.Rngs(0), **task["model_kwargs"]))
+  g = graph_lib.trace_graph(model, model.input_spec(2))
+  got = predictor.resolve_plan(g, plan, "t4")
+  assert set(got.values()) == {Precision.INT8, Precision.FP32}
+  assert got["head"] == Precision.FP32  # the policy keeps the head FP32

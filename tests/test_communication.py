@@ -184,3 +184,33 @@ def test_sync_comparison_amortizes_local_steps_and_recommends_the_fastest():
   with pytest.raises(ValueError, match="unknown averager"):
     sync_methods.compare_sync(g, "v100:4", {}, {"v100": prof}, link,
                               averager_names=["zip"])
+
+
+def test_profiled_collectives_price_each_kind_and_type():
+  from qsync_jax.predictor import collective_cost as cc
+  devices = jax.devices()[:4]
+  cost = cc.profile_collectives(
+      [("all_reduce", "s8"), ("all_reduce", "f32"), ("permute", "u8")],
+      devices, sizes=(1 << 12, 1 << 16), repeats=1, calls=1)
+  assert set(cost.fits) == {("all_reduce", "s8"), ("all_reduce", "f32"),
+                            ("permute", "u8")}
+  assert all(len(f.seconds) == 2 and min(f.seconds) > 0
+             for f in cost.fits.values())
+  gqsgd = averagers.make_averager("gqsgd")
+  found = comm.compiled_collectives(gqsgd, 1 << 14, devices)
+  assert {(c.kind, c.dtype) for c in found} == {("all_reduce", "f32"),
+                                                ("all_reduce", "s8")}
+  expected = sum(cost.fits[(c.kind, c.dtype)](c.operand_bytes)
+                 for c in found)
+  assert cost(found) == pytest.approx(expected)
+  link = comm.Link(1e6)  # Unused: the measured collectives replace it.
+  assert comm.averaging_time(gqsgd, 1 << 14, 4, link, measured=cost,
+                             collectives=found) == pytest.approx(expected)
+  with pytest.raises(ValueError, match="no measured cost for a all_gather"):
+    cost([comm.Collective("all_gather", 8.0, "s8")])
+  with pytest.raises(ValueError, match="needs the averager's compiled"):
+    comm.averaging_time(gqsgd, 1 << 14, 4, link, measured=cost)
+  with pytest.raises(ValueError, match="valid kinds"):
+    cc.profile_collectives([("all_to_all", "f32")], devices)
+  with pytest.raises(ValueError, match="two distinct sizes"):
+    cc.profile_collectives([("all_reduce", "f32")], devices, sizes=(8, 8))

@@ -210,14 +210,20 @@ def test_launcher_runs_the_bench_over_the_link(tmp_path):
   assert {r["strategy"] for r in rows} == {"none", "gqsgd"}
   assert all("error" not in r and r["num_workers"] == 2
                       for r in rows)
-  # The predictor's time beside the measured one: the compiled program's
-  # bytes over the measured rate, plus the codec profiled in the same run.
+  # The predictor's times beside the measured one: the compiled program's
+  # collectives as timed alone on the link, or its bytes over the measured
+  # rate, each plus the codec profiled in the same run.
   for r in rows:
     assert r["predicted_s"] > 0 and r["codec_s"] >= 0
+    assert r["predicted_s"] == pytest.approx(r["collectives_s"] + r["codec_s"])
     assert r["wire_s"] == pytest.approx(
         r["moved_bytes"] * 8 / link["measured_bps"])
+    assert r["predicted_link_s"] == pytest.approx(r["wire_s"] + r["codec_s"])
+  assert set(rows[0]["collective_fits"]) | set(rows[1]["collective_fits"]) \
+      == {"all_reduce f32", "all_reduce s8"}
   # Not measured at the headline size (16M): no error figure yet.
   assert report["predicted_vs_measured_max_rel_error"] is None
+  assert report["predicted_link_vs_measured_max_rel_error"] is None
   _assert_nothing_left(p.pid)
 
 

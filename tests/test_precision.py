@@ -122,29 +122,15 @@ _PATHS = [f"blocks/{b}/conv{c}/kernel_weights" for b in range(12)
     ("(?=(?:x+)+)y", "holds a quantifier"),  # Inside a lookahead too.
     (".*.*.*.*.*!", "has 5 repeats, more than 4"),
 ])
-def test_catastrophic_rules_are_refused_fast(rule, what):
-  start = time.perf_counter()
+def test_catastrophic_rules_are_refused(rule, what):
+  # Refused by a look at the pattern, before any layer name is matched.
   with pytest.raises(qs.PlanError) as e:
     qs.PrecisionPlan([("conv1", "int8"), (rule, "fp16")])
-  elapsed = time.perf_counter() - start
   msg = str(e.value)
   assert msg.startswith(f"rule 1: regex {rule!r} ") and what in msg
   assert "\n" not in msg
-  assert elapsed < 0.1
   with pytest.raises(qs.PlanError, match=what):  # From JSON as well.
     qs.PrecisionPlan.from_json(json.dumps({"rules": [[rule, "fp16"]]}))
-
-
-def test_pathological_rule_was_slow_unchecked():
-  # The refused shape is really exponential: 6 more characters of input
-  # make Python's re take tens of times longer (so the test above matters).
-  rule = re.compile("([a-z0-9/]+)+!")
-  times = []
-  for n in (12, 18):
-    start = time.perf_counter()
-    rule.fullmatch("a" * n)
-    times.append(time.perf_counter() - start)
-  assert times[1] > 8 * times[0]
 
 
 @pytest.mark.parametrize("rule", [

@@ -71,6 +71,38 @@ def test_trace_graph_records_flow_shapes_and_gradients(cascade_graph):
   assert scores.flops == 2 * 2 * 4 * 4 * 8
 
 
+class _Stateful(nnx.Module):
+  """Parameters beside batch statistics and dropout RNG state."""
+
+  def __init__(self, rngs=None):
+    rngs = rngs or nnx.Rngs(0)
+    self.conv = nnx.Conv(1, 4, (3, 3), rngs=rngs)
+    self.bn = nnx.BatchNorm(4, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+    self.head = nnx.Linear(4, 3, rngs=rngs)
+
+  def input_spec(self, batch):
+    return jax.ShapeDtypeStruct((batch, 6, 6, 1), jnp.float32)
+
+  def __call__(self, x):
+    h = self.drop(nnx.relu(self.bn(self.conv(x))))
+    return self.head(h.mean((1, 2)))
+
+
+@pytest.mark.parametrize("make", [Cascade, _Stateful])
+def test_an_abstract_model_traces_the_same_graph(make):
+  # The allocator traces deployment-sized timing models without their weights.
+  concrete = graph_lib.trace_graph(make(), make().input_spec(2))
+  abstract_model = nnx.eval_shape(make)
+  assert isinstance(jax.tree.leaves(nnx.state(abstract_model))[0],
+                    jax.ShapeDtypeStruct)
+  abstract = graph_lib.trace_graph(abstract_model, make().input_spec(2))
+  assert abstract.num_params == concrete.num_params
+  assert [n.to_dict() for n in abstract.nodes] == [
+      n.to_dict() for n in concrete.nodes]
+  assert abstract.fingerprint() == concrete.fingerprint()
+
+
 def test_cascade_follows_producers_unless_a_float32_op_intervenes(
     cascade_graph):
   _, g = cascade_graph
@@ -446,7 +478,8 @@ def test_stand_in_step_has_no_contraction(measured_cnn):
 def test_accuracy_check_writes_every_case(tmp_path):
   from experiments.studies import predictor_accuracy as accuracy
   result = accuracy.evaluate(
-      ["cnn"], model_kwargs={"cnn": {}}, batch_sizes={"cnn": 4},
+      ["cnn"], model_kwargs={"cnn": {"widths": [4, 8], "hidden": 16}},
+      batch_sizes={"cnn": 4},
       workers=(1, 2), rounds=1, burst=1, precisions=("fp32", "fp16", "int8"),
       plan_names=("fp32", "int8/fp16 alternating"), log=lambda m: None)
   assert [(c["plan"], c["workers"]) for c in result["cases"]] == [

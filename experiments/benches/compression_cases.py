@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from qsync_jax import cli
+from qsync_jax.predictor import collective_cost
 from qsync_jax.predictor import communication
 from qsync_jax.predictor import timing
 
@@ -227,31 +228,65 @@ def predict_cases(cases: Sequence[Case], num_elements: int,
                   link: communication.Link) -> dict[str, dict[str, Any]]:
   """The predictor's time for every case that ran, next to the measured one.
 
-  The bytes are those the program compiled over ``devices`` moves (XLA:CPU
-  widens bfloat16 before the all-reduce); the encode/decode cost is profiled
-  here on ``device``, every process at once (a barrier before each timed
-  block), so the processes share the cores as they did while measuring.
+  Two predictions per case, both with the encode/decode profiled here on
+  ``device``, every process at once (a barrier before each timed block), so
+  the processes share the cores as they did while measuring:
+
+  * ``predicted_s``: the compiled program's collectives (their kinds and
+    wire types at this size; XLA:CPU widens bfloat16), each priced by the
+    same kind and type timed alone over ``devices`` at 1/16 and 1/4 of
+    its largest operand here and fitted (:func:`~qsync_jax.predictor.collective_cost.
+    profile_collectives`): the link as these processes' CPUs drive it;
+  * ``predicted_link_s``: the bytes the compiled program moves over the
+    link's measured rate, plus its latency steps (the model that needs no
+    access to the link).
 
   Returns:
-    ``{case name: {"predicted_s", "moved_bytes", "wire_s", "latency_s",
-    "codec_s", "codec_fit"}}``.
+    ``{case name: {"predicted_s", "predicted_link_s", "moved_bytes",
+    "wire_s", "latency_s", "collectives_s", "collective_fits", "codec_s",
+    "codec_fit"}}``.
   """
   n = len(devices)
-  out = {}
-  for case in cases:
-    if case.fn is None:
-      continue
+
+  def barrier(name="codec profile"):
+    multihost_utils.sync_global_devices(name)
+
+  ran = [case for case in cases if case.fn is not None]
+  compiled = {case.name: communication.compiled_collectives(
+      case.averager, num_elements, devices) for case in ran}
+  # Each kind and type is fitted below the largest operand it is used at
+  # (1/16 and 1/4 of it): the prediction extrapolates, as it would to a
+  # size never run.
+  largest: dict[tuple[str, str], float] = {}
+  for c in (c for cs in compiled.values() for c in cs):
+    key = (c.kind, c.dtype)
+    largest[key] = max(largest.get(key, 0.0), c.operand_bytes)
+  parts = {}
+  for key in sorted(largest):
+    top = max(int(largest[key]), 1 << 14)
+    parts.update(collective_cost.profile_collectives(
+        [key], devices, sizes=(top // 16, top // 4),
+        sync=lambda: barrier("collective profile")).fits)
+  measured = collective_cost.CollectiveCost(parts)
+  fits = measured.to_dict()
+  out: dict[str, dict[str, Any]] = {}
+  for case in ran:
     traffic = communication.averager_traffic(case.averager, num_elements, n,
                                              devices=devices)
-    codec = communication.profile_codec(
-        case.averager, num_elements, device, num_workers=n,
-        sync=lambda: multihost_utils.sync_global_devices("codec profile"))
+    codec = communication.profile_codec(case.averager, num_elements, device,
+                                        num_workers=n, sync=barrier)
     out[case.name] = {
         "predicted_s": communication.averaging_time(
+            case.averager, num_elements, n, link, codec,
+            measured=measured, collectives=compiled[case.name]),
+        "predicted_link_s": communication.averaging_time(
             case.averager, num_elements, n, link, codec, traffic=traffic),
         "moved_bytes": traffic.bytes,
         "wire_s": link.wire_time(traffic.bytes, n),
         "latency_s": traffic.steps * link.latency_s,
+        "collectives_s": measured(compiled[case.name]),
+        "collective_fits": {f"{c.kind} {c.dtype}": fits[f"{c.kind} {c.dtype}"]
+                            for c in compiled[case.name]},
         "codec_s": codec(num_elements),
         "codec_fit": codec.to_dict()}
   return out

@@ -18,11 +18,13 @@ def start_backend(out_dir: str, num_devices: int) -> None:
 
   ``num_devices`` fake CPU devices (one per worker; no effect on GPU
   backends), and compiled programs cached under ``out_dir/jax_cache`` so
-  reruns and later seeds compile less.
+  reruns and later seeds compile less (or where ``JAX_COMPILATION_CACHE_DIR``
+  says, when it is set).
   """
   jax.config.update("jax_num_cpu_devices", num_devices)
-  jax.config.update("jax_compilation_cache_dir",
-                    os.path.join(out_dir, "jax_cache"))
+  if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.join(out_dir, "jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 

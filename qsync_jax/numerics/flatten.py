@@ -14,7 +14,8 @@ Measured with jax 0.10.2 on this project's CPU host, the gradient of a
 ``ravel_pytree`` (also behind ``lax.optimization_barrier``), 20 ms with
 :func:`ravel`, which writes each leaf into its slice of a zero vector with
 ``lax.dynamic_update_slice``; XLA updates that buffer in place and keeps the
-dots as GEMMs. (``python -m experiments.benches.ravel`` measures it.)
+dots as GEMMs. (``python -m experiments.trainer_bench``'s wide CNN case
+measures the trainer's step with it: 961 ms before, 194 ms after.)
 """
 
 from __future__ import annotations

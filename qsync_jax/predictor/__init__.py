@@ -24,7 +24,11 @@ goes out. Read its modules in this order:
 * :class:`Link`, :func:`averaging_time`, :func:`profile_codec`: what one
   average costs on a link, with the bytes an averager's compiled program
   moves and its measured encode/decode (:mod:`.communication`,
-  :mod:`.codec`); :func:`predict` takes them.
+  :mod:`.codec`); :func:`predict` takes them;
+* :func:`profile_collectives`, :class:`CollectiveCost`: each kind and wire
+  type of collective timed alone on the link at hand, which prices the host
+  CPU's share of a collective that the link's rate leaves out
+  (:mod:`.collective_cost`); :func:`averaging_time` takes it.
 
 The step it profiles is the trainer's own (:mod:`qsync_jax.train.step` and
 :mod:`qsync_jax.train.programs`); the predictor never imports the trainer.
@@ -34,6 +38,8 @@ from qsync_jax.predictor.analytic import analytic_profile
 from qsync_jax.predictor.casting import analytic_cast_model
 from qsync_jax.predictor.casting import CastModel
 from qsync_jax.predictor.codec import CodecCost
+from qsync_jax.predictor.collective_cost import CollectiveCost
+from qsync_jax.predictor.collective_cost import profile_collectives
 from qsync_jax.predictor.codec import profile_codec
 from qsync_jax.predictor.communication import averaging_time
 from qsync_jax.predictor.communication import Link
@@ -56,6 +62,7 @@ from qsync_jax.predictor.simulation import SimWorker
 __all__ = [
     "CastModel",
     "CodecCost",
+    "CollectiveCost",
     "Link",
     "LayerNode",
     "MemoryModel",
@@ -73,6 +80,7 @@ __all__ = [
     "predict",
     "profile",
     "profile_codec",
+    "profile_collectives",
     "resolve_plan",
     "simulate",
     "trace_graph",

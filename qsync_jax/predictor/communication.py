@@ -340,7 +340,9 @@ def _platform_traffic(averager: Averager, num_elements: int,
 def averaging_time(averager: Averager, num_elements: int, num_workers: int,
                    link: Link, codec_cost: CodecCost | None = None, *,
                    platform: str | None = None,
-                   traffic: Traffic | None = None) -> float:
+                   traffic: Traffic | None = None,
+                   measured: Any = None,
+                   collectives: Sequence[Collective] | None = None) -> float:
   """Predicted seconds of one average of ``num_elements`` floats.
 
   ``wire time + steps x latency + codec cost``: the wire time of the bytes
@@ -358,12 +360,26 @@ def averaging_time(averager: Averager, num_elements: int, num_workers: int,
     platform: whose compiler's widening applies (see
       :func:`averager_traffic`).
     traffic: the traffic, when already known (skips :func:`averager_traffic`).
+    measured: a :class:`~.collective_cost.CollectiveCost` measured on the
+      run's mesh: with ``collectives`` (the averager's compiled ones at
+      this size, :func:`compiled_collectives`), their fitted time replaces
+      the link's wire and latency terms.
+    collectives: see ``measured``.
 
   Returns:
     Seconds (0 for one worker, whose average moves nothing and is free).
+
+  Raises:
+    ValueError: ``measured`` without ``collectives``.
   """
   if num_workers <= 1:
     return 0.0
+  if measured is not None:
+    if collectives is None:
+      raise ValueError("a measured collective cost needs the averager's "
+                       "compiled collectives")
+    return measured(collectives) + (
+        codec_cost(num_elements) if codec_cost is not None else 0.0)
   if traffic is None:
     traffic = averager_traffic(averager, num_elements, num_workers, platform)
   codec = codec_cost(num_elements) if codec_cost is not None else 0.0

@@ -35,7 +35,6 @@ from typing import Any, Callable, Sequence
 from flax import nnx
 import jax
 from jax.extend import core as jex_core
-from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 import numpy as np
 
@@ -299,11 +298,33 @@ def _capture(model: nnx.Module, layer_list, probe: calling.Probe,
              uniform: Precision | None):
   """Traces the probe's pass with each layer's op behind a named marker.
 
-  Returns (jaxpr, records, number of parameters): records[i] holds the op's
-  arguments, the positions of its array operands and its output aval.
+  Only shapes are used: the parameters (one flat vector, the jaxpr's first
+  input) and the model's other arrays (its next inputs, before the data's)
+  are traced abstractly, so a model built under ``nnx.eval_shape`` works as
+  well as a concrete one, and a deployment-sized model costs no init.
+
+  Returns (jaxpr, records, number of parameters, number of other state
+  arrays): records[i] holds the op's arguments, the positions of its array
+  operands and its output aval.
   """
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  flat, unravel = ravel_pytree(params)
+  leaves, treedef = jax.tree.flatten(params)
+  sizes = [int(np.prod(leaf.shape)) for leaf in leaves]
+  flat = jax.ShapeDtypeStruct(
+      (sum(sizes),), jnp.result_type(*[leaf.dtype for leaf in leaves])
+      if leaves else jnp.float32)
+
+  def unravel(vector):
+    parts = jnp.split(vector, np.cumsum(sizes)[:-1]) if leaves else []
+    return treedef.unflatten([part.reshape(leaf.shape).astype(leaf.dtype)
+                              for part, leaf in zip(parts, leaves)])
+
+  # The other state's arrays are inputs too; anything else stays as it is.
+  rest_leaves, rest_def = jax.tree.flatten(rest)
+  array_at = [i for i, v in enumerate(rest_leaves)
+              if hasattr(v, "shape") and hasattr(v, "dtype")]
+  rest_arrays = [jax.ShapeDtypeStruct(rest_leaves[i].shape,
+                                      rest_leaves[i].dtype) for i in array_at]
   records: list[dict[str, Any]] = [None] * len(layer_list)
 
   def make_wrapper(i, layer, base):
@@ -344,25 +365,32 @@ def _capture(model: nnx.Module, layer_list, probe: calling.Probe,
       return out
     return wrapped
 
-  def forward(flat, data):
+  def forward(flat, arrays, data):
     # Instrument a fresh copy so the caller's model is left as it was.
-    m = nnx.merge(graphdef, unravel(flat), jax.tree.map(lambda v: v, rest))
+    state = list(rest_leaves)
+    for i, a in zip(array_at, arrays):
+      state[i] = a
+    m = nnx.merge(graphdef, unravel(flat), rest_def.unflatten(state))
     found = policy.addressable_modules(m)
     policy.instrument(m, [policy.Layer(l.path, found[l.path], l.kind)
                           for l in layer_list], make_wrapper)
     return probe.fn(m, data)
 
-  jaxpr = jax.make_jaxpr(forward)(flat, probe.data)
-  return jaxpr, records, flat.size
+  jaxpr = jax.make_jaxpr(forward)(flat, rest_arrays, probe.data)
+  return jaxpr, records, sum(sizes), len(rest_arrays)
 
 
-def _walk(jaxpr, n_layers: int):
+def _walk(jaxpr, n_layers: int, n_state: int):
   """Data flow between the layer markers of a traced forward pass.
+
+  The jaxpr's inputs are the flat parameters, ``n_state`` other state
+  arrays (neither parameter nor model input) and the data.
 
   Returns per layer: for each marker input, (producer set, depends-on-params).
   """
   info: dict[Any, tuple[frozenset, bool]] = {}
-  params_var, *data_vars = jaxpr.jaxpr.invars
+  params_var, *others = jaxpr.jaxpr.invars
+  data_vars = others[n_state:]
   info[params_var] = (frozenset(), True)
   for v in data_vars:  # every array of the traced data is model input
     info[v] = (frozenset([INPUT]), False)
@@ -396,7 +424,8 @@ def trace_graph(model: nnx.Module, sample_input: Any = None) -> ModelGraph:
 
   Args:
     model: an NNX model (left unchanged, its mode included; a bare layer
-      works too).
+      works too), concrete or abstract (built under ``nnx.eval_shape``: no
+      weights are needed).
     sample_input: the model's inputs at the per-worker batch (an array or
       ``jax.ShapeDtypeStruct``, a tuple of them for several positional
       inputs, a dict for keyword inputs), or a :class:`qsync_jax.task.Probe`
@@ -417,11 +446,13 @@ def trace_graph(model: nnx.Module, sample_input: Any = None) -> ModelGraph:
   if not leaves:
     raise ValueError("the sample input holds no array to trace with")
   first = leaves[0]
-  jaxpr, records, num_params = _capture(model, layer_list, probe, None)
-  flow = _walk(jaxpr, len(layer_list))
+  jaxpr, records, num_params, n_state = _capture(model, layer_list, probe,
+                                                 None)
+  flow = _walk(jaxpr, len(layer_list), n_state)
   # Which operands keep the dtype their producers emit: trace once with every
   # layer (head and floors included) in FP16 and see what arrives.
-  _, fp16_records, _ = _capture(model, layer_list, probe, Precision.FP16)
+  _, fp16_records, _, _ = _capture(model, layer_list, probe,
+                                    Precision.FP16)
   nodes = []
   for i, layer in enumerate(layer_list):
     rec, flow_i = records[i], flow[i]
