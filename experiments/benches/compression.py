@@ -47,8 +47,8 @@ recorded under ``settings.link`` and the headline ratio is also reported as
 ``gqsgd_vs_fp32_time_ratio_16M_<topology>_<rate>``. There every result also
 gets the comm-aware predictor's ``predicted_s`` (the compiled program's
 collectives, each priced by the same kind and type timed alone on the link
-at 1/16 and 1/4 of its largest operand, ``collectives_s``, plus the encode/decode profiled in the
-same run, ``codec_s``), and ``predicted_link_s`` (the bytes the compiled
+at its largest operand and a quarter of it, ``collectives_s``, plus the
+encode/decode profiled in the same run, ``codec_s``), and ``predicted_link_s`` (the bytes the compiled
 program moves, ``moved_bytes``, over the link's measured rate, its latency
 steps, and the same encode/decode;
 :func:`~experiments.benches.compression_cases.predict_cases`). The report
