@@ -195,7 +195,7 @@ def main(argv):
                     else (None, FLAGS.indicator))
     train_lib.make_out_dir(FLAGS.out, "--out")
     # Only the timing model's shapes are used: built without its weights.
-    timing_model = nnx.eval_shape(lambda: models_lib.build_model(
+    timing_model = models_lib.without_weights(lambda: models_lib.build_model(
         FLAGS.model, rngs=nnx.Rngs(FLAGS.seed), **model_kwargs))
     # A model without input_spec is traced on the dataset's inputs
     # (resized to --batch_size), the scored one sized for the dataset.

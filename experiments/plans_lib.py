@@ -20,13 +20,13 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from absl import logging
-from flax import nnx
 import jax
 import ml_collections
 import numpy as np
 
 from experiments import config_lib
 from qsync_jax import data as data_lib
+from qsync_jax import models as models_lib
 from qsync_jax import predictor
 from qsync_jax import task
 from qsync_jax.allocation import pipeline
@@ -122,7 +122,7 @@ def auto_plans(config: ml_collections.ConfigDict, model: Any,
   # The timing model is deployment-sized (the default job's has a 67M-weight
   # layer): only its shapes are needed to trace the graph and allocate, so
   # it is built abstractly, and for real only where a kind is measured here.
-  timing_model = nnx.eval_shape(
+  timing_model = models_lib.without_weights(
       lambda: config_lib.build_model(config, dataset, timing=True))
   concrete = []
 

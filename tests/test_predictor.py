@@ -627,3 +627,20 @@ def test_steal_meter_needs_the_steal_column(tmp_path, monkeypatch):
   stat.write_text("cpu  1 2 3 4\n")  # an old kernel: no steal column
   monkeypatch.setattr(timing.StealMeter, "PATH", str(stat))
   assert not timing.StealMeter().available
+
+
+class _ReadsItsWeights(nnx.Module):
+  """A model whose constructor needs its weights' values."""
+
+  def __init__(self):
+    self.fc = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    self.scale = float(jnp.abs(self.fc.kernel[...]).max())
+
+
+def test_without_weights_is_abstract_unless_the_model_needs_values():
+  from qsync_jax import models
+  abstract = models.without_weights(Cascade)
+  assert isinstance(jax.tree.leaves(nnx.state(abstract))[0],
+                    jax.ShapeDtypeStruct)
+  built = models.without_weights(_ReadsItsWeights)
+  assert isinstance(built.fc.kernel[...], jax.Array) and built.scale > 0

@@ -21,6 +21,7 @@ import inspect
 from typing import Any, Callable, Mapping
 
 from flax import nnx
+import jax
 
 from qsync_jax.models.bert import BertConfig, BertEncoderClassifier
 from qsync_jax.models.cnn import SmallCNN, SmallCNNConfig
@@ -148,6 +149,24 @@ def model_arguments(spec: str, data_kwargs: Mapping[str, Any] | None,
   return {**sized, **kwargs}
 
 
+def without_weights(build: Callable[[], nnx.Module]) -> nnx.Module:
+  """``build()``'s model with abstract weights (``nnx.eval_shape``).
+
+  For code that needs only a model's shapes (tracing its graph, planning
+  it): a deployment-sized model costs no init. A model whose construction
+  needs concrete values (a factory that reads its weights in Python) is
+  built for real instead, which gives the same shapes at the cost of its
+  init.
+  """
+  try:
+    return nnx.eval_shape(build)
+  except (jax.errors.ConcretizationTypeError,
+          jax.errors.TracerArrayConversionError,
+          jax.errors.TracerBoolConversionError,
+          jax.errors.TracerIntegerConversionError):
+    return build()
+
+
 def build_model(spec: str, *, rngs: nnx.Rngs,
                 data_kwargs: Mapping[str, Any] | None = None,
                 sample_input: Any = None, **kwargs: Any) -> nnx.Module:
@@ -227,4 +246,5 @@ __all__ = [
     'create_model',
     'load_model_factory',
     'model_arguments',
+    'without_weights',
 ]

@@ -298,10 +298,11 @@ def _capture(model: nnx.Module, layer_list, probe: calling.Probe,
              uniform: Precision | None):
   """Traces the probe's pass with each layer's op behind a named marker.
 
-  Only shapes are used: the parameters (one flat vector, the jaxpr's first
-  input) and the model's other arrays (its next inputs, before the data's)
-  are traced abstractly, so a model built under ``nnx.eval_shape`` works as
-  well as a concrete one, and a deployment-sized model costs no init.
+  Only shapes are used: the parameters are traced as one flat vector (the
+  jaxpr's first input) and an abstract model's other state as the next
+  inputs, before the data's, so a model built under ``nnx.eval_shape``
+  works as well as a concrete one, and a deployment-sized model costs no
+  init.
 
   Returns (jaxpr, records, number of parameters, number of other state
   arrays): records[i] holds the op's arguments, the positions of its array
@@ -319,12 +320,13 @@ def _capture(model: nnx.Module, layer_list, probe: calling.Probe,
     return treedef.unflatten([part.reshape(leaf.shape).astype(leaf.dtype)
                               for part, leaf in zip(parts, leaves)])
 
-  # The other state's arrays are inputs too; anything else stays as it is.
+  # An abstract model's other state (batch statistics, RNG counts) is traced
+  # as inputs; a concrete model's stays as constants, as a pass over it
+  # sees them (a user's Python branch on a counter keeps working).
   rest_leaves, rest_def = jax.tree.flatten(rest)
   array_at = [i for i, v in enumerate(rest_leaves)
-              if hasattr(v, "shape") and hasattr(v, "dtype")]
-  rest_arrays = [jax.ShapeDtypeStruct(rest_leaves[i].shape,
-                                      rest_leaves[i].dtype) for i in array_at]
+              if isinstance(v, jax.ShapeDtypeStruct)]
+  rest_arrays = [rest_leaves[i] for i in array_at]
   records: list[dict[str, Any]] = [None] * len(layer_list)
 
   def make_wrapper(i, layer, base):
@@ -384,7 +386,8 @@ def _walk(jaxpr, n_layers: int, n_state: int):
   """Data flow between the layer markers of a traced forward pass.
 
   The jaxpr's inputs are the flat parameters, ``n_state`` other state
-  arrays (neither parameter nor model input) and the data.
+  arrays of an abstract model (neither parameter nor model input) and the
+  data.
 
   Returns per layer: for each marker input, (producer set, depends-on-params).
   """
