@@ -17,6 +17,7 @@ This module owns how ``experiments.train`` gets one plan per device kind:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 from absl import logging
@@ -124,12 +125,10 @@ def auto_plans(config: ml_collections.ConfigDict, model: Any,
   # it is built abstractly, and for real only where a kind is measured here.
   timing_model = models_lib.without_weights(
       lambda: config_lib.build_model(config, dataset, timing=True))
-  concrete = []
 
+  @functools.cache
   def concrete_timing_model():
-    if not concrete:
-      concrete.append(config_lib.build_model(config, dataset, timing=True))
-    return concrete[0]
+    return config_lib.build_model(config, dataset, timing=True)
 
   batch_size = a.get("timing_batch_size", 0) or config.batch_size
   # A model without input_spec is traced through the job's loss on a

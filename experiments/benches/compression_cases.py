@@ -235,8 +235,9 @@ def predict_cases(cases: Sequence[Case], num_elements: int,
   * ``predicted_s``: the compiled program's collectives (their kinds and
     wire types at this size; XLA:CPU widens bfloat16), each priced by the
     same kind and type timed alone over ``devices`` at a quarter of its
-    largest operand here and at that operand, and fitted (:func:`~qsync_jax.predictor.collective_cost.
-    profile_collectives`): the link as these processes' CPUs drive it;
+    largest operand here and at that operand, and fitted
+    (:func:`qsync_jax.predictor.profile_collectives`): the link as these
+    processes' CPUs drive it;
   * ``predicted_link_s``: the bytes the compiled program moves over the
     link's measured rate, plus its latency steps (the model that needs no
     access to the link).
@@ -272,8 +273,9 @@ def predict_cases(cases: Sequence[Case], num_elements: int,
   fits = measured.to_dict()
   out: dict[str, dict[str, Any]] = {}
   for case in ran:
-    traffic = communication.averager_traffic(case.averager, num_elements, n,
-                                             devices=devices)
+    traffic = communication.averager_traffic(
+        case.averager, num_elements, n, devices=devices,
+        compiled=compiled[case.name])
     codec = communication.profile_codec(case.averager, num_elements, device,
                                         num_workers=n, sync=barrier)
     out[case.name] = {

@@ -261,20 +261,7 @@ def profile_codec(averager: Averager, num_elements: int | Sequence[int],
     fn = local_program(averager, d, num_workers)
     jax.block_until_ready(fn(x, w))
     programs.append((fn, x))
-  times = []
-  for fn, x in programs:
-
-    def block(k, fn=fn, x=x):
-      out = None
-      for _ in range(k):
-        out = fn(x, w)
-      jax.block_until_ready(out)
-
-    rounds = []
-    for _ in range(repeats):
-      if sync is not None:
-        sync()
-      rounds.append(timing.seconds_per_call(block, calls))
-    times.append(float(np.median(rounds)))
+  times = [timing.median_block_seconds(fn, (x, w), repeats, calls, sync)
+           for fn, x in programs]
   del programs
   return CodecCost.fit(sizes, times)

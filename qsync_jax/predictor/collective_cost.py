@@ -153,19 +153,8 @@ def profile_collectives(keys: Iterable[tuple[str, str]],
           (n * elements,), sharding,
           lambda index, e=elements: np.ones((e,), np_dtype))
       jax.block_until_ready(fn(x))  # compile, in step on every process
-
-      def block(k, fn=fn, x=x):
-        out = None
-        for _ in range(k):
-          out = fn(x)
-        jax.block_until_ready(out)
-
-      rounds = []
-      for _ in range(repeats):
-        if sync is not None:
-          sync()
-        rounds.append(timing.seconds_per_call(block, calls))
-      seconds.append(float(np.median(rounds)))
+      seconds.append(timing.median_block_seconds(fn, (x,), repeats, calls,
+                                                 sync))
       del x
     fits[(kind, dtype)] = CodecCost.fit([int(s) for s in sizes], seconds)
   return CollectiveCost(fits)

@@ -290,7 +290,8 @@ def widening(averager: Averager, platform: str) -> float:
 
 def averager_traffic(averager: Averager, num_elements: int, num_workers: int,
                      platform: str | None = None,
-                     devices: Sequence[jax.Device] | None = None) -> Traffic:
+                     devices: Sequence[jax.Device] | None = None,
+                     compiled: Sequence[Collective] | None = None) -> Traffic:
   """The bytes and steps one average of ``num_elements`` floats costs.
 
   Args:
@@ -301,6 +302,8 @@ def averager_traffic(averager: Averager, num_elements: int, num_workers: int,
       (:func:`widening`); None for the bytes the program asks for.
     devices: instead of ``platform``, the very devices of the run
       (``num_workers`` of them): the compiled program's bytes at this size.
+    compiled: with ``devices``, that program's collectives when already
+      read (:func:`compiled_collectives`), so it is not compiled again.
 
   Returns:
     :class:`Traffic`: ``averager.wire_bytes`` times the widening, and the
@@ -318,8 +321,9 @@ def averager_traffic(averager: Averager, num_elements: int, num_workers: int,
   if len(devices) != num_workers:
     raise ValueError(f"devices must be one per worker ({num_workers}), got "
                      f"{len(devices)}")
-  moved = traffic_of(compiled_collectives(averager, num_elements, devices),
-                     num_workers)
+  if compiled is None:
+    compiled = compiled_collectives(averager, num_elements, devices)
+  moved = traffic_of(compiled, num_workers)
   factor = moved.bytes / asked.bytes if asked.bytes else 1.0
   wire = float(averager.wire_bytes(num_elements, num_workers))
   return Traffic(wire * factor, asked.steps, factor)

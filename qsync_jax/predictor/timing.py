@@ -7,7 +7,8 @@ whole training step pays once, not once per layer); and :func:`interleaved`,
 which times many calls round-robin and repeats a burst that the hypervisor
 stole CPU time from (:class:`StealMeter`); and :func:`seconds_per_call`,
 the throughput of a block of calls dispatched back to back, for benchmarks
-that compare whole steps as training runs them.
+that compare whole steps as training runs them, and its median over blocks
+(:func:`median_block_seconds`).
 """
 
 from __future__ import annotations
@@ -102,6 +103,30 @@ def seconds_per_call(run_block: Callable[[int], Any], calls: int) -> float:
   start = time.perf_counter()
   run_block(calls)
   return (time.perf_counter() - start) / calls
+
+
+def median_block_seconds(fn: Callable[..., Any], args: tuple, repeats: int,
+                         calls: int, sync: Callable[[], Any] | None = None
+                         ) -> float:
+  """Median over ``repeats`` blocks of ``calls`` back-to-back ``fn(*args)``
+  calls, in seconds per call (:func:`seconds_per_call`).
+
+  ``sync`` (a barrier across processes) runs before each block, outside the
+  timer, so processes that share a host time the same calls.
+  """
+
+  def block(k):
+    out = None
+    for _ in range(k):
+      out = fn(*args)
+    jax.block_until_ready(out)
+
+  rounds = []
+  for _ in range(repeats):
+    if sync is not None:
+      sync()
+    rounds.append(seconds_per_call(block, calls))
+  return float(np.median(rounds))
 
 
 class StealMeter:
