@@ -119,7 +119,7 @@ _FLOAT_FIELDS: dict[str, tuple[Callable[[float], bool], str]] = {
 # Fields that may be None: unset, the library's default applies.
 _OPTIONAL = ("allocator.compression", "compress_kwargs.bucket_size",
              "compress_kwargs.levels", "compress_kwargs.rank",
-             "compress_kwargs.cols")
+             "compress_kwargs.cols", "compress_kwargs.warm_start")
 
 
 def _leaves(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -1,16 +1,25 @@
 """Tests for PowerSGD (qsync_jax.parallel.powersgd) on the 4 fake CPU devices,
-in shard_map as the trainer runs it, and through HybridTrainer."""
+in shard_map as the trainer runs it, through the optax transformation and
+through HybridTrainer (warm start included, and its checkpoint)."""
 
+import os
+
+from absl import flags
 import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import optax
+from ml_collections import config_flags
 import pytest
 
+from experiments import config_lib
+from qsync_jax import parallel
 from qsync_jax.parallel import averagers
 from qsync_jax.parallel.powersgd import PowerSGD
+from qsync_jax.train import checkpoint as ckpt_lib
+from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train.trainer import HybridTrainer
 from test_trainer import _batch, _cnn, _split, _workers
 
@@ -165,6 +174,7 @@ def test_wire_bytes_and_matrix_shape():
     (dict(rank=0), "rank must be an integer >= 1"),
     (dict(rank=1.5), "rank must be an integer >= 1"),
     (dict(cols=0), "cols must be None or an integer >= 1"),
+    (dict(warm_start=1), "warm_start must be a bool"),
 ])
 def test_bad_settings_are_clear_errors(kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -189,3 +199,181 @@ def test_trains_through_the_hybrid_trainer(error_feedback):
   assert trainer.comm_bytes < 0.1 * 6 * 1.5 * 4 * trainer.num_params
   assert (trainer.residual is not None) == error_feedback
   assert trainer.evaluate((x, y))["loss"] < first
+
+
+def _noisy_low_rank(n=24, rank=3, seed=5):
+  """Workers' inputs whose mean is a rank-3 signal (singular values 4, 3,
+  2) plus a tail (1 down to 0.1): a gap of 2 at the rank. Returns ``(x,
+  w, mean, best)``, ``best`` the mean's best rank-3 approximation."""
+  rng = np.random.default_rng(seed)
+  u, v = (np.linalg.qr(rng.normal(size=(n, n)))[0] for _ in range(2))
+  a = (u * np.r_[4, 3, 2, np.linspace(1, 0.1, n - rank)]) @ v.T
+  e = rng.normal(size=(N, n * n))
+  x = (a.reshape(-1) + e - e.mean(0)).astype(np.float32)
+  w = np.full(N, 1 / N, np.float32)
+  mean = (x.astype(np.float64) * w[:, None]).sum(0).reshape(n, n)
+  uu, ss, vv = np.linalg.svd(mean)
+  return x, w, mean, (uu[:, :rank] * ss[:rank]) @ vv[:rank]
+
+
+def _repeated(averager, x, w, steps):
+  """``steps`` calls of :func:`averagers.average` on the same inputs with
+  fresh keys, threading the averager's state; returns (state, means), each
+  stacked per worker (None state for a stateless one)."""
+
+  def fn(xi, wi):
+    def step(state, key):
+      mean, _, state = averagers.average(averager, xi[0], wi[0], AXIS, key,
+                                         state=state)
+      return state, mean
+
+    keys = jax.random.split(jax.random.key(0), steps)
+    state, means = lax.scan(
+        step, averagers.init_state(averager, xi.shape[1]), keys)
+    return jax.tree.map(lambda a: a[None], state), means[None]
+
+  mesh = _mesh()
+  sharding = NamedSharding(mesh, P(AXIS))
+  f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
+                            out_specs=(P(AXIS), P(AXIS))))
+  return jax.tree.map(np.asarray, f(jax.device_put(x, sharding),
+                                    jax.device_put(w, sharding)))
+
+
+def test_warm_start_converges_to_the_best_rank_r_approximation():
+  # Subspace iteration: each call is one power step from the last Q, so on
+  # a fixed input the mean converges to the truncated SVD; a random start
+  # every call stays well above the best rank-3 error.
+  x, w, mean, best = _noisy_low_rank()
+  best_err = np.linalg.norm(mean - best)
+  warm_state, warm = _repeated(PowerSGD(rank=3), x, w, 12)
+  _, cold = _repeated(PowerSGD(rank=3, warm_start=False), x, w, 12)
+
+  def errs(means):
+    return np.array([np.linalg.norm(m.reshape(mean.shape) - mean)
+                     for m in means[0]]) / best_err
+
+  assert errs(warm)[0] == errs(cold)[0] > 1.2  # the same first call
+  np.testing.assert_allclose(warm[0, -1].reshape(mean.shape), best,
+                             atol=1e-5)
+  assert errs(warm)[-1] < 1 + 1e-6
+  assert errs(cold).min() > 1.1
+  # Q is the all-reduced factor: the same on every worker, bit for bit.
+  assert warm_state.shape == (N, 24, 3)
+  assert (warm_state == warm_state[:1]).all() and warm_state.any()
+  assert (warm == warm[:1]).all()
+
+
+def test_state_is_only_for_warm_start_and_zeros_start_cold():
+  a = PowerSGD(rank=2, cols=20)
+  assert a.init_state(400).shape == (20, 2) and not a.init_state(400).any()
+  assert PowerSGD(warm_start=False).init_state(400) is None
+  assert a.init_state(0) is None
+  for other in ("mean", "fp16", "gqsgd", "gqsgd_exp", "qsgd"):
+    assert averagers.init_state(averagers.make_averager(other), 400) is None
+  # A state of zeros draws Q from the key: the cold call, bit for bit.
+  x = np.random.default_rng(6).normal(size=(N, 400)).astype(np.float32)
+  w = np.full(N, 1 / N, np.float32)
+  _, means = _repeated(a, x, w, 1)
+  _, cold = _repeated(PowerSGD(rank=2, cols=20, warm_start=False), x, w, 1)
+  np.testing.assert_array_equal(means, cold)
+  with pytest.raises(ValueError, match="state of shape"):
+    a.reduce_with_state(jnp.ones(400), 1.0, AXIS, None, jnp.zeros((19, 2)))
+
+
+def test_a_non_finite_call_resets_the_state():
+  x = np.ones((N, 25), np.float32)
+  x[1, 3] = np.nan
+  state, means = _repeated(PowerSGD(rank=2), x, np.full(N, 0.25,
+                                                         np.float32), 2)
+  assert np.isnan(means).all() and not state.any()
+
+
+def test_the_transformation_keeps_the_warm_start_state():
+  x, w, mean, best = _noisy_low_rank()
+  tx = parallel.averaged(PowerSGD(rank=3), AXIS)
+  state = tx.init(jnp.zeros(mean.size))
+  assert state.averager_state.shape == (24, 3)
+
+  def body(g, s):
+    out, s = tx.update(g[0], jax.tree.map(lambda a: a[0], s))
+    return out[None], jax.tree.map(lambda a: a[None], s)
+
+  f = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P(AXIS), P(AXIS)),
+                            out_specs=(P(AXIS), P(AXIS))))
+  stacked = jax.tree.map(lambda a: jnp.stack([a] * N), state)
+  for _ in range(12):
+    out, stacked = f(x, stacked)
+  np.testing.assert_allclose(np.asarray(out)[0].reshape(mean.shape), best,
+                             atol=1e-5)
+  q = np.asarray(stacked.averager_state)
+  assert (q == q[:1]).all() and q.any()
+  assert stacked.residual is None
+
+
+def _powersgd_trainer(warm_start=True):
+  return HybridTrainer(
+      _cnn(), _workers([8] * N), optax.sgd(0.05, momentum=0.9),
+      averager=averagers.make_averager("powersgd", rank=2,
+                                       warm_start=warm_start),
+      error_feedback=True)
+
+
+def test_trainer_carries_q_and_a_checkpoint_resumes_bit_identically(
+    tmp_path):
+  batches = [_split(*_batch(32, seed=s), [8] * N) for s in range(6)]
+  straight = _powersgd_trainer()
+  for b in batches:
+    straight.train_step(b)
+  q = np.asarray(straight.averager_state)
+  assert q.shape == (N, *straight.averager.matrix_shape(
+      straight.num_params)[1:]) and q.any() and (q == q[:1]).all()
+  # A skipped (non-finite) step leaves Q and the residual as they were.
+  t = straight
+  nan = jax.jit(lambda p: p * jnp.nan)(t.params)
+  out = t._update(t.params, t.opt_state, t.loss_scale, nan, t._weights,
+                  t._counter, t.residual, t.averager_state)
+  assert not np.asarray(out[3]).any()
+  np.testing.assert_array_equal(out[5], t.residual)
+  np.testing.assert_array_equal(out[6], q)
+  first = _powersgd_trainer()
+  for b in batches[:3]:
+    first.train_step(b)
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  ckpt.save(first)
+  assert "averager_state" in ckpt_lib.state_tree(first)
+  resumed = _powersgd_trainer()
+  ckpt.restore_latest(resumed)
+  ckpt.close()
+  assert (np.asarray(resumed.averager_state).tobytes()
+          == np.asarray(first.averager_state).tobytes())
+  for b in batches[3:]:
+    resumed.train_step(b)
+  assert resumed.params_digest() == straight.params_digest()
+  for a, b in zip(jax.tree.leaves(ckpt_lib.state_tree(resumed)),
+                  jax.tree.leaves(ckpt_lib.state_tree(straight))):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+  # Without warm start there is no state, and the run differs.
+  cold = _powersgd_trainer(warm_start=False)
+  for b in batches:
+    cold.train_step(b)
+  assert cold.averager_state is None
+  assert "averager_state" not in ckpt_lib.state_tree(cold)
+  assert cold.params_digest() != straight.params_digest()
+
+
+@pytest.mark.parametrize("arg, warm", [(None, True), ("false", False)])
+def test_the_config_sets_warm_start(arg, warm):
+  argv = ["train", "--config.compress=powersgd",
+          "--config.compress_kwargs.rank=16"]
+  if arg is not None:
+    argv.append(f"--config.compress_kwargs.warm_start={arg}")
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file(
+      "config", os.path.join(os.path.dirname(os.path.dirname(__file__)),
+                             "experiments", "configs", "default.py"),
+      flag_values=values, lock_config=True, sys_argv=argv)
+  values(argv)
+  config_lib.validate_config(values.config)
+  averager = config_lib.make_averager(values.config)
+  assert (averager.rank, averager.warm_start) == (16, warm)

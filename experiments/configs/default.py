@@ -86,7 +86,8 @@ def get_config() -> ml_collections.ConfigDict:
   # mean), fp16, bf16, gqsgd (standard dithering, int8 sums that cannot
   # wrap), gqsgd_exp (exponential dithering), qsgd (per-worker scales,
   # all-gather), powersgd (rank-r factors, PowerSGD: compress_kwargs.rank,
-  # .cols). compress_kwargs sets the strategy's fields, e.g.
+  # .cols, .warm_start: start from the last call's Q, default true).
+  # compress_kwargs sets the strategy's fields, e.g.
   # --config.compress_kwargs.wire=int16 (gqsgd's int8 or int16 sums); the
   # known ones are declared unset (the strategy's default) so that the
   # locked config takes them from the command line.
@@ -98,7 +99,8 @@ def get_config() -> ml_collections.ConfigDict:
       norm=ml_collections.config_dict.placeholder(str),
       noise=ml_collections.config_dict.placeholder(str),
       rank=ml_collections.config_dict.placeholder(int),
-      cols=ml_collections.config_dict.placeholder(int)))
+      cols=ml_collections.config_dict.placeholder(int),
+      warm_start=ml_collections.config_dict.placeholder(bool)))
   config.error_feedback = False
   config.seed = 0
   config.log_every = 50

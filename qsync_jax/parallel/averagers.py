@@ -19,6 +19,13 @@ Every strategy is a frozen dataclass meeting
   sends per call;
 * ``name``.
 
+A stateful strategy (PowerSGD's warm start) also meets
+:class:`~qsync_jax.parallel.wire.Stateful`: ``init_state(num_elements)`` and
+``reduce_with_state(x, weight, axis_name, key, state) -> (mean, sent,
+state)``. :func:`init_state` gives any averager's initial state (None for a
+stateless one) and :func:`average` runs one average threading it and the
+error-feedback residual.
+
 Strategies: :class:`MeanAverager` (float32 ``psum``), :class:`CastAverager`
 (fp16 / bf16 ``psum``), :class:`QSGD` (per-worker scale and
 ``all_gather``), here; :class:`~qsync_jax.parallel.global_qsgd.GlobalQSGD`
@@ -28,8 +35,9 @@ dithering merged pairwise over ``ppermute``) in
 :mod:`qsync_jax.parallel.global_qsgd`;
 :class:`~qsync_jax.parallel.powersgd.PowerSGD` (rank-``r`` factors, two
 float32 ``psum``) in :mod:`qsync_jax.parallel.powersgd`; plus
-:func:`compress_with_feedback` (error feedback) and :func:`average_tree`
-(any averager over a pytree).
+:func:`compress_with_feedback` (error feedback), :func:`average` (error
+feedback and the averager's state) and :func:`average_tree` (any averager
+over a pytree).
 The quantizers' buckets and rounding noise (the ``key``, ``seed`` and
 ``noise`` arguments) are described in
 :mod:`qsync_jax.parallel.buckets`.
@@ -215,6 +223,62 @@ class QSGD(Reducing):
     return ring_allgather_bytes(payload, num_workers)
 
 
+def init_state(averager: Averager, num_elements: int) -> Any:
+  """The state ``averager`` carries into its first call, or None.
+
+  Args:
+    averager: any :class:`~qsync_jax.parallel.wire.Averager`.
+    num_elements: the length of the vectors it will average.
+
+  Returns:
+    ``averager.init_state(num_elements)`` for a
+    :class:`~qsync_jax.parallel.wire.Stateful` averager (None where that
+    instance carries none, e.g. PowerSGD without warm start); None for any
+    other.
+  """
+  init = getattr(averager, "init_state", None)
+  return None if init is None else init(num_elements)
+
+
+def average(averager: Averager, x: jax.Array, weight: jax.Array,
+            axis_name: str, key: jax.Array | None = None,
+            residual: jax.Array | None = None, state: Any = None
+            ) -> tuple[jax.Array, jax.Array | None, Any]:
+  """One ``sum_i w_i x_i``, with error feedback and the averager's state.
+
+  With a ``residual`` the worker sends ``p = w_i x_i + residual`` (with
+  weight 1) and keeps ``p - sent``, as :func:`compress_with_feedback`
+  describes. With a ``state`` (from :func:`init_state`) the averager's
+  ``reduce_with_state`` reads and updates it. Without either this is
+  ``averager(x, weight, axis_name, key)``.
+
+  Args:
+    averager: any :class:`~qsync_jax.parallel.wire.Averager`.
+    x: this worker's array.
+    weight: this worker's weight.
+    axis_name: the workers' axis.
+    key: optional PRNG key, as for the averager.
+    residual: this worker's error-feedback residual, or None without
+      feedback.
+    state: the averager's state from the previous call, or None.
+
+  Returns:
+    ``(mean, new_residual, new_state)``; each of the last two None when
+    passed None.
+  """
+  if residual is None and state is None:
+    return averager(x, weight, axis_name, key), None, None
+  if residual is not None:
+    x = x.astype(jnp.float32) * weight + residual
+    weight = jnp.float32(1)
+  if state is None:
+    mean, sent = averager.reduce(x, weight, axis_name, key)
+  else:
+    mean, sent, state = averager.reduce_with_state(x, weight, axis_name, key,
+                                                   state)
+  return mean, None if residual is None else x - sent, state
+
+
 def compress_with_feedback(averager: Averager, x: jax.Array,
                            residual: jax.Array, weight: jax.Array,
                            axis_name: str, key: jax.Array | None = None
@@ -228,7 +292,8 @@ def compress_with_feedback(averager: Averager, x: jax.Array,
   Only the local compression error is fed back (the exponential merges' and
   the low-precision partial sums' errors are shared and not attributable).
   The residual is per-worker state in units of ``w_i x_i``; the caller (the
-  trainer) carries it between steps, starting from zeros.
+  trainer) carries it between steps, starting from zeros. A stateful
+  averager runs without its state here; :func:`average` threads both.
 
   References:
     Seide et al., "1-Bit Stochastic Gradient Descent ..." (Interspeech
@@ -246,9 +311,7 @@ def compress_with_feedback(averager: Averager, x: jax.Array,
   Returns:
     ``(mean, new_residual)``.
   """
-  p = x.astype(jnp.float32) * weight + residual
-  mean, sent = averager.reduce(p, jnp.float32(1), axis_name, key)
-  return mean, p - sent
+  return average(averager, x, weight, axis_name, key, residual)[:2]
 
 
 _FACTORIES: dict[str, Callable[..., Any]] = {

@@ -10,9 +10,10 @@ One call, on this worker's flat float32 array ``x`` with weight ``w_i``:
 
 1. ``M_i``: ``w_i x_i`` zero-padded and reshaped into a ``(rows, cols)``
    matrix (see :meth:`PowerSGD.matrix_shape`);
-2. ``P = sum_i M_i Q`` (one all-reduce of ``rows x r`` floats), with ``Q`` a
-   Gaussian ``(cols, r)`` matrix drawn from the call's key, the same on every
-   worker;
+2. ``P = sum_i M_i Q`` (one all-reduce of ``rows x r`` floats), with ``Q``
+   the ``(cols, r)`` starting matrix, the same on every worker: the previous
+   call's ``Q`` (warm start, below) or a Gaussian one drawn from the call's
+   key;
 3. ``P_hat``: an orthonormal basis of ``P`` (Householder QR, so a
    rank-deficient ``P`` still gives orthonormal columns);
 4. ``Q = sum_i M_i^T P_hat`` (one all-reduce of ``cols x r`` floats);
@@ -26,25 +27,39 @@ the paper's local error ``M_i - decompress(compress(M_i))`` (Algorithm 2).
 PyTorch's hook instead keeps ``input - mean``, which does not telescope per
 worker; the paper's form is the one the generic error feedback expects.
 
-No warm start. The paper reuses each call's ``Q`` to start the next call's
-power iteration (one step of subspace iteration per call). The
-:class:`~qsync_jax.parallel.wire.Averager` protocol is stateless: a call
-returns ``(mean, sent)`` and the only state the trainer programs and
-:func:`~qsync_jax.parallel.transform.averaged` carry between calls is the
-error-feedback residual. Threading a ``Q`` through them would change the
-programs' signatures and the checkpoint's tree for one averager, so ``Q`` is
-drawn afresh from the call's key (the trainer's key is fresh per average and
-the same on every worker). That is PowerSGD with a random start each call:
-exact for inputs of rank ``<= r``, and for others a randomized rank-``r``
-range finder, which captures less of the spectrum than a warm-started one;
-error feedback re-sends what it misses, but late: the residual builds up to
-about ``1 / (captured fraction)`` steps of gradient, and a stale update that
-large can destabilize momentum SGD. Measured on the digits CNN (38K
-parameters, a 196 x 196 matrix; 4 workers, SGD momentum 0.9, 200 steps):
-rank 4 with error feedback fell to chance accuracy, rank 4 without it
-reached 0.90 and rank 16 with it 0.96 (float32 mean 0.97). Raise the rank
-before turning error feedback on. Without a key ``Q`` comes from ``seed``
-and is the same every call.
+Warm start (``warm_start=True``, the default, as in the paper's Algorithm 1
+and PyTorch's ``PowerSGDState(warm_start=True)``). Each call starts from the
+all-reduced ``Q`` of step 4 of the previous call, so successive calls run
+subspace iteration (one power step ``M M^T`` per call) on the slowly changing
+gradients instead of a one-shot randomized range finder, and capture more of
+their spectrum at the same rank and bytes: on a fixed input the mean converges
+to the best rank-``r`` approximation. That ``Q`` is the averager's state
+(:class:`~qsync_jax.parallel.wire.Stateful`): :meth:`PowerSGD.init_state`
+gives ``(cols, r)`` zeros and :meth:`PowerSGD.reduce_with_state` returns the
+new ``Q``; the trainer carries it beside the error-feedback residual and
+checkpoints it, and :func:`~qsync_jax.parallel.transform.averaged` keeps it in
+its state. It is an all-reduced sum, so it is the same on every worker. As
+PyTorch's hook does, the reused ``Q`` is orthonormalized (QR) before step 2:
+the column space of ``P`` stays as it is, but its columns scale with the
+singular values of ``M`` rather than their squares, whose spread would cost
+the weaker directions their float32 precision. A state of zeros
+(the first call, or an input of zeros) draws ``Q`` from the key, as does a
+call without state (``reduce``, or ``warm_start=False``: a fresh random
+start every call, exact for inputs of rank ``<= r``). A non-finite input
+gives a zero state, so the next call starts afresh. Without a key ``Q`` comes
+from ``seed``.
+
+Error feedback. The residual builds up to about ``1 / (captured fraction)``
+steps of gradient, and a stale update that large can destabilize momentum
+SGD; warm start captures more and so helps, but at a low rank not enough.
+Measured on the digits CNN (38K parameters, a 196 x 196 matrix; 4 workers,
+SGD momentum 0.9, learning rate 0.05, 200 steps; the commands are in
+docs/RESULTS.md), final test accuracy with warm start against without:
+rank 4 with error feedback 0.51 / 0.56 / 0.29 (seeds 0, 1, 2) against
+0.24 / 0.31 / 0.16; rank 16 with it 0.961 / 0.958 against 0.947 / 0.956;
+rank 4 without it 0.908 against 0.906 (float32 mean 0.972). Raise the rank
+before turning error feedback on: the reshaped flat vector is not the
+per-layer matrices the paper compresses, and its spectrum decays slowly.
 
 Matrix shape. The protocol hands over one flat vector (the whole model's
 parameters or gradients, raveled), not per-layer matrices as PyTorch's hook
@@ -89,12 +104,15 @@ class PowerSGD(Reducing):
     rank: ``r``, the rank of the approximation (at least 1).
     cols: the matrix width; ``None`` for a nearly square matrix.
     seed: seeds ``Q`` when no ``key`` is passed.
+    warm_start: start each call from the previous call's ``Q`` (carried as
+      state, :meth:`init_state`); False: a fresh random ``Q`` every call.
     name: the strategy's name.
   """
 
   rank: int = 4
   cols: int | None = None
   seed: int = 0
+  warm_start: bool = True
   name: str = "powersgd"
 
   def __post_init__(self):
@@ -104,6 +122,9 @@ class PowerSGD(Reducing):
     if self.cols is not None and not _is_count(self.cols):
       raise ValueError(f"PowerSGD cols must be None or an integer >= 1, got "
                        f"{self.cols!r}")
+    if not isinstance(self.warm_start, bool):
+      raise ValueError(f"PowerSGD warm_start must be a bool, got "
+                       f"{self.warm_start!r}")
 
   def matrix_shape(self, num_elements: int) -> tuple[int, int, int]:
     """The matrix a vector of ``num_elements`` is reshaped into.
@@ -120,21 +141,65 @@ class PowerSGD(Reducing):
     rows = -(-num_elements // cols)
     return rows, cols, min(self.rank, rows, cols)
 
+  def init_state(self, num_elements: int) -> jax.Array | None:
+    """The warm start's ``Q`` before the first call.
+
+    Args:
+      num_elements: the length of the vectors to average.
+
+    Returns:
+      ``(cols, r)`` float32 zeros (the first call draws ``Q`` from its
+      key); None without warm start or for an empty vector.
+    """
+    if not self.warm_start or num_elements <= 0:
+      return None
+    _, cols, r = self.matrix_shape(num_elements)
+    return jnp.zeros((cols, r), jnp.float32)
+
   def reduce(self, x: jax.Array, weight: jax.Array, axis_name: str,
              key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Returns ``(mean, sent)``: the rank-``r`` mean and this worker's share.
 
     Arguments as for :meth:`qsync_jax.parallel.wire.Averager.reduce`; ``key``
-    (the same on every worker) draws ``Q``.
+    (the same on every worker) draws ``Q``: a cold start, whatever
+    ``warm_start`` says.
+    """
+    return self.reduce_with_state(x, weight, axis_name, key, None)[:2]
+
+  def reduce_with_state(self, x: jax.Array, weight: jax.Array,
+                        axis_name: str, key: jax.Array | None,
+                        state: jax.Array | None
+                        ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """:meth:`reduce` started from the previous call's ``Q``.
+
+    Args:
+      x, weight, axis_name, key: as for :meth:`reduce`.
+      state: the previous call's ``Q`` (:meth:`init_state` before the
+        first); zeros or None draw ``Q`` from ``key``.
+
+    Returns:
+      ``(mean, sent, q)``: ``q`` the all-reduced ``(cols, r)`` ``Q`` of this
+      call (zeros if it is not finite), the same on every worker; None
+      for a None ``state``.
+
+    Raises:
+      ValueError: a ``state`` of another shape than :meth:`init_state`'s.
     """
     y = x.astype(jnp.float32).reshape(-1) * weight
     n = y.size
     if n == 0:
-      return y.reshape(x.shape), y.reshape(x.shape)
+      return y.reshape(x.shape), y.reshape(x.shape), state
     rows, cols, r = self.matrix_shape(n)
     m = jnp.pad(y, (0, rows * cols - n)).reshape(rows, cols)
     key = jax.random.key(self.seed) if key is None else key
     q = jax.random.normal(key, (cols, r), jnp.float32)
+    if state is not None:
+      if state.shape != (cols, r):
+        raise ValueError(f"PowerSGD state of shape {state.shape} for a "
+                         f"{rows} x {cols} matrix of rank {r}; expected "
+                         f"{(cols, r)} (init_state({n}))")
+      q = jnp.where(jnp.any(state != 0),
+                    jnp.linalg.qr(state, mode="reduced")[0], q)
     p = lax.psum(jnp.matmul(m, q, precision=_HIGHEST), axis_name)
     p_hat = jnp.linalg.qr(p, mode="reduced")[0]
     q_local = jnp.matmul(m.T, p_hat, precision=_HIGHEST)
@@ -145,7 +210,9 @@ class PowerSGD(Reducing):
 
     mean = jnp.matmul(p_hat, q_sum.T, precision=_HIGHEST)
     sent = jnp.matmul(p_hat, q_local.T, precision=_HIGHEST)
-    return unpad(mean), unpad(sent)
+    if state is not None:
+      state = jnp.where(jnp.all(jnp.isfinite(q_sum)), q_sum, 0.0)
+    return unpad(mean), unpad(sent), state
 
   def wire_bytes(self, num_elements: int, num_workers: int) -> float:
     """Two float32 ring all-reduces: ``P`` (``rows x r``), ``Q``

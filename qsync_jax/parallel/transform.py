@@ -11,7 +11,8 @@ Each worker's update pytree goes through any
 (:func:`~qsync_jax.parallel.averagers.average_tree`) with equal weights
 ``1 / n``, optionally with error feedback
 (:func:`~qsync_jax.parallel.averagers.compress_with_feedback`) whose
-residual lives in the transformation's state.
+residual lives in the transformation's state, as does a stateful averager's
+state (PowerSGD's warm-start ``Q``, :class:`~qsync_jax.parallel.wire.Stateful`).
 """
 
 from __future__ import annotations
@@ -36,10 +37,14 @@ class AveragedState(NamedTuple):
     residual: this worker's error-feedback residual, float32 zeros shaped
       like the parameters at init (in units of ``w_i x_i``); ``None``
       without error feedback.
+    averager_state: the averager's own state
+      (:func:`~qsync_jax.parallel.averagers.init_state`), the same on every
+      worker; ``None`` for a stateless averager.
   """
 
   count: jax.Array
   residual: Any
+  averager_state: Any = None
 
 
 def averaged(averager: Averager, axis_name: str, error_feedback: bool = False,
@@ -55,9 +60,11 @@ def averaged(averager: Averager, axis_name: str, error_feedback: bool = False,
   Descent ...", Interspeech 2014; Karimireddy et al., "Error Feedback
   Fixes SignSGD ...", arXiv 1901.09847), so over ``T`` calls the sum of
   the averaged updates misses the exact sum by the last residuals only.
-  The residual differs per worker: under ``shard_map`` with
-  ``check_vma=True`` the state must then be per-worker (stacked, with
-  ``P(axis_name)`` specs); without feedback it may be replicated.
+  A stateful averager's state (PowerSGD's warm-start ``Q``) is kept in the
+  state too, the same on every worker. The residual differs per worker:
+  under ``shard_map`` with ``check_vma=True`` the state must then be
+  per-worker (stacked, with ``P(axis_name)`` specs); without feedback it may
+  be replicated.
 
   Args:
     averager: any :class:`~qsync_jax.parallel.wire.Averager`
@@ -76,33 +83,38 @@ def averaged(averager: Averager, axis_name: str, error_feedback: bool = False,
   """
 
   def init_fn(params: Any) -> AveragedState:
-    residual = None
+    residual, state = None, averagers.init_state(
+        averager, sum(jnp.size(p) for p in jax.tree.leaves(params)))
     if error_feedback:
       averagers.ravel_floats(params)  # refuse non-float leaves up front
       residual = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
                               params)
-    return AveragedState(jnp.zeros((), jnp.uint32), residual)
+    return AveragedState(jnp.zeros((), jnp.uint32), residual, state)
 
   def update_fn(updates: Any, state: AveragedState, params: Any = None
                 ) -> tuple[Any, AveragedState]:
     del params
     key = jax.random.fold_in(jax.random.key(seed), state.count)
     weight = jnp.float32(1) / lax.axis_size(axis_name)
-    count = state.count + jnp.uint32(1)
-    if state.residual is None:
+    state = state._replace(count=state.count + jnp.uint32(1))
+    if state.residual is None and state.averager_state is None:
       mean = averagers.average_tree(averager, updates, weight, axis_name, key)
-      return mean, AveragedState(count, None)
+      return mean, state
     flat, unravel = averagers.ravel_floats(updates)
     if flat.size == 0:
-      return updates, AveragedState(count, state.residual)
-    res_flat, unravel_res = averagers.ravel_floats(state.residual)
-    if res_flat.shape != flat.shape:
-      raise ValueError(
-          f"the error-feedback residual holds {res_flat.size} elements but "
-          f"the updates {flat.size}: init with parameters shaped like them")
-    mean, new_res = averagers.compress_with_feedback(
-        averager, flat, res_flat, weight, axis_name, key)
-    return (unravel(mean.astype(flat.dtype)),
-            AveragedState(count, unravel_res(new_res)))
+      return updates, state
+    res_flat = unravel_res = None
+    if state.residual is not None:
+      res_flat, unravel_res = averagers.ravel_floats(state.residual)
+      if res_flat.shape != flat.shape:
+        raise ValueError(
+            f"the error-feedback residual holds {res_flat.size} elements but "
+            f"the updates {flat.size}: init with parameters shaped like them")
+    mean, new_res, new_state = averagers.average(
+        averager, flat, weight, axis_name, key, res_flat,
+        state.averager_state)
+    return unravel(mean.astype(flat.dtype)), state._replace(
+        residual=None if new_res is None else unravel_res(new_res),
+        averager_state=new_state)
 
   return optax.GradientTransformation(init_fn, update_fn)

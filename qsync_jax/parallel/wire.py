@@ -1,15 +1,16 @@
 """The contract every averager meets, and what its collectives send.
 
 This module owns the :class:`Averager` protocol the trainer programs against,
-the :class:`Reducing` mixin that derives an averager's ``__call__`` from its
-``reduce``, and the byte counts of the two collectives the averagers send
-over (ring all-reduce, ring all-gather), from which each averager's
-``wire_bytes`` is built.
+the optional :class:`Stateful` protocol of an averager that carries state from
+one call to the next, the :class:`Reducing` mixin that derives an averager's
+``__call__`` from its ``reduce``, and the byte counts of the two collectives
+the averagers send over (ring all-reduce, ring all-gather), from which each
+averager's ``wire_bytes`` is built.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 
@@ -50,6 +51,43 @@ class Averager(Protocol):
     ...
 
   def wire_bytes(self, num_elements: int, num_workers: int) -> float:
+    ...
+
+
+class Stateful(Protocol):
+  """What an averager that carries state between calls adds to
+  :class:`Averager`.
+
+  Only stateful averagers implement it (PowerSGD's warm start); the callers
+  that thread the state (:func:`~qsync_jax.parallel.averagers.average`, the
+  trainer's programs, :func:`~qsync_jax.parallel.transform.averaged`) get it
+  from :func:`~qsync_jax.parallel.averagers.init_state`, which gives None for
+  every other averager, and a None state is never passed here. The state is
+  a pytree of arrays the same on every worker; the trainer stacks it per
+  worker and checkpoints it.
+  """
+
+  def init_state(self, num_elements: int) -> Any:
+    """The state before the first call on ``num_elements`` elements.
+
+    Returns:
+      A pytree of arrays, or None where this instance carries no state (then
+      the callers use ``reduce``).
+    """
+    ...
+
+  def reduce_with_state(self, x: jax.Array, weight: jax.Array,
+                        axis_name: str, key: jax.Array | None, state: Any
+                        ) -> tuple[jax.Array, jax.Array, Any]:
+    """:meth:`Averager.reduce` that also reads and returns the state.
+
+    Args:
+      x, weight, axis_name, key: as for :meth:`Averager.reduce`.
+      state: what the previous call returned (first: ``init_state``).
+
+    Returns:
+      ``(mean, sent, new_state)``.
+    """
     ...
 
 

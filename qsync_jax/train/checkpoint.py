@@ -3,8 +3,9 @@
 This module owns what a checkpoint holds (:func:`state_tree`,
 :func:`state_meta`, and :func:`load_state` to put it back) and how it is
 written and read (:class:`Checkpointer`). A checkpoint holds the trainer's
-arrays (parameters, optimizer state, loss scale, BatchNorm statistics: global
-arrays over the workers) and its host state as JSON (step, sync counters,
+arrays (parameters, optimizer state, loss scale, BatchNorm statistics,
+error-feedback residuals, the averager's and the outer optimizer's state:
+global arrays over the workers) and its host state as JSON (step, sync counters,
 schedule state, the plans). Orbax writes a step to a temporary directory and
 renames it when complete, so a run killed with SIGKILL mid-save leaves the
 previous checkpoint intact; resuming restores the latest complete one and
@@ -59,6 +60,8 @@ def state_tree(trainer: HybridTrainer) -> dict[str, Any]:
           "anchor": trainer._anchor, "counter": trainer._counter}
   if trainer.residual is not None:
     tree["residual"] = trainer.residual
+  if trainer.averager_state is not None:  # PowerSGD's warm-start Q
+    tree["averager_state"] = trainer.averager_state
   if trainer.outer_state is not None:  # DiLoCo's outer optimizer state
     tree["outer_state"] = trainer.outer_state
   return tree
@@ -90,6 +93,8 @@ def load_state(trainer: HybridTrainer, tree: dict[str, Any],
   trainer._counter = tree["counter"]
   if trainer.residual is not None:
     trainer.residual = tree["residual"]
+  if trainer.averager_state is not None:
+    trainer.averager_state = tree["averager_state"]
   if trainer.outer_state is not None:
     trainer.outer_state = tree["outer_state"]
   trainer.opt_state = tree["opt_state"]

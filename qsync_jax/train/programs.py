@@ -21,8 +21,11 @@ averager, ...):
 * :func:`mean_rest_program` and :func:`mean_params_program`: the workers'
   mean non-parameter state and parameters, for evaluation.
 
-Every input and output is stacked over the workers (:mod:`.layout`). The
-trainer runs these programs; the predictor times the same update program.
+Every input and output is stacked over the workers (:mod:`.layout`). Each
+average threads the error-feedback residual and the averager's own state
+(:attr:`StackedState.averager_state`, PowerSGD's warm-start ``Q``) to the
+next. The trainer runs these programs; the predictor times the same update
+program.
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ class StackedState(NamedTuple):
     weights: ``(n,)`` each worker's share of an average.
     counter: ``(n,)`` averages so far (keys each one's rounding noise).
     residual: ``(n, P)`` error-feedback residuals, or None without feedback.
+    averager_state: the averager's state carried between averages
+      (:func:`qsync_jax.parallel.averagers.init_state`, e.g. PowerSGD's
+      warm-start ``Q``), each leaf stacked; None for a stateless averager.
   """
   params: jax.Array
   opt_state: Any
@@ -63,6 +69,7 @@ class StackedState(NamedTuple):
   weights: jax.Array
   counter: jax.Array
   residual: jax.Array | None
+  averager_state: Any = None
 
 
 def _shard_map(mesh: Mesh, fn: Callable, num_in: int) -> Callable:
@@ -91,7 +98,7 @@ def init_program(mesh: Mesh, unravel: Unravel,
 def initial_state(mesh: Mesh, devices: Mapping[int, jax.Device],
                   unravel: Unravel, tx: optax.GradientTransformation,
                   flat: jax.Array, weights: np.ndarray, loss_scaling: bool,
-                  error_feedback: bool) -> StackedState:
+                  error_feedback: bool, averager: Any = None) -> StackedState:
   """The state before the first step: the same parameters on every worker.
 
   Args:
@@ -103,6 +110,9 @@ def initial_state(mesh: Mesh, devices: Mapping[int, jax.Device],
     weights: ``(n,)`` float32, each worker's share of an average.
     loss_scaling: start a dynamic loss scale (else a disabled one).
     error_feedback: keep (zero) error-feedback residuals.
+    averager: the averager, whose initial state
+      (:func:`qsync_jax.parallel.averagers.init_state`) is stacked per
+      worker; None: no averager state.
   """
   sharding = NamedSharding(mesh, P(AXIS))
   params = layout.put_rows({d: flat[None] for d in devices.values()},
@@ -115,21 +125,39 @@ def initial_state(mesh: Mesh, devices: Mapping[int, jax.Device],
       layout.stacked_constant(weights, devices, sharding),
       layout.stacked_constant(np.zeros(len(weights), np.uint32), devices,
                               sharding),
-      layout.zeros_like(params, sharding) if error_feedback else None)
+      layout.zeros_like(params, sharding) if error_feedback else None,
+      _initial_averager_state(mesh, averager, params))
 
 
-def _average(averager: Any, seed: int, x, weight, counter, residual):
-  """``sum_i w_i x_i`` through the averager; error feedback if ``residual``.
+def _initial_averager_state(mesh: Mesh, averager: Any,
+                            params: jax.Array) -> Any:
+  """The averager's initial state stacked per worker, or None (stateless)."""
+  state = averagers.init_state(averager, params.shape[1])
+  if state is None:
+    return None
+  return _shard_map(mesh, lambda p: jax.tree.map(_expand, state), 1)(params)
 
-  Runs inside the shard_map programs; ``counter`` keys the rounding noise (a
-  fresh key per average, the same on every worker). Returns ``(mean,
-  new_residual)``.
+
+def _row(x: Any) -> Any:
+  """This worker's row of every stacked leaf (None stays None)."""
+  return jax.tree.map(lambda a: a[0], x)
+
+
+def _average(averager: Any, seed: int, x, weight, counter, residual,
+             averager_state):
+  """``sum_i w_i x_i`` through the averager (:func:`.averagers.average`).
+
+  Runs inside the shard_map programs on one worker's stacked rows of
+  ``counter``, ``residual`` (error feedback unless None) and
+  ``averager_state`` (None for a stateless averager); ``counter`` keys the
+  rounding noise (a fresh key per average, the same on every worker).
+  Returns ``(mean, new_residual, new_averager_state)``, the last two
+  stacked.
   """
-  key = jax.random.fold_in(jax.random.key(seed), counter)
-  if residual is None:
-    return averager(x, weight, AXIS, key), None
-  return averagers.compress_with_feedback(averager, x, residual, weight, AXIS,
-                                          key)
+  key = jax.random.fold_in(jax.random.key(seed), counter[0])
+  mean, residual, state = averagers.average(
+      averager, x, weight, AXIS, key, _row(residual), _row(averager_state))
+  return mean, jax.tree.map(_expand, residual), jax.tree.map(_expand, state)
 
 
 def _apply(unravel: Unravel, tx: optax.GradientTransformation, params,
@@ -137,10 +165,10 @@ def _apply(unravel: Unravel, tx: optax.GradientTransformation, params,
   """:func:`.step.apply_update` on one worker's stacked rows, and the loss
   scale's update; returns the stacked ``(params, opt_state, scale,
   finite)``."""
-  opt = jax.tree.map(lambda x: x[0], opt_state)
+  opt = _row(opt_state)
   new_p, new_opt, finite = step_lib.apply_update(unravel, tx, params[0], opt,
                                                  g)
-  new_scale = ls.update(jax.tree.map(lambda x: x[0], scale), finite)
+  new_scale = ls.update(_row(scale), finite)
   return (new_p[None], jax.tree.map(_expand, new_opt),
           jax.tree.map(_expand, new_scale), finite[None])
 
@@ -151,32 +179,34 @@ def update_program(mesh: Mesh, unravel: Unravel,
   """The data-parallel step: average the gradients, then the optax update.
 
   Returns:
-    ``update(params, opt_state, scale, grads, weight, counter, residual) ->
-    (params, opt_state, scale, finite, counter, residual)``; ``grads`` are
-    the scaled gradients, ``weight`` each worker's share of the average,
-    ``residual`` the error-feedback residual (``None`` without feedback).
-    A non-finite averaged gradient skips the step on every worker.
+    ``update(params, opt_state, scale, grads, weight, counter, residual,
+    averager_state) -> (params, opt_state, scale, finite, counter, residual,
+    averager_state)``; ``grads`` are the scaled gradients, ``weight`` each
+    worker's share of the average, ``residual`` the error-feedback residual
+    (``None`` without feedback), ``averager_state`` the averager's stacked
+    state (:attr:`StackedState.averager_state`; ``None`` for a stateless
+    averager). A non-finite averaged gradient skips the step on every worker and leaves
+    the residual and the averager's state as they were.
   """
 
-  def update(params, opt_state, scale, grads, weight, counter, residual):
+  def update(params, opt_state, scale, grads, weight, counter, residual,
+             averager_state):
     s = scale.scale[0]
-    if error_feedback:
-      # The residual is unscaled: average g / s, not the scaled gradient.
-      g, new_res = _average(averager, seed, grads[0] / s, weight[0],
-                            counter[0], residual[0])
-    else:
-      g, new_res = _average(averager, seed, grads[0], weight[0], counter[0],
-                            None)
-      g = g / s
-    out = _apply(unravel, tx, params, opt_state, scale, g)
-    if error_feedback:
-      finite = out[3][0]
-      new_res = jnp.where(finite, new_res, residual[0])[None]
-    else:
-      new_res = residual
-    return (*out, counter + 1, new_res)
+    res = residual if error_feedback else None
+    # The residual is unscaled: with feedback average g / s, not the scaled
+    # gradient.
+    g, new_res, new_state = _average(
+        averager, seed, grads[0] / s if error_feedback else grads[0],
+        weight[0], counter, res, averager_state)
+    out = _apply(unravel, tx, params, opt_state, scale,
+                 g if error_feedback else g / s)
+    new_res, new_state = jax.tree.map(
+        lambda new, old: jnp.where(out[3][0], new, old),
+        (new_res, new_state), (res, averager_state))
+    return (*out, counter + 1, new_res if error_feedback else residual,
+            new_state)
 
-  return _shard_map(mesh, update, 7)
+  return _shard_map(mesh, update, 8)
 
 
 def local_update_program(mesh: Mesh, unravel: Unravel,
@@ -218,10 +248,11 @@ def average_params_program(mesh: Mesh, averager: Any, seed: int,
       which sees the parameters' pytree, so masks and per-leaf rules work).
 
   Returns:
-    ``average(params, anchor, weight, counter, residual, outer_state=None)
-    -> (params, counter, residual, outer_state)``; ``outer_state`` is the
-    stacked state of :func:`initial_outer_state` (None without
-    ``outer_tx``).
+    ``average(params, anchor, weight, counter, residual, averager_state=None,
+    outer_state=None) -> (params, counter, residual, averager_state,
+    outer_state)``; ``averager_state`` is the averager's stacked state (as
+    for :func:`update_program`), ``outer_state`` the stacked state of
+    :func:`initial_outer_state` (None without ``outer_tx``).
 
   Raises:
     ValueError: ``outer_tx`` without ``unravel``.
@@ -229,27 +260,30 @@ def average_params_program(mesh: Mesh, averager: Any, seed: int,
   if outer_tx is not None and unravel is None:
     raise ValueError("average_params_program needs unravel with an outer_tx")
 
-  def average(params, anchor, weight, counter, residual, outer_state):
-    delta, new_res = _average(averager, seed, params[0] - anchor[0],
-                              weight[0], counter[0],
-                              None if residual is None else residual[0])
-    new_res = residual if new_res is None else new_res[None]
+  def average(params, anchor, weight, counter, residual, averager_state,
+              outer_state):
+    delta, residual, averager_state = _average(
+        averager, seed, params[0] - anchor[0], weight[0], counter, residual,
+        averager_state)
     if outer_tx is None:
-      return (anchor[0] + delta)[None], counter + 1, new_res, outer_state
-    state = jax.tree.map(lambda x: x[0], outer_state)
+      return ((anchor[0] + delta)[None], counter + 1, residual,
+              averager_state, outer_state)
+    state = _row(outer_state)
     updates, state = outer_tx.update(unravel(-delta), state,
                                      unravel(anchor[0]))
     new_p = anchor[0] + flatten.ravel(updates)
-    return (new_p[None], counter + 1, new_res,
+    return (new_p[None], counter + 1, residual, averager_state,
             jax.tree.map(_expand, state))
 
-  program = _shard_map(mesh, average, 6)
+  program = _shard_map(mesh, average, 7)
 
-  def run(params, anchor, weight, counter, residual, outer_state=None):
+  def run(params, anchor, weight, counter, residual, averager_state=None,
+          outer_state=None):
     if (outer_state is None) != (outer_tx is None):
       raise ValueError("average_params_program: pass outer_state exactly "
                        "when the program has an outer_tx")
-    return program(params, anchor, weight, counter, residual, outer_state)
+    return program(params, anchor, weight, counter, residual, averager_state,
+                   outer_state)
 
   return run
 

@@ -31,7 +31,9 @@ State layout, chosen so a step costs few host operations:
   gradient of a worker is a single buffer (one all-reduce bucket) and the
   global array is assembled with one ``make_array_from_single_device_arrays``;
 * optimizer state and the loss scale are stacked the same way and only ever
-  touched inside the shard_map program;
+  touched inside the shard_map program, as are the error-feedback residuals
+  (``residual``) and a stateful averager's state (``averager_state``,
+  PowerSGD's warm-start ``Q``), which every average hands to the next;
 * the rest of the model state (BatchNorm statistics) stays local per worker;
 * the parameters at the last synchronization (the *anchor* of local SGD) are
   a reference to an earlier ``params`` array, not a copy, so data
@@ -225,9 +227,10 @@ class HybridTrainer:
     self._mean_params = programs.mean_params_program(self.mesh)
 
     (self.params, self.opt_state, self.loss_scale, self._weights,
-     self._counter, self.residual) = programs.initial_state(
-         self.mesh, self._devices, self._unravel, tx, flat,
-         self.grad_weights, self.loss_scaling, self.error_feedback)
+     self._counter, self.residual, self.averager_state) = (
+         programs.initial_state(self.mesh, self._devices, self._unravel, tx,
+                                flat, self.grad_weights, self.loss_scaling,
+                                self.error_feedback, self.averager))
     self.outer_state = programs.initial_outer_state(
         self.mesh, self._unravel, outer_tx, self.params, self.schedule)
     self.rest = {i: jax.device_put(_worker_rest(rest, i), d)
@@ -237,8 +240,7 @@ class HybridTrainer:
     self._opt_bytes = averagers.MeanAverager().wire_bytes(size, len(workers))
     self._anchor = self.params
     self._finite = None
-    self.step = 0
-    self.sync_rounds = 0
+    self.step = self.sync_rounds = 0
     self.comm_bytes = 0.0
 
   # ------------------------------------------------------------------
@@ -268,9 +270,9 @@ class HybridTrainer:
     step = self.step + 1
     if self.schedule.averages_gradients_at(step):
       (self.params, self.opt_state, self.loss_scale, self._finite,
-       self._counter, self.residual) = self._update(
+       self._counter, self.residual, self.averager_state) = self._update(
            self.params, self.opt_state, self.loss_scale, grads, self._weights,
-           self._counter, self.residual)
+           self._counter, self.residual, self.averager_state)
       synced = True
     else:
       self.params, self.opt_state, self.loss_scale, self._finite = (
@@ -278,10 +280,10 @@ class HybridTrainer:
                              grads))
       synced = self.schedule.is_sync_step(step)
       if synced:
-        self.params, self._counter, self.residual, self.outer_state = (
-            self._average_params(self.params, self._anchor, self._weights,
-                                 self._counter, self.residual,
-                                 self.outer_state))
+        (self.params, self._counter, self.residual, self.averager_state,
+         self.outer_state) = self._average_params(
+             self.params, self._anchor, self._weights, self._counter,
+             self.residual, self.averager_state, self.outer_state)
         if self._average_opt is not None:
           self.opt_state = self._average_opt(self.opt_state, self._weights)
           self.comm_bytes += self._opt_bytes
