@@ -243,9 +243,9 @@ def test_mixed_precision_plan_costs_what_its_layers_cost():
   assert pred.step_time_s == pytest.approx(1.5 + 6.0)
 
 
-def _host(update=None):
-  return {"allreduce": [0.0, 0.0], "step_overhead_s": {1: 0.01, 2: 0.02},
-          **({"update_s": update} if update else {})}
+def _host(fixed=None):
+  return {"allreduce": [0.0, 0.0],
+          **({"fixed_step_s": fixed} if fixed else {})}
 
 
 def test_pieces_are_scaled_to_the_measured_uniform_passes():
@@ -274,9 +274,9 @@ def test_pieces_are_scaled_to_the_measured_uniform_passes():
   assert step(mixed, 1, False) == pytest.approx(3 * 0.5 + 1.5 * 0.5 + 3 * 0.5
                                                 + 0.3)
   # Two workers on one host: the k = 2 factors, two optimizer passes sharing
-  # the memory bandwidth, the host overhead.
+  # the memory bandwidth.
   assert step(mixed, 2, True) == pytest.approx(
-      3 * 2 / 3 + 1.5 * 2.5 / 3 + 3 * 2 / 3 + 0.6 + 0.02)
+      3 * 2 / 3 + 1.5 * 2.5 / 3 + 3 * 2 / 3 + 0.6)
   # Without passes (analytic profiles) the pieces count as they are.
   prof = dataclasses.replace(prof, passes={})
   assert step(mixed, 1, False) == pytest.approx(3 + 1.5 + 3 + 0.3)
@@ -287,14 +287,16 @@ def host_interp():
   return simulate.host_value({1: 1.0, 2: 2.0}, 3) / 2  # beyond: linear
 
 
-def test_shared_host_uses_the_timed_update_program():
+def test_shared_host_adds_the_timed_fixed_step_once():
   g = _chain(1)
   prof = _profile(g, [1.0], [2.0], optimizer=9.0,
-                  host=_host(update={1: 0.25, 2: 0.5}))
+                  host=_host(fixed={1: 0.25, 2: 0.5}))
   two = simulate.simulate(g, _workers(g, prof, 2), bucket_bytes=None,
                           shared_host=True)
-  # The measured update program replaces the all-reduce and optimizer.
-  assert two.step_time_s == pytest.approx(3.0 + 0.5 + 0.02)
+  # The step without its pass (dispatches, host work, the update program)
+  # was timed whole: it replaces the all-reduce and the optimizer, once.
+  assert two.step_time_s == pytest.approx(3.0 + 0.5)
+  assert "fixed part" in two.critical_path[-1]
   assert simulate.host_value({1: 1.0, 4: 4.0}, 2) == pytest.approx(2.0)
 
 
@@ -403,7 +405,11 @@ def test_measured_profile_covers_every_piece(measured_cnn, tmp_path):
   assert set(prof.passes) == {"fp32", "int8"}
   for per_k in prof.passes.values():
     assert set(per_k) == {1, 2} and min(per_k.values()) > 0
-  assert set(prof.host["update_s"]) == {1, 2}
+  assert set(prof.host) == {"allreduce", "fixed_step_s"}
+  assert set(prof.host["fixed_step_s"]) == {1, 2}
+  # The fixed part holds the update program, which the optimizer alone is
+  # part of.
+  assert min(prof.host["fixed_step_s"].values()) > prof.optimizer_s
   path = str(tmp_path / "p.json")
   prof.save(path)
   again = profile_lib.Profile.load(path)

@@ -7,9 +7,9 @@ forward+backward (:func:`layer_calls`), the step without its layers
 (:func:`rest_calls`), one optimizer update (:func:`optimizer_call`), and for
 a host that carries several workers: k copies of the whole gradient pass at
 once (:func:`pass_concurrency_calls`), host all-reduces
-(:func:`allreduce_calls`), the trainer's update program
-(:func:`update_calls`) and its host overhead per step
-(:func:`step_overhead_calls`). The update and the step are built from
+(:func:`allreduce_calls`) and the trainer's uniform-FP32 step, whose time
+beyond its pass is the step's fixed part (:func:`fp32_step_calls`). The step
+is built from
 :mod:`qsync_jax.train.step` and :mod:`qsync_jax.train.programs`, the pieces
 the trainer runs, not from the trainer itself.
 """
@@ -207,45 +207,35 @@ def _data_parallel(model: nnx.Module, tx: optax.GradientTransformation,
                               seed=0, error_feedback=False))
 
 
-def update_calls(model: nnx.Module, tx: optax.GradientTransformation,
-                 local_devices: Sequence[jax.Device], sample_input
-                 ) -> dict[int, Callable[[], Any]]:
-  """``{k: call}``: the trainer's update program (averaging and optimizer,
-  no layers) over k of the host's workers, run on zero gradients.
+def fp32_step_calls(model: nnx.Module, tx: optax.GradientTransformation,
+                    local_devices: Sequence[jax.Device], sample_batch,
+                    sample_input, loss_fn) -> dict[int, Callable[[], Any]]:
+  """``{k: call}``: the trainer's data-parallel step over k of the host's
+  workers, every one at uniform FP32.
 
-  ``sample_input`` is the model's inputs or a ``Probe``
-  (:attr:`.graph.ModelGraph.sample`), to list its layers.
+  Less the FP32 pass over k workers (:func:`pass_concurrency_calls`), it
+  gives the step's fixed part: what a step pays besides the pass, as the
+  trainer pays it (the host's work between dispatches, the transfers, every
+  dispatch and the update program on this model's parameters), less the
+  host work that hides under the pass. That last term is why it is timed
+  with the real pass: the update program and a compute-free step timed
+  apart counted the update's dispatch twice and hid nothing, which made a
+  step of about a millisecond 15-30 % slow.
+
+  Args:
+    model: the model.
+    tx: the optimizer.
+    local_devices: the host's devices.
+    sample_batch: one worker's batch (any pytree the objective takes).
+    sample_input: the model's inputs or a ``Probe``
+      (:attr:`.graph.ModelGraph.sample`), to list its layers.
+    loss_fn: the objective, in any form
+      :func:`qsync_jax.task.as_objective` takes.
   """
   out = {}
   for k in host_counts(len(local_devices)):
-    dp = _data_parallel(model, tx, local_devices[:k], None, sample_input)
-    zeros = layout.zeros_like(dp.state.params, dp.sharding)
-    out[k] = functools.partial(dp.update, *dp.state[:3], zeros,
-                               *dp.state[3:])
-  return out
-
-
-class _Tiny(nnx.Module):
-  """A model with (almost) no compute: its step is the host's overhead."""
-
-  def __init__(self):
-    self.fc = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-
-  def __call__(self, x):
-    return self.fc(x)
-
-
-def step_overhead_calls(local_devices: Sequence[jax.Device]
-                        ) -> dict[int, Callable[[], Any]]:
-  """``{k: call}``: a data-parallel training step with k workers and
-  (almost) no compute, whose time is the trainer's host overhead per step:
-  every worker's gradient function, then the update program."""
-  out = {}
-  for k in host_counts(len(local_devices)):
-    dp = _data_parallel(_Tiny(), optax.sgd(0.0), local_devices[:k],
-                        None, jnp.zeros((2, 2)))
-    batches = {i: (jax.device_put(jnp.zeros((2, 2)), d),
-                   jax.device_put(jnp.zeros((2,), jnp.int32), d))
+    dp = _data_parallel(model, tx, local_devices[:k], loss_fn, sample_input)
+    batches = {i: _batch_arrays(sample_batch, d)
                for i, d in dp.devices.items()}
     state = [dp.state]
 
@@ -254,11 +244,11 @@ def step_overhead_calls(local_devices: Sequence[jax.Device]
       grads, _ = step_lib.local_gradients(
           dp.grad_fns, dp.devices, s.params, s.loss_scale.scale, dp.rests,
           batches, dp.sharding)
-      params, opt_state, scale, _, counter, residual = dp.update(
-          s.params, s.opt_state, s.loss_scale, grads, s.weights, s.counter,
-          s.residual)
+      params, opt_state, scale, _, counter, residual, averager_state = (
+          dp.update(s.params, s.opt_state, s.loss_scale, grads, s.weights,
+                    s.counter, s.residual, s.averager_state))
       state[0] = programs.StackedState(params, opt_state, scale, s.weights,
-                                       counter, residual)
+                                       counter, residual, averager_state)
       return params
     out[k] = step
   return out

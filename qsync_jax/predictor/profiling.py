@@ -24,7 +24,8 @@ The step times :mod:`.simulation` predicts are built from the isolated
 pieces, scaled per precision to the model's whole gradient pass at that
 uniform precision (:func:`.simulation.pass_factors`), as QSync's replayer
 builds mixed plans on uniform-precision traces. No mixed plan is ever timed
-whole.
+whole. On a host that carries workers, the trainer's uniform-FP32 step is:
+its time beyond the FP32 pass is the step's fixed part.
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ DEFAULT_PRECISIONS = (Precision.FP32, Precision.BF16, Precision.FP16,
 #: layers promote their input to their float32 parameters' dtype.
 PROFILED_INPUT_DTYPE = "float32"
 #: Version of what a profile holds; a cached profile of another is measured
-#: again (2: whole uniform passes, host sharing no longer per piece).
-PROFILE_FORMAT = 2
+#: again (2: whole uniform passes, host sharing no longer per piece; 3: the
+#: step's fixed part from the trainer's uniform-FP32 step).
+PROFILE_FORMAT = 3
 
 
 @dataclasses.dataclass
@@ -79,8 +81,11 @@ class Profile:
     casts: the cast model.
     memory: see :class:`qsync_jax.predictor.memory.MemoryModel`.
     host: for measured profiles of a host that carries several workers:
-      ``{"allreduce": [alpha_s, seconds_per_byte], "step_overhead_s": {k:
-      s}, "update_s": {k: the trainer's update program over k workers}}``.
+      ``{"allreduce": [alpha_s, seconds_per_byte], "fixed_step_s": {k:
+      the step's fixed part over k workers}}``: the trainer's uniform-FP32
+      step (:func:`.calls.fp32_step_calls`) less k FP32 passes, i.e. its
+      dispatches, transfers, host work and update program, less the host
+      work hidden under the pass.
     passes: for measured profiles, ``{precision: {k: seconds}}``: k copies
       of the model's whole gradient pass at that uniform precision, run at
       once on k of the host's devices (k = 1: one pass alone). The
@@ -224,8 +229,9 @@ def profile(model: nnx.Module, sample_batch: Any, *,
     model_name: the model's name in the cache key (default: class name).
     cache_dir: if given, load the profile from / save it to this directory.
     host_devices: devices sharing this host for co-located workers: when
-      given, the trainer's update program and host overhead per step are
-      measured for each worker count (:func:`.calls.host_counts`); with
+      given, the trainer's uniform-FP32 step (whose time beyond its pass is
+      the step's fixed part, :func:`.calls.fp32_step_calls`) is measured for
+      each worker count (:func:`.calls.host_counts`); with
       more than one, host sharing and the host all-reduce too.
     quant: operand quantization of INT8 / FP8 layers.
     repeats: timed calls per measurement (at least).
@@ -341,11 +347,14 @@ def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
     for kn, c in calls_lib.allreduce_calls(host_devices).items():
       calls[("allreduce", *kn)] = c
   if host_devices:
-    for k, c in calls_lib.step_overhead_calls(host_devices).items():
-      calls[("overhead", k)] = c
-    for k, c in calls_lib.update_calls(model, tx, host_devices,
-                                       g.sample).items():
-      calls[("update", k)] = c
+    if Precision.FP32 not in precisions:
+      raise ValueError("a host profile needs fp32 among the precisions: the "
+                       "step's fixed part is its uniform-FP32 step less its "
+                       "FP32 pass")
+    for k, c in calls_lib.fp32_step_calls(model, tx, host_devices,
+                                          sample_batch, g.sample,
+                                          loss_fn).items():
+      calls[("fp32 step", k)] = c
 
   def finish(raw: Mapping[tuple, float]) -> Profile:
     over = timing.call_overhead(device)
@@ -365,8 +374,13 @@ def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
     host = {}
     if host_devices:
       ks = calls_lib.host_counts(len(host_devices))
-      host = {"step_overhead_s": {k: raw[("overhead", k)] for k in ks},
-              "update_s": {k: raw[("update", k)] for k in ks}}
+      # The step's fixed part is measured in a real step, with its pass:
+      # the host work that hides under the pass (a free core here, a
+      # separate device on a GPU host) is then not counted.
+      fp32 = Precision.FP32.value
+      host = {"fixed_step_s": {
+          k: max(raw[("fp32 step", k)] - t[("pass", fp32, k)], 0.0)
+          for k in ks}}
     if len(host_devices) > 1:
       host.update({
           "allreduce": list(fit_allreduce(

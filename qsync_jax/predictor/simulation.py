@@ -21,10 +21,11 @@ A measured profile also holds the model's whole pass at each uniform
 precision; each precision's pieces are scaled so that its uniform plan costs
 that pass (:func:`pass_factors`). Workers that share one host (fake devices
 of the machine at hand) also share its cores: the factors then come from as
-many copies of the pass run at once, the trainer's update program over that
-many workers (timed whole, ``host["update_s"]``) follows, and the trainer's
-host overhead per step is added. That is how the predictor is checked
-against real steps on this machine.
+many copies of the pass run at once, and the step's fixed part follows
+(``host["fixed_step_s"]``: the trainer's uniform-FP32 step over that many
+workers less their FP32 pass; host work, dispatches, transfers and the
+update program, less the host work that hides under the pass). That is how
+the predictor is checked against real steps on this machine.
 """
 
 from __future__ import annotations
@@ -361,11 +362,12 @@ def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
                     "end_s": prev_end})
   comm_end = prev_end
   opt = np.array([w.profile.optimizer_s for w in workers])
-  update = host.get("update_s", {})
-  if shared_host and update:
-    # The trainer's update program (all-reduce and optimizer on every
-    # worker) was timed whole on this host: it replaces both models.
-    measured = host_value(update, n)
+  fixed = host.get("fixed_step_s", {})
+  if shared_host and fixed:
+    # The step's fixed part (host work, dispatches and the update program:
+    # all-reduce and optimizer on every worker) was measured in the
+    # trainer's own step on this host: it replaces both models, and is added
+    # once below.
     comm_end = float(bwd_end.max())
     comm = 0.0
     if between_processes and n > 1:
@@ -376,14 +378,10 @@ def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
                             link, codec_cost, platform=platform)
     buckets = [dict(buckets[-1], start_s=comm_end, end_s=comm_end + comm)]
     comm_end += comm
-    opt = np.full(n, measured)
+    opt = np.zeros(n)
   elif shared_host and n > 1:
     opt = opt * n  # optimizer passes share the host's memory bandwidth
-  overhead = 0.0
-  if shared_host:
-    per_k = host.get("step_overhead_s", {})
-    if per_k:
-      overhead = host_value(per_k, n)
+  overhead = host_value(fixed, n) if shared_host and fixed else 0.0
   ends = np.maximum(bwd_end, comm_end) + opt
   step = float(ends.max()) + overhead
 
@@ -396,9 +394,11 @@ def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
   if exposed > 0:
     path.append(f"all-reduce after the backward pass: {exposed * 1e3:.3f} ms "
                 f"({len(buckets)} bucket(s))")
-  path.append(f"{workers[last].name}: optimizer {opt[last] * 1e3:.3f} ms")
   if overhead:
-    path.append(f"host overhead: {overhead * 1e3:.3f} ms")
+    path.append(f"the step's fixed part (host work, dispatches, update "
+                f"program): {overhead * 1e3:.3f} ms")
+  else:
+    path.append(f"{workers[last].name}: optimizer {opt[last] * 1e3:.3f} ms")
   return Prediction(
       step_time_s=step,
       worker_times_s=[float(c.fwd.sum() + c.bwd.sum() + o)
