@@ -220,7 +220,7 @@ def fp32_step_calls(model: nnx.Module, tx: optax.GradientTransformation,
   host work that hides under the pass. That last term is why it is timed
   with the real pass: the update program and a compute-free step timed
   apart counted the update's dispatch twice and hid nothing, which made a
-  step of about a millisecond 15-30 % slow.
+  step of about a millisecond 15-38 % slow.
 
   Args:
     model: the model.

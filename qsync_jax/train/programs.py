@@ -185,8 +185,8 @@ def update_program(mesh: Mesh, unravel: Unravel,
     worker's share of the average, ``residual`` the error-feedback residual
     (``None`` without feedback), ``averager_state`` the averager's stacked
     state (:attr:`StackedState.averager_state`; ``None`` for a stateless
-    averager). A non-finite averaged gradient skips the step on every worker and leaves
-    the residual and the averager's state as they were.
+    averager). A non-finite averaged gradient skips the step on every
+    worker and leaves the residual and the averager's state as they were.
   """
 
   def update(params, opt_state, scale, grads, weight, counter, residual,
