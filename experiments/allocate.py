@@ -46,6 +46,7 @@ from experiments import config_lib
 from experiments import train_lib
 from qsync_jax import cli
 from qsync_jax import data as data_lib
+from qsync_jax import host_malloc
 from qsync_jax import models as models_lib
 from qsync_jax.allocation import pipeline
 from qsync_jax.allocation import sync_methods
@@ -181,6 +182,8 @@ def _memory_limits(values):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  with cli.bad_input_exits():
+    host_malloc.configure_from_env()
   with cli.bad_input_exits():
     # Every flag is checked before the models are built.
     _check_numeric_flags()

@@ -38,6 +38,7 @@ import jax
 
 from experiments.studies import predictor_accuracy
 from qsync_jax import cli
+from qsync_jax import host_malloc
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("model", ["cnn", "bert", "resnet18"],
@@ -62,6 +63,8 @@ flags.mark_flag_as_required("out")
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  with cli.bad_input_exits():
+    host_malloc.configure_from_env()
   with cli.bad_input_exits():
     workers = [int(w) for w in FLAGS.workers]
     jax.config.update("jax_num_cpu_devices", max(workers))

@@ -30,6 +30,7 @@ import numpy as np
 from experiments import config_lib
 from experiments import plans_lib
 from qsync_jax import data as data_lib
+from qsync_jax import host_malloc
 from qsync_jax.allocation import pipeline
 from qsync_jax.parallel import agreement
 from qsync_jax.parallel import cluster as cluster_lib
@@ -473,6 +474,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
       "profiles": profile_sources,
       # The launcher's emulated link and its measured rate, or None.
       "link": links.link_info_from_env(),
+      # The host allocator's mode (qsync_jax.host_malloc).
+      "host_malloc": host_malloc.mode_from_env(),
       "workers": trainer_lib.describe_workers(trainer.workers),
       "precisions": [{k: v.value for k, v in eff.items()}
                      for eff in trainer.precisions],

@@ -19,6 +19,7 @@ import jax
 
 from experiments.benches import trainer_overhead
 from qsync_jax import cli
+from qsync_jax import host_malloc
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output JSON file.")
@@ -40,6 +41,8 @@ CASES = [
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  with cli.bad_input_exits():
+    host_malloc.configure_from_env()
   jax.config.update("jax_num_cpu_devices", FLAGS.num_workers)
   with cli.bad_input_exits():
     results = []

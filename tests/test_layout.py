@@ -31,6 +31,7 @@ ALLOWED = {
     "allocation": {"numerics", "plan", "parallel", "train", "sensitivity",
                    "predictor", "data", "task"},
     "cli": set(),
+    "host_malloc": set(),
     "distributed": {"cli", "parallel"},
     "__init__": {"numerics", "task", "plan", "models", "data", "parallel",
                  "train",

@@ -94,6 +94,7 @@ from experiments.benches.compression_cases import worker_data
 from experiments.benches.compression_parts import bench_parts
 from experiments.benches.compression_parts import floor_analysis
 from experiments.benches.compression_parts import PARTS
+from qsync_jax import host_malloc
 from qsync_jax.parallel import averagers
 from qsync_jax.parallel import distributed
 from qsync_jax.parallel import links
@@ -234,6 +235,7 @@ def _worker_main(spec_path: str) -> None:
   writes the results to ``spec["out"]`` after each size (so a run cut short
   still leaves what it measured).
   """
+  host_malloc.configure_from_env()
   with open(spec_path) as f:
     spec = json.load(f)
   if not distributed.initialize():
@@ -402,6 +404,8 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
       # The workers inherit it; glibc.malloc.hugetlb=1 backs big buffers
       # with transparent huge pages (see docs/RESULTS.md).
       "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+      # The host allocator's mode, in this process and the workers.
+      "host_malloc": host_malloc.mode_from_env(),
       "num_workers": num_workers,
       "sizes": sizes,
       "repeats": repeats,

@@ -9,9 +9,10 @@ reports for each the training wall time to a target eval accuracy, the final
 accuracy, the bytes each worker sent and the mean step time.
 
 The task is communication-bound by construction: the main job's CNN on
-digits with a 4096-wide hidden layer (4.26M parameters, 17 MB of float32)
-at 16 examples per worker, so that a data-parallel step at 1 Gbit/s spends
-more time averaging than computing. Wall time counts training only (the
+digits with a 10240-wide hidden layer (10.6M parameters, 42 MB of float32)
+at 16 examples per worker, so that the parameters, not the activations, set
+a step's cost, and a data-parallel step at 1 Gbit/s spends about as long
+averaging as computing. Wall time counts training only (the
 ``train_time_s`` of ``metrics.jsonl``: evaluations and checkpoints are left
 out), and an eval every ``eval_every`` steps marks when the target is
 reached.
@@ -56,7 +57,7 @@ from experiments.studies import qsr as qsr_study
 NUM_PROCESSES = 4
 #: The model: the main job's CNN, its hidden layer wide enough that the
 #: parameters (not the activations) set the step's cost.
-MODEL_KWARGS = {"widths": [32, 64], "hidden": 4096}
+MODEL_KWARGS = {"widths": [32, 64], "hidden": 10240}
 #: What every run shares (fields of experiments/configs/default.py).
 BASE = types.MappingProxyType({
     "model": "cnn", "dataset": "digits", "cluster": "cpu:4",
