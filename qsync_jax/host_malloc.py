@@ -14,8 +14,9 @@ run spent more CPU time in the kernel than in user code (docs/RESULTS.md).
 ``reuse`` (the default of the project's binaries) makes glibc keep freed
 blocks for the next allocation of their size, as tcmalloc or jemalloc do:
 no ``mmap`` for large blocks, one arena for all threads (so a block of any
-size comes from the heap), and no trimming of the heap. The process then
-keeps its peak heap until it exits. ``system`` leaves glibc's defaults.
+size comes from the heap), and no trimming of the heap until 2 GiB at its
+top are free. The process then keeps its peak heap (up to that) until it
+exits. ``system`` leaves glibc's defaults.
 
 :func:`configure` applies a mode to the running process with ``mallopt``.
 Call it early, before JAX starts its threads: an arena a thread already has
