@@ -46,7 +46,6 @@ from experiments import config_lib
 from experiments import train_lib
 from qsync_jax import cli
 from qsync_jax import data as data_lib
-from qsync_jax import host_malloc
 from qsync_jax import models as models_lib
 from qsync_jax.allocation import pipeline
 from qsync_jax.allocation import sync_methods
@@ -182,8 +181,7 @@ def _memory_limits(values):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  with cli.bad_input_exits():
-    host_malloc.configure_from_env()
+  cli.start_binary()
   with cli.bad_input_exits():
     # Every flag is checked before the models are built.
     _check_numeric_flags()

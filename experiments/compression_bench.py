@@ -41,7 +41,6 @@ import jax
 
 from experiments.benches import compression
 from qsync_jax import cli
-from qsync_jax import host_malloc
 from qsync_jax.parallel import distributed
 
 FLAGS = flags.FLAGS
@@ -67,8 +66,7 @@ flags.DEFINE_bool("parts", False,
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  with cli.bad_input_exits():
-    host_malloc.configure_from_env()
+  cli.start_binary()
   settings, num_workers = FLAGS.settings, FLAGS.num_workers
   with cli.bad_input_exits():
     # Before anything starts the backend: join the launch this process is

@@ -35,7 +35,6 @@ import numpy as np
 from experiments.studies import indicator
 from qsync_jax import cli
 from qsync_jax import data as data_lib
-from qsync_jax import host_malloc
 from qsync_jax import models as models_lib
 from qsync_jax import sensitivity
 from qsync_jax.allocation import pipeline
@@ -94,8 +93,7 @@ def plot(result: dict, path: str) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  with cli.bad_input_exits():
-    host_malloc.configure_from_env()
+  cli.start_binary()
   with cli.bad_input_exits():
     try:
       model_kwargs = json.loads(FLAGS.model_kwargs)

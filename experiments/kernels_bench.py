@@ -18,7 +18,6 @@ from absl import flags
 
 from experiments.benches import kernels
 from qsync_jax import cli
-from qsync_jax import host_malloc
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output JSON file.")
@@ -33,8 +32,7 @@ flags.DEFINE_integer("repeats", 5, "Timed rounds per case (median reported).")
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  with cli.bad_input_exits():
-    host_malloc.configure_from_env()
+  cli.start_binary()
   with cli.bad_input_exits():
     try:
       sizes = None if FLAGS.sizes is None else [int(s) for s in FLAGS.sizes]

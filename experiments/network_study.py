@@ -26,7 +26,6 @@ from absl import app
 from absl import flags
 
 from qsync_jax import cli
-from qsync_jax import host_malloc
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output directory.")
@@ -47,8 +46,7 @@ flags.DEFINE_bool("predict", True, "Add the predictor's step time of each "
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  with cli.bad_input_exits():
-    host_malloc.configure_from_env()
+  cli.start_binary()
   import jax
   # The predictor profiles the four workers sharing this host's cores.
   jax.config.update("jax_num_cpu_devices", 4)

@@ -38,7 +38,6 @@ import jax
 
 from experiments.studies import predictor_accuracy
 from qsync_jax import cli
-from qsync_jax import host_malloc
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("model", ["cnn", "bert", "resnet18"],
@@ -63,8 +62,7 @@ flags.mark_flag_as_required("out")
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  with cli.bad_input_exits():
-    host_malloc.configure_from_env()
+  cli.start_binary()
   with cli.bad_input_exits():
     workers = [int(w) for w in FLAGS.workers]
     jax.config.update("jax_num_cpu_devices", max(workers))

@@ -26,7 +26,6 @@ from absl import flags
 
 from experiments.studies import backend
 from qsync_jax import cli
-from qsync_jax import host_malloc
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output directory.")
@@ -40,8 +39,7 @@ flags.DEFINE_bool("predict", True, "Predict paper-size step times.")
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  with cli.bad_input_exits():
-    host_malloc.configure_from_env()
+  cli.start_binary()
   backend.start_backend(FLAGS.out, num_devices=4)  # four workers
   from experiments.configs import default
   from experiments.studies import qsync

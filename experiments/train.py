@@ -75,7 +75,6 @@ from ml_collections import config_flags
 from experiments import config_lib
 from experiments import train_lib
 from qsync_jax import cli
-from qsync_jax import host_malloc
 from qsync_jax.parallel import coordination
 from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.parallel import distributed
@@ -138,8 +137,7 @@ def _parse_plan_flags(values):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  with cli.bad_input_exits():
-    host_malloc.configure_from_env()
+  cli.start_binary()
   config = FLAGS.config
   with config.unlocked():
     for name in ("model", "cluster", "resume", "sync", "h_base", "alpha",

@@ -19,7 +19,6 @@ import jax
 
 from experiments.benches import trainer_overhead
 from qsync_jax import cli
-from qsync_jax import host_malloc
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output JSON file.")
@@ -41,8 +40,7 @@ CASES = [
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  with cli.bad_input_exits():
-    host_malloc.configure_from_env()
+  cli.start_binary()
   jax.config.update("jax_num_cpu_devices", FLAGS.num_workers)
   with cli.bad_input_exits():
     results = []

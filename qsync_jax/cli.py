@@ -1,7 +1,8 @@
-"""How a command-line program of this project treats bad input.
+"""How a command-line program of this project starts and treats bad input.
 
 Bad input (a malformed plan, an unknown layer or model, a missing file) ends a
 binary with one line naming the problem and exit status 1, not a traceback.
+Every binary calls :func:`start_binary` first.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import sys
 from typing import Iterable, Iterator, Sequence
+
+from qsync_jax import host_malloc
 
 #: Exceptions that mean "the input is wrong", as raised by the library.
 BAD_INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError)
@@ -22,6 +25,15 @@ def bad_input_exits() -> Iterator[None]:
   except BAD_INPUT_ERRORS as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(1) from None
+
+
+def start_binary() -> None:
+  """What every binary of this project does first: applies the host
+  allocator mode ``$QSYNC_HOST_MALLOC`` names (:mod:`qsync_jax.host_malloc`;
+  ``reuse`` when unset), ending the program with one line if it names none.
+  """
+  with bad_input_exits():
+    host_malloc.configure_from_env()
 
 
 def check_names(what: str, names: Sequence[str],

@@ -30,7 +30,7 @@ ALLOWED = {
     "predictor": {"numerics", "plan", "parallel", "train", "task"},
     "allocation": {"numerics", "plan", "parallel", "train", "sensitivity",
                    "predictor", "data", "task"},
-    "cli": set(),
+    "cli": {"host_malloc"},
     "host_malloc": set(),
     "distributed": {"cli", "parallel"},
     "__init__": {"numerics", "task", "plan", "models", "data", "parallel",

@@ -94,6 +94,7 @@ from experiments.benches.compression_cases import worker_data
 from experiments.benches.compression_parts import bench_parts
 from experiments.benches.compression_parts import floor_analysis
 from experiments.benches.compression_parts import PARTS
+from qsync_jax import cli
 from qsync_jax import host_malloc
 from qsync_jax.parallel import averagers
 from qsync_jax.parallel import distributed
@@ -235,7 +236,7 @@ def _worker_main(spec_path: str) -> None:
   writes the results to ``spec["out"]`` after each size (so a run cut short
   still leaves what it measured).
   """
-  host_malloc.configure_from_env()
+  cli.start_binary()
   with open(spec_path) as f:
     spec = json.load(f)
   if not distributed.initialize():
