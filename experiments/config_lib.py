@@ -38,6 +38,7 @@ from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax import task
 from qsync_jax.train import evaluation
 from qsync_jax.train import programs
+from qsync_jax.train import step as step_lib
 
 
 
@@ -367,13 +368,18 @@ def make_learning_rate_f64(config: ml_collections.ConfigDict
 
 def make_optimizer(config: ml_collections.ConfigDict
                    ) -> optax.GradientTransformation:
-  """``config.optimizer``: Adam, or SGD with ``config.momentum`` (0: none)."""
+  """``config.optimizer``: Adam, or SGD with ``config.momentum`` (0: none).
+
+  Both treat every parameter alike, so they are declared
+  :func:`qsync_jax.train.step.elementwise` and run on the flat parameters.
+  """
   lr = make_learning_rate(config)
   name = config.get("optimizer", "adam")
   if name == "adam":
-    return optax.adam(lr)
+    return step_lib.elementwise(optax.adam(lr))
   if name == "sgd":
-    return optax.sgd(lr, momentum=config.get("momentum", 0.0) or None)
+    return step_lib.elementwise(
+        optax.sgd(lr, momentum=config.get("momentum", 0.0) or None))
   raise ValueError(f"unknown optimizer {name!r}; valid: adam, sgd")
 
 

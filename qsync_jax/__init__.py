@@ -84,6 +84,7 @@ from qsync_jax.parallel.schedules import make_schedule
 
 # Training.
 from qsync_jax.train.checkpoint import Checkpointer
+from qsync_jax.train.step import elementwise
 from qsync_jax.train.trainer import HybridTrainer
 from qsync_jax.train.trainer import Worker
 
@@ -112,5 +113,5 @@ __all__ = [
     # parallel
     "ClusterSpec", "make_averager", "make_schedule", "parse_cluster",
     # train
-    "Checkpointer", "HybridTrainer", "Worker",
+    "Checkpointer", "HybridTrainer", "Worker", "elementwise",
 ]

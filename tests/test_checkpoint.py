@@ -11,6 +11,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
+import qsync_jax as qs
 from qsync_jax.train import checkpoint as ckpt_lib
 from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train.trainer import HybridTrainer
@@ -199,3 +200,17 @@ def test_checkpoint_without_checksums_restores_with_a_warning(tmp_path,
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "cannot be verified" in err[0]
   assert "step 1" in err[0]
+
+
+def test_an_optimizer_declared_otherwise_is_refused_and_not_set_aside(
+    ckpt_dir, saved):
+  # The saving run's Adam kept a pytree state; one declared elementwise
+  # keeps a flat one. Refused before any array is read, the checkpoint is
+  # not taken for a corrupt one.
+  resumed = HybridTrainer(_cnn(), _workers(SIZES),
+                          qs.elementwise(optax.adam(1e-2)))
+  with pytest.raises(ValueError, match="holds a pytree optimizer state and "
+                     "this run's optimizer keeps a flat one"):
+    Checkpointer(ckpt_dir).restore_latest(resumed)
+  assert sorted(os.listdir(ckpt_dir)) == sorted(os.listdir(saved[0]))
+  assert Checkpointer(ckpt_dir).restore_latest(_trainer())["step"] == 2

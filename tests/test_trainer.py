@@ -52,12 +52,16 @@ def _grad(model, x, y):
   return nnx.grad(lambda m: losses.cross_entropy(m(x), y))(model)
 
 
-def test_four_fp32_workers_match_one_device_on_the_concatenated_batch():
+@pytest.mark.parametrize("declared", [False, True],
+                         ids=["pytree_update", "elementwise_update"])
+def test_four_fp32_workers_match_one_device_on_the_concatenated_batch(
+    declared):
   # SGD with momentum: Adam's m / sqrt(v) turns float32 rounding noise on
   # near-zero gradients into +-lr steps, which says nothing about the trainer.
   sizes = [8, 8, 8, 8]
   tx = optax.sgd(0.1, momentum=0.9)
-  trainer = HybridTrainer(_cnn(), _workers(sizes), tx)
+  trainer = HybridTrainer(_cnn(), _workers(sizes),
+                          qs.elementwise(tx) if declared else tx)
   ref = _cnn()
   opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
   for step in range(3):
@@ -103,14 +107,18 @@ def test_mixed_plans_keep_every_worker_identical():
   assert trainer.comm_bytes == pytest.approx(3 * 1.5 * 4 * trainer.num_params)
 
 
-def test_non_finite_gradient_skips_the_step_on_all_workers():
+@pytest.mark.parametrize("declared", [False, True],
+                         ids=["pytree_update", "elementwise_update"])
+def test_non_finite_gradient_skips_the_step_on_all_workers(declared):
   sizes = [8, 8, 8, 8]
   plans = [qs.PrecisionPlan()] * 2 + [INT8_FP16] * 2
+  tx = optax.adam(1e-2)
   trainer = HybridTrainer(_cnn(), _workers(sizes, plans,
                                            ["v100", "v100", "t4", "t4"]),
-                          optax.adam(1e-2))
+                          qs.elementwise(tx) if declared else tx)
   trainer.train_step(_split(*_batch(32), sizes))
   before = {d: np.asarray(r) for d, r in _rows(trainer.params).items()}
+  opt_before = [np.asarray(a) for a in jax.tree.leaves(trainer.opt_state)]
   scale = trainer.current_loss_scale
   x, y = _batch(32, seed=1)
   x[20, 3, 3, 0] = np.inf  # one example on worker 2 (an INT8/FP16 worker)
@@ -120,10 +128,56 @@ def test_non_finite_gradient_skips_the_step_on_all_workers():
   assert trainer.current_loss_scale == scale / 2
   for d, r in _rows(trainer.params).items():
     np.testing.assert_array_equal(np.asarray(r), before[d])
+  for a, b in zip(jax.tree.leaves(trainer.opt_state), opt_before):
+    np.testing.assert_array_equal(np.asarray(a), b)
   trainer.train_step(_split(*_batch(32, seed=2), sizes))
   assert trainer.last_step_finite() and trainer.skipped_steps == 1
   assert not np.array_equal(np.asarray(next(iter(_rows(
       trainer.params).values()))), next(iter(before.values())))
+
+
+def test_an_elementwise_optimizer_keeps_flat_state_and_steps_as_on_the_pytree():
+  # Local SGD: each worker's own update (no averaging) and, every second
+  # step, the parameter average with Adam's moments averaged too.
+  sizes = [8, 8]
+  schedule = qs.make_schedule("local", total_steps=4, h_base=2)
+  make = lambda tx: HybridTrainer(_cnn(), _workers(sizes), tx,
+                                  schedule=schedule,
+                                  opt_fields_to_average=("mu", "nu"))
+  pytree, flat = make(optax.adam(1e-2)), make(qs.elementwise(optax.adam(1e-2)))
+  for step in range(4):
+    batches = _split(*_batch(16, seed=step), sizes)
+    pytree.train_step(batches)
+    flat.train_step(batches)
+  for i in range(2):
+    # Float32 rounding (XLA fuses the two layouts differently), which
+    # Adam's m / sqrt(v) amplifies on near-zero gradients.
+    np.testing.assert_allclose(_flat(flat.worker_params(i)),
+                               _flat(pytree.worker_params(i)),
+                               rtol=1e-5, atol=1e-5)
+  float_shapes = lambda t: {a.shape for a in jax.tree.leaves(t)
+                            if np.issubdtype(a.dtype, np.floating)}
+  assert float_shapes(flat.opt_state) == {(2, flat.num_params)}
+  assert (2, flat.num_params) not in float_shapes(pytree.opt_state)
+
+
+@pytest.mark.parametrize("sync", ["dp", "local"])
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_every_program_compiles_once(sync, num_workers):
+  # The second step reads rows the first step's programs wrote; the first
+  # reads the initial state, which must look the same to jit (it did not on
+  # a one-device mesh).
+  sizes = [4] * num_workers
+  trainer = HybridTrainer(_cnn(), _workers(sizes), optax.sgd(0.1),
+                          schedule=qs.make_schedule(sync, total_steps=4,
+                                                    h_base=2))
+  for step in range(4):
+    trainer.train_step(_split(*_batch(sum(sizes), seed=step), sizes))
+  # The workers share one gradient function, compiled once per device.
+  (grad_fn,) = set(trainer._grad_fns.values())
+  assert grad_fn._cache_size() == num_workers
+  assert trainer._update._cache_size() == int(sync == "dp")
+  assert trainer._local_update._cache_size() == int(sync == "local")
 
 
 def test_loss_scaling_is_off_without_fp16_layers():

@@ -90,7 +90,8 @@ def optimizer_call(model: nnx.Module, tx: optax.GradientTransformation,
   params = nnx.state(model, nnx.Param)
   flat, unravel = ravel_pytree(params)
   flat = jax.device_put(flat, device)
-  opt_state = jax.device_put(tx.init(unravel(flat)), device)
+  opt_state = jax.device_put(step_lib.init_optimizer(unravel, tx, flat),
+                             device)
   g = jax.device_put(jnp.full_like(flat, 1e-3), device)
   # The trainer's optimizer step (less the loss scale and the stacking).
   update = jax.jit(functools.partial(step_lib.apply_update, unravel, tx))

@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 
 from qsync_jax.train import layout
 from qsync_jax.train import loss_scale as ls
+from qsync_jax.train import step as step_lib
 from qsync_jax.train.trainer import HybridTrainer
 
 
@@ -74,7 +75,13 @@ def state_meta(trainer: HybridTrainer) -> dict[str, Any]:
           "schedule": trainer.schedule.state_dict(),
           "in_sync": trainer.in_sync,
           "plans": [w.plan.to_dict() for w in trainer.workers],
-          "kinds": [w.kind for w in trainer.workers]}
+          "kinds": [w.kind for w in trainer.workers],
+          "optimizer_state": _optimizer_state_layout(trainer)}
+
+
+def _optimizer_state_layout(trainer: HybridTrainer) -> str:
+  """``"flat"`` for an optimizer declared elementwise, else ``"pytree"``."""
+  return "flat" if step_lib.is_elementwise(trainer.tx) else "pytree"
 
 
 def load_state(trainer: HybridTrainer, tree: dict[str, Any],
@@ -192,6 +199,14 @@ def _check_workers(trainer: HybridTrainer, meta: dict[str, Any]) -> None:
         "the checkpoint was written by a run with other workers or plans "
         f"(kinds {meta.get('kinds')} vs {kinds}); resume with the same "
         "cluster and plans, or start a new run directory")
+  # Checkpoints from before the declaration existed hold pytree states.
+  saved = meta.get("optimizer_state", "pytree")
+  if saved != _optimizer_state_layout(trainer):
+    raise ValueError(
+        f"the checkpoint holds a {saved} optimizer state and this run's "
+        f"optimizer keeps a {_optimizer_state_layout(trainer)} one: declare "
+        "it as the saving run did (qsync_jax.elementwise(tx) keeps a flat "
+        "state), or start a new run directory")
 
 
 class Checkpointer:

@@ -73,9 +73,15 @@ class StackedState(NamedTuple):
 
 
 def _shard_map(mesh: Mesh, fn: Callable, num_in: int) -> Callable:
-  """``fn`` jitted as a shard_map whose inputs and outputs are all stacked."""
+  """``fn`` jitted as a shard_map whose inputs and outputs are all stacked.
+
+  The outputs' sharding is stated: on a one-device mesh jit would give an
+  output that did not change per worker a replicated one, which the next
+  call, taking it back, would compile for again.
+  """
   return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS),) * num_in,
-                               out_specs=P(AXIS)))
+                               out_specs=P(AXIS)),
+                 out_shardings=NamedSharding(mesh, P(AXIS)))
 
 
 def _expand(x: Any) -> jax.Array:
@@ -85,11 +91,17 @@ def _expand(x: Any) -> jax.Array:
 def init_program(mesh: Mesh, unravel: Unravel,
                  tx: optax.GradientTransformation,
                  init_scale: ls.LossScale) -> Callable:
-  """``init(params) -> (opt_state, loss_scale)``, stacked per worker."""
+  """``init(params) -> (params, opt_state, loss_scale)``, stacked per worker.
+
+  The parameters come back as a copy made by the program: rows put from the
+  host have a different sharding type from every later program's output,
+  and the gradient functions, which read the rows, would compile a second
+  time at the second step.
+  """
 
   def init(params):
-    opt_state = tx.init(unravel(params[0]))
-    return (jax.tree.map(_expand, opt_state),
+    opt_state = step_lib.init_optimizer(unravel, tx, params[0])
+    return (params * 1, jax.tree.map(_expand, opt_state),
             jax.tree.map(_expand, init_scale))
 
   return _shard_map(mesh, init, 1)
@@ -119,7 +131,8 @@ def initial_state(mesh: Mesh, devices: Mapping[int, jax.Device],
                            (len(weights), flat.size), sharding)
   init_scale = (ls.LossScale.create() if loss_scaling
                 else ls.LossScale.disabled())
-  opt_state, loss_scale = init_program(mesh, unravel, tx, init_scale)(params)
+  params, opt_state, loss_scale = init_program(mesh, unravel, tx,
+                                               init_scale)(params)
   return StackedState(
       params, opt_state, loss_scale,
       layout.stacked_constant(weights, devices, sharding),

@@ -9,6 +9,9 @@ training runs:
   the scaled loss;
 * :func:`local_gradients`: every local worker's gradient of one step,
   stacked into one global array (the host side of a step);
+* :func:`elementwise`: an optax optimizer declared to treat every element
+  alike, which :func:`init_optimizer` and :func:`apply_update` then run on
+  the flat parameter vector instead of the parameter pytree;
 * :func:`apply_update`: the optax update on a gradient, skipped where the
   gradient is not finite.
 
@@ -178,6 +181,55 @@ def local_gradients(grad_fns: Mapping[int, Callable],
   return layout.stack_local(grad_rows, params.shape, sharding), metrics
 
 
+class ElementwiseTransformation(optax.GradientTransformation):
+  """An optax transformation declared elementwise (see :func:`elementwise`).
+
+  The same ``(init, update)`` pair; only its type carries the declaration.
+  """
+  __slots__ = ()
+
+
+def elementwise(tx: optax.GradientTransformation
+                ) -> ElementwiseTransformation:
+  """Declares that ``tx`` updates every parameter element on its own.
+
+  Then the trainer (and the predictor, which times the trainer's update)
+  keeps ``tx``'s state and runs its update on the flat parameter vector the
+  trainer holds, instead of splitting it into the parameter pytree and
+  joining the result back: on XLA:CPU the split and re-join are passes over
+  all parameters of their own (on the 10.6M-parameter CNN of the network
+  study, SGD with momentum: 34-39 ms per update on the pytree, 19-24 ms
+  flat).
+
+  Only declare what holds: SGD, momentum, Adam, AdamW without a mask,
+  RMSProp and their schedules and global-norm clipping give the same update
+  either way; a transformation that tells leaves apart (a mask, per-layer
+  trust ratios as in LARS and LAMB, Adafactor's factored moments,
+  ``optax.multi_transform``) does not, and must be left undeclared. The
+  optimizer state's structure follows: a checkpoint holds the flat state
+  and restores into a run with the same declaration.
+
+  Args:
+    tx: the optax transformation.
+
+  Returns:
+    The same transformation, declared elementwise.
+  """
+  return ElementwiseTransformation(tx.init, tx.update)
+
+
+def is_elementwise(tx: optax.GradientTransformation) -> bool:
+  """Whether ``tx`` was declared with :func:`elementwise`."""
+  return isinstance(tx, ElementwiseTransformation)
+
+
+def init_optimizer(unravel: Callable[[jax.Array], Any],
+                   tx: optax.GradientTransformation, flat: jax.Array) -> Any:
+  """``tx``'s initial state for the flat parameters ``flat``: on the flat
+  vector if ``tx`` is :func:`elementwise`, else on the parameter pytree."""
+  return tx.init(flat if is_elementwise(tx) else unravel(flat))
+
+
 def apply_update(unravel: Callable[[jax.Array], Any],
                  tx: optax.GradientTransformation, flat: jax.Array,
                  opt_state: Any, g: jax.Array
@@ -186,7 +238,7 @@ def apply_update(unravel: Callable[[jax.Array], Any],
 
   Args:
     unravel: flat parameter vector to parameter pytree.
-    tx: the optimizer.
+    tx: the optimizer; an :func:`elementwise` one runs on the flat vectors.
     flat: the flat float32 parameters.
     opt_state: ``tx``'s state.
     g: the flat (unscaled) gradient.
@@ -196,10 +248,17 @@ def apply_update(unravel: Callable[[jax.Array], Any],
     parameters and the optimizer state are returned unchanged.
   """
   finite = jnp.all(jnp.isfinite(g))
+  keep = lambda new, old: jnp.where(finite, new, old)
+  if is_elementwise(tx):
+    updates, new_opt = tx.update(g, opt_state, flat)
+    return (keep(optax.apply_updates(flat, updates), flat),
+            jax.tree.map(keep, new_opt, opt_state), finite)
   p = unravel(flat)
   updates, new_opt = tx.update(unravel(g), opt_state, p)
-  new_flat = flatten.ravel(optax.apply_updates(p, updates))
-  new_flat = jnp.where(finite, new_flat, flat)
-  new_opt = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_opt,
-                         opt_state)
-  return new_flat, new_opt, finite
+  # Selected leaf by leaf, before raveling: each select fuses into its
+  # leaf's update. One select on the raveled vector is a pass of its own
+  # (measured on the 10.6M-parameter CNN of the network study, SGD with
+  # momentum, XLA:CPU: 49-53 ms per update against 34-39 ms).
+  new_flat = flatten.ravel(
+      jax.tree.map(keep, optax.apply_updates(p, updates), p))
+  return new_flat, jax.tree.map(keep, new_opt, opt_state), finite
