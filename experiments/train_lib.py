@@ -24,6 +24,7 @@ from typing import Any, Iterator, Mapping
 from absl import logging
 from flax import nnx
 import jax
+from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 
@@ -361,6 +362,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
                schedule.name, len(schedule.sync_steps(config.steps)),
                config.steps, trainer.averager.name)
 
+  # Every update and averaging program compiles now, outside the training
+  # clock; the first step (before the clock starts) compiles the rest.
+  trainer.compile(config.steps)
   global_batch = sum(w.batch_size for w in workers)
   start = time.perf_counter()
   start_step = trainer.step
@@ -377,8 +381,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
     done = trainer.step
     if done == start_step + 1:
       # The training clock starts once the first step (which compiles the
-      # step's programs) has run.
+      # gradient functions) has run on every process: a local step has no
+      # collective to wait at, and a process still compiling would share
+      # the cores with the others' clocked steps.
       jax.block_until_ready(out)
+      if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("qsync training clock")
       train_start = time.perf_counter()
     row = None
     if done % config.log_every == 0 or done == config.steps:

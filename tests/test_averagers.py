@@ -234,7 +234,7 @@ def test_gqsgd_kernel_encode_is_bit_identical_in_shard_map(n, wire, bucket):
   mean, sent = got["pallas"]
   np.testing.assert_array_equal(mean, np.broadcast_to(mean[:1], mean.shape))
   # NaN exactly over the bucket holding the inf (to_buckets' row width).
-  width = -(-100 // buckets.num_buckets(100, bucket))
+  width = buckets.bucket_width(100, bucket)
   nan = np.zeros(100, bool)
   nan[30 // width * width:(30 // width + 1) * width] = True
   np.testing.assert_array_equal(np.isnan(mean), np.broadcast_to(nan, (n, 100)))
@@ -516,3 +516,19 @@ def test_make_averager():
                    averagers.QSGD):
     with pytest.raises(ValueError, match="noise must be one of"):
       strategy(noise="philox")
+
+
+@pytest.mark.parametrize("n,bucket", [(100, 32), (96, 32), (10, 32),
+                                      (100, None)])
+@pytest.mark.parametrize("bad", [None, np.inf, np.nan])
+def test_bucket_rows_are_bucket_wide_and_absmax_reads_them(n, bucket, bad):
+  x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+  if bad is not None:
+    x[n - 3] = bad  # In the last, padded bucket.
+  yb = buckets.to_buckets(jnp.asarray(x), bucket)
+  assert yb.shape == (buckets.num_buckets(n, bucket),
+                      n if bucket is None or n <= bucket else bucket)
+  np.testing.assert_array_equal(buckets.from_buckets(yb, x), x)
+  m = buckets.absmax(jnp.asarray(x), bucket, 0.5)
+  np.testing.assert_array_equal(m, buckets.bucket_absmax(yb, 0.5))
+  assert np.isinf(m[-1]) == (bad is not None)

@@ -1,6 +1,8 @@
 """Tests for HybridTrainer, cluster specs, dynamic batching and loss scaling,
 BatchNorm statistics at evaluation and optimizer state at syncs."""
 
+import logging
+
 from flax import nnx
 import jax
 from jax.flatten_util import ravel_pytree
@@ -587,3 +589,24 @@ def test_config_checks_bn_and_optimizer_fields():
     bad[field] = value
     with pytest.raises(ValueError, match=message):
       config_lib.validate_config(bad)
+
+
+@pytest.mark.parametrize("sync,compiled", [
+    ("dp", {"update"}), ("local", {"local_update", "average"}),
+    ("postlocal", {"update", "local_update", "average"})])
+def test_compile_leaves_the_steps_only_the_gradient_functions(
+    sync, compiled, caplog):
+  sizes = [4, 4]
+  trainer = HybridTrainer(_cnn(), _workers(sizes), optax.sgd(0.1),
+                          schedule=qs.make_schedule(sync, total_steps=4,
+                                                    h_base=2, switch_step=1))
+  compiling = lambda: {m.split("jit(")[1].split(")")[0]
+                       for m in caplog.messages if m.startswith("Compiling")}
+  with jax.log_compiles(True):
+    caplog.set_level(logging.WARNING)
+    trainer.compile(4)
+    assert compiled <= compiling()
+    caplog.clear()
+    for step in range(4):
+      trainer.train_step(_split(*_batch(sum(sizes), seed=step), sizes))
+  assert compiling() <= {"grad_fn"}, caplog.messages

@@ -193,12 +193,13 @@ class QSGD(Reducing):
 
     Arguments as for :meth:`qsync_jax.parallel.wire.Averager.reduce`.
     """
-    xb = buckets.to_buckets(x.astype(jnp.float32), self.bucket_size)
+    x = x.astype(jnp.float32)
+    xb = buckets.to_buckets(x, self.bucket_size)
     yb = xb * weight
     if self.norm == "l2":
       norm = jnp.sqrt(jnp.sum(yb * yb, axis=1))
     else:
-      norm = buckets.bucket_absmax(xb, weight)
+      norm = buckets.absmax(x, self.bucket_size, weight)
     # A non-finite bucket has a non-finite norm (a NaN or inf element makes
     # the sum of squares or the max non-finite); a NaN norm makes every
     # decoded value of that bucket NaN on all workers.

@@ -69,11 +69,28 @@ def num_buckets(num_elements: int, bucket_size: int | None) -> int:
   return -(-num_elements // bucket_size)
 
 
+def bucket_width(num_elements: int, bucket_size: int | None) -> int:
+  """Elements per row of :func:`to_buckets`: ``bucket_size``, or all of them
+  where they fit in one bucket."""
+  if num_buckets(num_elements, bucket_size) == 1:
+    return max(num_elements, 1)
+  return bucket_size
+
+
 def to_buckets(y: jax.Array, bucket_size: int | None) -> jax.Array:
-  """Flattens ``y`` into ``(num_buckets, bucket)`` rows, zero padded."""
+  """Flattens ``y`` into ``(num_buckets, bucket_size)`` rows; the last row
+  is zero padded.
+
+  Every row but the last is ``bucket_size`` wide, so where that is a power
+  of two (the averagers' default, 2**16) an element's row and column are a
+  shift and a mask. Rows of equal width ``ceil(n / num_buckets)`` were
+  tried first: the padding and the slice back then divide every index by
+  an odd width, and Global-QSGD's average of 10,617,226 floats cost 88 ms
+  of XLA:CPU time against 15 ms for 10,616,832 (a multiple of 2**16).
+  """
   flat = y.reshape(-1)
   nb = num_buckets(flat.size, bucket_size)
-  width = max(-(-flat.size // nb), 1)
+  width = bucket_width(flat.size, bucket_size)
   return jnp.pad(flat, (0, nb * width - flat.size)).reshape(nb, width)
 
 
@@ -113,6 +130,27 @@ def bucket_absmax(yb: jax.Array, weight: jax.Array | float = 1.0
       lambda a, b: (jnp.maximum(a[0], b[0]), jnp.minimum(a[1], b[1])), (1,))
   m = jnp.maximum(hi, -lo) * jnp.abs(weight)
   return jnp.where(jnp.isnan(m), jnp.inf, m)
+
+
+def absmax(y: jax.Array, bucket_size: int | None,
+           weight: jax.Array | float = 1.0) -> jax.Array:
+  """:func:`bucket_absmax` of ``to_buckets(y, bucket_size)``, read from ``y``.
+
+  The full rows are a reshape of ``y``'s prefix; only the last row is
+  padded. XLA:CPU fuses a pad into the reduction that reads it and then
+  takes a slow path: 24 ms against 3 ms for 10,617,226 floats in buckets of
+  2**16.
+  """
+  flat = y.reshape(-1)
+  nb = num_buckets(flat.size, bucket_size)
+  width = bucket_width(flat.size, bucket_size)
+  full = flat.size // width
+  if full == nb:
+    return bucket_absmax(flat.reshape(nb, width), weight)
+  head = flat[:full * width].reshape(full, width)
+  tail = jnp.pad(flat[full * width:], (0, nb * width - flat.size))[None]
+  return jnp.concatenate([bucket_absmax(head, weight),
+                          bucket_absmax(tail, weight)])
 
 
 def nan_where(bad: jax.Array, values: jax.Array) -> jax.Array:

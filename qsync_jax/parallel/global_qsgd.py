@@ -43,8 +43,9 @@ def _global_max(x: jax.Array, weight: jax.Array, bucket_size: int | None,
     bucket holds a non-finite value); and the buckets where ``m`` is not
     finite.
   """
-  xb = buckets.to_buckets(x.astype(jnp.float32), bucket_size)
-  m = lax.pmax(buckets.bucket_absmax(xb, weight), axis_name)
+  x = x.astype(jnp.float32)
+  xb = buckets.to_buckets(x, bucket_size)
+  m = lax.pmax(buckets.absmax(x, bucket_size, weight), axis_name)
   return xb * weight, m, ~jnp.isfinite(m)
 
 

@@ -265,7 +265,8 @@ def average_params_program(mesh: Mesh, averager: Any, seed: int,
     outer_state=None) -> (params, counter, residual, averager_state,
     outer_state)``; ``averager_state`` is the averager's stacked state (as
     for :func:`update_program`), ``outer_state`` the stacked state of
-    :func:`initial_outer_state` (None without ``outer_tx``).
+    :func:`initial_outer_state` (None without ``outer_tx``). Like a jitted
+    function it has ``lower(...)`` with the same arguments.
 
   Raises:
     ValueError: ``outer_tx`` without ``unravel``.
@@ -290,14 +291,20 @@ def average_params_program(mesh: Mesh, averager: Any, seed: int,
 
   program = _shard_map(mesh, average, 7)
 
-  def run(params, anchor, weight, counter, residual, averager_state=None,
-          outer_state=None):
+  def checked(params, anchor, weight, counter, residual, averager_state=None,
+              outer_state=None):
     if (outer_state is None) != (outer_tx is None):
       raise ValueError("average_params_program: pass outer_state exactly "
                        "when the program has an outer_tx")
-    return program(params, anchor, weight, counter, residual, averager_state,
-                   outer_state)
+    return (params, anchor, weight, counter, residual, averager_state,
+            outer_state)
 
+  def run(*args, **kwargs):
+    return program(*checked(*args, **kwargs))
+
+  # As jit's own: lowers for the arguments a call would take (ahead-of-time
+  # compiles fill the cache the calls read).
+  run.lower = lambda *args, **kwargs: program.lower(*checked(*args, **kwargs))
   return run
 
 

@@ -295,6 +295,41 @@ class HybridTrainer:
                                                   self.num_workers)
     return metrics
 
+  def compile(self, total_steps: int) -> None:
+    """Compiles the update and averaging programs of the coming steps now.
+
+    jit compiles a program at its first call. A data-parallel run calls its
+    update at the first step, but a local schedule's first parameter
+    average comes at its first sync step, in the middle of a timed run: on
+    the network study's 10.6M-parameter model that compile took 3-4 s of
+    its training clock. After this call, steps ``self.step + 1`` to
+    ``total_steps`` compile only the workers' gradient functions, at the
+    first step (their inputs are the batches). Compiling does not run the
+    programs, so nothing changes and no worker waits for another.
+
+    Args:
+      total_steps: the last step the run will take (it selects the programs
+        the schedule will call).
+    """
+    steps = range(self.step + 1, int(total_steps) + 1)
+    averaged = [t for t in steps if self.schedule.averages_gradients_at(t)]
+    grads = self.params  # The stacked gradients' type and sharding.
+    if averaged:
+      self._update.lower(self.params, self.opt_state, self.loss_scale, grads,
+                         self._weights, self._counter, self.residual,
+                         self.averager_state).compile()
+    if len(averaged) == len(steps):
+      return
+    self._local_update.lower(self.params, self.opt_state, self.loss_scale,
+                             grads).compile()
+    if set(self.schedule.sync_steps(int(total_steps))) - set(averaged) - set(
+        range(self.step + 1)):
+      self._average_params.lower(
+          self.params, self._anchor, self._weights, self._counter,
+          self.residual, self.averager_state, self.outer_state).compile()
+      if self._average_opt is not None:
+        self._average_opt.lower(self.opt_state, self._weights).compile()
+
   @property
   def in_sync(self) -> bool:
     """Whether every worker holds the same parameters (after a sync)."""
