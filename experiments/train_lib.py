@@ -240,6 +240,18 @@ def _check_finite_result(trainer: HybridTrainer, eval_loss: float,
       "learning rate); no summary.json written")
 
 
+def _finish_step(trainer: HybridTrainer, out: Any) -> None:
+  """Waits for every program of the last step, not only its metrics.
+
+  The metrics come from the gradient functions; the update, and a sync
+  step's parameter average, run after them. Waiting for the metrics alone
+  left those in flight when the clock stopped for an eval, so the eval's
+  excluded time took in the float32 mean's all-reduce of a data-parallel
+  step.
+  """
+  jax.block_until_ready((out, trainer.params, trainer.opt_state))
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict,
                        out_dir: str) -> dict[str, Any]:
   """Runs the main job; see ``experiments/configs/default.py`` for fields.
@@ -384,7 +396,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
       # gradient functions) has run on every process: a local step has no
       # collective to wait at, and a process still compiling would share
       # the cores with the others' clocked steps.
-      jax.block_until_ready(out)
+      _finish_step(trainer, out)
       if jax.process_count() > 1:
         multihost_utils.sync_global_devices("qsync training clock")
       train_start = time.perf_counter()
@@ -407,7 +419,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
     if config.eval_every and (done % config.eval_every == 0
                               or done == config.steps):
       # The step's queued work finishes before the clock stops for the eval.
-      jax.block_until_ready(out)
+      _finish_step(trainer, out)
       eval_start = time.perf_counter()
       train_time = eval_start - train_start - excluded
       ev = trainer.evaluate((dataset.x_test, dataset.y_test),
@@ -423,7 +435,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
         f.write(json.dumps(row) + "\n")
     if config.checkpoint_every and (done % config.checkpoint_every == 0
                                     or done == config.steps):
-      jax.block_until_ready(out)
+      _finish_step(trainer, out)
       save_start = time.perf_counter()
       checkpointer.save(trainer)
       excluded += time.perf_counter() - save_start
@@ -442,6 +454,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
         config.checkpoint_every and done % config.checkpoint_every == 0):
       # Throughput windows count training only, not evals or checkpoints.
       window_start, window_step = time.perf_counter(), done
+  if trainer.step > start_step:
+    _finish_step(trainer, out)
   wall = time.perf_counter() - start
   train_time = (time.perf_counter() - train_start - excluded
                 if trainer.step > start_step else 0.0)

@@ -340,6 +340,20 @@ def test_auto_uses_xla_on_cpu_and_convs_always_use_xla():
                                                                        wc))
 
 
+@pytest.mark.parametrize("capability,compute,kernel", [
+    ((8, 0), "int8", True), ((8, 6), "fp8", False), ((8, 9), "fp8", True),
+    ((9, 0), "int8", False), ((9, 0), "fp8", False), ((10, 0), "int8", False)])
+def test_auto_runs_the_kernels_from_their_floor_up_to_hopper(
+    monkeypatch, capability, compute, kernel):
+  # Only traced: on this CPU the chosen kernel would run in interpret mode.
+  monkeypatch.setattr(ops, "_gpu_capability", lambda: capability)
+  x, w = jnp.ones((32, 64)), jnp.ones((64, 32))
+  dense = lambda x, w: ops.dot_general(x, w, (((1,), (0,)), ((), ())),
+                                       compute=compute)
+  with ops.kernel_backend("auto"):
+    assert _has_pallas_call(dense, x, w) == kernel
+
+
 def test_kernel_backend_setting_env_and_errors(monkeypatch):
   monkeypatch.setenv("QSYNC_KERNELS", "xla")
   assert ops.get_kernel_backend() == "xla"
