@@ -133,14 +133,12 @@ class HybridTrainer:
     model: the NNX model (FP32 parameters); its mode is left as it was.
     workers: the workers, one distinct device each.
     tx: the optax optimizer every worker applies.
-    loss_fn, call: the objective and call hook, as
-      :func:`qsync_jax.task.as_objective` takes them (default:
-      classification on ``(inputs, labels)`` batches).
+    loss_fn, call: the objective and call hook :func:`qsync_jax.task.
+      as_objective` takes (default: classification on ``(x, y)`` batches).
     averager: how gradients are averaged (:mod:`qsync_jax.parallel.averagers`).
     schedule: when workers synchronize (:mod:`qsync_jax.parallel.schedules`).
     grad_weights: each worker's share of the averaged gradient (summing to
-      1); by default ``b_i / sum(b)`` so that every example counts once,
-      which is the plain mean when batch sizes are equal.
+      1); by default ``b_i / sum(b)``, so that every example counts once.
     loss_scaling: ``"auto"`` (dynamic loss scaling when any worker computes
       a layer in FP16), ``True`` or ``False``.
     sample_input, sample_batch: the model's inputs (or a
@@ -149,15 +147,13 @@ class HybridTrainer:
     error_feedback: keep each worker's compression error (unscaled) and
       send it again with the next average
       (:func:`qsync_jax.parallel.averagers.compress_with_feedback`).
-    seed: seeds the averagers' rounding noise and the step rngs
-      (:func:`qsync_jax.train.step.step_rngs`); a layer's own RNG stream is
-      folded with the worker's index.
+    seed: seeds the averagers' rounding noise and the step rngs (a layer's
+      own RNG stream is folded with the worker's index).
     bn_stats: the BatchNorm statistics :meth:`evaluate` uses:
       ``"reestimate"`` (the QSR code's: recomputed for the evaluated
       parameters on training batches) or ``"average"`` (the workers').
     opt_fields_to_average: optimizer-state fields (``"mu"``, ...) averaged
-      with the parameters at each sync of a local schedule (as the QSR
-      code, default none).
+      with the parameters at each sync of a local schedule (default none).
     outer_tx: an optax outer optimizer (DiLoCo) stepping the anchor by
       ``anchor - mean`` at each parameter average; None: plain averaging.
 
@@ -296,39 +292,8 @@ class HybridTrainer:
     return metrics
 
   def compile(self, total_steps: int) -> None:
-    """Compiles the update and averaging programs of the coming steps now.
-
-    jit compiles a program at its first call. A data-parallel run calls its
-    update at the first step, but a local schedule's first parameter
-    average comes at its first sync step, in the middle of a timed run: on
-    the network study's 10.6M-parameter model that compile took 3-4 s of
-    its training clock. After this call, steps ``self.step + 1`` to
-    ``total_steps`` compile only the workers' gradient functions, at the
-    first step (their inputs are the batches). Compiling does not run the
-    programs, so nothing changes and no worker waits for another.
-
-    Args:
-      total_steps: the last step the run will take (it selects the programs
-        the schedule will call).
-    """
-    steps = range(self.step + 1, int(total_steps) + 1)
-    averaged = [t for t in steps if self.schedule.averages_gradients_at(t)]
-    grads = self.params  # The stacked gradients' type and sharding.
-    if averaged:
-      self._update.lower(self.params, self.opt_state, self.loss_scale, grads,
-                         self._weights, self._counter, self.residual,
-                         self.averager_state).compile()
-    if len(averaged) == len(steps):
-      return
-    self._local_update.lower(self.params, self.opt_state, self.loss_scale,
-                             grads).compile()
-    if set(self.schedule.sync_steps(int(total_steps))) - set(averaged) - set(
-        range(self.step + 1)):
-      self._average_params.lower(
-          self.params, self._anchor, self._weights, self._counter,
-          self.residual, self.averager_state, self.outer_state).compile()
-      if self._average_opt is not None:
-        self._average_opt.lower(self.opt_state, self._weights).compile()
+    """:func:`compile_programs` of this trainer, up to ``total_steps``."""
+    compile_programs(self, total_steps)
 
   @property
   def in_sync(self) -> bool:
@@ -419,3 +384,41 @@ def describe_workers(workers: Sequence[Worker]) -> list[dict[str, Any]]:
   return [{"kind": w.kind, "device": str(w.device),
            "batch_size": w.batch_size, "plan": w.plan.to_dict()}
           for w in workers]
+
+
+def compile_programs(trainer: HybridTrainer, total_steps: int) -> None:
+  """Compiles a trainer's update and averaging programs of the coming steps.
+
+  jit compiles a program at its first call. A data-parallel run calls its
+  update at the first step, but a local schedule's first parameter average
+  comes at its first sync step, in the middle of a timed run: on the network
+  study's 10.6M-parameter model that compile took 3-4 s of its training
+  clock. After this call, steps ``trainer.step + 1`` to ``total_steps``
+  compile only the workers' gradient functions, at the first step (their
+  inputs are the batches). Compiling does not run the programs, so nothing
+  changes and no worker waits for another.
+
+  Args:
+    trainer: the trainer (``trainer.compile(total_steps)`` calls this).
+    total_steps: the last step the run will take (it selects the programs
+      the schedule will call).
+  """
+  t = trainer
+  steps = range(t.step + 1, int(total_steps) + 1)
+  averaged = [s for s in steps if t.schedule.averages_gradients_at(s)]
+  grads = t.params  # The stacked gradients' type and sharding.
+  # pylint: disable=protected-access
+  if averaged:
+    t._update.lower(t.params, t.opt_state, t.loss_scale, grads, t._weights,
+                    t._counter, t.residual, t.averager_state).compile()
+  if len(averaged) == len(steps):
+    return
+  t._local_update.lower(t.params, t.opt_state, t.loss_scale,
+                        grads).compile()
+  if set(t.schedule.sync_steps(int(total_steps))) - set(averaged) - set(
+      range(t.step + 1)):
+    t._average_params.lower(t.params, t._anchor, t._weights, t._counter,
+                            t.residual, t.averager_state,
+                            t.outer_state).compile()
+    if t._average_opt is not None:
+      t._average_opt.lower(t.opt_state, t._weights).compile()
