@@ -405,18 +405,17 @@ def compile_programs(trainer: HybridTrainer, total_steps: int) -> None:
   """
   t = trainer
   steps = range(t.step + 1, int(total_steps) + 1)
-  averaged = [s for s in steps if t.schedule.averages_gradients_at(s)]
+  local = [s for s in steps if not t.schedule.averages_gradients_at(s)]
   grads = t.params  # The stacked gradients' type and sharding.
   # pylint: disable=protected-access
-  if averaged:
+  if len(local) < len(steps):
     t._update.lower(t.params, t.opt_state, t.loss_scale, grads, t._weights,
                     t._counter, t.residual, t.averager_state).compile()
-  if len(averaged) == len(steps):
+  if not local:
     return
   t._local_update.lower(t.params, t.opt_state, t.loss_scale,
                         grads).compile()
-  if set(t.schedule.sync_steps(int(total_steps))) - set(averaged) - set(
-      range(t.step + 1)):
+  if set(local) & set(t.schedule.sync_steps(int(total_steps))):
     t._average_params.lower(t.params, t._anchor, t._weights, t._counter,
                             t.residual, t.averager_state,
                             t.outer_state).compile()
