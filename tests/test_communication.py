@@ -89,6 +89,25 @@ def test_hlo_collectives_count_gathers_and_tuples_per_worker():
   assert traffic.steps == 3 + 6 + 6 + 1
 
 
+def test_permutes_of_pairwise_swaps_are_exchanges():
+  hlo = "\n".join([
+      "  %a = u8[64]{0} collective-permute(%c), "
+      "source_target_pairs={{0,1},{1,0},{2,3},{3,2}}",
+      "  %b = u8[64]{0} collective-permute(%c), "
+      "source_target_pairs={{0,1},{1,2},{2,3},{3,0}}"])
+  assert [c.kind for c in comm.hlo_collectives(hlo, 4)] == ["exchange",
+                                                            "permute"]
+  assert comm.permute_kind([(0, 2), (2, 0)]) == "exchange"
+  assert comm.permute_kind([(0, 1)]) == "permute"
+  assert comm.permute_kind([]) == "permute"
+  # Global-QSGD's exponential merges swap codes between pairs of workers.
+  exp = averagers.make_averager("gqsgd_exp")
+  traced = comm.traced_collectives(exp, 1 << 12, 4)
+  assert [c.kind for c in traced if c.dtype == "uint8"] == ["exchange"] * 2
+  compiled = comm.compiled_collectives(exp, 1 << 12, jax.devices()[:4])
+  assert [c.kind for c in compiled if c.dtype == "u8"] == ["exchange"] * 2
+
+
 def test_codec_cost_fit_recovers_a_line():
   cost = comm.CodecCost.fit([1000, 2000, 4000], [0.003, 0.005, 0.009])
   assert cost.a_s == pytest.approx(1e-3) and cost.b_s == pytest.approx(2e-6)
@@ -109,6 +128,27 @@ def test_local_program_has_no_collectives_and_keeps_the_codes():
   mean = fn(x, jnp.float32(0.25))
   assert mean.shape == (SIZE,)
   np.testing.assert_allclose(np.asarray(mean), np.asarray(x), atol=0.3)
+
+
+def test_codec_is_fitted_at_the_size_and_a_quarter_on_the_sample():
+  from qsync_jax.predictor import codec
+  assert codec.fit_sizes(1 << 24) == [1 << 22, 1 << 24]
+  assert codec.fit_sizes(5) == [2, 5]
+  sample = np.array([1.0, -2.0, 3.0], np.float32)
+  np.testing.assert_array_equal(codec.sample_data(sample, 7),
+                                [1, -2, 3, 1, -2, 3, 1])
+  assert codec.sample_data(None, 1000).std() == pytest.approx(1, abs=0.1)
+  with pytest.raises(ValueError, match="empty"):
+    codec.sample_data(np.zeros(0), 4)
+  cost = comm.profile_codec(averagers.make_averager("fp16"), 4096,
+                            num_workers=4, repeats=1, calls=1,
+                            sample=sample)
+  assert cost.sizes == (1024, 4096)
+  # The exponential merges' partner codes come from outside the program:
+  # were they the worker's own codes, XLA would simplify the merge away.
+  exp = comm.local_program(averagers.make_averager("gqsgd_exp"), 1024, 4)
+  jaxpr = jax.make_jaxpr(exp)(jnp.ones(1024), jnp.float32(0.25))
+  assert "pure_callback" in str(jaxpr)
 
 
 def test_profile_codec_times_every_averager():
@@ -190,10 +230,11 @@ def test_profiled_collectives_price_each_kind_and_type():
   from qsync_jax.predictor import collective_cost as cc
   devices = jax.devices()[:4]
   cost = cc.profile_collectives(
-      [("all_reduce", "s8"), ("all_reduce", "f32"), ("permute", "u8")],
+      [("all_reduce", "s8"), ("all_reduce", "f32"), ("permute", "u8"),
+       ("exchange", "u8")],
       devices, sizes=(1 << 12, 1 << 16), repeats=1, calls=1)
   assert set(cost.fits) == {("all_reduce", "s8"), ("all_reduce", "f32"),
-                            ("permute", "u8")}
+                            ("permute", "u8"), ("exchange", "u8")}
   assert all(len(f.seconds) == 2 and min(f.seconds) > 0
              for f in cost.fits.values())
   gqsgd = averagers.make_averager("gqsgd")
@@ -210,6 +251,14 @@ def test_profiled_collectives_price_each_kind_and_type():
     cost([comm.Collective("all_gather", 8.0, "s8")])
   with pytest.raises(ValueError, match="needs the averager's compiled"):
     comm.averaging_time(gqsgd, 1 << 14, 4, link, measured=cost)
+  # Floating operands are the sample's w_i x_i in their type; integer
+  # codes are ones.
+  sample = np.array([4.0, -8.0, 1e-6], np.float32)
+  np.testing.assert_array_equal(
+      cc._operand(np.dtype(np.float16), 4, sample, 4),
+      np.array([1.0, -2.0, 2.5e-7, 1.0], np.float16))
+  np.testing.assert_array_equal(cc._operand(np.dtype(np.int8), 3, sample, 4),
+                                np.ones(3, np.int8))
   with pytest.raises(ValueError, match="valid kinds"):
     cc.profile_collectives([("all_to_all", "f32")], devices)
   with pytest.raises(ValueError, match="two distinct sizes"):

@@ -184,7 +184,8 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
       del out
     time_rounds(cases, repeats, calls)
     predicted = ({} if link is None else
-                 predict_cases(cases, d, devices, devices[local[0]], link))
+                 predict_cases(cases, d, devices, devices[local[0]], link,
+                               sample=worker_data(d, local[0], seed)))
     for case in cases:
       result = result_row(case, calls, setting=setting, strategy=case.name,
                           num_elements=d, num_workers=n)

@@ -225,12 +225,16 @@ def first_row(out: jax.Array) -> np.ndarray:
 
 def predict_cases(cases: Sequence[Case], num_elements: int,
                   devices: Sequence[jax.Device], device: jax.Device,
-                  link: communication.Link) -> dict[str, dict[str, Any]]:
+                  link: communication.Link, sample=None
+                  ) -> dict[str, dict[str, Any]]:
   """The predictor's time for every case that ran, next to the measured one.
 
   Two predictions per case, both with the encode/decode profiled here on
-  ``device``, every process at once (a barrier before each timed block), so
-  the processes share the cores as they did while measuring:
+  ``device`` at the size and a quarter of it, every process at once (a
+  barrier before each timed block), so the processes share the cores as
+  they did while measuring. ``sample``, this worker's data, is what the
+  encode/decode and the floating collectives are profiled on (their speed
+  on a CPU depends on the values):
 
   * ``predicted_s``: the compiled program's collectives (their kinds and
     wire types at this size; XLA:CPU widens bfloat16), each priced by the
@@ -268,7 +272,7 @@ def predict_cases(cases: Sequence[Case], num_elements: int,
     top = max(int(largest[key]), 1 << 14)
     parts.update(collective_cost.profile_collectives(
         [key], devices, sizes=(top // 4, top),
-        sync=lambda: barrier("collective profile")).fits)
+        sync=lambda: barrier("collective profile"), sample=sample).fits)
   measured = collective_cost.CollectiveCost(parts)
   fits = measured.to_dict()
   out: dict[str, dict[str, Any]] = {}
@@ -277,7 +281,8 @@ def predict_cases(cases: Sequence[Case], num_elements: int,
         case.averager, num_elements, n, devices=devices,
         compiled=compiled[case.name])
     codec = communication.profile_codec(case.averager, num_elements, device,
-                                        num_workers=n, sync=barrier)
+                                        num_workers=n, sync=barrier,
+                                        sample=sample)
     out[case.name] = {
         "predicted_s": communication.averaging_time(
             case.averager, num_elements, n, link, codec,

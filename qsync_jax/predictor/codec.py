@@ -29,8 +29,6 @@ COLLECTIVE_PRIMITIVES = {"psum": "all_reduce", "psum_invariant": "all_reduce",
                 "ppermute": "permute", "psum_scatter": "reduce_scatter",
                 "reduce_scatter": "reduce_scatter",
                 "all_to_all": "all_to_all"}
-#: Sizes (per worker) the codec cost is fitted on.
-CODEC_FIT_SIZES = (1 << 20, 1 << 21, 1 << 22)
 
 
 def shard_body(averager: Averager):
@@ -89,7 +87,7 @@ class CodecCost:
 _LOCAL_STAND_INS = {
     "psum": lambda x, n, out: x * n, "psum_invariant": lambda x, n, out: x * n,
     "pmax": lambda x, n, out: x, "pmin": lambda x, n, out: x,
-    "ppermute": lambda x, n, out: x,
+    "ppermute": lambda x, n, out: _received(x),
     "pvary": lambda x, n, out: x, "pcast": lambda x, n, out: x,
     "all_gather": lambda x, n, out: _gathered(x, n, out),
     "all_gather_invariant": lambda x, n, out: _gathered(x, n, out),
@@ -120,6 +118,45 @@ def _gathered(x, n: int, out):
   gathered = jax.pure_callback(
       copies, jax.ShapeDtypeStruct((n, *x.shape), x.dtype), x)
   return gathered.reshape(out.shape)
+
+
+def _received(x):
+  """A copy of ``x`` made outside the program, as a permute's receive
+  buffer is.
+
+  With the operand itself standing in for its partner's, XLA sees both
+  sides of the exponential merge as one value and simplifies the merge
+  away: that stand-in program of Global-QSGD's exponential dithering took
+  160 ms at 16M floats on four processes, where the real one spends about
+  390 ms besides its permutes (docs/RESULTS.md). A sum keeps its in-program
+  stand-in (a scaling): made outside as well, its host copy cost more than
+  the float32 mean's whole encode and decode (75 against 22 ms).
+  """
+  return jax.pure_callback(lambda v: np.array(v, copy=True),
+                           jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
+def fit_sizes(num_elements: int) -> list[int]:
+  """The sizes a cost at ``num_elements`` is fitted on: it and a quarter.
+
+  Fitted at smaller sizes and extrapolated, the line misses what the host's
+  caches stop holding (QSGD's encode/decode at 16M floats, fitted at 1-4M,
+  came out 19% long; PowerSGD's 40% short).
+  """
+  lo = max(int(num_elements) // 4, 2)
+  return [lo, max(int(num_elements), lo + 1)]
+
+
+def sample_data(sample, num_elements: int) -> np.ndarray:
+  """``num_elements`` float32 values of ``sample`` (repeated as needed), or
+  standard normal ones where ``sample`` is None."""
+  if sample is None:
+    return np.random.default_rng(num_elements).standard_normal(
+        num_elements, np.float32)
+  flat = np.asarray(sample, np.float32).reshape(-1)
+  if flat.size == 0:
+    raise ValueError("sample data is empty")
+  return np.resize(flat, num_elements)
 
 
 def _called_jaxpr(eqn):
@@ -182,8 +219,9 @@ def local_program(averager: Averager, num_elements: int, num_workers: int):
   ``num_workers`` (so what depends on the count, Global-QSGD's levels and
   the exponential merges' ``log2 n`` stages, is as in the real run), and its
   body is replayed with every collective swapped for one local pass over its
-  operand (a sum becomes a scaling, a gather a repeat, a permute or max the
-  operand itself). What is left is the averager's own work: encode, decode,
+  operand (a sum becomes a scaling, a max the operand itself, and a gather
+  a repeat and a permute a copy, both made outside the program as a receive
+  buffer is). What is left is the averager's own work: encode, decode,
   scales, noise.
 
   Returns:
@@ -206,7 +244,8 @@ def local_program(averager: Averager, num_elements: int, num_workers: int):
 def profile_codec(averager: Averager, num_elements: int | Sequence[int],
                   device: jax.Device | None = None, *, num_workers: int = 2,
                   repeats: int = 5, calls: int = 3,
-                  sync: Callable[[], Any] | None = None) -> CodecCost:
+                  sync: Callable[[], Any] | None = None,
+                  sample=None) -> CodecCost:
   """Measures an averager's local work on ``device``, fitted as ``a + b n``.
 
   Times :func:`local_program`: the averager as one worker runs it, with
@@ -225,14 +264,18 @@ def profile_codec(averager: Averager, num_elements: int | Sequence[int],
 
   Args:
     averager: the averaging strategy.
-    num_elements: the size (float32 elements per worker) to fit at: the
-      ``CODEC_FIT_SIZES`` no larger than it (at least two sizes), or an
-      explicit list of sizes.
+    num_elements: the size (float32 elements per worker) to fit at: it and
+      a quarter of it (:func:`fit_sizes`), or an explicit list of sizes.
     device: where to time (default: the first local device).
     num_workers: workers in the average it models.
     repeats: timed blocks per size.
     calls: calls per block.
     sync: called before each block (a barrier across processes).
+    sample: representative float32 data, such as one worker's raveled
+      gradient, repeated to each size (default: standard normal). The data
+      matters on a CPU: the float16 mean's casts of the compression
+      bench's gradient-like data, whose small layers hold float16
+      subnormals, took 157 ms at 16M floats against 12 ms for normal data.
 
   Returns:
     The fitted :class:`CodecCost`.
@@ -241,10 +284,8 @@ def profile_codec(averager: Averager, num_elements: int | Sequence[int],
     ValueError: a size below 2, fewer than one worker, repeat or call.
   """
   if isinstance(num_elements, (int, np.integer)):
-    top = int(num_elements)
-    sizes = [s for s in CODEC_FIT_SIZES if s <= top]
-    if len(sizes) < 2:
-      sizes = [max(top // 2, 1), top]
+    sizes = (fit_sizes(num_elements) if num_elements >= 2
+             else [int(num_elements)])
   else:
     sizes = [int(s) for s in num_elements]
   if min(sizes) < 2 or min(num_workers, repeats, calls) < 1:
@@ -257,7 +298,7 @@ def profile_codec(averager: Averager, num_elements: int | Sequence[int],
   # Compile everything first, so processes that share the host stay in step.
   programs = []
   for d in sizes:
-    x = jax.device_put(jax.random.normal(jax.random.key(d), (d,)), device)
+    x = jax.device_put(sample_data(sample, d), device)
     fn = local_program(averager, d, num_workers)
     jax.block_until_ready(fn(x, w))
     programs.append((fn, x))

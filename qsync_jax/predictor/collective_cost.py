@@ -27,14 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from qsync_jax.predictor import timing
-from qsync_jax.predictor.codec import AXIS, CodecCost
+from qsync_jax.predictor.codec import AXIS, CodecCost, sample_data
 
 #: HLO element types a compiled collective may move, as numpy types.
 HLO_DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16,
               "s8": jnp.int8, "u8": jnp.uint8, "s16": jnp.int16,
               "u16": jnp.uint16, "s32": jnp.int32, "u32": jnp.uint32}
 #: The collective kinds that can be timed.
-KINDS = ("all_reduce", "all_gather", "permute")
+KINDS = ("all_reduce", "all_gather", "permute", "exchange")
 #: Operand bytes per worker the fits are measured at.
 FIT_BYTES = (1 << 20, 1 << 22)
 
@@ -46,8 +46,8 @@ class CollectiveCost:
   Attributes:
     fits: ``{(kind, dtype): CodecCost}``, each ``a + b x operand bytes``
       (``kind`` as :class:`~qsync_jax.predictor.communication.Collective`'s:
-      ``"all_reduce"``, ``"all_gather"``, ``"permute"``; ``dtype`` an HLO
-      type such as ``"s8"``).
+      ``"all_reduce"``, ``"all_gather"``, ``"permute"``, ``"exchange"``;
+      ``dtype`` an HLO type such as ``"s8"``).
   """
   fits: Mapping[tuple[str, str], CodecCost]
 
@@ -91,18 +91,30 @@ def collective_program(kind: str, dtype: str, mesh: Mesh
       return jax.lax.psum(x, AXIS)
     if kind == "all_gather":  # The gathered copy's first share goes back.
       return jax.lax.all_gather(x, AXIS, tiled=True)[: x.shape[0]]
+    if kind == "exchange":  # Neighbours swap; an odd one out sends nothing.
+      return jax.lax.ppermute(x, AXIS, [(i, i ^ 1) for i in range(n)
+                                        if i ^ 1 < n])
     return jax.lax.ppermute(x, AXIS, [(i, (i + 1) % n) for i in range(n)])
 
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS),
                                out_specs=P(AXIS)))
 
 
+def _operand(np_dtype: np.dtype, elements: int, sample, n: int
+             ) -> np.ndarray:
+  """One worker's operand of a profiled collective (see
+  :func:`profile_collectives`'s ``sample``)."""
+  if sample is None or not jnp.issubdtype(np_dtype, jnp.floating):
+    return np.ones((elements,), np_dtype)
+  return (sample_data(sample, elements) / n).astype(np_dtype)
+
+
 def profile_collectives(keys: Iterable[tuple[str, str]],
                         devices: Sequence[jax.Device], *,
                         sizes: Sequence[int] = FIT_BYTES, repeats: int = 5,
                         calls: int = 3,
-                        sync: Callable[[], Any] | None = None
-                        ) -> CollectiveCost:
+                        sync: Callable[[], Any] | None = None,
+                        sample=None) -> CollectiveCost:
   """Times each ``(kind, dtype)`` collective alone over ``devices``.
 
   Every process of a multi-process mesh must call this with the same
@@ -119,6 +131,13 @@ def profile_collectives(keys: Iterable[tuple[str, str]],
     repeats: timed blocks per size.
     calls: calls per block.
     sync: called before each block.
+    sample: representative float32 data (one worker's raveled gradient):
+      floating operands are ``sample / n`` in their type, as the averagers
+      send ``w_i x_i``; integer ones are ones. Without it, floating
+      operands are ones too. gloo sums float16 in software, and its time
+      depends on the values: the float16 all-reduce of 16M elements over 1
+      Gbit/s took 985 ms with the compression bench's data against 724 ms
+      with ones.
 
   Returns:
     The fitted :class:`CollectiveCost`.
@@ -151,7 +170,7 @@ def profile_collectives(keys: Iterable[tuple[str, str]],
       elements = max(int(size) // np_dtype.itemsize, 1)
       x = jax.make_array_from_callback(
           (n * elements,), sharding,
-          lambda index, e=elements: np.ones((e,), np_dtype))
+          lambda index, e=elements: _operand(np_dtype, e, sample, n))
       jax.block_until_ready(fn(x))  # compile, in step on every process
       seconds.append(timing.median_block_seconds(fn, (x,), repeats, calls,
                                                  sync))
