@@ -51,7 +51,6 @@ def main(argv):
   # The predictor profiles the four workers sharing this host's cores.
   jax.config.update("jax_num_cpu_devices", 4)
   from experiments.studies import network
-  from qsync_jax.parallel import links
   try:
     model_kwargs = (None if FLAGS.model_kwargs is None
                     else json.loads(FLAGS.model_kwargs))
@@ -65,7 +64,7 @@ def main(argv):
                            link=FLAGS.link, topology=FLAGS.topology,
                            steps=FLAGS.steps, predict=FLAGS.predict,
                            model_kwargs=model_kwargs)
-  except RuntimeError as e:  # a failed run; links.LinkUnavailableError
+  except RuntimeError as e:  # a failed run, or the link is unavailable
     raise SystemExit(f"error: {e}") from None
   for name, s in result["configs"].items():
     t = s["time_to_target_mean_s"]
