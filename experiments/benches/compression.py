@@ -161,6 +161,8 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
     x = jax.make_array_from_process_local_data(sharding, rows, (n, d))
     w = jax.make_array_from_process_local_data(
         sharding, np.full(len(local), 1.0 / n, np.float32), (n,))
+    # The predictor profiles on this process's first worker's data.
+    sample = rows[0] if link is not None else None
     del rows
 
     def args(k, x=x, w=w):
@@ -185,7 +187,7 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
     time_rounds(cases, repeats, calls)
     predicted = ({} if link is None else
                  predict_cases(cases, d, devices, devices[local[0]], link,
-                               sample=worker_data(d, local[0], seed)))
+                               sample=sample))
     for case in cases:
       result = result_row(case, calls, setting=setting, strategy=case.name,
                           num_elements=d, num_workers=n)
@@ -200,7 +202,7 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
                 f"  predicted {result['predicted_s'] * 1e3:9.2f} ms"
                 if "predicted_s" in result else "")))
       results.append(result)
-    del x, w, cases
+    del x, w, cases, sample
     if sizes_done is not None:
       sizes_done.done(f"compression {setting} {d} elements")
     if on_size is not None:

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from qsync_jax import cli
+from qsync_jax.predictor.codec import fit_sizes
 from qsync_jax.predictor import collective_cost
 from qsync_jax.predictor import communication
 from qsync_jax.predictor import timing
@@ -271,7 +272,7 @@ def predict_cases(cases: Sequence[Case], num_elements: int,
   for key in sorted(largest):
     top = max(int(largest[key]), 1 << 14)
     parts.update(collective_cost.profile_collectives(
-        [key], devices, sizes=(top // 4, top),
+        [key], devices, sizes=fit_sizes(top),
         sync=lambda: barrier("collective profile"), sample=sample).fits)
   measured = collective_cost.CollectiveCost(parts)
   fits = measured.to_dict()

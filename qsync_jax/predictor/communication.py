@@ -126,6 +126,7 @@ class Link:
 
 
 _HLO_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_HLO_PAIR = re.compile(r"\{(\d+),(\d+)\}")
 
 
 def permute_kind(pairs) -> str:
@@ -252,9 +253,9 @@ def hlo_collectives(hlo_text: str, num_workers: int) -> list[Collective]:
     if not m or m.group(2) not in _HLO_KINDS:
       continue
     kind = _HLO_KINDS[m.group(2)]
-    pairs = _HLO_PAIRS.search(line)
-    if kind == "permute" and pairs:
-      kind = permute_kind(re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)))
+    pairs = _HLO_PAIRS.search(line) if kind == "permute" else None
+    if pairs:
+      kind = permute_kind(_HLO_PAIR.findall(pairs.group(1)))
     for dtype, dims in _HLO_ARRAY.findall(m.group(1)):
       size = float(np.prod([int(d) for d in dims.split(",") if d] or [1]))
       b = size * _HLO_BYTES.get(dtype, 4)
