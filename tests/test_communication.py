@@ -151,6 +151,56 @@ def test_codec_is_fitted_at_the_size_and_a_quarter_on_the_sample():
   assert "pure_callback" in str(jaxpr)
 
 
+@pytest.mark.parametrize("name", ["bf16", "gqsgd"])
+def test_a_sums_stand_in_keeps_the_passes_on_its_two_sides_apart(name):
+  """XLA fuses nothing across an all-reduce: the bfloat16 mean converts
+  before it and after it (XLA:CPU sums in float32), Global-QSGD encodes
+  before and decodes after. The stand-in is a conditional's branch, which
+  XLA keeps apart as well, so the local program has as many passes."""
+  fn = comm.local_program(averagers.make_averager(name), 1024, 4)
+  x = jnp.asarray(np.random.default_rng(1).standard_normal(1024),
+                  jnp.float32)
+  hlo = fn.lower(x, jnp.float32(0.25)).compile().as_text()
+  entry = hlo[hlo.index("ENTRY"):]
+  assert " conditional(" in entry
+  # The sum of n workers' equal shares: n x (w x), here x itself.
+  np.testing.assert_allclose(np.asarray(fn(x, jnp.float32(0.25))),
+                             np.asarray(x), atol=0.3 if name == "gqsgd"
+                             else 0.02)
+
+
+def test_over_the_mesh_the_workers_meet_at_each_collective():
+  """Over real workers, each stand-in waits for a one-element all-reduce of
+  its operands, so a worker's time includes waiting for the slowest."""
+  from jax.sharding import Mesh
+  from qsync_jax.predictor import codec
+  mesh = Mesh(np.array(jax.devices()[:4]), ("w",))
+  for name, meetings in [("gqsgd", 2), ("powersgd", 2), ("qsgd", 2),
+                         ("gqsgd_exp", 3)]:
+    averager = averagers.make_averager(name, **(
+        {"rank": 2} if name == "powersgd" else {}))
+    fn = codec.local_program(averager, 1024, 4, mesh)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((4, 1024)),
+                    jnp.float32)
+    w = jnp.full((4,), 0.25, jnp.float32)
+    text = str(jax.make_jaxpr(fn)(x, w))
+    # The meetings are the only collectives left, one-element sums.
+    assert text.count("psum") == meetings, name
+    assert "all_gather" not in text and "ppermute" not in text
+    assert fn(x, w).shape == (4, 1024)
+  out = codec.local_program(averagers.make_averager("none"), 64, 4, mesh)(
+      jnp.ones((4, 64)), jnp.full((4,), 0.25))
+  np.testing.assert_allclose(np.asarray(out), 1.0)  # n x (w x) each
+  cost = comm.profile_codec(averagers.make_averager("gqsgd"), 4096,
+                            mesh=mesh, repeats=1, calls=1)
+  assert cost.sizes == (1024, 4096) and len(cost.seconds) == 2
+  with pytest.raises(ValueError, match="a device or a mesh, not both"):
+    comm.profile_codec(averagers.make_averager("none"), 4096,
+                       jax.devices()[0], mesh=mesh)
+  with pytest.raises(ValueError, match="mesh of 2 devices"):
+    codec.local_program(averagers.make_averager("none"), 64, 2, mesh)
+
+
 def test_profile_codec_times_every_averager():
   for name in ["gqsgd_exp", "qsgd", "powersgd"]:
     cost = comm.profile_codec(averagers.make_averager(name), [1024, 4096],
@@ -249,7 +299,7 @@ def test_profiled_collectives_price_each_kind_and_type():
                              collectives=found) == pytest.approx(expected)
   with pytest.raises(ValueError, match="no measured cost for a all_gather"):
     cost([comm.Collective("all_gather", 8.0, "s8")])
-  with pytest.raises(ValueError, match="needs the averager's compiled"):
+  with pytest.raises(ValueError, match="needs the averager.s compiled"):
     comm.averaging_time(gqsgd, 1 << 14, 4, link, measured=cost)
   # Floating operands are the sample's w_i x_i in their type; integer
   # codes are ones.

@@ -48,10 +48,12 @@ recorded under ``settings.link`` and the headline ratio is also reported as
 gets the comm-aware predictor's ``predicted_s`` (the compiled program's
 collectives, each priced by the same kind and type timed alone on the link
 at its largest operand and a quarter of it, ``collectives_s``, plus the
-encode/decode profiled in the same run, ``codec_s``), and ``predicted_link_s`` (the bytes the compiled
-program moves, ``moved_bytes``, over the link's measured rate, its latency
-steps, and the same encode/decode;
-:func:`~experiments.benches.compression_cases.predict_cases`). The report
+encode/decode profiled with the workers meeting where the collectives are,
+``codec_s``; all these parts are timed in the same rounds as the averagers),
+and ``predicted_link_s`` (the bytes the compiled program moves,
+``moved_bytes``, over the link's measured rate, its latency steps, and the
+same encode/decode; :func:`~experiments.benches.compression_cases.
+predict_cases`). The report
 has ``predicted_vs_measured_max_rel_error``: the max over strategies of
 ``|predicted_s - time_s| / time_s`` at 16M floats, and
 ``predicted_link_vs_measured_max_rel_error`` for ``predicted_link_s``.
@@ -81,6 +83,7 @@ from experiments.benches.compression_cases import copies
 from experiments.benches.compression_cases import DATA_DOC
 from experiments.benches.compression_cases import exact_mean
 from experiments.benches.compression_cases import predict_cases
+from experiments.benches.compression_cases import prediction_parts
 from experiments.benches.compression_cases import first_row
 from experiments.benches.compression_cases import HEADLINE_SIZE
 from experiments.benches.compression_cases import HEADLINE_STRATEGY
@@ -184,10 +187,14 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
       if out is not None and exact is not None:
         case.rel_error = relative_error(first_row(out), exact)
       del out
-    time_rounds(cases, repeats, calls)
-    predicted = ({} if link is None else
-                 predict_cases(cases, d, devices, devices[local[0]], link,
-                               sample=sample))
+    # With a link, the predictor's parts are timed in the same rounds.
+    parts = (None if link is None else
+             prediction_parts(cases, d, devices, sample=sample))
+    time_rounds(cases + ([] if parts is None else parts.cases()), repeats,
+                calls)
+    predicted = ({} if parts is None else
+                 predict_cases(cases, parts, d, devices, link))
+    del parts
     for case in cases:
       result = result_row(case, calls, setting=setting, strategy=case.name,
                           num_elements=d, num_workers=n)

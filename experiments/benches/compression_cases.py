@@ -27,11 +27,12 @@ from typing import Any, Sequence
 
 import jax
 from jax.experimental import multihost_utils
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 import numpy as np
 
 from qsync_jax import cli
-from qsync_jax.predictor.codec import fit_sizes
+from qsync_jax.predictor import codec
+from qsync_jax.predictor.codec import CodecCost, fit_sizes
 from qsync_jax.predictor import collective_cost
 from qsync_jax.predictor import communication
 from qsync_jax.predictor import timing
@@ -224,24 +225,91 @@ def first_row(out: jax.Array) -> np.ndarray:
   return np.asarray(out.addressable_shards[0].data)[0]
 
 
-def predict_cases(cases: Sequence[Case], num_elements: int,
-                  devices: Sequence[jax.Device], device: jax.Device,
-                  link: communication.Link, sample=None
-                  ) -> dict[str, dict[str, Any]]:
-  """The predictor's time for every case that ran, next to the measured one.
+@dataclasses.dataclass
+class PredictionParts:
+  """What the predictor times for the cases of one size, as part cases.
 
-  Two predictions per case, both with the encode/decode profiled here on
-  ``device`` at the size and a quarter of it, every process at once (a
-  barrier before each timed block), so the processes share the cores as
-  they did while measuring. ``sample``, this worker's data, is what the
-  encode/decode and the floating collectives are profiled on (their speed
-  on a CPU depends on the values):
+  Attributes:
+    compiled: ``{case name: its compiled collectives}``.
+    codecs: ``{case name: [its encode/decode part case at each fit size]}``.
+    collectives: ``{(kind, HLO type): [its part case at each fit size]}``.
+    codec_sizes, collective_sizes: the fit sizes (elements; operand bytes).
+  """
+  compiled: dict[str, list[Any]]
+  codecs: dict[str, list[Case]]
+  codec_sizes: list[int]
+  collectives: dict[tuple[str, str], list[Case]]
+  collective_sizes: dict[tuple[str, str], list[int]]
+
+  def cases(self) -> list[Case]:
+    """Every part case, for :func:`time_rounds`."""
+    return ([c for cs in self.codecs.values() for c in cs]
+            + [c for cs in self.collectives.values() for c in cs])
+
+
+def _part(name: str, fn, args: tuple) -> Case:
+  return Case(name, fn=fn, args=lambda k: [args] * k, barrier=True)
+
+
+def prediction_parts(cases: Sequence[Case], num_elements: int,
+                     devices: Sequence[jax.Device], sample=None
+                     ) -> PredictionParts:
+  """The parts of every case that ran, built to be timed with the cases.
+
+  Each case's encode/decode (:func:`qsync_jax.predictor.codec.
+  codec_programs` over the mesh of ``devices``: the workers meet where
+  the collectives are, so the wait for the slowest is in it) at the size
+  and a quarter of it, and each kind and type of collective its compiled
+  program issues (:func:`qsync_jax.predictor.collective_cost.
+  collective_programs`) at the largest operand it has here and a quarter of
+  it. ``sample``, this worker's data, is what they run on: their speed on a
+  CPU depends on the values.
+
+  :func:`time_rounds` then times the parts in the same rounds as the
+  cases, in blocks of as many calls. A host's speed drifts by more than
+  the predictor's goal within one run, and a lone call pays its dispatch
+  and start-up where back-to-back calls hide them: profiled after the
+  measurement in blocks of three, the parts at 10 Gbit/s summed to 13-18%
+  off the whole in either direction.
+  """
+  mesh = Mesh(np.array(list(devices)), (AXIS,))
+  ran = [case for case in cases if case.fn is not None]
+  compiled = {case.name: communication.compiled_collectives(
+      case.averager, num_elements, devices) for case in ran}
+  codec_sizes = fit_sizes(num_elements)
+  codecs = {case.name: [
+      _part(f"{case.name} codec {d}", fn, args) for d, (fn, args) in zip(
+          codec_sizes, codec.codec_programs(case.averager, codec_sizes,
+                                            mesh=mesh, sample=sample))]
+            for case in ran}
+  # Each kind and type is fitted at the largest operand it is used at and a
+  # quarter of it: fitted further below, the line missed what the host's
+  # caches stop holding (the float32 mean fitted at 1/16 and 1/4 of 64 MiB
+  # came out 8% short at 1 Gbit/s, float16's 32%).
+  largest: dict[tuple[str, str], float] = {}
+  for c in (c for cs in compiled.values() for c in cs):
+    key = (c.kind, c.dtype)
+    largest[key] = max(largest.get(key, 0.0), c.operand_bytes)
+  sizes = {key: fit_sizes(max(int(top), 1 << 14))
+           for key, top in sorted(largest.items())}
+  collectives = {key: [
+      _part(f"{key[0]} {key[1]} {b}", fn, args) for b, (fn, args) in zip(
+          sizes[key], collective_cost.collective_programs(
+              *key, devices, sizes[key], sample))] for key in sizes}
+  return PredictionParts(compiled, codecs, codec_sizes, collectives, sizes)
+
+
+def predict_cases(cases: Sequence[Case], parts: PredictionParts,
+                  num_elements: int, devices: Sequence[jax.Device],
+                  link: communication.Link) -> dict[str, dict[str, Any]]:
+  """The predictor's time for every case that ran, from its parts' rounds.
+
+  Two predictions per case, both with the encode/decode fitted from its
+  parts (:func:`prediction_parts`, timed by :func:`time_rounds`):
 
   * ``predicted_s``: the compiled program's collectives (their kinds and
     wire types at this size; XLA:CPU widens bfloat16), each priced by the
-    same kind and type timed alone over ``devices`` at a quarter of its
-    largest operand here and at that operand, and fitted
-    (:func:`qsync_jax.predictor.profile_collectives`): the link as these
+    line through the same kind and type timed alone: the link as these
     processes' CPUs drive it;
   * ``predicted_link_s``: the bytes the compiled program moves over the
     link's measured rate, plus its latency steps (the model that needs no
@@ -252,52 +320,37 @@ def predict_cases(cases: Sequence[Case], num_elements: int,
     "wire_s", "latency_s", "collectives_s", "collective_fits", "codec_s",
     "codec_fit"}}``.
   """
+  def fit(sizes, part_cases):
+    return CodecCost.fit(sizes, [statistics.median(c.rounds)
+                                 for c in part_cases])
+
   n = len(devices)
-
-  def barrier(name="codec profile"):
-    multihost_utils.sync_global_devices(name)
-
-  ran = [case for case in cases if case.fn is not None]
-  compiled = {case.name: communication.compiled_collectives(
-      case.averager, num_elements, devices) for case in ran}
-  # Each kind and type is fitted at the largest operand it is used at and a
-  # quarter of it: fitted further below, the line missed what the host's
-  # caches stop holding (the float32 mean fitted at 1/16 and 1/4 of 64 MiB
-  # came out 8% short at 1 Gbit/s, float16's 32%).
-  largest: dict[tuple[str, str], float] = {}
-  for c in (c for cs in compiled.values() for c in cs):
-    key = (c.kind, c.dtype)
-    largest[key] = max(largest.get(key, 0.0), c.operand_bytes)
-  parts = {}
-  for key in sorted(largest):
-    top = max(int(largest[key]), 1 << 14)
-    parts.update(collective_cost.profile_collectives(
-        [key], devices, sizes=fit_sizes(top),
-        sync=lambda: barrier("collective profile"), sample=sample).fits)
-  measured = collective_cost.CollectiveCost(parts)
+  measured = collective_cost.CollectiveCost(
+      {key: fit(parts.collective_sizes[key], cs)
+       for key, cs in parts.collectives.items()})
   fits = measured.to_dict()
   out: dict[str, dict[str, Any]] = {}
-  for case in ran:
+  for case in cases:
+    if case.name not in parts.codecs:
+      continue
+    compiled = parts.compiled[case.name]
     traffic = communication.averager_traffic(
-        case.averager, num_elements, n, devices=devices,
-        compiled=compiled[case.name])
-    codec = communication.profile_codec(case.averager, num_elements, device,
-                                        num_workers=n, sync=barrier,
-                                        sample=sample)
+        case.averager, num_elements, n, devices=devices, compiled=compiled)
+    cost = fit(parts.codec_sizes, parts.codecs[case.name])
     out[case.name] = {
         "predicted_s": communication.averaging_time(
-            case.averager, num_elements, n, link, codec,
-            measured=measured, collectives=compiled[case.name]),
+            case.averager, num_elements, n, link, cost,
+            measured=measured, collectives=compiled),
         "predicted_link_s": communication.averaging_time(
-            case.averager, num_elements, n, link, codec, traffic=traffic),
+            case.averager, num_elements, n, link, cost, traffic=traffic),
         "moved_bytes": traffic.bytes,
         "wire_s": link.wire_time(traffic.bytes, n),
         "latency_s": traffic.steps * link.latency_s,
-        "collectives_s": measured(compiled[case.name]),
+        "collectives_s": measured(compiled),
         "collective_fits": {f"{c.kind} {c.dtype}": fits[f"{c.kind} {c.dtype}"]
-                            for c in compiled[case.name]},
-        "codec_s": codec(num_elements),
-        "codec_fit": codec.to_dict()}
+                            for c in compiled},
+        "codec_s": cost(num_elements),
+        "codec_fit": cost.to_dict()}
   return out
 
 

@@ -14,7 +14,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from qsync_jax.parallel.wire import Averager
@@ -83,16 +84,52 @@ class CodecCost:
 
 
 # Collectives over the workers' axis, and what stands in for each when one
-# worker's program runs alone: one pass over the operand, no wire.
+# worker's program runs alone: one pass over the operand, no wire. ``met``
+# is None, or where the workers still meet (:func:`_meeting`), the one
+# value the stand-in waits for.
 _LOCAL_STAND_INS = {
-    "psum": lambda x, n, out: x * n, "psum_invariant": lambda x, n, out: x * n,
-    "pmax": lambda x, n, out: x, "pmin": lambda x, n, out: x,
-    "ppermute": lambda x, n, out: _received(x),
-    "pvary": lambda x, n, out: x, "pcast": lambda x, n, out: x,
-    "all_gather": lambda x, n, out: _gathered(x, n, out),
-    "all_gather_invariant": lambda x, n, out: _gathered(x, n, out),
+    "psum": lambda x, n, out, met: _summed(x, n, met),
+    "psum_invariant": lambda x, n, out, met: _summed(x, n, met),
+    "pmax": lambda x, n, out, met: _after(x, met),
+    "pmin": lambda x, n, out, met: _after(x, met),
+    "ppermute": lambda x, n, out, met: _received(x, met),
+    "pvary": lambda x, n, out, met: x, "pcast": lambda x, n, out, met: x,
+    "all_gather": lambda x, n, out, met: _gathered(x, n, out, met),
+    "all_gather_invariant": lambda x, n, out, met: _gathered(x, n, out,
+                                                             met),
     "axis_index": lambda n, out: jnp.zeros(out.shape, out.dtype),
 }
+# The stand-ins that replace a collective (the others only retype a value).
+_MEETINGS = ("psum", "psum_invariant", "pmax", "pmin", "ppermute",
+             "all_gather", "all_gather_invariant")
+
+
+def _meeting(operands, axis: str):
+  """A one-element all-reduce on the first element of ``operands``: the
+  workers wait there for each other, as at the collective it stands for.
+  It follows the work that produces the operands, except an elementwise
+  pass that produces them (below).
+
+  Returns int32 ``[1]``, the count of NaNs that start the workers' operands
+  (never negative, which is what the stand-ins test, and XLA cannot fold
+  it away).
+  """
+  # One element, not a reduction over all: a reduction is a read pass of
+  # its own (the float32 mean's encode/decode doubled, 34 to 67 ms at 16M
+  # floats). But where the operand comes from an elementwise pass, XLA
+  # fuses the slice into it and computes the element first, so the workers
+  # meet before that pass, not after it.
+  flags = [(x.reshape(-1)[:1] != x.reshape(-1)[:1]).astype(jnp.int32)
+           for x in operands]
+  return jax.lax.psum(sum(flags[1:], flags[0]), axis)
+
+
+def _after(x, met):
+  """``x``, released once the workers met (a conditional on the meeting;
+  only for the small operands of a max or min: the branch copies)."""
+  if met is None:
+    return x
+  return jax.lax.cond(met[0] >= 0, lambda v: v, jnp.zeros_like, x)
 
 
 # Equations that call a jaxpr (which may hold collectives); a reduce's or a
@@ -101,7 +138,22 @@ _CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
           "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint")
 
 
-def _gathered(x, n: int, out):
+def _summed(x, n: int, met=None):
+  """``n x`` in a computation of its own (a branch of a conditional), so
+  that, as around the real all-reduce, XLA fuses nothing across it: the
+  operand is written out and the result read back in the sum's type.
+
+  Scaled in line, the sum fused into the passes on both sides and the
+  encode/decode came out one pass short wherever the real program has a pass
+  on each side of its all-reduce: the bfloat16 mean (converted there, summed
+  in float32 by XLA:CPU, converted back) was 20-30% short at 10 Gbit/s.
+  """
+  taken = (jax.lax.optimization_barrier(jnp.bool_(True)) if met is None
+           else met[0] >= 0)
+  return jax.lax.cond(taken, lambda v: v * n, lambda v: v, x)
+
+
+def _gathered(x, n: int, out, met=None):
   """n copies of ``x`` in the gather's output shape, made outside the
   program (a host callback), as a collective's receive buffer is.
 
@@ -112,15 +164,16 @@ def _gathered(x, n: int, out):
   compiles it, for the cost of one copy of the gathered bytes, which the
   collective also writes.
   """
-  def copies(v):
+  def copies(v, *_):
     return np.ascontiguousarray(np.broadcast_to(np.asarray(v)[None],
                                                 (n, *v.shape)))
   gathered = jax.pure_callback(
-      copies, jax.ShapeDtypeStruct((n, *x.shape), x.dtype), x)
+      copies, jax.ShapeDtypeStruct((n, *x.shape), x.dtype), x,
+      *([] if met is None else [met]))
   return gathered.reshape(out.shape)
 
 
-def _received(x):
+def _received(x, met=None):
   """A copy of ``x`` made outside the program, as a permute's receive
   buffer is.
 
@@ -131,9 +184,15 @@ def _received(x):
   390 ms besides its permutes (docs/RESULTS.md). A sum keeps its in-program
   stand-in (a scaling): made outside as well, its host copy cost more than
   the float32 mean's whole encode and decode (75 against 22 ms).
+
+  The callback hands back its argument: the callback's return is copied
+  into the program's result buffer, one write as a receive's. A second
+  copy in the callback cost 8 ms per 16 MiB on an idle host, which the
+  permute's own profile times again.
   """
-  return jax.pure_callback(lambda v: np.array(v, copy=True),
-                           jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+  return jax.pure_callback(lambda v, *_: np.asarray(v),
+                           jax.ShapeDtypeStruct(x.shape, x.dtype), x,
+                           *([] if met is None else [met]))
 
 
 def fit_sizes(num_elements: int) -> list[int]:
@@ -170,9 +229,12 @@ def _called_jaxpr(eqn):
   return None
 
 
-def _eval_local(jaxpr, consts, args, n: int):
+def _eval_local(jaxpr, consts, args, n: int, axis: str | None = None):
   """Evaluates a ``shard_map`` body with its collectives replaced by local
-  stand-ins (:data:`_LOCAL_STAND_INS`), recursing into nested ``jit``s."""
+  stand-ins (:data:`_LOCAL_STAND_INS`), recursing into nested ``jit``s.
+
+  With ``axis`` (the body runs in a ``shard_map`` over real workers), each
+  stand-in first waits for the workers to meet (:func:`_meeting`)."""
   env = {}
 
   def read(v):
@@ -188,7 +250,9 @@ def _eval_local(jaxpr, consts, args, n: int):
     if name == "axis_index":
       outs = [_LOCAL_STAND_INS[name](n, eqn.outvars[0].aval)]
     elif name in _LOCAL_STAND_INS:
-      outs = [_LOCAL_STAND_INS[name](x, n, o.aval)
+      met = (_meeting(invals, axis) if axis is not None
+             and name in _MEETINGS else None)
+      outs = [_LOCAL_STAND_INS[name](x, n, o.aval, met)
               for x, o in zip(invals, eqn.outvars)]
     elif name in COLLECTIVE_PRIMITIVES:
       raise ValueError(f"profile_codec has no local stand-in for {name}")
@@ -197,7 +261,7 @@ def _eval_local(jaxpr, consts, args, n: int):
       # hold collectives (forward only, so the custom rules do not matter).
       sub = _called_jaxpr(eqn)
       outs = _eval_local(getattr(sub, "jaxpr", sub),
-                         getattr(sub, "consts", ()), invals, n)
+                         getattr(sub, "consts", ()), invals, n, axis)
     else:
       # As jax's own evaluator binds; before jax 0.10 call primitives also
       # returned sub-functions to bind with.
@@ -212,40 +276,121 @@ def _eval_local(jaxpr, consts, args, n: int):
   return [read(v) for v in jaxpr.outvars]
 
 
-def local_program(averager: Averager, num_elements: int, num_workers: int):
+def _traced_body(averager: Averager, num_elements: int, num_workers: int,
+                 mesh: Mesh | None):
+  """The averager's ``shard_map`` body and the mesh it was traced on (the
+  given one, whose equations then name it, or an abstract one)."""
+  if mesh is not None and mesh.devices.shape != (num_workers,):
+    raise ValueError(f"local_program needs a mesh of {num_workers} devices "
+                     f"on one axis, got shape {mesh.devices.shape}")
+  traced_on = (AbstractMesh((num_workers,), (AXIS,)) if mesh is None
+               else Mesh(mesh.devices, (AXIS,)))
+  fn = jax.shard_map(shard_body(averager), mesh=traced_on,
+                     in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS))
+  outer = jax.make_jaxpr(fn)(*abstract_args(num_elements, num_workers))
+  (eqn,) = [e for e in outer.jaxpr.eqns if e.primitive.name == "shard_map"]
+  return eqn.params["jaxpr"], traced_on
+
+
+def local_program(averager: Averager, num_elements: int, num_workers: int,
+                  mesh: Mesh | None = None):
   """One worker's averager program with its collectives replaced.
 
   The averager is traced in a ``shard_map`` over an abstract mesh of
   ``num_workers`` (so what depends on the count, Global-QSGD's levels and
   the exponential merges' ``log2 n`` stages, is as in the real run), and its
   body is replayed with every collective swapped for one local pass over its
-  operand (a sum becomes a scaling, a max the operand itself, and a gather
-  a repeat and a permute a copy, both made outside the program as a receive
-  buffer is). What is left is the averager's own work: encode, decode,
-  scales, noise.
+  operand (a sum becomes a scaling across which XLA fuses nothing, a max
+  the operand itself, and a gather a repeat and a permute a copy, both made
+  outside the program as a receive buffer is). What is left is the
+  averager's own work: encode, decode, scales, noise.
+
+  Args:
+    averager: the averaging strategy.
+    num_elements: float32 elements per worker.
+    num_workers: workers in the average it models.
+    mesh: None for one worker's program alone, or the run's mesh (one axis,
+      ``num_workers`` devices): the program then runs on every worker, and
+      before each stand-in the workers meet in a one-element all-reduce, as
+      they do at each collective of the real average. A collective waits
+      for the slowest worker, so where the workers share a host's cores the
+      work between two collectives costs the slowest worker's time: with
+      four processes on two cores, PowerSGD's two small all-reduces
+      waited 50 ms of its 180 ms (docs/RESULTS.md).
 
   Returns:
-    A jitted ``fn(x, w)`` on one worker's ``(num_elements,)`` float32 ``x``
-    and scalar ``w``.
+    A jitted ``fn(x, w)``: on one worker's ``(num_elements,)`` float32 ``x``
+    and scalar ``w``; over ``mesh``, on the workers' ``(num_workers,
+    num_elements)`` and ``(num_workers,)``, sharded over its axis.
+
+  Raises:
+    ValueError: a mesh of other than ``num_workers`` devices on one axis.
   """
-  mesh = AbstractMesh((num_workers,), (AXIS,))
-  fn = jax.shard_map(shard_body(averager), mesh=mesh,
-                     in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS))
-  outer = jax.make_jaxpr(fn)(*abstract_args(num_elements, num_workers))
-  (eqn,) = [e for e in outer.jaxpr.eqns if e.primitive.name == "shard_map"]
-  body = eqn.params["jaxpr"]
+  body, traced_on = _traced_body(averager, num_elements, num_workers, mesh)
+  if mesh is None:
+    def run(x, w):
+      return _eval_local(body, (), (x[None], w[None]), num_workers)[0][0]
+    return jax.jit(run)
 
-  def run(x, w):
-    return _eval_local(body, (), (x[None], w[None]), num_workers)[0][0]
+  def met_run(x, w):
+    return _eval_local(body, (), (x, w), num_workers, AXIS)[0]
 
-  return jax.jit(run)
+  # The replayed body mixes values that vary over the workers with ones
+  # that do not, as the stand-ins leave them: not what check_vma checks.
+  return jax.jit(jax.shard_map(met_run, mesh=traced_on,
+                               in_specs=(P(AXIS), P(AXIS)),
+                               out_specs=P(AXIS), check_vma=False))
+
+
+def codec_programs(averager: Averager, sizes: Sequence[int],
+                   device: jax.Device | None = None, *,
+                   mesh: Mesh | None = None, num_workers: int = 2,
+                   sample=None) -> list[tuple[Callable[..., Any], tuple]]:
+  """The programs :func:`profile_codec` times, compiled and run once.
+
+  For callers that time them their own way (in rounds with other programs,
+  as the compression bench does). Arguments as :func:`profile_codec`'s.
+
+  Returns:
+    One ``(fn, args)`` per size (:func:`local_program`): ``fn(*args)`` is
+    one call.
+
+  Raises:
+    ValueError: both a device and a mesh.
+  """
+  if mesh is not None:
+    if device is not None:
+      raise ValueError("profile_codec takes a device or a mesh, not both")
+    num_workers = mesh.devices.size
+    sharding = NamedSharding(mesh, P(mesh.axis_names[0]))
+    w = jax.make_array_from_callback(
+        (num_workers,), sharding,
+        lambda _: np.full((1,), 1.0 / num_workers, np.float32))
+
+    def put(row):
+      return jax.make_array_from_callback((num_workers, row.size), sharding,
+                                          lambda _: row[None])
+  else:
+    device = device or jax.local_devices()[0]
+    w = jax.device_put(jnp.float32(1.0 / num_workers), device)
+
+    def put(row):
+      return jax.device_put(row, device)
+  # Compile everything first, so processes that share the host stay in step.
+  programs = []
+  for d in sizes:
+    x = put(sample_data(sample, int(d)))
+    fn = local_program(averager, int(d), num_workers, mesh)
+    jax.block_until_ready(fn(x, w))
+    programs.append((fn, (x, w)))
+  return programs
 
 
 def profile_codec(averager: Averager, num_elements: int | Sequence[int],
                   device: jax.Device | None = None, *, num_workers: int = 2,
                   repeats: int = 5, calls: int = 3,
                   sync: Callable[[], Any] | None = None,
-                  sample=None) -> CodecCost:
+                  sample=None, mesh: Mesh | None = None) -> CodecCost:
   """Measures an averager's local work on ``device``, fitted as ``a + b n``.
 
   Times :func:`local_program`: the averager as one worker runs it, with
@@ -277,11 +422,18 @@ def profile_codec(averager: Averager, num_elements: int | Sequence[int],
       bench's gradient-like data, whose small layers hold float16
       subnormals, took 157 ms at 16M floats against 12 ms for normal data.
 
+    mesh: instead of ``device``, the run's mesh (one axis, one device per
+      worker, every process calling this alike): the program runs on every
+      worker and the workers meet where the average's collectives are
+      (:func:`local_program`), so waiting for the slowest worker is timed.
+      ``num_workers`` is then the mesh's size.
+
   Returns:
     The fitted :class:`CodecCost`.
 
   Raises:
-    ValueError: a size below 2, fewer than one worker, repeat or call.
+    ValueError: a size below 2, fewer than one worker, repeat or call, or
+      both a device and a mesh.
   """
   if isinstance(num_elements, (int, np.integer)):
     sizes = (fit_sizes(num_elements) if num_elements >= 2
@@ -293,16 +445,9 @@ def profile_codec(averager: Averager, num_elements: int | Sequence[int],
                      f"worker, repeat and call; got sizes {sizes}, "
                      f"{num_workers} workers, {repeats} repeats, {calls} "
                      "calls")
-  device = device or jax.local_devices()[0]
-  w = jax.device_put(jnp.float32(1.0 / num_workers), device)
-  # Compile everything first, so processes that share the host stay in step.
-  programs = []
-  for d in sizes:
-    x = jax.device_put(sample_data(sample, d), device)
-    fn = local_program(averager, d, num_workers)
-    jax.block_until_ready(fn(x, w))
-    programs.append((fn, x))
-  times = [timing.median_block_seconds(fn, (x, w), repeats, calls, sync)
-           for fn, x in programs]
+  programs = codec_programs(averager, sizes, device, mesh=mesh,
+                            num_workers=num_workers, sample=sample)
+  times = [timing.median_block_seconds(fn, args, repeats, calls, sync)
+           for fn, args in programs]
   del programs
   return CodecCost.fit(sizes, times)

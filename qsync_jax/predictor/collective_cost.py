@@ -109,6 +109,35 @@ def _operand(np_dtype: np.dtype, elements: int, sample, n: int
   return (sample_data(sample, elements) / n).astype(np_dtype)
 
 
+def collective_programs(kind: str, dtype: str,
+                        devices: Sequence[jax.Device], sizes: Sequence[int],
+                        sample=None) -> list[tuple[Callable[..., Any], tuple]]:
+  """The programs :func:`profile_collectives` times for one kind and type,
+  compiled and run once (every process alike), one ``(fn, args)`` per
+  size of operand bytes; arguments as :func:`profile_collectives`'s.
+
+  Raises:
+    ValueError: an unknown kind or type.
+  """
+  if dtype not in HLO_DTYPES:
+    raise ValueError(f"cannot time collectives of {dtype}; types: "
+                     f"{', '.join(HLO_DTYPES)}")
+  mesh = Mesh(np.array(list(devices)), (AXIS,))
+  sharding = NamedSharding(mesh, P(AXIS))
+  n = mesh.devices.size
+  np_dtype = np.dtype(HLO_DTYPES[dtype])
+  fn = collective_program(kind, dtype, mesh)
+  programs = []
+  for size in sizes:
+    elements = max(int(size) // np_dtype.itemsize, 1)
+    x = jax.make_array_from_callback(
+        (n * elements,), sharding,
+        lambda index, e=elements: _operand(np_dtype, e, sample, n))
+    jax.block_until_ready(fn(x))  # compile, in step on every process
+    programs.append((fn, (x,)))
+  return programs
+
+
 def profile_collectives(keys: Iterable[tuple[str, str]],
                         devices: Sequence[jax.Device], *,
                         sizes: Sequence[int] = FIT_BYTES, repeats: int = 5,
@@ -158,22 +187,10 @@ def profile_collectives(keys: Iterable[tuple[str, str]],
   if unknown:
     raise ValueError(f"cannot time collectives {keys}; valid kinds: "
                      f"{', '.join(KINDS)}; types: {', '.join(HLO_DTYPES)}")
-  mesh = Mesh(np.array(devices), (AXIS,))
-  sharding = NamedSharding(mesh, P(AXIS))
-  n = len(devices)
   fits = {}
   for kind, dtype in keys:
-    np_dtype = np.dtype(HLO_DTYPES[dtype])
-    fn = collective_program(kind, dtype, mesh)
-    seconds = []
-    for size in sizes:
-      elements = max(int(size) // np_dtype.itemsize, 1)
-      x = jax.make_array_from_callback(
-          (n * elements,), sharding,
-          lambda index, e=elements: _operand(np_dtype, e, sample, n))
-      jax.block_until_ready(fn(x))  # compile, in step on every process
-      seconds.append(timing.median_block_seconds(fn, (x,), repeats, calls,
-                                                 sync))
-      del x
+    seconds = [timing.median_block_seconds(fn, args, repeats, calls, sync)
+               for fn, args in collective_programs(kind, dtype, devices,
+                                                   sizes, sample)]
     fits[(kind, dtype)] = CodecCost.fit([int(s) for s in sizes], seconds)
   return CollectiveCost(fits)
