@@ -99,9 +99,6 @@ _LOCAL_STAND_INS = {
                                                              met),
     "axis_index": lambda n, out: jnp.zeros(out.shape, out.dtype),
 }
-# The stand-ins that replace a collective (the others only retype a value).
-_MEETINGS = ("psum", "psum_invariant", "pmax", "pmin", "ppermute",
-             "all_gather", "all_gather_invariant")
 
 
 def _meeting(operands, axis: str):
@@ -250,8 +247,9 @@ def _eval_local(jaxpr, consts, args, n: int, axis: str | None = None):
     if name == "axis_index":
       outs = [_LOCAL_STAND_INS[name](n, eqn.outvars[0].aval)]
     elif name in _LOCAL_STAND_INS:
+      # Workers meet at a collective, not where a value is only retyped.
       met = (_meeting(invals, axis) if axis is not None
-             and name in _MEETINGS else None)
+             and name in COLLECTIVE_PRIMITIVES else None)
       outs = [_LOCAL_STAND_INS[name](x, n, o.aval, met)
               for x, o in zip(invals, eqn.outvars)]
     elif name in COLLECTIVE_PRIMITIVES:
@@ -274,22 +272,6 @@ def _eval_local(jaxpr, consts, args, n: int, axis: str | None = None):
     for var, val in zip(eqn.outvars, outs):
       env[var] = val
   return [read(v) for v in jaxpr.outvars]
-
-
-def _traced_body(averager: Averager, num_elements: int, num_workers: int,
-                 mesh: Mesh | None):
-  """The averager's ``shard_map`` body and the mesh it was traced on (the
-  given one, whose equations then name it, or an abstract one)."""
-  if mesh is not None and mesh.devices.shape != (num_workers,):
-    raise ValueError(f"local_program needs a mesh of {num_workers} devices "
-                     f"on one axis, got shape {mesh.devices.shape}")
-  traced_on = (AbstractMesh((num_workers,), (AXIS,)) if mesh is None
-               else Mesh(mesh.devices, (AXIS,)))
-  fn = jax.shard_map(shard_body(averager), mesh=traced_on,
-                     in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS))
-  outer = jax.make_jaxpr(fn)(*abstract_args(num_elements, num_workers))
-  (eqn,) = [e for e in outer.jaxpr.eqns if e.primitive.name == "shard_map"]
-  return eqn.params["jaxpr"], traced_on
 
 
 def local_program(averager: Averager, num_elements: int, num_workers: int,
@@ -326,7 +308,17 @@ def local_program(averager: Averager, num_elements: int, num_workers: int,
   Raises:
     ValueError: a mesh of other than ``num_workers`` devices on one axis.
   """
-  body, traced_on = _traced_body(averager, num_elements, num_workers, mesh)
+  if mesh is not None and mesh.devices.shape != (num_workers,):
+    raise ValueError(f"local_program needs a mesh of {num_workers} devices "
+                     f"on one axis, got shape {mesh.devices.shape}")
+  # Traced over the mesh it replays on: its equations name their mesh.
+  traced_on = (AbstractMesh((num_workers,), (AXIS,)) if mesh is None
+               else Mesh(mesh.devices, (AXIS,)))
+  fn = jax.shard_map(shard_body(averager), mesh=traced_on,
+                     in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS))
+  outer = jax.make_jaxpr(fn)(*abstract_args(num_elements, num_workers))
+  (eqn,) = [e for e in outer.jaxpr.eqns if e.primitive.name == "shard_map"]
+  body = eqn.params["jaxpr"]
   if mesh is None:
     def run(x, w):
       return _eval_local(body, (), (x[None], w[None]), num_workers)[0][0]
@@ -421,7 +413,6 @@ def profile_codec(averager: Averager, num_elements: int | Sequence[int],
       matters on a CPU: the float16 mean's casts of the compression
       bench's gradient-like data, whose small layers hold float16
       subnormals, took 157 ms at 16M floats against 12 ms for normal data.
-
     mesh: instead of ``device``, the run's mesh (one axis, one device per
       worker, every process calling this alike): the program runs on every
       worker and the workers meet where the average's collectives are
