@@ -243,9 +243,10 @@ def test_mixed_precision_plan_costs_what_its_layers_cost():
   assert pred.step_time_s == pytest.approx(1.5 + 6.0)
 
 
-def _host(fixed=None):
+def _host(fixed=None, hidden=None):
   return {"allreduce": [0.0, 0.0],
-          **({"fixed_step_s": fixed} if fixed else {})}
+          **({"fixed_step_s": fixed} if fixed else {}),
+          **({"hidden_host_s": hidden} if hidden else {})}
 
 
 def test_pieces_are_scaled_to_the_measured_uniform_passes():
@@ -298,6 +299,45 @@ def test_shared_host_adds_the_timed_fixed_step_once():
   assert two.step_time_s == pytest.approx(3.0 + 0.5)
   assert "fixed part" in two.critical_path[-1]
   assert simulate.host_value({1: 1.0, 4: 4.0}, 2) == pytest.approx(2.0)
+
+
+def test_a_pass_shorter_than_the_hidden_host_work_costs_the_step_nothing():
+  g = _chain(1)
+  # One worker's pass takes 3 s; the host prepares the update for 5 s
+  # meanwhile, so the update waits for the host, not for the pass.
+  prof = _profile(g, [1.0], [2.0], host=_host(fixed={1: 0.25},
+                                               hidden={1: 5.0}))
+  one = simulate.simulate(g, _workers(g, prof, 1), bucket_bytes=None,
+                          shared_host=True)
+  assert one.step_time_s == pytest.approx(5.0 + 0.25)
+  assert any("outlasts the pass: 2000.000 ms" in line
+             for line in one.critical_path)
+  assert one.exposed_comm_s == 0.0
+  # A longer pass shows whole: 2 s of hidden work is under its 3 s.
+  prof.host["hidden_host_s"] = {1: 2.0}
+  longer = simulate.simulate(g, _workers(g, prof, 1), bucket_bytes=None,
+                             shared_host=True)
+  assert longer.step_time_s == pytest.approx(3.0 + 0.25)
+  assert not any("outlasts" in line for line in longer.critical_path)
+
+
+def test_step_overhead_fit_finds_the_host_work_a_pass_hides():
+  fit = profile_lib.fit_step_overhead
+  # step = 1 + max(pass, 2): passes of 1 and 1.5 hide under the host work.
+  passes = [1.0, 1.5, 3.0, 4.0]
+  steps = [1.0 + max(p, 2.0) for p in passes]
+  fixed, hidden = fit(passes, steps)
+  assert fixed == pytest.approx(1.0, abs=0.01)
+  assert hidden == pytest.approx(2.0, abs=0.01)
+  # Every pass longer than any host work: nothing hidden, the fixed part is
+  # what each step pays beyond its pass.
+  assert fit([3.0, 4.0], [3.5, 4.5]) == pytest.approx((0.5, 0.0))
+  # One step and its pass: the step less the pass.
+  assert fit([0.8], [2.0]) == pytest.approx((1.2, 0.0))
+  # A step faster than its pass (noise) keeps both parts non-negative.
+  assert fit([2.0], [1.5]) == pytest.approx((0.0, 0.0))
+  with pytest.raises(ValueError, match="as many steps as passes"):
+    fit([1.0, 2.0], [1.0])
 
 
 def test_ring_allreduce_time_follows_alpha_beta():
@@ -405,11 +445,22 @@ def test_measured_profile_covers_every_piece(measured_cnn, tmp_path):
   assert set(prof.passes) == {"fp32", "int8"}
   for per_k in prof.passes.values():
     assert set(per_k) == {1, 2} and min(per_k.values()) > 0
-  assert set(prof.host) == {"allreduce", "fixed_step_s"}
-  assert set(prof.host["fixed_step_s"]) == {1, 2}
-  # The fixed part holds the update program, which the optimizer alone is
-  # part of.
-  assert min(prof.host["fixed_step_s"].values()) > prof.optimizer_s
+  assert set(prof.host) == {"allreduce", "uniform_steps_s",
+                             "compute_free_pass_s", "fixed_step_s",
+                             "hidden_host_s"}
+  free = profile_lib.FREE
+  assert set(prof.host["uniform_steps_s"]) == {"fp32", "int8", free}
+  for k in (1, 2):
+    names = ("fp32", "int8", free)
+    steps = [prof.host["uniform_steps_s"][p][k] for p in names]
+    passes = [prof.passes[p][k] for p in names[:2]] + [
+        prof.host["compute_free_pass_s"][k]]
+    assert min(steps) > 0
+    # Zero gradients cost less than the real pass.
+    assert passes[2] < passes[0]
+    # The fit reproduces what the profile holds.
+    assert (prof.host["fixed_step_s"][k], prof.host["hidden_host_s"][k]) == (
+        pytest.approx(profile_lib.fit_step_overhead(passes, steps)))
   path = str(tmp_path / "p.json")
   prof.save(path)
   again = profile_lib.Profile.load(path)

@@ -46,9 +46,10 @@ DEFAULT_BATCH = {"cnn": 32, "bert": 16, "resnet18": 16}
 
 
 #: The precisions of :func:`plans_for`'s uniform plans (named by value).
-#: Their whole passes are part of the profile
-#: (:func:`.simulation.pass_factors`), so the result also reports the error
-#: over the mixed plans alone, which nothing of theirs was fitted on.
+#: Their whole passes and, with the host's workers, their steps are part of
+#: the profile (:func:`.simulation.pass_factors`,
+#: :func:`.profiling.fit_step_overhead`), so the result also reports the
+#: error over the mixed plans alone, which nothing of theirs was fitted on.
 UNIFORM_PRECISIONS = (Precision.FP32, Precision.BF16, Precision.FP16,
                       Precision.INT8)
 UNIFORM_PLANS = tuple(p.value for p in UNIFORM_PRECISIONS)
@@ -150,10 +151,9 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
     "rel_error", "predicted_memory_bytes", "measured_memory_bytes",
     "memory_rel_error", "uniform", "fitted", "steal_fraction"}],
     "mean_abs_rel_error", "max_abs_rel_error", "unfitted_mean_abs_rel_error",
-    "unfitted_max_abs_rel_error" (without the uniform-FP32 cases, whose step
-    the profile times whole for the step's fixed part),
-    "mixed_mean_abs_rel_error", "mixed_max_abs_rel_error" (over the mixed
-    plans alone),
+    "unfitted_max_abs_rel_error" (without the uniform plans of profiled
+    precisions, whose steps the profile times for the step's fixed part and
+    the host work a pass hides: the mixed plans alone),
     "max_abs_memory_rel_error", "simulate_ms",
     "steal_fraction", "profiles": {model: {workers: the profile of that
     worker count's first phase}}, "device", "jax"}``; ``steal_fraction`` is
@@ -258,7 +258,7 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
                   "memory_rel_error": (pm - mm) / mm,
                   "uniform": name in UNIFORM_PLANS,
                   # The profile times this step whole (its fixed part).
-                  "fitted": name == Precision.FP32.value,
+                  "fitted": name in {p.value for p in precisions},
                   "steal_fraction": steal}
           model_cases.append(case)
           log(f"  {name:<22} x{n}: predicted "
@@ -270,7 +270,6 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
     cases += sorted(model_cases, key=lambda c: (names.index(c["plan"]),
                                                 c["workers"]))
   errors = np.abs([c["rel_error"] for c in cases])
-  mixed = np.abs([c["rel_error"] for c in cases if not c["uniform"]])
   unfitted = np.abs([c["rel_error"] for c in cases if not c["fitted"]])
   return {"cases": cases,
           "mean_abs_rel_error": float(errors.mean()),
@@ -279,10 +278,6 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
                                           if unfitted.size else None),
           "unfitted_max_abs_rel_error": (float(unfitted.max())
                                          if unfitted.size else None),
-          "mixed_mean_abs_rel_error": (float(mixed.mean()) if mixed.size
-                                       else None),
-          "mixed_max_abs_rel_error": (float(mixed.max()) if mixed.size
-                                      else None),
           "max_abs_memory_rel_error": float(np.max(np.abs(
               [c["memory_rel_error"] for c in cases]))),
           "simulate_ms": float(np.median(sim_ms)),

@@ -5,11 +5,11 @@ compiled work and returns the output, for
 :func:`qsync_jax.predictor.timing.interleaved`): one layer's forward and
 forward+backward (:func:`layer_calls`), the step without its layers
 (:func:`rest_calls`), one optimizer update (:func:`optimizer_call`), and for
-a host that carries several workers: k copies of the whole gradient pass at
+a host that carries workers: k copies of the whole gradient pass at
 once (:func:`pass_concurrency_calls`), host all-reduces
-(:func:`allreduce_calls`) and the trainer's uniform-FP32 step, whose time
-beyond its pass is the step's fixed part (:func:`fp32_step_calls`). The step
-is built from
+(:func:`allreduce_calls`) and the trainer's step at a uniform precision,
+whose times against the passes give the step's fixed part and the host work
+a pass hides (:func:`uniform_step_calls`). The step is built from
 :mod:`qsync_jax.train.step` and :mod:`qsync_jax.train.programs`, the pieces
 the trainer runs, not from the trainer itself.
 """
@@ -185,15 +185,15 @@ class _DataParallel(NamedTuple):
 
 
 def _data_parallel(model: nnx.Module, tx: optax.GradientTransformation,
-                   devices: Sequence[jax.Device], loss_fn,
-                   sample_input) -> _DataParallel:
-  """The trainer's pieces for FP32 workers on ``devices``, built as the
-  trainer builds them (:mod:`qsync_jax.train.step`,
+                   devices: Sequence[jax.Device], loss_fn, sample_input,
+                   plan: PrecisionPlan) -> _DataParallel:
+  """The trainer's pieces for workers with ``plan`` on ``devices``, built as
+  the trainer builds them (:mod:`qsync_jax.train.step`,
   :mod:`qsync_jax.train.programs`): no loss scaling, the mean averager, equal
   weights. ``model`` is prepared as the trainer prepares it."""
   k = len(devices)
   graphdefs, _, _, params, rest = step_lib.plan_graphdefs(
-      model, [(PrecisionPlan(), "cpu")] * k, sample_input)
+      model, [(plan, "cpu")] * k, sample_input)
   flat, unravel = ravel_pytree(params)
   mesh = Mesh(np.array(devices), (layout.AXIS,))
   by_index = dict(enumerate(devices))
@@ -208,20 +208,67 @@ def _data_parallel(model: nnx.Module, tx: optax.GradientTransformation,
                               seed=0, error_feedback=False))
 
 
-def fp32_step_calls(model: nnx.Module, tx: optax.GradientTransformation,
-                    local_devices: Sequence[jax.Device], sample_batch,
-                    sample_input, loss_fn) -> dict[int, Callable[[], Any]]:
-  """``{k: call}``: the trainer's data-parallel step over k of the host's
-  workers, every one at uniform FP32.
+# Kept arguments place the zeros on their device: jit would otherwise drop
+# the unused ones and run on the default device.
+@functools.partial(jax.jit, keep_unused=True)
+def _free_gradients(params_row, rest, scale, batch, ids):
+  """The gradient function's signature, computing nothing: zero gradients,
+  the state unchanged, no metrics."""
+  del scale, batch, ids
+  return jnp.zeros_like(params_row), rest, {}
 
-  Less the FP32 pass over k workers (:func:`pass_concurrency_calls`), it
-  gives the step's fixed part: what a step pays besides the pass, as the
-  trainer pays it (the host's work between dispatches, the transfers, every
-  dispatch and the update program on this model's parameters), less the
-  host work that hides under the pass. That last term is why it is timed
-  with the real pass: the update program and a compute-free step timed
-  apart counted the update's dispatch twice and hid nothing, which made a
-  step of about a millisecond 15-38 % slow.
+
+def _step_calls(model: nnx.Module, tx: optax.GradientTransformation,
+                local_devices: Sequence[jax.Device], sample_batch,
+                sample_input, loss_fn, plan: PrecisionPlan,
+                compute_free: bool) -> dict[int, Callable[[], Any]]:
+  """``{k: call}`` of the trainer's step over k workers with ``plan``, or,
+  ``compute_free``, with :func:`_free_gradients` for their passes."""
+  out = {}
+  for k in host_counts(len(local_devices)):
+    dp = _data_parallel(model, tx, local_devices[:k], loss_fn, sample_input,
+                        plan)
+    grad_fns = ({i: _free_gradients for i in dp.grad_fns} if compute_free
+                else dp.grad_fns)
+    batches = {i: _batch_arrays(sample_batch, d)
+               for i, d in dp.devices.items()}
+    state = [dp.state]
+
+    def step(dp=dp, grad_fns=grad_fns, batches=batches, state=state):
+      s = state[0]
+      grads, _ = step_lib.local_gradients(
+          grad_fns, dp.devices, s.params, s.loss_scale.scale, dp.rests,
+          batches, dp.sharding)
+      params, opt_state, scale, _, counter, residual, averager_state = (
+          dp.update(s.params, s.opt_state, s.loss_scale, grads, s.weights,
+                    s.counter, s.residual, s.averager_state))
+      state[0] = programs.StackedState(params, opt_state, scale, s.weights,
+                                       counter, residual, averager_state)
+      return params
+    out[k] = step
+  return out
+
+
+def uniform_step_calls(model: nnx.Module, tx: optax.GradientTransformation,
+                       local_devices: Sequence[jax.Device], sample_batch,
+                       sample_input, loss_fn, precision: Precision,
+                       quant: QuantConfig | None = None
+                       ) -> dict[int, Callable[[], Any]]:
+  """``{k: call}``: the trainer's data-parallel step over k of the host's
+  workers, every one at uniform ``precision``.
+
+  Against the pass at the same precision over k workers
+  (:func:`pass_concurrency_calls`), and the step whose passes compute
+  nothing (:func:`compute_free_step_calls`), these steps give what a step
+  pays besides its pass, as the trainer pays it (the host's work between
+  dispatches, the transfers, every dispatch and the update program on this
+  model's parameters), and how much of the host's work a pass hides: the
+  trainer dispatches the pass and then prepares the update while it runs,
+  so a pass shorter than that work costs the step nothing
+  (:func:`.profiling.fit_step_overhead`). (Taken as the step's fixed part,
+  the update program and a compute-free step, timed apart, counted the
+  update's dispatch twice and hid nothing: a step of about a millisecond
+  came out 15-38 % slow.)
 
   Args:
     model: the model.
@@ -232,24 +279,38 @@ def fp32_step_calls(model: nnx.Module, tx: optax.GradientTransformation,
       (:attr:`.graph.ModelGraph.sample`), to list its layers.
     loss_fn: the objective, in any form
       :func:`qsync_jax.task.as_objective` takes.
+    precision: every worker's uniform precision.
+    quant: operand quantization of INT8 / FP8 layers.
   """
-  out = {}
-  for k in host_counts(len(local_devices)):
-    dp = _data_parallel(model, tx, local_devices[:k], loss_fn, sample_input)
-    batches = {i: _batch_arrays(sample_batch, d)
-               for i, d in dp.devices.items()}
-    state = [dp.state]
+  return _step_calls(model, tx, local_devices, sample_batch, sample_input,
+                     loss_fn, PrecisionPlan.uniform(precision, quant), False)
 
-    def step(dp=dp, batches=batches, state=state):
-      s = state[0]
-      grads, _ = step_lib.local_gradients(
-          dp.grad_fns, dp.devices, s.params, s.loss_scale.scale, dp.rests,
-          batches, dp.sharding)
-      params, opt_state, scale, _, counter, residual, averager_state = (
-          dp.update(s.params, s.opt_state, s.loss_scale, grads, s.weights,
-                    s.counter, s.residual, s.averager_state))
-      state[0] = programs.StackedState(params, opt_state, scale, s.weights,
-                                       counter, residual, averager_state)
-      return params
-    out[k] = step
-  return out
+
+def compute_free_step_calls(model: nnx.Module,
+                            tx: optax.GradientTransformation,
+                            local_devices: Sequence[jax.Device], sample_batch,
+                            sample_input, loss_fn
+                            ) -> tuple[dict[int, Callable[[], Any]],
+                                       dict[int, Callable[[], Any]]]:
+  """``({k: step}, {k: passes})``: the trainer's step over k workers whose
+  gradient passes compute nothing (zero gradients), and those passes alone
+  over k devices at once.
+
+  The step with (almost) no pass is the one point where the host's work
+  certainly outlasts the pass: with the uniform steps it pins down how much
+  host work a pass can hide (:func:`.profiling.fit_step_overhead`), which the
+  uniform steps alone cannot tell where their passes are alike.
+  """
+  steps = _step_calls(model, tx, local_devices, sample_batch, sample_input,
+                      loss_fn, PrecisionPlan(), True)
+  dp = _data_parallel(model, tx, local_devices, loss_fn, sample_input,
+                      PrecisionPlan())
+  rows = layout.rows(dp.state.params)
+  scales = layout.rows(dp.state.loss_scale.scale)
+
+  def make(d, i):
+    batch = _batch_arrays(sample_batch, d)
+    return lambda: _free_gradients(rows[d], dp.rests[i], scales[d], batch,
+                                   step_ids(i))
+
+  return steps, concurrency_calls(make, local_devices)

@@ -21,11 +21,13 @@ A measured profile also holds the model's whole pass at each uniform
 precision; each precision's pieces are scaled so that its uniform plan costs
 that pass (:func:`pass_factors`). Workers that share one host (fake devices
 of the machine at hand) also share its cores: the factors then come from as
-many copies of the pass run at once, and the step's fixed part follows
-(``host["fixed_step_s"]``: the trainer's uniform-FP32 step over that many
-workers less their FP32 pass; host work, dispatches, transfers and the
-update program, less the host work that hides under the pass). That is how
-the predictor is checked against real steps on this machine.
+many copies of the pass run at once. The step is then ``max(pass,
+hidden) + fixed`` (``host["hidden_host_s"]``, ``host["fixed_step_s"]``:
+fitted to the trainer's uniform steps over that many workers,
+:func:`.profiling.fit_step_overhead`): the host's work that runs while the
+pass computes, and what the step pays besides (dispatches, transfers, the
+update program). That is how the predictor is checked against real steps
+on this machine.
 """
 
 from __future__ import annotations
@@ -363,12 +365,16 @@ def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
   comm_end = prev_end
   opt = np.array([w.profile.optimizer_s for w in workers])
   fixed = host.get("fixed_step_s", {})
+  host_wait = 0.0  # host work still running when the passes are done
   if shared_host and fixed:
     # The step's fixed part (host work, dispatches and the update program:
     # all-reduce and optimizer on every worker) was measured in the
     # trainer's own step on this host: it replaces both models, and is added
-    # once below.
-    comm_end = float(bwd_end.max())
+    # once below. The update starts when the passes are done and the host
+    # has prepared it, whichever comes last.
+    hidden = host_value(host.get("hidden_host_s") or {n: 0.0}, n)
+    host_wait = max(hidden - float(bwd_end.max()), 0.0)
+    comm_end = float(bwd_end.max()) + host_wait
     comm = 0.0
     if between_processes and n > 1:
       # Processes sharing the host's cores (the profile's contention) whose
@@ -390,7 +396,9 @@ def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
   path = [f"{workers[slow].name}: forward {fwd_end[slow] * 1e3:.3f} ms",
           f"{workers[slow].name}: backward "
           f"{(bwd_end[slow] - fwd_end[slow]) * 1e3:.3f} ms"]
-  exposed = max(comm_end - bwd_end.max(), 0.0)
+  if host_wait:
+    path.append(f"host work that outlasts the pass: {host_wait * 1e3:.3f} ms")
+  exposed = max(comm_end - bwd_end.max() - host_wait, 0.0)
   if exposed > 0:
     path.append(f"all-reduce after the backward pass: {exposed * 1e3:.3f} ms "
                 f"({len(buckets)} bucket(s))")
