@@ -218,35 +218,25 @@ def _free_gradients(params_row, rest, scale, batch, ids):
   return jnp.zeros_like(params_row), rest, {}
 
 
-def _step_calls(model: nnx.Module, tx: optax.GradientTransformation,
-                local_devices: Sequence[jax.Device], sample_batch,
-                sample_input, loss_fn, plan: PrecisionPlan,
-                compute_free: bool) -> dict[int, Callable[[], Any]]:
-  """``{k: call}`` of the trainer's step over k workers with ``plan``, or,
-  ``compute_free``, with :func:`_free_gradients` for their passes."""
-  out = {}
-  for k in host_counts(len(local_devices)):
-    dp = _data_parallel(model, tx, local_devices[:k], loss_fn, sample_input,
-                        plan)
-    grad_fns = ({i: _free_gradients for i in dp.grad_fns} if compute_free
-                else dp.grad_fns)
-    batches = {i: _batch_arrays(sample_batch, d)
-               for i, d in dp.devices.items()}
-    state = [dp.state]
+def _step_call(dp: _DataParallel, grad_fns: dict[int, Callable],
+               sample_batch) -> Callable[[], Any]:
+  """A zero-argument call of the trainer's step over ``dp``'s workers, with
+  ``grad_fns`` for their passes."""
+  batches = {i: _batch_arrays(sample_batch, d) for i, d in dp.devices.items()}
+  state = [dp.state]
 
-    def step(dp=dp, grad_fns=grad_fns, batches=batches, state=state):
-      s = state[0]
-      grads, _ = step_lib.local_gradients(
-          grad_fns, dp.devices, s.params, s.loss_scale.scale, dp.rests,
-          batches, dp.sharding)
-      params, opt_state, scale, _, counter, residual, averager_state = (
-          dp.update(s.params, s.opt_state, s.loss_scale, grads, s.weights,
-                    s.counter, s.residual, s.averager_state))
-      state[0] = programs.StackedState(params, opt_state, scale, s.weights,
-                                       counter, residual, averager_state)
-      return params
-    out[k] = step
-  return out
+  def step():
+    s = state[0]
+    grads, _ = step_lib.local_gradients(
+        grad_fns, dp.devices, s.params, s.loss_scale.scale, dp.rests,
+        batches, dp.sharding)
+    params, opt_state, scale, _, counter, residual, averager_state = (
+        dp.update(s.params, s.opt_state, s.loss_scale, grads, s.weights,
+                  s.counter, s.residual, s.averager_state))
+    state[0] = programs.StackedState(params, opt_state, scale, s.weights,
+                                     counter, residual, averager_state)
+    return params
+  return step
 
 
 def uniform_step_calls(model: nnx.Module, tx: optax.GradientTransformation,
@@ -282,8 +272,13 @@ def uniform_step_calls(model: nnx.Module, tx: optax.GradientTransformation,
     precision: every worker's uniform precision.
     quant: operand quantization of INT8 / FP8 layers.
   """
-  return _step_calls(model, tx, local_devices, sample_batch, sample_input,
-                     loss_fn, PrecisionPlan.uniform(precision, quant), False)
+  plan = PrecisionPlan.uniform(precision, quant)
+  out = {}
+  for k in host_counts(len(local_devices)):
+    dp = _data_parallel(model, tx, local_devices[:k], loss_fn, sample_input,
+                        plan)
+    out[k] = _step_call(dp, dp.grad_fns, sample_batch)
+  return out
 
 
 def compute_free_step_calls(model: nnx.Module,
@@ -301,10 +296,13 @@ def compute_free_step_calls(model: nnx.Module,
   host work a pass can hide (:func:`.profiling.fit_step_overhead`), which the
   uniform steps alone cannot tell where their passes are alike.
   """
-  steps = _step_calls(model, tx, local_devices, sample_batch, sample_input,
-                      loss_fn, PrecisionPlan(), True)
-  dp = _data_parallel(model, tx, local_devices, loss_fn, sample_input,
-                      PrecisionPlan())
+  steps, dp = {}, None
+  for k in host_counts(len(local_devices)):
+    dp = _data_parallel(model, tx, local_devices[:k], loss_fn, sample_input,
+                        PrecisionPlan())
+    steps[k] = _step_call(dp, {i: _free_gradients for i in dp.grad_fns},
+                          sample_batch)
+  # The passes alone run on the largest count's state (all the devices).
   rows = layout.rows(dp.state.params)
   scales = layout.rows(dp.state.loss_scale.scale)
 
