@@ -5,7 +5,9 @@ emulated-link path (the bench under the launcher) is in tests/test_links.py.
 """
 
 import jax
+import jax.extend
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -169,25 +171,54 @@ def test_a_sums_stand_in_keeps_the_passes_on_its_two_sides_apart(name):
                              else 0.02)
 
 
+def _collectives(jaxpr):
+  """``[(primitive, operand bytes per worker)]`` of every collective in
+  ``jaxpr`` and the jaxprs it calls."""
+  from qsync_jax.predictor import codec
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in codec.COLLECTIVE_PRIMITIVES:
+      out.append((eqn.primitive.name, sum(
+          v.aval.size * v.aval.dtype.itemsize for v in eqn.invars)))
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      out += _collectives(sub)
+  return out
+
+
 def test_over_the_mesh_the_workers_meet_at_each_collective():
-  """Over real workers, each stand-in waits for a one-element all-reduce of
-  its operands, so a worker's time includes waiting for the slowest."""
+  """Over real workers, each stand-in waits for an all-reduce (a meeting),
+  so a worker's time includes waiting for the slowest: of one element where
+  the operands are large, of the whole operands where they are small."""
   from jax.sharding import Mesh
   from qsync_jax.predictor import codec
   mesh = Mesh(np.array(jax.devices()[:4]), ("w",))
-  for name, meetings in [("gqsgd", 2), ("powersgd", 2), ("qsgd", 2),
-                         ("gqsgd_exp", 3)]:
-    averager = averagers.make_averager(name, **(
-        {"rank": 2} if name == "powersgd" else {}))
-    fn = codec.local_program(averager, 1024, 4, mesh)
-    x = jnp.asarray(np.random.default_rng(2).standard_normal((4, 1024)),
+  size = 1 << 19  # 2 MiB of float32, 512 KiB of int8 codes: both large
+  # (averager, one-element meetings, whole-operand ones).
+  for name, one, whole in [("none", 1, 0), ("gqsgd", 1, 1), ("qsgd", 1, 1),
+                           ("gqsgd_exp", 2, 1), ("powersgd", 0, 2)]:
+    averager = averagers.make_averager(name)
+    fn = codec.local_program(averager, size, 4, mesh)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((4, size)),
                     jnp.float32)
     w = jnp.full((4,), 0.25, jnp.float32)
-    text = str(jax.make_jaxpr(fn)(x, w))
-    # The meetings are the only collectives left, one-element sums.
-    assert text.count("psum") == meetings, name
-    assert "all_gather" not in text and "ppermute" not in text
-    assert fn(x, w).shape == (4, 1024)
+    found = _collectives(jax.make_jaxpr(fn)(x, w).jaxpr)
+    # Only meetings are left: no gather or permute, no large sum.
+    assert {p for p, _ in found} == {"psum"}, (name, found)
+    assert all(b <= codec.SMALL_COLLECTIVE_BYTES for _, b in found), found
+    assert sum(b == 4 for _, b in found) == one, (name, found)
+    assert sum(b > 4 for _, b in found) == whole, (name, found)
+    # Run small: on fake devices of one process the host callbacks of the
+    # gather and permute stand-ins can deadlock at large sizes (not across
+    # processes, one device each, as the bench runs them).
+    small = codec.local_program(averager, 1024, 4, mesh)
+    assert small(x[:, :1024], w).shape == (4, 1024)
+  # Each worker draws its own noise, as in the real run; alone, worker 0's.
+  gqsgd = averagers.make_averager("gqsgd")
+  x, w = jnp.ones((4, 1024)), jnp.full((4,), 0.25)
+  assert "axis_index" in str(jax.make_jaxpr(
+      codec.local_program(gqsgd, 1024, 4, mesh))(x, w))
+  assert "axis_index" not in str(jax.make_jaxpr(
+      codec.local_program(gqsgd, 1024, 4))(x[0], w[0]))
   out = codec.local_program(averagers.make_averager("none"), 64, 4, mesh)(
       jnp.ones((4, 64)), jnp.full((4,), 0.25))
   np.testing.assert_allclose(np.asarray(out), 1.0)  # n x (w x) each
@@ -199,6 +230,19 @@ def test_over_the_mesh_the_workers_meet_at_each_collective():
                        jax.devices()[0], mesh=mesh)
   with pytest.raises(ValueError, match="mesh of 2 devices"):
     codec.local_program(averagers.make_averager("none"), 64, 2, mesh)
+
+
+def test_only_collectives_not_timed_in_the_codec_are_priced():
+  """A small collective is met in full in the mesh's encode/decode program,
+  so the bench prices only the others."""
+  from experiments.benches import compression_cases
+  from qsync_jax.predictor import codec
+  small = comm.Collective("all_reduce", codec.SMALL_COLLECTIVE_BYTES, "f32")
+  large = comm.Collective("all_reduce", codec.SMALL_COLLECTIVE_BYTES + 1,
+                          "f32")
+  assert codec.timed_in_codec(small.operand_bytes)
+  assert not codec.timed_in_codec(large.operand_bytes)
+  assert compression_cases.priced([small, large, small]) == [large]
 
 
 def test_profile_codec_times_every_averager():

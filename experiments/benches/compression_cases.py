@@ -251,6 +251,13 @@ def _part(name: str, fn, args: tuple) -> Case:
   return Case(name, fn=fn, args=lambda k: [args] * k, barrier=True)
 
 
+def priced(collectives: Sequence[Any]) -> list[Any]:
+  """The collectives priced apart from the encode/decode: those not run for
+  real inside its mesh program (:func:`qsync_jax.predictor.codec.
+  timed_in_codec`)."""
+  return [c for c in collectives if not codec.timed_in_codec(c.operand_bytes)]
+
+
 def prediction_parts(cases: Sequence[Case], num_elements: int,
                      devices: Sequence[jax.Device], sample=None
                      ) -> PredictionParts:
@@ -287,7 +294,7 @@ def prediction_parts(cases: Sequence[Case], num_elements: int,
   # caches stop holding (the float32 mean fitted at 1/16 and 1/4 of 64 MiB
   # came out 8% short at 1 Gbit/s, float16's 32%).
   largest: dict[tuple[str, str], float] = {}
-  for c in (c for cs in compiled.values() for c in cs):
+  for c in (c for cs in compiled.values() for c in priced(cs)):
     key = (c.kind, c.dtype)
     largest[key] = max(largest.get(key, 0.0), c.operand_bytes)
   sizes = {key: fit_sizes(max(int(top), 1 << 14))
@@ -315,10 +322,13 @@ def predict_cases(cases: Sequence[Case], parts: PredictionParts,
     link's measured rate, plus its latency steps (the model that needs no
     access to the link).
 
+  Both leave out the small collectives the encode/decode's program runs
+  for real (:func:`priced`); ``moved_bytes`` counts every collective.
+
   Returns:
     ``{case name: {"predicted_s", "predicted_link_s", "moved_bytes",
-    "wire_s", "latency_s", "collectives_s", "collective_fits", "codec_s",
-    "codec_fit"}}``.
+    "wire_s", "latency_s", "collectives_s", "collectives_in_codec",
+    "collective_fits", "codec_s", "codec_fit"}}``.
   """
   def fit(sizes, part_cases):
     return CodecCost.fit(sizes, [statistics.median(c.rounds)
@@ -334,21 +344,26 @@ def predict_cases(cases: Sequence[Case], parts: PredictionParts,
     if case.name not in parts.codecs:
       continue
     compiled = parts.compiled[case.name]
+    apart = priced(compiled)
     traffic = communication.averager_traffic(
         case.averager, num_elements, n, devices=devices, compiled=compiled)
+    traffic_apart = communication.averager_traffic(
+        case.averager, num_elements, n, devices=devices, compiled=apart)
     cost = fit(parts.codec_sizes, parts.codecs[case.name])
     out[case.name] = {
         "predicted_s": communication.averaging_time(
             case.averager, num_elements, n, link, cost,
-            measured=measured, collectives=compiled),
+            measured=measured, collectives=apart),
         "predicted_link_s": communication.averaging_time(
-            case.averager, num_elements, n, link, cost, traffic=traffic),
+            case.averager, num_elements, n, link, cost,
+            traffic=traffic_apart),
         "moved_bytes": traffic.bytes,
-        "wire_s": link.wire_time(traffic.bytes, n),
-        "latency_s": traffic.steps * link.latency_s,
-        "collectives_s": measured(compiled),
+        "wire_s": link.wire_time(traffic_apart.bytes, n),
+        "latency_s": traffic_apart.steps * link.latency_s,
+        "collectives_s": measured(apart),
+        "collectives_in_codec": len(compiled) - len(apart),
         "collective_fits": {f"{c.kind} {c.dtype}": fits[f"{c.kind} {c.dtype}"]
-                            for c in compiled},
+                            for c in apart},
         "codec_s": cost(num_elements),
         "codec_fit": cost.to_dict()}
   return out

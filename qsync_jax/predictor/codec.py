@@ -101,16 +101,57 @@ _LOCAL_STAND_INS = {
 }
 
 
-def _meeting(operands, axis: str):
-  """A one-element all-reduce on the first element of ``operands``: the
-  workers wait there for each other, as at the collective it stands for.
-  It follows the work that produces the operands, except an elementwise
-  pass that produces them (below).
+#: Operand bytes per worker up to which, in the run's mesh program
+#: (:func:`local_program` with a mesh), the workers meet before a
+#: collective's stand-in in an all-reduce of its whole operands rather than
+#: of one element. A collective this small costs its fixed costs (round
+#: trips, and the wait for the slowest worker at each), which a one-element
+#: meeting and a line through large operands do not price: at 1 Gbit/s on
+#: four processes a 64 KiB float32 all-reduce took 4.9 ms alone, a
+#: one-element one 2.0 ms and the line 0.8 ms, and PowerSGD's average,
+#: whose two all-reduces are of that size, came out 10-16 % short
+#: (docs/RESULTS.md). Its time is then the encode/decode's, and it is not
+#: priced again (:func:`timed_in_codec`).
+SMALL_COLLECTIVE_BYTES = 1 << 18
 
-  Returns int32 ``[1]``, the count of NaNs that start the workers' operands
-  (never negative, which is what the stand-ins test, and XLA cannot fold
-  it away).
+
+def timed_in_codec(operand_bytes: float) -> bool:
+  """Whether a collective of ``operand_bytes`` per worker is timed in the
+  mesh's encode/decode program (:data:`SMALL_COLLECTIVE_BYTES`), so that
+  it must not be priced again."""
+  return operand_bytes <= SMALL_COLLECTIVE_BYTES
+
+
+def _operand_bytes(operands) -> int:
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+             for x in operands)
+
+
+def _first_is_odd(x):
+  """int32 ``[1]``: whether ``x``'s first element is a NaN (floats) or its
+  type's least value (integers), which XLA cannot know, so it keeps the
+  all-reduce that produces ``x``."""
+  first = x.reshape(-1)[:1]
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    return (first != first).astype(jnp.int32)
+  return (first == jnp.iinfo(x.dtype).min).astype(jnp.int32)
+
+
+def _meeting(operands, axis: str):
+  """An all-reduce the workers wait at for each other, as at the collective
+  it stands for: of the operands' first elements, or of the whole operands
+  where they are small (:data:`SMALL_COLLECTIVE_BYTES`). It follows the work
+  that produces the operands, except an elementwise pass that produces them
+  (below).
+
+  Returns int32 ``[1]``, never negative (which is what the stand-ins test,
+  and XLA cannot fold away).
   """
+  if _operand_bytes(operands) <= SMALL_COLLECTIVE_BYTES:
+    flags = [_first_is_odd(jax.lax.psum(
+        x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, axis))
+             for x in operands]
+    return sum(flags[1:], flags[0])
   # One element, not a reduction over all: a reduction is a read pass of
   # its own (the float32 mean's encode/decode doubled, 34 to 67 ms at 16M
   # floats). But where the operand comes from an elementwise pass, XLA
@@ -244,7 +285,10 @@ def _eval_local(jaxpr, consts, args, n: int, axis: str | None = None):
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     invals = [read(v) for v in eqn.invars]
-    if name == "axis_index":
+    if name == "axis_index" and axis is not None:
+      # Over the mesh each worker draws its own noise, as in the real run.
+      outs = [jax.lax.axis_index(eqn.params["axis_name"])]
+    elif name == "axis_index":
       outs = [_LOCAL_STAND_INS[name](n, eqn.outvars[0].aval)]
     elif name in _LOCAL_STAND_INS:
       # Workers meet at a collective, not where a value is only retyped.
@@ -294,7 +338,9 @@ def local_program(averager: Averager, num_elements: int, num_workers: int,
     mesh: None for one worker's program alone, or the run's mesh (one axis,
       ``num_workers`` devices): the program then runs on every worker, and
       before each stand-in the workers meet in a one-element all-reduce, as
-      they do at each collective of the real average. A collective waits
+      they do at each collective of the real average (of the whole
+      operands where they are at most :data:`SMALL_COLLECTIVE_BYTES` per
+      worker, :func:`timed_in_codec`). A collective waits
       for the slowest worker, so where the workers share a host's cores the
       work between two collectives costs the slowest worker's time: with
       four processes on two cores, PowerSGD's two small all-reduces
