@@ -49,7 +49,9 @@ gets the comm-aware predictor's ``predicted_s`` (the compiled program's
 collectives, each priced by the same kind and type timed alone on the link
 at its largest operand and a quarter of it, ``collectives_s``, plus the
 encode/decode profiled with the workers meeting where the collectives are,
-``codec_s``; all these parts are timed in the same rounds as the averagers),
+``codec_s``, which also times the collectives of at most 256 KiB per worker,
+``collectives_in_codec``, so they are not priced again; all these parts are
+timed in the same rounds as the averagers),
 and ``predicted_link_s`` (the bytes the compiled program moves,
 ``moved_bytes``, over the link's measured rate, its latency steps, and the
 same encode/decode; :func:`~experiments.benches.compression_cases.
