@@ -5,9 +5,7 @@ emulated-link path (the bench under the launcher) is in tests/test_links.py.
 """
 
 import jax
-import jax.extend
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -171,20 +169,6 @@ def test_a_sums_stand_in_keeps_the_passes_on_its_two_sides_apart(name):
                              else 0.02)
 
 
-def _collectives(jaxpr):
-  """``[(primitive, operand bytes per worker)]`` of every collective in
-  ``jaxpr`` and the jaxprs it calls."""
-  from qsync_jax.predictor import codec
-  out = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in codec.COLLECTIVE_PRIMITIVES:
-      out.append((eqn.primitive.name, sum(
-          v.aval.size * v.aval.dtype.itemsize for v in eqn.invars)))
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      out += _collectives(sub)
-  return out
-
-
 def test_over_the_mesh_the_workers_meet_at_each_collective():
   """Over real workers, each stand-in waits for an all-reduce (a meeting),
   so a worker's time includes waiting for the slowest: of one element where
@@ -201,9 +185,10 @@ def test_over_the_mesh_the_workers_meet_at_each_collective():
     x = jnp.asarray(np.random.default_rng(2).standard_normal((4, size)),
                     jnp.float32)
     w = jnp.full((4,), 0.25, jnp.float32)
-    found = _collectives(jax.make_jaxpr(fn)(x, w).jaxpr)
+    found = [(c.kind, c.operand_bytes) for c in comm._jaxpr_collectives(
+        jax.make_jaxpr(fn)(x, w).jaxpr)]
     # Only meetings are left: no gather or permute, no large sum.
-    assert {p for p, _ in found} == {"psum"}, (name, found)
+    assert {k for k, _ in found} == {"all_reduce"}, (name, found)
     assert all(b <= codec.SMALL_COLLECTIVE_BYTES for _, b in found), found
     assert sum(b == 4 for _, b in found) == one, (name, found)
     assert sum(b > 4 for _, b in found) == whole, (name, found)

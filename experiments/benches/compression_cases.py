@@ -252,8 +252,8 @@ def _part(name: str, fn, args: tuple) -> Case:
 
 
 def priced(collectives: Sequence[Any]) -> list[Any]:
-  """The collectives priced apart from the encode/decode: those not run for
-  real inside its mesh program (:func:`qsync_jax.predictor.codec.
+  """The collectives priced apart from the encode/decode: those its mesh
+  program does not already time (:func:`qsync_jax.predictor.codec.
   timed_in_codec`)."""
   return [c for c in collectives if not codec.timed_in_codec(c.operand_bytes)]
 
@@ -322,8 +322,8 @@ def predict_cases(cases: Sequence[Case], parts: PredictionParts,
     link's measured rate, plus its latency steps (the model that needs no
     access to the link).
 
-  Both leave out the small collectives the encode/decode's program runs
-  for real (:func:`priced`); ``moved_bytes`` counts every collective.
+  Both leave out the small collectives the encode/decode's program already
+  times (:func:`priced`); ``moved_bytes`` counts every collective.
 
   Returns:
     ``{case name: {"predicted_s", "predicted_link_s", "moved_bytes",
@@ -347,8 +347,8 @@ def predict_cases(cases: Sequence[Case], parts: PredictionParts,
     apart = priced(compiled)
     traffic = communication.averager_traffic(
         case.averager, num_elements, n, devices=devices, compiled=compiled)
-    traffic_apart = communication.averager_traffic(
-        case.averager, num_elements, n, devices=devices, compiled=apart)
+    # The bytes and ring steps of the priced collectives as compiled.
+    traffic_apart = communication.traffic_of(apart, n)
     cost = fit(parts.codec_sizes, parts.codecs[case.name])
     out[case.name] = {
         "predicted_s": communication.averaging_time(

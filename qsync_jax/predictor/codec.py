@@ -123,8 +123,7 @@ def timed_in_codec(operand_bytes: float) -> bool:
 
 
 def _operand_bytes(operands) -> int:
-  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-             for x in operands)
+  return sum(x.size * x.dtype.itemsize for x in operands)
 
 
 def _first_is_odd(x):
@@ -147,7 +146,7 @@ def _meeting(operands, axis: str):
   Returns int32 ``[1]``, never negative (which is what the stand-ins test,
   and XLA cannot fold away).
   """
-  if _operand_bytes(operands) <= SMALL_COLLECTIVE_BYTES:
+  if timed_in_codec(_operand_bytes(operands)):
     flags = [_first_is_odd(jax.lax.psum(
         x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, axis))
              for x in operands]
