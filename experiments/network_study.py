@@ -4,6 +4,7 @@ Usage:
   python -m experiments.network_study --out=docs/network_study \
       [--configs=dp,qsr_gqsgd,...] [--seeds=3] [--target=0.95] \
       [--link=1gbit] [--topology=per_node] [--steps=N]
+  python -m experiments.network_study --out=docs/network_study --predict_only
 
 Each run is four processes, each in its own network namespace behind an
 emulated link of --link (python -m qsync_jax.distributed --link), training
@@ -41,6 +42,9 @@ flags.DEFINE_string("model_kwargs", None, "The CNN's arguments as JSON "
                     "quick check: '{\"widths\": [8, 16], \"hidden\": 64}'.")
 flags.DEFINE_bool("predict", True, "Add the predictor's step time of each "
                   "homogeneous configuration (profiles this host).")
+flags.DEFINE_bool("predict_only", False, "Run nothing: price the study "
+                  "already in --out (its summary.json) again with this "
+                  "predictor, e.g. after changing it. Needs no root.")
 
 
 def main(argv):
@@ -56,6 +60,15 @@ def main(argv):
                     else json.loads(FLAGS.model_kwargs))
   except json.JSONDecodeError as e:
     raise SystemExit(f"error: --model_kwargs is not JSON: {e}") from None
+  if FLAGS.predict_only:
+    with cli.bad_input_exits():
+      result = network.repredict(FLAGS.out)
+    for name, s in result["configs"].items():
+      if "predicted_step_s" in s:
+        print(f"{name:15s} step {s['step_time_mean_s'] * 1e3:6.1f} ms, "
+              f"predicted {s['predicted_step_s'] * 1e3:6.1f} ms "
+              f"({s['predicted_vs_measured_step']:+.1%})")
+    return
   try:
     with cli.bad_input_exits():
       result = network.run(FLAGS.out,

@@ -210,7 +210,7 @@ def test_over_the_mesh_the_workers_meet_at_each_collective():
   cost = comm.profile_codec(averagers.make_averager("gqsgd"), 4096,
                             mesh=mesh, repeats=1, calls=1)
   assert cost.sizes == (1024, 4096) and len(cost.seconds) == 2
-  with pytest.raises(ValueError, match="a device or a mesh, not both"):
+  with pytest.raises(ValueError, match="a device, a mesh or host devices"):
     comm.profile_codec(averagers.make_averager("none"), 4096,
                        jax.devices()[0], mesh=mesh)
   with pytest.raises(ValueError, match="mesh of 2 devices"):
@@ -228,6 +228,32 @@ def test_only_collectives_not_timed_in_the_codec_are_priced():
   assert codec.timed_in_codec(small.operand_bytes)
   assert not codec.timed_in_codec(large.operand_bytes)
   assert compression_cases.priced([small, large, small]) == [large]
+
+
+def test_workers_sharing_a_host_encode_at_once():
+  """With ``host_devices`` each call runs one worker's program on every
+  device (the workers of one host contend for its cores), and waits for
+  all."""
+  from qsync_jax.predictor import codec
+  devices = jax.devices()[:2]
+  ((fn, args),) = codec.codec_programs(
+      averagers.make_averager("none"), [64], host_devices=devices,
+      num_workers=4)
+  outs = fn(*args)
+  assert [o.devices() for o in outs] == [{d} for d in devices]
+  for o in outs:  # n x (w x) on each worker
+    np.testing.assert_allclose(np.asarray(o), np.asarray(
+        codec.sample_data(None, 64)), rtol=1e-6)
+  cost = comm.profile_codec(averagers.make_averager("gqsgd"), 4096,
+                            host_devices=devices, num_workers=4, repeats=1,
+                            calls=1)
+  assert cost.sizes == (1024, 4096) and min(cost.seconds) > 0
+  with pytest.raises(ValueError, match="host_devices is empty"):
+    codec.codec_programs(averagers.make_averager("none"), [64],
+                         host_devices=[])
+  with pytest.raises(ValueError, match="not several"):
+    codec.codec_programs(averagers.make_averager("none"), [64], devices[0],
+                         host_devices=devices)
 
 
 def test_profile_codec_times_every_averager():

@@ -93,18 +93,46 @@ def test_without_links_the_binary_says_why_in_one_line(tmp_path, monkeypatch):
   assert not (tmp_path / "study").exists()
 
 
-def test_the_predictor_prices_each_configuration_from_its_runs():
+def test_the_predictor_prices_each_configuration_from_its_runs(tmp_path):
   # dp averages every step, QSR once over 20 steps: the same compute, so
-  # dp's predicted step is longer by the averages it adds. (Runs are fake:
-  # predict_steps reads each one's link, sync rounds and steps.)
+  # dp's predicted step is longer by the averages it adds. The runs are
+  # fake; re-predicting a written study reads each one's sync rounds and
+  # steps, and the link once from the summary.
   link = {"link": "1gbit", "rate_bps": 1e9, "latency_s": 0.0,
           "topology": "per_node", "measured_bps": 0.95e9, "cpu_quota": None}
-  runs = [{"name": name, "seed": 0,
-           "summary": {"link": link, "sync_rounds": rounds, "steps": 20}}
+  runs = [{"name": name, "seed": 0, "curve": [],
+           "summary": {"sync_rounds": rounds, "steps": 20}}
           for name, rounds in (("dp", 20), ("qsr", 1), ("dp_hetero", 20))]
-  steps = network.predict_steps(runs, repeats=1, model_kwargs=SMALL)
-  assert set(steps) == {"dp", "qsr"}  # the throttled runs are not priced
+  configs = {n: {"step_time_mean_s": 0.1} for n in ("dp", "qsr", "dp_hetero")}
+  summary = {"link": link, "model_kwargs": SMALL, "runs": runs,
+             "configs": configs, "time_to_target_ratio_qsr_gqsgd_vs_dp": 0.3}
+  (tmp_path / "summary.json").write_text(json.dumps(summary))
+  result = network.repredict(str(tmp_path), repeats=1)
+  assert result == json.loads((tmp_path / "summary.json").read_text())
+  assert result["repredicted"] is True
+  steps = {n: c.get("predicted_step_s") for n, c in result["configs"].items()}
+  assert steps["dp_hetero"] is None  # the throttled runs are not priced
   assert 0 < steps["qsr"] < steps["dp"]
+  assert result["configs"]["qsr"]["predicted_vs_measured_step"] == (
+      pytest.approx(steps["qsr"] / 0.1 - 1))
+  # The measured figures stay as they were.
+  assert result["time_to_target_ratio_qsr_gqsgd_vs_dp"] == 0.3
+  assert all(c["step_time_mean_s"] == 0.1 for c in result["configs"].values())
+
+
+def test_repredicting_needs_a_written_study(tmp_path):
+  with pytest.raises(FileNotFoundError, match="no study to re-predict"):
+    network.repredict(str(tmp_path))
+  (tmp_path / "summary.json").write_text(json.dumps({"runs": []}))
+  with pytest.raises(ValueError, match="lacks"):
+    network.repredict(str(tmp_path))
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.network_study",
+       f"--out={tmp_path / 'none'}", "--predict_only"], cwd=REPO_ROOT,
+      capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1].startswith(
+      "error: no study to re-predict")
 
 
 @needs_root

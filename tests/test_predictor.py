@@ -340,6 +340,28 @@ def test_step_overhead_fit_finds_the_host_work_a_pass_hides():
     fit([1.0, 2.0], [1.0])
 
 
+def test_step_overhead_fit_keeps_the_hidden_work_under_its_bound():
+  fit = profile_lib.fit_step_overhead
+  # Passes alike in length, steps that do not follow them: unbounded, the
+  # fit hides every pass under host work as long as the longest.
+  passes, steps = [18.0, 20.0, 22.0], [27.0, 21.7, 24.0]
+  assert fit(passes, steps)[1] == pytest.approx(22.0)
+  # A step without compute of 3 caps it: no pass hides, the fixed part is
+  # the mean excess.
+  assert fit(passes, steps, max_hidden=3.0) == pytest.approx(
+      (np.mean(np.subtract(steps, passes)), 0.0))
+  # Flat steps over short passes: the host work hides them all, up to the
+  # bound (a compute-free step shorter than the steps' host work does not
+  # pull it down).
+  passes = [0.7, 0.7, 0.75, 1.4]
+  steps = [2.05, 2.2, 2.05, 2.1]
+  fixed, hidden = fit(passes, steps, max_hidden=1.3)
+  assert hidden == pytest.approx(1.3, abs=0.01)
+  assert fixed + max(1.4, hidden) == pytest.approx(2.17, abs=0.01)
+  with pytest.raises(ValueError, match="max_hidden must be non-negative"):
+    fit([1.0], [2.0], max_hidden=-1.0)
+
+
 def test_ring_allreduce_time_follows_alpha_beta():
   assert simulate.ring_allreduce_time(1000, 1, 1.0, 1.0) == 0.0
   assert simulate.ring_allreduce_time(1000, 4, 1e-3, 1e-6) == (
@@ -451,16 +473,18 @@ def test_measured_profile_covers_every_piece(measured_cnn, tmp_path):
   free = profile_lib.FREE
   assert set(prof.host["uniform_steps_s"]) == {"fp32", "int8", free}
   for k in (1, 2):
-    names = ("fp32", "int8", free)
-    steps = [prof.host["uniform_steps_s"][p][k] for p in names]
-    passes = [prof.passes[p][k] for p in names[:2]] + [
-        prof.host["compute_free_pass_s"][k]]
-    assert min(steps) > 0
+    steps = [prof.host["uniform_steps_s"][p][k] for p in ("fp32", "int8")]
+    passes = [prof.passes[p][k] for p in ("fp32", "int8")]
+    free_step = prof.host["uniform_steps_s"][free][k]
+    assert min(steps) > 0 and free_step > 0
     # Zero gradients cost less than the real pass.
-    assert passes[2] < passes[0]
-    # The fit reproduces what the profile holds.
+    assert prof.host["compute_free_pass_s"][k] < passes[0]
+    # The fit reproduces what the profile holds, its hidden work bounded by
+    # the compute-free step.
     assert (prof.host["fixed_step_s"][k], prof.host["hidden_host_s"][k]) == (
-        pytest.approx(profile_lib.fit_step_overhead(passes, steps)))
+        pytest.approx(profile_lib.fit_step_overhead(
+            passes, steps, max_hidden=free_step)))
+    assert prof.host["hidden_host_s"][k] <= free_step
   path = str(tmp_path / "p.json")
   prof.save(path)
   again = profile_lib.Profile.load(path)

@@ -242,9 +242,9 @@ def predict_steps(runs: Sequence[Mapping[str, Any]], *, repeats: int = 5,
 
   The model's profile is measured here with :data:`NUM_PROCESSES` workers
   sharing this host's cores at once (``host_devices``: the same contention
-  as the processes of a run), each averager's encode/decode with
-  :func:`qsync_jax.predictor.profile_codec`, and the link is the one the
-  runs measured. Data parallel is :func:`qsync_jax.predictor.predict` with
+  as the processes of a run), and so is each averager's encode/decode
+  (:func:`qsync_jax.predictor.profile_codec`); the link is the one the runs
+  measured. Data parallel is :func:`qsync_jax.predictor.predict` with
   the averager; a local schedule is the step without communication plus
   the run's averages per step times one average
   (:func:`qsync_jax.predictor.averaging_time`), as
@@ -295,8 +295,8 @@ def predict_steps(runs: Sequence[Mapping[str, Any]], *, repeats: int = 5,
     averager = config_lib.make_averager(c)
     if c.compress not in codecs:
       codecs[c.compress] = predictor.profile_codec(
-          averager, num_params, devices[0], num_workers=NUM_PROCESSES,
-          repeats=repeats)
+          averager, num_params, host_devices=devices,
+          num_workers=NUM_PROCESSES, repeats=repeats)
     codec = codecs[c.compress]
     if c.sync == "dp":
       out[name] = predictor.predict(
@@ -307,6 +307,68 @@ def predict_steps(runs: Sequence[Mapping[str, Any]], *, repeats: int = 5,
       out[name] = compute_s + per_step * predictor.averaging_time(
           averager, num_params, NUM_PROCESSES, link, codec, platform="cpu")
   return out
+
+
+def _add_predictions(per_config: dict[str, dict[str, Any]],
+                     runs: Sequence[Mapping[str, Any]], *, repeats: int = 5,
+                     model_kwargs: Mapping[str, Any] | None = None) -> None:
+  """Adds :func:`predict_steps`' step and its error against the measured
+  mean to each homogeneous configuration of ``per_config``."""
+  for name, step_s in predict_steps(runs, repeats=repeats,
+                                    model_kwargs=model_kwargs).items():
+    measured = per_config[name]["step_time_mean_s"]
+    per_config[name]["predicted_step_s"] = step_s
+    per_config[name]["predicted_vs_measured_step"] = (step_s - measured
+                                                      ) / measured
+
+
+def repredict(out_dir: str, *, repeats: int = 5) -> dict[str, Any]:
+  """Prices a finished study's configurations again, without running it.
+
+  The runs' records in ``out_dir/summary.json`` (their link, sync rounds and
+  steps) are all :func:`predict_steps` needs, so a changed predictor can be
+  checked against the measured steps in minutes rather than the study's
+  hour. The summary is rewritten with the new ``predicted_step_s`` and
+  ``predicted_vs_measured_step`` and ``"repredicted": true``; its measured
+  figures and plots are left as they are.
+
+  Args:
+    out_dir: a directory :func:`run` wrote.
+    repeats: timed rounds per measured piece.
+
+  Returns:
+    The rewritten summary.
+
+  Raises:
+    FileNotFoundError: ``out_dir`` holds no ``summary.json``.
+    ValueError: the summary has no runs, or names a configuration that is
+      not in :data:`RUNS`.
+  """
+  path = os.path.join(out_dir, "summary.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"no study to re-predict: {path} does not "
+                            f"exist (run the study into {out_dir} first)")
+  with open(path) as f:
+    result = json.load(f)
+  missing = [k for k in ("runs", "link", "configs", "model_kwargs")
+             if k not in result]
+  if missing:
+    raise ValueError(f"{path} is not a study summary: it lacks {missing}")
+  unknown = sorted({r["name"] for r in result.get("runs", ())} - set(RUNS))
+  if not result.get("runs"):
+    raise ValueError(f"{path} holds no runs to price")
+  if unknown:
+    raise ValueError(f"{path} has runs of unknown configurations {unknown}; "
+                     f"valid: {', '.join(RUNS)}")
+  # The summary keeps the link once, at the top; every run used it.
+  runs = [r | {"summary": r["summary"] | {"link": result["link"]}}
+          for r in result["runs"]]
+  _add_predictions(result["configs"], runs, repeats=repeats,
+                   model_kwargs=result["model_kwargs"])
+  result["repredicted"] = True
+  with open(path, "w") as f:
+    json.dump(result, f, indent=2)
+  return result
 
 
 def summarize(runs: Sequence[Mapping[str, Any]], target: float
@@ -436,12 +498,7 @@ def run(out_dir: str, *, names: Sequence[str] = tuple(RUNS), seeds: int = 3,
       bar.done(f"network {name} seed {seed}")
   per_config = summarize(runs, target)
   if predict:
-    for name, step_s in predict_steps(runs,
-                                      model_kwargs=model_kwargs).items():
-      measured = per_config[name]["step_time_mean_s"]
-      per_config[name]["predicted_step_s"] = step_s
-      per_config[name]["predicted_vs_measured_step"] = (step_s - measured
-                                                        ) / measured
+    _add_predictions(per_config, runs, model_kwargs=model_kwargs)
   key, num, den = KEY_RATIO
   result = {
       key: ratio(per_config, num, den),

@@ -291,10 +291,9 @@ def compute_free_step_calls(model: nnx.Module,
   gradient passes compute nothing (zero gradients), and those passes alone
   over k devices at once.
 
-  The step with (almost) no pass is the one point where the host's work
-  certainly outlasts the pass: with the uniform steps it pins down how much
-  host work a pass can hide (:func:`.profiling.fit_step_overhead`), which the
-  uniform steps alone cannot tell where their passes are alike.
+  The step with (almost) no pass bounds how much host work a pass can hide
+  (:func:`.profiling.fit_step_overhead`), which the uniform steps alone
+  cannot tell where their passes are alike.
   """
   steps, dp = {}, None
   for k in host_counts(len(local_devices)):

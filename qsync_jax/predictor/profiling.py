@@ -64,7 +64,7 @@ PROFILED_INPUT_DTYPE = "float32"
 #: again (2: whole uniform passes, host sharing no longer per piece; 3: the
 #: step's fixed part from the trainer's uniform-FP32 step; 4: the fixed part
 #: and the host work a pass hides, fitted to the uniform steps).
-PROFILE_FORMAT = 4
+PROFILE_FORMAT = 5
 #: The name of the compute-free pass among a profile's uniform steps
 #: (:func:`.calls.compute_free_step_calls`).
 FREE = "compute-free"
@@ -387,11 +387,14 @@ def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
     host = {}
     if host_devices:
       ks = calls_lib.host_counts(len(host_devices))
-      names = [p.value for p in precisions] + [FREE]
-      steps = {q: {k: raw[("step", q, k)] for k in ks} for q in names}
-      alone = {q: {k: t[("pass", q, k)] for k in ks} for q in names}
+      names = [p.value for p in precisions]
+      steps = {q: {k: raw[("step", q, k)] for k in ks}
+               for q in names + [FREE]}
+      alone = {q: {k: t[("pass", q, k)] for k in ks}
+               for q in names + [FREE]}
       fits = {k: fit_step_overhead([alone[q][k] for q in names],
-                                   [steps[q][k] for q in names]) for k in ks}
+                                   [steps[q][k] for q in names],
+                                   max_hidden=steps[FREE][k]) for k in ks}
       host = {"uniform_steps_s": steps,
               "compute_free_pass_s": alone[FREE],
               "fixed_step_s": {k: f for k, (f, _) in fits.items()},
@@ -412,7 +415,8 @@ def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
   return ProfileJob(calls, finish)
 
 
-def fit_step_overhead(passes: Sequence[float], steps: Sequence[float]
+def fit_step_overhead(passes: Sequence[float], steps: Sequence[float],
+                      max_hidden: float | None = None
                       ) -> tuple[float, float]:
   """Fits ``step = fixed + max(pass, hidden)`` to uniform steps and passes.
 
@@ -421,38 +425,55 @@ def fit_step_overhead(passes: Sequence[float], steps: Sequence[float]
   dispatch) while it runs; the update then waits for the pass. A pass
   shorter than that work (``hidden``) costs the step nothing more, and one
   longer adds its excess: on a 2-core CPU a small ViT's INT8 pass took
-  0.5 ms more than its FP32 pass alone, and its step only 0.2 ms more. The
-  profile adds a step whose passes compute nothing
-  (:func:`.calls.compute_free_step_calls`): uniform passes alike in length
-  cannot tell hidden host work from noise (a CNN whose four passes took
-  18-22 ms came out with 22 ms of "hidden" work and every plan alike).
+  0.5 ms more than its FP32 pass alone, and its step only 0.2 ms more.
   ``fixed`` is what the step pays besides (dispatches, transfers, the update
-  program). Least squares over both, both non-negative; where the data
-  cannot tell a smaller ``hidden`` from a larger one (every pass longer than
-  it), the smallest is kept, which is the model without hiding: one step
-  and its pass give ``hidden = 0`` and ``fixed = step - pass``.
+  program). Least squares over the steps, both parts non-negative; where
+  the data cannot tell a smaller ``hidden`` from a larger one (every pass
+  longer than it), the smallest is kept, which is the model without hiding:
+  one step and its pass give ``hidden = 0`` and ``fixed = step - pass``.
+
+  Uniform passes alike in length cannot tell hidden host work from noise (a
+  CNN whose four passes took 18-22 ms came out with 22 ms of "hidden" work
+  and every plan alike), so ``max_hidden`` bounds it: the profile passes the
+  trainer's step whose passes compute nothing
+  (:func:`.calls.compute_free_step_calls`), since the host work a pass
+  hides cannot outlast a whole step without compute. That step is a bound,
+  not a point of the fit: the host work slows while a pass shares the cores
+  with it, so the compute-free step can be shorter than ``hidden + fixed``
+  (a small ViT's uniform steps took 2.0-2.2 ms for passes of 0.7-1.4 ms,
+  its compute-free step 1.3 ms; fitted as a point, it pulled ``hidden`` to
+  0.05 ms and priced the INT8 step 25 % slow).
 
   Args:
     passes: the whole gradient pass at each uniform precision (seconds).
     steps: the trainer's step at the same precisions (seconds).
+    max_hidden: the most host work a pass can hide (seconds; default: no
+      bound).
 
   Returns:
     ``(fixed_s, hidden_s)``.
 
   Raises:
-    ValueError: no points, or lengths that differ.
+    ValueError: no points, lengths that differ, or a negative
+      ``max_hidden``.
   """
   p = np.asarray(passes, np.float64)
   s = np.asarray(steps, np.float64)
   if p.size == 0 or p.shape != s.shape:
     raise ValueError(f"fit_step_overhead needs as many steps as passes, at "
                      f"least one; got {p.size} passes and {s.size} steps")
+  if max_hidden is not None and not max_hidden >= 0:
+    raise ValueError(f"max_hidden must be non-negative, got {max_hidden}")
+  # Beyond the longest pass every ``hidden`` fits alike (all steps are
+  # ``fixed + hidden``), so the grid stops there or at the bound.
+  top = float(p.max()) if max_hidden is None else min(float(p.max()),
+                                                       float(max_hidden))
   # The error is piecewise quadratic in ``hidden`` with knees at the passes;
   # a fine grid with the knees on it finds its minimum within 0.1 % of the
   # longest pass. Errors equal to rounding tie, and np.argmin keeps the
   # smallest ``hidden`` of them.
   grid = np.unique(np.concatenate(
-      [[0.0], p, np.linspace(0.0, p.max(), 1001)]))
+      [[0.0], p[p <= top], np.linspace(0.0, top, 1001)]))
   above = np.maximum(p[None, :], grid[:, None])
   fixed = np.maximum((s[None, :] - above).mean(axis=1), 0.0)
   sse = ((s[None, :] - fixed[:, None] - above) ** 2).sum(axis=1)
