@@ -61,6 +61,9 @@ def main(argv):
   except json.JSONDecodeError as e:
     raise SystemExit(f"error: --model_kwargs is not JSON: {e}") from None
   if FLAGS.predict_only:
+    if not FLAGS.predict:
+      raise app.UsageError("--predict_only with --nopredict has nothing to "
+                           "do")
     with cli.bad_input_exits():
       result = network.repredict(FLAGS.out)
     for name, s in result["configs"].items():
