@@ -354,9 +354,9 @@ def repredict(out_dir: str, *, repeats: int = 5) -> dict[str, Any]:
              if k not in result]
   if missing:
     raise ValueError(f"{path} is not a study summary: it lacks {missing}")
-  unknown = sorted({r["name"] for r in result.get("runs", ())} - set(RUNS))
-  if not result.get("runs"):
+  if not result["runs"]:
     raise ValueError(f"{path} holds no runs to price")
+  unknown = sorted({r["name"] for r in result["runs"]} - set(RUNS))
   if unknown:
     raise ValueError(f"{path} has runs of unknown configurations {unknown}; "
                      f"valid: {', '.join(RUNS)}")

@@ -411,20 +411,8 @@ def codec_programs(averager: Averager, sizes: Sequence[int],
   if sum(a is not None for a in (device, mesh, host_devices)) > 1:
     raise ValueError("profile_codec takes a device, a mesh or host "
                      "devices, not several")
-  if host_devices is not None:
-    if not host_devices:
-      raise ValueError("profile_codec's host_devices is empty")
-    k = len(host_devices)
-    ws = [jax.device_put(jnp.float32(1.0 / num_workers), d)
-          for d in host_devices]
-    programs = []
-    for d in sizes:
-      row = sample_data(sample, int(d))
-      args = (*[jax.device_put(row, dev) for dev in host_devices], *ws)
-      fn = _on_each(local_program(averager, int(d), num_workers), k)
-      jax.block_until_ready(fn(*args))
-      programs.append((fn, args))
-    return programs
+  if host_devices is not None and not host_devices:
+    raise ValueError("profile_codec's host_devices is empty")
   if mesh is not None:
     num_workers = mesh.devices.size
     sharding = NamedSharding(mesh, P(mesh.axis_names[0]))
@@ -432,22 +420,29 @@ def codec_programs(averager: Averager, sizes: Sequence[int],
         (num_workers,), sharding,
         lambda _: np.full((1,), 1.0 / num_workers, np.float32))
 
-    def put(row):
-      return jax.make_array_from_callback((num_workers, row.size), sharding,
-                                          lambda _: row[None])
-  else:
-    device = device or jax.local_devices()[0]
-    w = jax.device_put(jnp.float32(1.0 / num_workers), device)
+    def args_of(row):
+      return (jax.make_array_from_callback(
+          (num_workers, row.size), sharding, lambda _: row[None]), w)
 
-    def put(row):
-      return jax.device_put(row, device)
+    def wrap(fn):
+      return fn
+  else:
+    # One device is the case of one host device.
+    devices = list(host_devices or [device or jax.local_devices()[0]])
+    ws = [jax.device_put(jnp.float32(1.0 / num_workers), d) for d in devices]
+
+    def args_of(row):
+      return (*[jax.device_put(row, d) for d in devices], *ws)
+
+    def wrap(fn):
+      return _on_each(fn, len(devices))
   # Compile everything first, so processes that share the host stay in step.
   programs = []
   for d in sizes:
-    x = put(sample_data(sample, int(d)))
-    fn = local_program(averager, int(d), num_workers, mesh)
-    jax.block_until_ready(fn(x, w))
-    programs.append((fn, (x, w)))
+    args = args_of(sample_data(sample, int(d)))
+    fn = wrap(local_program(averager, int(d), num_workers, mesh))
+    jax.block_until_ready(fn(*args))
+    programs.append((fn, args))
   return programs
 
 

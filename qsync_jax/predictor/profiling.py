@@ -388,10 +388,8 @@ def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
     if host_devices:
       ks = calls_lib.host_counts(len(host_devices))
       names = [p.value for p in precisions]
-      steps = {q: {k: raw[("step", q, k)] for k in ks}
-               for q in names + [FREE]}
-      alone = {q: {k: t[("pass", q, k)] for k in ks}
-               for q in names + [FREE]}
+      steps = {q: {k: raw[("step", q, k)] for k in ks} for q in [*names, FREE]}
+      alone = {q: {k: t[("pass", q, k)] for k in ks} for q in [*names, FREE]}
       fits = {k: fit_step_overhead([alone[q][k] for q in names],
                                    [steps[q][k] for q in names],
                                    max_hidden=steps[FREE][k]) for k in ks}
