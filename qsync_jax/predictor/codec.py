@@ -92,7 +92,7 @@ _LOCAL_STAND_INS = {
     "psum_invariant": lambda x, n, out, met: _summed(x, n, met),
     "pmax": lambda x, n, out, met: _after(x, met),
     "pmin": lambda x, n, out, met: _after(x, met),
-    "ppermute": lambda x, n, out, met: _received(x, met),
+    "ppermute": lambda x, n, out, met: _received(x, n, met),
     "pvary": lambda x, n, out, met: x, "pcast": lambda x, n, out, met: x,
     "all_gather": lambda x, n, out, met: _gathered(x, n, out, met),
     "all_gather_invariant": lambda x, n, out, met: _gathered(x, n, out,
@@ -155,8 +155,10 @@ def _meeting(operands, axis: str):
   # its own (the float32 mean's encode/decode doubled, 34 to 67 ms at 16M
   # floats). But where the operand comes from an elementwise pass, XLA
   # fuses the slice into it and computes the element first, so the workers
-  # meet before that pass, not after it.
-  flags = [(x.reshape(-1)[:1] != x.reshape(-1)[:1]).astype(jnp.int32)
+  # meet before that pass, not after it. The flag is one XLA cannot fold
+  # for any type: ``x != x`` of integer codes folded to a constant, and the
+  # workers met before the encode that produced them.
+  flags = [_first_is_odd(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x)
            for x in operands]
   return jax.lax.psum(sum(flags[1:], flags[0]), axis)
 
@@ -212,26 +214,30 @@ def _gathered(x, n: int, out, met=None):
   return gathered.reshape(out.shape)
 
 
-def _received(x, met=None):
-  """A copy of ``x`` made outside the program, as a permute's receive
-  buffer is.
+def _received(x, n: int, met=None):
+  """A copy of ``x`` in a receive buffer, as a permute's partner's codes.
+
+  Over the workers (``met`` given): a permute in which every worker sends
+  to itself. XLA writes its receive buffer and fuses nothing across it, as
+  across the real permute, and nothing crosses the link; what reads it
+  waits for the meeting (a select, fused into that pass). One worker's
+  program alone gets a host callback that hands back its argument, copied
+  into the program's result buffer (one write, as a receive's).
 
   With the operand itself standing in for its partner's, XLA sees both
   sides of the exponential merge as one value and simplifies the merge
   away: that stand-in program of Global-QSGD's exponential dithering took
   160 ms at 16M floats on four processes, where the real one spends about
-  390 ms besides its permutes (docs/RESULTS.md). A sum keeps its in-program
-  stand-in (a scaling): made outside as well, its host copy cost more than
-  the float32 mean's whole encode and decode (75 against 22 ms).
-
-  The callback hands back its argument: the callback's return is copied
-  into the program's result buffer, one write as a receive's. A second
-  copy in the callback cost 8 ms per 16 MiB on an idle host, which the
-  permute's own profile times again.
+  390 ms besides its permutes (docs/RESULTS.md). Over the workers the host
+  callback cost about 19 ms per 16 MiB more than a receive, and it priced
+  that average 12-15 % long at 10 Gbit/s (docs/RESULTS.md).
   """
-  return jax.pure_callback(lambda v, *_: np.asarray(v),
-                           jax.ShapeDtypeStruct(x.shape, x.dtype), x,
-                           *([] if met is None else [met]))
+  if met is None:
+    return jax.pure_callback(lambda v: np.asarray(v),
+                             jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+  received = jax.lax.ppermute(x, AXIS, [(i, i) for i in range(n)])
+  # A select that fuses into the pass reading it: no pass of its own.
+  return jnp.where(met[0] >= 0, received, jnp.zeros_like(received))
 
 
 def fit_sizes(num_elements: int) -> list[int]:
@@ -328,8 +334,9 @@ def local_program(averager: Averager, num_elements: int, num_workers: int,
   the exponential merges' ``log2 n`` stages, is as in the real run), and its
   body is replayed with every collective swapped for one local pass over its
   operand (a sum becomes a scaling across which XLA fuses nothing, a max
-  the operand itself, and a gather a repeat and a permute a copy, both made
-  outside the program as a receive buffer is). What is left is the
+  the operand itself, a gather a repeat made outside the program as a
+  receive buffer is, and a permute a copy: outside the program as well, or
+  over ``mesh`` a permute of each worker to itself). What is left is the
   averager's own work: encode, decode, scales, noise.
 
   Args:
