@@ -276,6 +276,28 @@ def test_profile_codec_times_every_averager():
     comm.profile_codec(averagers.make_averager("none"), [1, 8])
 
 
+def test_launched_processes_profile_the_encode_decode_together():
+  """Each averager is profiled by the processes of one launched run, over
+  their mesh; a process that fails fails the call with its exit code."""
+  from qsync_jax.predictor import codec_processes
+  costs = codec_processes.profile_codecs_in_processes(
+      {"mean": averagers.make_averager("none"),
+       "gqsgd": averagers.make_averager("gqsgd")}, 4096, 2, repeats=1,
+      calls=1, timeout_s=300)
+  assert set(costs) == {"mean", "gqsgd"}
+  for cost in costs.values():
+    assert cost.sizes == (1024, 4096)
+    assert all(t > 0 for t in cost.seconds)
+  # Exponential dithering merges pairwise: three workers cannot run it.
+  with pytest.raises(RuntimeError, match="in 3 processes failed"):
+    codec_processes.profile_codecs_in_processes(
+        {"exp": averagers.make_averager("gqsgd_exp")}, 4096, 3, repeats=1,
+        calls=1, timeout_s=300)
+  with pytest.raises(ValueError, match=">= 2 elements"):
+    codec_processes.profile_codecs_in_processes(
+        {"mean": averagers.make_averager("none")}, 1, 2)
+
+
 def test_averaging_time_adds_wire_latency_and_codec():
   link = comm.Link(1e8, latency_s=1e-4)
   averager = averagers.make_averager("gqsgd")

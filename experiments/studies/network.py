@@ -52,6 +52,7 @@ from qsync_jax import data as data_lib
 from qsync_jax import predictor
 from qsync_jax.allocation import pipeline
 from qsync_jax.parallel import links
+from qsync_jax.predictor import codec_processes
 from experiments.studies import qsr as qsr_study
 
 NUM_PROCESSES = 4
@@ -241,10 +242,12 @@ def predict_steps(runs: Sequence[Mapping[str, Any]], *, repeats: int = 5,
   """The predictor's step time of each homogeneous configuration.
 
   The model's profile is measured here with :data:`NUM_PROCESSES` workers
-  sharing this host's cores at once (``host_devices``: the same contention
-  as the processes of a run), and so is each averager's encode/decode
-  (:func:`qsync_jax.predictor.profile_codec`); the link is the one the runs
-  measured. Data parallel is :func:`qsync_jax.predictor.predict` with
+  sharing this host's cores at once (``host_devices``: fake devices of this
+  process). Each averager's encode/decode is profiled by
+  :data:`NUM_PROCESSES` launched processes, as the runs have them
+  (:func:`qsync_jax.predictor.codec_processes.profile_codecs_in_processes`:
+  each with its own XLA thread pool on the same cores; no link, no root).
+  The link is the one the runs measured. Data parallel is :func:`qsync_jax.predictor.predict` with
   the averager; a local schedule is the step without communication plus
   the run's averages per step times one average
   (:func:`qsync_jax.predictor.averaging_time`), as
@@ -288,15 +291,15 @@ def predict_steps(runs: Sequence[Mapping[str, Any]], *, repeats: int = 5,
   num_params = _param_count(model)
   compute_s = predictor.predict(graph, config.cluster, {}, profiles,
                                 link=(0.0, 0.0), shared_host=True).step_time_s
-  codecs: dict[str, Any] = {}
+  configs = {name: run_config(name, 0, model_kwargs=model_kwargs)
+             for name in firsts}
+  codecs = codec_processes.profile_codecs_in_processes(
+      {c.compress: config_lib.make_averager(c) for c in configs.values()},
+      num_params, NUM_PROCESSES, repeats=repeats)
   out = {}
   for name, r in firsts.items():
-    c = run_config(name, 0, model_kwargs=model_kwargs)
+    c = configs[name]
     averager = config_lib.make_averager(c)
-    if c.compress not in codecs:
-      codecs[c.compress] = predictor.profile_codec(
-          averager, num_params, host_devices=devices,
-          num_workers=NUM_PROCESSES, repeats=repeats)
     codec = codecs[c.compress]
     if c.sync == "dp":
       out[name] = predictor.predict(

@@ -24,7 +24,9 @@ goes out. Read its modules in this order:
 * :class:`Link`, :func:`averaging_time`, :func:`profile_codec`: what one
   average costs on a link, with the bytes an averager's compiled program
   moves and its measured encode/decode (:mod:`.communication`,
-  :mod:`.codec`); :func:`predict` takes them;
+  :mod:`.codec`; :func:`profile_codecs_in_processes`, :mod:`.codec_processes`,
+  profiles it in launched processes as a run on one host has them);
+  :func:`predict` takes them;
 * :func:`profile_collectives`, :class:`CollectiveCost`: each kind and wire
   type of collective timed alone on the link at hand, which prices the host
   CPU's share of a collective that the link's rate leaves out
@@ -41,6 +43,7 @@ from qsync_jax.predictor.codec import CodecCost
 from qsync_jax.predictor.collective_cost import CollectiveCost
 from qsync_jax.predictor.collective_cost import profile_collectives
 from qsync_jax.predictor.codec import profile_codec
+from qsync_jax.predictor.codec_processes import profile_codecs_in_processes
 from qsync_jax.predictor.communication import averaging_time
 from qsync_jax.predictor.communication import Link
 from qsync_jax.predictor.casting import fit_cast_model
@@ -80,6 +83,7 @@ __all__ = [
     "predict",
     "profile",
     "profile_codec",
+    "profile_codecs_in_processes",
     "profile_collectives",
     "resolve_plan",
     "simulate",

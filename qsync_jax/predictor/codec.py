@@ -501,7 +501,10 @@ def profile_codec(averager: Averager, num_elements: int | Sequence[int],
       runs on each of them at the same time, and a call is the time until
       all have finished. Alone on one device, the encode/decode of the
       network study's four processes on two cores came out 19-25 % short
-      for Global-QSGD and 65 % for PowerSGD (docs/RESULTS.md).
+      for Global-QSGD and 65 % for PowerSGD (docs/RESULTS.md). Processes
+      each run their own XLA thread pool, which fake devices of one process
+      share: for processes, :func:`~qsync_jax.predictor.codec_processes.
+      profile_codecs_in_processes` profiles over their mesh.
 
   Returns:
     The fitted :class:`CodecCost`.

@@ -1,0 +1,116 @@
+"""Averagers' encode/decode profiled by the processes of one launched run.
+
+This module owns :func:`profile_codecs_in_processes`: the encode/decode of
+each averager (:func:`~qsync_jax.predictor.codec.profile_codec` over the
+run's mesh, the workers meeting where the collectives are) timed by
+``num_processes`` localhost processes, one CPU device each, as a launched
+training run on one host has them. Where those processes share the host's
+cores, each has its own XLA thread pool, and that contention is not the one
+of fake devices in one process: the network study's PowerSGD encode/decode
+(rank 16, 10.6M floats, four processes on two cores) took 365 ms profiled
+so, against 196 ms on four fake devices of one process at once
+(docs/RESULTS.md).
+
+Each of those processes runs :func:`worker_main`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import tempfile
+from typing import Mapping
+
+from qsync_jax.parallel import distributed
+from qsync_jax.parallel.wire import Averager
+from qsync_jax.predictor.codec import AXIS, CodecCost, profile_codec
+
+
+def profile_codecs_in_processes(averagers: Mapping[str, Averager],
+                                num_elements: int, num_processes: int, *,
+                                repeats: int = 5, calls: int = 3,
+                                timeout_s: float = 1800
+                                ) -> dict[str, CodecCost]:
+  """Profiles each averager's encode/decode in launched processes.
+
+  Starts ``num_processes`` processes of one localhost run
+  (:func:`qsync_jax.parallel.distributed.launch`, loopback, no emulated
+  link); each profiles every averager at once with the others, a barrier
+  before each timed block, and process 0's fits are returned. The workers
+  meet at each collective (:func:`~qsync_jax.predictor.codec.
+  local_program`), so the collectives of at most
+  :data:`~qsync_jax.predictor.codec.SMALL_COLLECTIVE_BYTES` per worker are
+  timed here over loopback; a prediction that also prices them on its link
+  counts them twice (for PowerSGD's two factors, a few ms).
+
+  Args:
+    averagers: ``{name: averager}``, each picklable (the library's are).
+    num_elements: float32 elements per worker (fitted at it and a quarter).
+    num_processes: processes, which are the average's workers.
+    repeats: timed blocks per size.
+    calls: calls per block.
+    timeout_s: the launch's time limit.
+
+  Returns:
+    ``{name: CodecCost}``.
+
+  Raises:
+    ValueError: fewer than 2 elements, 1 process, repeat or call.
+    RuntimeError: a process failed (its output was relayed with a
+      ``[p<id>]`` prefix).
+  """
+  if num_elements < 2 or min(num_processes, repeats, calls) < 1:
+    raise ValueError(f"need >= 2 elements and at least one process, repeat "
+                     f"and call; got {num_elements} elements, "
+                     f"{num_processes} processes, {repeats} repeats, {calls} "
+                     "calls")
+  with tempfile.TemporaryDirectory(prefix="qsync_codec_") as tmp:
+    spec, out = os.path.join(tmp, "spec.pkl"), os.path.join(tmp, "out.json")
+    with open(spec, "wb") as f:
+      pickle.dump({"averagers": dict(averagers),
+                   "num_elements": int(num_elements), "repeats": repeats,
+                   "calls": calls}, f)
+    # Through -c, not -m: the package imports this module, and runpy warns
+    # about running a module that is already imported.
+    code = distributed.launch(
+        [sys.executable, "-c", f"import sys; import {__name__} as m; "
+         "m.worker_main(*sys.argv[1:3])", spec, out], num_processes,
+        timeout_s=timeout_s)
+    if code != 0 or not os.path.exists(out):
+      raise RuntimeError(f"profiling the encode/decode in {num_processes} "
+                         f"processes failed (exit {code}); see the relayed "
+                         "[p<id>] lines above")
+    with open(out) as f:
+      fits = json.load(f)
+  return {name: CodecCost(d["a_s"], d["b_s"], tuple(d["sizes"]),
+                          tuple(d["seconds"])) for name, d in fits.items()}
+
+
+def worker_main(spec_path: str, out_path: str) -> None:
+  """One process of :func:`profile_codecs_in_processes`: profiles the
+  averagers pickled in ``spec_path``; process 0 writes the fits to
+  ``out_path`` as JSON."""
+  from qsync_jax import cli
+  cli.start_binary()  # The runs' host allocator: the codec's time hangs on it.
+  import jax
+  from jax.experimental import multihost_utils
+  from jax.sharding import Mesh
+  import numpy as np
+  with open(spec_path, "rb") as f:
+    spec = pickle.load(f)
+  distributed.initialize()
+  mesh = Mesh(np.array(jax.devices()), (AXIS,))
+
+  def barrier():
+    multihost_utils.sync_global_devices("profile_codecs_in_processes")
+
+  fits = {name: profile_codec(averager, spec["num_elements"], mesh=mesh,
+                              repeats=spec["repeats"], calls=spec["calls"],
+                              sync=barrier).to_dict()
+          for name, averager in spec["averagers"].items()}
+  if jax.process_index() == 0:
+    with open(out_path, "w") as f:
+      json.dump(fits, f)
+  distributed.shutdown()
