@@ -276,6 +276,37 @@ def test_profile_codec_times_every_averager():
     comm.profile_codec(averagers.make_averager("none"), [1, 8])
 
 
+def test_the_trainers_average_is_profiled_with_its_feedback_and_state():
+  """With ``error_feedback`` the program is the trainer's average: it reads
+  the residual and the averager's (warm) state and returns both, so their
+  passes are timed; without it, the averager's own call."""
+  from jax.sharding import Mesh
+  from qsync_jax.predictor import codec
+  mesh = Mesh(np.array(jax.devices()[:4]), ("w",))
+  psgd = averagers.make_averager("powersgd", rank=2)
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 4096)),
+                  jnp.float32)
+  w = jnp.full((4,), 0.25, jnp.float32)
+  state = jnp.ones((4, *averagers.init_state(psgd, 4096).shape))
+  mean, residual, new_state = codec.local_program(
+      psgd, 4096, 4, mesh, error_feedback=True)(x, w, 0.1 * x, state)
+  assert mean.shape == residual.shape == (4, 4096)
+  assert new_state.shape == state.shape
+  # Without feedback there is no residual in or out; the state still is.
+  mean, new_state = codec.local_program(psgd, 4096, 4, mesh,
+                                        error_feedback=False)(x, w, None,
+                                                              state)
+  assert mean.shape == (4, 4096) and new_state.shape == state.shape
+  # One worker alone, and a stateless averager: mean and residual.
+  alone = codec.local_program(averagers.make_averager("gqsgd"), 4096, 4,
+                              error_feedback=True)(x[0], w[0], x[0], None)
+  assert [o.shape for o in alone] == [(4096,), (4096,)]
+  for ef in (None, False, True):
+    cost = comm.profile_codec(psgd, 4096, mesh=mesh, repeats=1, calls=1,
+                              error_feedback=ef)
+    assert cost.sizes == (1024, 4096) and min(cost.seconds) > 0
+
+
 def test_launched_processes_profile_the_encode_decode_together():
   """Each averager is profiled by the processes of one launched run, over
   their mesh; a process that fails fails the call with its exit code."""
@@ -283,7 +314,7 @@ def test_launched_processes_profile_the_encode_decode_together():
   costs = codec_processes.profile_codecs_in_processes(
       {"mean": averagers.make_averager("none"),
        "gqsgd": averagers.make_averager("gqsgd")}, 4096, 2, repeats=1,
-      calls=1, timeout_s=300)
+      calls=1, error_feedback={"gqsgd": True}, timeout_s=300)
   assert set(costs) == {"mean", "gqsgd"}
   for cost in costs.values():
     assert cost.sizes == (1024, 4096)

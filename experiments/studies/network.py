@@ -246,7 +246,8 @@ def predict_steps(runs: Sequence[Mapping[str, Any]], *, repeats: int = 5,
   process). Each averager's encode/decode is profiled by
   :data:`NUM_PROCESSES` launched processes, as the runs have them
   (:func:`qsync_jax.predictor.codec_processes.profile_codecs_in_processes`:
-  each with its own XLA thread pool on the same cores; no link, no root).
+  each with its own XLA thread pool on the same cores; no link, no root),
+  as the runs' trainer calls it (with its error feedback and state).
   The link is the one the runs measured. Data parallel is :func:`qsync_jax.predictor.predict` with
   the averager; a local schedule is the step without communication plus
   the run's averages per step times one average
@@ -293,14 +294,20 @@ def predict_steps(runs: Sequence[Mapping[str, Any]], *, repeats: int = 5,
                                 link=(0.0, 0.0), shared_host=True).step_time_s
   configs = {name: run_config(name, 0, model_kwargs=model_kwargs)
              for name in firsts}
+  # Each average as the runs' trainer calls it: with its error feedback
+  # and the averager's state.
+  def key(c):
+    return f"{c.compress}, error feedback {bool(c.error_feedback)}"
   codecs = codec_processes.profile_codecs_in_processes(
-      {c.compress: config_lib.make_averager(c) for c in configs.values()},
-      num_params, NUM_PROCESSES, repeats=repeats)
+      {key(c): config_lib.make_averager(c) for c in configs.values()},
+      num_params, NUM_PROCESSES, repeats=repeats,
+      error_feedback={key(c): bool(c.error_feedback)
+                      for c in configs.values()})
   out = {}
   for name, r in firsts.items():
     c = configs[name]
     averager = config_lib.make_averager(c)
-    codec = codecs[c.compress]
+    codec = codecs[key(c)]
     if c.sync == "dp":
       out[name] = predictor.predict(
           graph, c.cluster, {}, profiles, link=link, shared_host=True,

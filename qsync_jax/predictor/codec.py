@@ -18,6 +18,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
+from qsync_jax.parallel import averagers
 from qsync_jax.parallel.wire import Averager
 from qsync_jax.predictor import timing
 
@@ -32,17 +33,47 @@ COLLECTIVE_PRIMITIVES = {"psum": "all_reduce", "psum_invariant": "all_reduce",
                 "all_to_all": "all_to_all"}
 
 
-def shard_body(averager: Averager):
-  """The ``shard_map`` body of one average: a ``(1, d)`` row per worker."""
-  def body(x, w):
-    return averager(x[0], w[0], AXIS)[None]
-  return body
+def shard_body(averager: Averager, error_feedback: bool | None = None):
+  """The ``shard_map`` body of one average: a ``(1, d)`` row per worker.
+
+  Args:
+    averager: the averaging strategy.
+    error_feedback: None for the averager's own call, ``body(x, w)``
+      returning the mean; True or False for the trainer's average
+      (:func:`qsync_jax.parallel.averagers.average`), ``body(x, w,
+      residual, state)`` returning the mean, the new residual and the new
+      state: with the averager's state where it carries one (PowerSGD's
+      warm start) and with or without the error-feedback residual (None
+      without).
+  """
+  if error_feedback is None:
+    def body(x, w):
+      return averager(x[0], w[0], AXIS)[None]
+    return body
+
+  def trainer_body(x, w, residual, state):
+    mean, residual, state = averagers.average(
+        averager, x[0], w[0], AXIS, jax.random.key(0),
+        None if residual is None else residual[0],
+        jax.tree.map(lambda s: s[0], state))
+    return jax.tree.map(lambda v: v[None], (mean, residual, state))
+  return trainer_body
 
 
-def abstract_args(num_elements: int, num_workers: int):
-  """The abstract ``(x, w)`` of :func:`shard_body` over the whole mesh."""
-  return (jax.ShapeDtypeStruct((num_workers, num_elements), jnp.float32),
-          jax.ShapeDtypeStruct((num_workers,), jnp.float32))
+def abstract_args(num_elements: int, num_workers: int,
+                  averager: Averager | None = None,
+                  error_feedback: bool | None = None):
+  """The abstract arguments of :func:`shard_body` over the whole mesh:
+  ``(x, w)``, and for the trainer's average also the residual (None without
+  feedback) and the averager's state, stacked over the workers."""
+  rows = jax.ShapeDtypeStruct((num_workers, num_elements), jnp.float32)
+  args = (rows, jax.ShapeDtypeStruct((num_workers,), jnp.float32))
+  if error_feedback is None:
+    return args
+  state = jax.eval_shape(lambda: averagers.init_state(averager, num_elements))
+  return (*args, rows if error_feedback else None, jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct((num_workers, *s.shape), s.dtype),
+      state))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,13 +255,10 @@ def _received(x, n: int, met=None):
   program alone gets a host callback that hands back its argument, copied
   into the program's result buffer (one write, as a receive's).
 
-  With the operand itself standing in for its partner's, XLA sees both
-  sides of the exponential merge as one value and simplifies the merge
-  away: that stand-in program of Global-QSGD's exponential dithering took
-  160 ms at 16M floats on four processes, where the real one spends about
-  390 ms besides its permutes (docs/RESULTS.md). Over the workers the host
-  callback cost about 19 ms per 16 MiB more than a receive, and it priced
-  that average 12-15 % long at 10 Gbit/s (docs/RESULTS.md).
+  The operand itself would let XLA simplify the exponential merge of two
+  equal values away. Over the workers the host callback cost about 19 ms
+  per 16 MiB more than a receive, and it priced that average 12-15 % long
+  at 10 Gbit/s (docs/RESULTS.md).
   """
   if met is None:
     return jax.pure_callback(lambda v: np.asarray(v),
@@ -326,7 +354,8 @@ def _eval_local(jaxpr, consts, args, n: int, axis: str | None = None):
 
 
 def local_program(averager: Averager, num_elements: int, num_workers: int,
-                  mesh: Mesh | None = None):
+                  mesh: Mesh | None = None,
+                  error_feedback: bool | None = None):
   """One worker's averager program with its collectives replaced.
 
   The averager is traced in a ``shard_map`` over an abstract mesh of
@@ -354,10 +383,15 @@ def local_program(averager: Averager, num_elements: int, num_workers: int,
       four processes on two cores, PowerSGD's two small all-reduces
       waited 50 ms of its 180 ms (docs/RESULTS.md).
 
+    error_feedback: None for the averager's own call; True or False for
+      the trainer's average (:func:`shard_body`).
+
   Returns:
     A jitted ``fn(x, w)``: on one worker's ``(num_elements,)`` float32 ``x``
     and scalar ``w``; over ``mesh``, on the workers' ``(num_workers,
-    num_elements)`` and ``(num_workers,)``, sharded over its axis.
+    num_elements)`` and ``(num_workers,)``, sharded over its axis. For the
+    trainer's average ``fn(x, w, residual, state)``, which returns the
+    mean, the new residual and the new state (flattened).
 
   Raises:
     ValueError: a mesh of other than ``num_workers`` devices on one axis.
@@ -368,40 +402,62 @@ def local_program(averager: Averager, num_elements: int, num_workers: int,
   # Traced over the mesh it replays on: its equations name their mesh.
   traced_on = (AbstractMesh((num_workers,), (AXIS,)) if mesh is None
                else Mesh(mesh.devices, (AXIS,)))
-  fn = jax.shard_map(shard_body(averager), mesh=traced_on,
-                     in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS))
-  outer = jax.make_jaxpr(fn)(*abstract_args(num_elements, num_workers))
+  args = abstract_args(num_elements, num_workers, averager, error_feedback)
+  specs = tuple(P(AXIS) for _ in args)
+  fn = jax.shard_map(shard_body(averager, error_feedback), mesh=traced_on,
+                     in_specs=specs, out_specs=P(AXIS))
+  outer = jax.make_jaxpr(fn)(*args)
   (eqn,) = [e for e in outer.jaxpr.eqns if e.primitive.name == "shard_map"]
   body = eqn.params["jaxpr"]
+  # Every output is returned, so XLA keeps the work of each (the trainer
+  # keeps the residual and the state).
   if mesh is None:
-    def run(x, w):
-      return _eval_local(body, (), (x[None], w[None]), num_workers)[0][0]
+    def run(*args):
+      outs = _eval_local(body, (), [a[None] for a in jax.tree.leaves(args)],
+                         num_workers)
+      return outs[0][0] if error_feedback is None else [o[0] for o in outs]
     return jax.jit(run)
 
-  def met_run(x, w):
-    return _eval_local(body, (), (x, w), num_workers, AXIS)[0]
+  def met_run(*args):
+    outs = _eval_local(body, (), jax.tree.leaves(args), num_workers, AXIS)
+    return outs[0] if error_feedback is None else outs
 
   # The replayed body mixes values that vary over the workers with ones
   # that do not, as the stand-ins leave them: not what check_vma checks.
-  return jax.jit(jax.shard_map(met_run, mesh=traced_on,
-                               in_specs=(P(AXIS), P(AXIS)),
+  return jax.jit(jax.shard_map(met_run, mesh=traced_on, in_specs=specs,
                                out_specs=P(AXIS), check_vma=False))
 
 
-def _on_each(fn: Callable[..., Any], k: int) -> Callable[..., Any]:
-  """``fn`` called on each of ``k`` devices' ``(x, w)`` at once: the
-  arguments are the ``k`` ``x`` and then the ``k`` ``w``."""
-  def call(*args):
-    return [fn(x, w) for x, w in zip(args[:k], args[k:])]
+def _on_each(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` called on each device's arguments at once: one tuple of them
+  per device."""
+  def call(*per_device):
+    return [fn(*args) for args in per_device]
   return call
+
+
+def _worker_args(averager: Averager, row: np.ndarray, num_workers: int,
+                 error_feedback: bool | None, rng: np.random.Generator
+                 ) -> list[Any]:
+  """One worker's host arguments of :func:`local_program`'s program."""
+  args = [row, np.float32(1.0 / num_workers)]
+  if error_feedback is None:
+    return args
+  # A warm state (PowerSGD's previous Q), as every call after the first
+  # has: a state of zeros takes the first call's path.
+  state = jax.tree.map(
+      lambda s: rng.standard_normal(np.shape(s)).astype(s.dtype),
+      averagers.init_state(averager, row.size))
+  return [*args, np.float32(0.01) * row if error_feedback else None, state]
 
 
 def codec_programs(averager: Averager, sizes: Sequence[int],
                    device: jax.Device | None = None, *,
                    mesh: Mesh | None = None,
                    host_devices: Sequence[jax.Device] | None = None,
-                   num_workers: int = 2,
-                   sample=None) -> list[tuple[Callable[..., Any], tuple]]:
+                   num_workers: int = 2, sample=None,
+                   error_feedback: bool | None = None
+                   ) -> list[tuple[Callable[..., Any], tuple]]:
   """The programs :func:`profile_codec` times, compiled and run once.
 
   For callers that time them their own way (in rounds with other programs,
@@ -420,34 +476,37 @@ def codec_programs(averager: Averager, sizes: Sequence[int],
                      "devices, not several")
   if host_devices is not None and not host_devices:
     raise ValueError("profile_codec's host_devices is empty")
+  rng = np.random.default_rng(0)
   if mesh is not None:
     num_workers = mesh.devices.size
     sharding = NamedSharding(mesh, P(mesh.axis_names[0]))
-    w = jax.make_array_from_callback(
-        (num_workers,), sharding,
-        lambda _: np.full((1,), 1.0 / num_workers, np.float32))
+
+    def stacked(v):
+      v = np.asarray(v)
+      return jax.make_array_from_callback((num_workers, *v.shape), sharding,
+                                          lambda _: v[None])
 
     def args_of(row):
-      return (jax.make_array_from_callback(
-          (num_workers, row.size), sharding, lambda _: row[None]), w)
+      return tuple(jax.tree.map(stacked, _worker_args(
+          averager, row, num_workers, error_feedback, rng)))
 
     def wrap(fn):
       return fn
   else:
     # One device is the case of one host device.
     devices = list(host_devices or [device or jax.local_devices()[0]])
-    ws = [jax.device_put(jnp.float32(1.0 / num_workers), d) for d in devices]
 
     def args_of(row):
-      return (*[jax.device_put(row, d) for d in devices], *ws)
+      args = _worker_args(averager, row, num_workers, error_feedback, rng)
+      return tuple(tuple(jax.device_put(args, d)) for d in devices)
 
-    def wrap(fn):
-      return _on_each(fn, len(devices))
+    wrap = _on_each
   # Compile everything first, so processes that share the host stay in step.
   programs = []
   for d in sizes:
     args = args_of(sample_data(sample, int(d)))
-    fn = wrap(local_program(averager, int(d), num_workers, mesh))
+    fn = wrap(local_program(averager, int(d), num_workers, mesh,
+                            error_feedback))
     jax.block_until_ready(fn(*args))
     programs.append((fn, args))
   return programs
@@ -458,8 +517,8 @@ def profile_codec(averager: Averager, num_elements: int | Sequence[int],
                   repeats: int = 5, calls: int = 3,
                   sync: Callable[[], Any] | None = None,
                   sample=None, mesh: Mesh | None = None,
-                  host_devices: Sequence[jax.Device] | None = None
-                  ) -> CodecCost:
+                  host_devices: Sequence[jax.Device] | None = None,
+                  error_feedback: bool | None = None) -> CodecCost:
   """Measures an averager's local work on ``device``, fitted as ``a + b n``.
 
   Times :func:`local_program`: the averager as one worker runs it, with
@@ -505,6 +564,13 @@ def profile_codec(averager: Averager, num_elements: int | Sequence[int],
       each run their own XLA thread pool, which fake devices of one process
       share: for processes, :func:`~qsync_jax.predictor.codec_processes.
       profile_codecs_in_processes` profiles over their mesh.
+    error_feedback: None to time the averager's own call (what the
+      compression bench times); True or False to time the trainer's average
+      (:func:`qsync_jax.parallel.averagers.average`): with the averager's
+      state where it carries one and with or without the error-feedback
+      residual. PowerSGD rank 16 at 10.6M floats over four processes took
+      275 ms as its own call and 508 ms as the trainer's average with
+      feedback and warm start (docs/RESULTS.md).
 
   Returns:
     The fitted :class:`CodecCost`.
@@ -525,7 +591,8 @@ def profile_codec(averager: Averager, num_elements: int | Sequence[int],
                      "calls")
   programs = codec_programs(averager, sizes, device, mesh=mesh,
                             host_devices=host_devices,
-                            num_workers=num_workers, sample=sample)
+                            num_workers=num_workers, sample=sample,
+                            error_feedback=error_feedback)
   times = [timing.median_block_seconds(fn, args, repeats, calls, sync)
            for fn, args in programs]
   del programs

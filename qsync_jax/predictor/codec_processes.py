@@ -31,7 +31,8 @@ from qsync_jax.predictor.codec import AXIS, CodecCost, profile_codec
 def profile_codecs_in_processes(averagers: Mapping[str, Averager],
                                 num_elements: int, num_processes: int, *,
                                 repeats: int = 5, calls: int = 3,
-                                timeout_s: float = 1800
+                                error_feedback: Mapping[str, bool | None]
+                                | None = None, timeout_s: float = 1800
                                 ) -> dict[str, CodecCost]:
   """Profiles each averager's encode/decode in launched processes.
 
@@ -51,6 +52,10 @@ def profile_codecs_in_processes(averagers: Mapping[str, Averager],
     num_processes: processes, which are the average's workers.
     repeats: timed blocks per size.
     calls: calls per block.
+    error_feedback: ``{name: None, True or False}``, as
+      :func:`~qsync_jax.predictor.codec.profile_codec` takes it (None, the
+      averager's own call, for a name not in it): True or False to time the
+      trainer's average, as a training run pays it.
     timeout_s: the launch's time limit.
 
   Returns:
@@ -70,6 +75,7 @@ def profile_codecs_in_processes(averagers: Mapping[str, Averager],
     spec, out = os.path.join(tmp, "spec.pkl"), os.path.join(tmp, "out.json")
     with open(spec, "wb") as f:
       pickle.dump({"averagers": dict(averagers),
+                   "error_feedback": dict(error_feedback or {}),
                    "num_elements": int(num_elements), "repeats": repeats,
                    "calls": calls}, f)
     # Through -c, not -m: the package imports this module, and runpy warns
@@ -108,7 +114,9 @@ def worker_main(spec_path: str, out_path: str) -> None:
 
   fits = {name: profile_codec(averager, spec["num_elements"], mesh=mesh,
                               repeats=spec["repeats"], calls=spec["calls"],
-                              sync=barrier).to_dict()
+                              sync=barrier,
+                              error_feedback=spec["error_feedback"].get(name)
+                              ).to_dict()
           for name, averager in spec["averagers"].items()}
   if jax.process_index() == 0:
     with open(out_path, "w") as f:
