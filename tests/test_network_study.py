@@ -94,16 +94,18 @@ def test_without_links_the_binary_says_why_in_one_line(tmp_path, monkeypatch):
 
 
 def test_the_predictor_prices_each_configuration_from_its_runs(tmp_path):
-  # dp averages every step, QSR once over 20 steps: the same compute, so
-  # dp's predicted step is longer by the averages it adds. The runs are
-  # fake; re-predicting a written study reads each one's sync rounds and
-  # steps, and the link once from the summary.
+  # dp averages every step, local SGD 5 times and QSR once over 20 steps:
+  # the same compute, so a step is longer by the averages it adds. The runs
+  # are fake; re-predicting a written study reads each one's sync rounds
+  # and steps, and the link once from the summary.
   link = {"link": "1gbit", "rate_bps": 1e9, "latency_s": 0.0,
           "topology": "per_node", "measured_bps": 0.95e9, "cpu_quota": None}
   runs = [{"name": name, "seed": 0, "curve": [],
            "summary": {"sync_rounds": rounds, "steps": 20}}
-          for name, rounds in (("dp", 20), ("qsr", 1), ("dp_hetero", 20))]
-  configs = {n: {"step_time_mean_s": 0.1} for n in ("dp", "qsr", "dp_hetero")}
+          for name, rounds in (("dp", 20), ("qsr", 1), ("dp_hetero", 20),
+                               ("local", 5), ("diloco", 5))]
+  configs = {n: {"step_time_mean_s": 0.1}
+             for n in ("dp", "qsr", "dp_hetero", "local", "diloco")}
   summary = {"link": link, "model_kwargs": SMALL, "runs": runs,
              "configs": configs, "time_to_target_ratio_qsr_gqsgd_vs_dp": 0.3}
   (tmp_path / "summary.json").write_text(json.dumps(summary))
@@ -113,6 +115,8 @@ def test_the_predictor_prices_each_configuration_from_its_runs(tmp_path):
   steps = {n: c.get("predicted_step_s") for n, c in result["configs"].items()}
   assert steps["dp_hetero"] is None  # the throttled runs are not priced
   assert 0 < steps["qsr"] < steps["dp"]
+  # DiLoCo's rounds also run its outer optimizer over the parameters.
+  assert steps["diloco"] > steps["local"] > steps["qsr"]
   assert result["configs"]["qsr"]["predicted_vs_measured_step"] == (
       pytest.approx(steps["qsr"] / 0.1 - 1))
   # The measured figures stay as they were.

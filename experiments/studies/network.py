@@ -52,7 +52,9 @@ from qsync_jax import data as data_lib
 from qsync_jax import predictor
 from qsync_jax.allocation import pipeline
 from qsync_jax.parallel import links
+from qsync_jax.predictor import calls as calls_lib
 from qsync_jax.predictor import codec_processes
+from qsync_jax.predictor import timing
 from experiments.studies import qsr as qsr_study
 
 NUM_PROCESSES = 4
@@ -248,11 +250,12 @@ def predict_steps(runs: Sequence[Mapping[str, Any]], *, repeats: int = 5,
   (:func:`qsync_jax.predictor.codec_processes.profile_codecs_in_processes`:
   each with its own XLA thread pool on the same cores; no link, no root),
   as the runs' trainer calls it (with its error feedback and state).
-  The link is the one the runs measured. Data parallel is :func:`qsync_jax.predictor.predict` with
-  the averager; a local schedule is the step without communication plus
-  the run's averages per step times one average
-  (:func:`qsync_jax.predictor.averaging_time`), as
-  :func:`qsync_jax.allocation.sync_methods.compare_sync` prices them.
+  The link is the one the runs measured. Data parallel is
+  :func:`qsync_jax.predictor.predict` with the averager; a local schedule
+  is the step without communication plus the run's averages per step times
+  one average (:func:`qsync_jax.predictor.averaging_time`), as
+  :func:`qsync_jax.allocation.sync_methods.compare_sync` prices them, and
+  DiLoCo's outer optimizer step per average (:func:`_outer_step_s`).
 
   Args:
     runs: the study's runs (seed 0 of each configuration is used).
@@ -314,9 +317,25 @@ def predict_steps(runs: Sequence[Mapping[str, Any]], *, repeats: int = 5,
           averager=averager, codec_cost=codec).step_time_s
     else:
       per_step = r["summary"]["sync_rounds"] / r["summary"]["steps"]
-      out[name] = compute_s + per_step * predictor.averaging_time(
+      out[name] = compute_s + per_step * (predictor.averaging_time(
           averager, num_params, NUM_PROCESSES, link, codec, platform="cpu")
+          + _outer_step_s(model, c, devices, repeats))
   return out
+
+
+def _outer_step_s(model: nnx.Module, config: ml_collections.ConfigDict,
+                  devices: Sequence[jax.Device], repeats: int) -> float:
+  """Seconds of a sync round's outer optimizer step (DiLoCo's; 0 without
+  one), timed as the profile times the inner optimizer's step: the
+  trainer's update of all parameters, on every worker's device at once."""
+  outer_tx = config_lib.make_outer_optimizer(config)
+  if outer_tx is None:
+    return 0.0
+  at_once = calls_lib.concurrency_calls(
+      lambda d, _: calls_lib.optimizer_call(model, outer_tx, d), devices)
+  call = at_once[len(devices)]
+  jax.block_until_ready(call())  # Compiles.
+  return timing.median_block_seconds(call, (), repeats, 1)
 
 
 def _add_predictions(per_config: dict[str, dict[str, Any]],

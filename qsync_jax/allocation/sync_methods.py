@@ -130,10 +130,14 @@ def averages_per_step(method: str, period: int, total_steps: int,
 
 def profile_codecs(names: Sequence[str], num_elements: int, num_workers: int
                    ) -> dict[str, communication.CodecCost]:
-  """Each averager's encode/decode cost on this machine's first device."""
+  """Each averager's encode/decode cost on this machine's first device, as
+  the trainer averages by default: with the averager's state (PowerSGD's
+  warm start), without error feedback (``profile_codec(...,
+  error_feedback=False)``)."""
   return {name: communication.profile_codec(
       averagers_lib.make_averager(AVERAGERS[name][0], **AVERAGERS[name][1]),
-      num_elements, num_workers=num_workers) for name in names}
+      num_elements, num_workers=num_workers, error_feedback=False)
+          for name in names}
 
 
 def compare_sync(g: graph_lib.ModelGraph, cluster: ClusterSpec | str,

@@ -98,8 +98,9 @@ def worker_main(spec_path: str, out_path: str) -> None:
   """One process of :func:`profile_codecs_in_processes`: profiles the
   averagers pickled in ``spec_path``; process 0 writes the fits to
   ``out_path`` as JSON."""
-  from qsync_jax import cli
-  cli.start_binary()  # The runs' host allocator: the codec's time hangs on it.
+  # The runs' host allocator (every binary's): the codec's time hangs on it.
+  from qsync_jax import host_malloc
+  host_malloc.configure_from_env()
   import jax
   from jax.experimental import multihost_utils
   from jax.sharding import Mesh
