@@ -382,7 +382,6 @@ def local_program(averager: Averager, num_elements: int, num_workers: int,
       work between two collectives costs the slowest worker's time: with
       four processes on two cores, PowerSGD's two small all-reduces
       waited 50 ms of its 180 ms (docs/RESULTS.md).
-
     error_feedback: None for the averager's own call; True or False for
       the trainer's average (:func:`shard_body`).
 
