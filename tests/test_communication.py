@@ -327,6 +327,10 @@ def test_launched_processes_profile_the_encode_decode_together():
   with pytest.raises(ValueError, match=">= 2 elements"):
     codec_processes.profile_codecs_in_processes(
         {"mean": averagers.make_averager("none")}, 1, 2)
+  with pytest.raises(ValueError, match="not profiled"):
+    codec_processes.profile_codecs_in_processes(
+        {"mean": averagers.make_averager("none")}, 4096, 2,
+        error_feedback={"gqsgd": True})
 
 
 def test_averaging_time_adds_wire_latency_and_codec():

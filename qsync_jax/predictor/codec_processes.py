@@ -62,7 +62,8 @@ def profile_codecs_in_processes(averagers: Mapping[str, Averager],
     ``{name: CodecCost}``.
 
   Raises:
-    ValueError: fewer than 2 elements, 1 process, repeat or call.
+    ValueError: fewer than 2 elements, 1 process, repeat or call, or
+      ``error_feedback`` names an averager not in ``averagers``.
     RuntimeError: a process failed (its output was relayed with a
       ``[p<id>]`` prefix).
   """
@@ -71,6 +72,10 @@ def profile_codecs_in_processes(averagers: Mapping[str, Averager],
                      f"and call; got {num_elements} elements, "
                      f"{num_processes} processes, {repeats} repeats, {calls} "
                      "calls")
+  unknown = sorted(set(error_feedback or {}) - set(averagers))
+  if unknown:
+    raise ValueError(f"error_feedback names averagers {unknown} that are "
+                     f"not profiled; averagers: {sorted(averagers)}")
   with tempfile.TemporaryDirectory(prefix="qsync_codec_") as tmp:
     spec, out = os.path.join(tmp, "spec.pkl"), os.path.join(tmp, "out.json")
     with open(spec, "wb") as f:
