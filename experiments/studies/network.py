@@ -301,15 +301,16 @@ def predict_steps(runs: Sequence[Mapping[str, Any]], *, repeats: int = 5,
   # and the averager's state.
   def key(c):
     return f"{c.compress}, error feedback {bool(c.error_feedback)}"
+  averagers = {name: config_lib.make_averager(c)
+               for name, c in configs.items()}
   codecs = codec_processes.profile_codecs_in_processes(
-      {key(c): config_lib.make_averager(c) for c in configs.values()},
+      {key(c): averagers[name] for name, c in configs.items()},
       num_params, NUM_PROCESSES, repeats=repeats,
       error_feedback={key(c): bool(c.error_feedback)
                       for c in configs.values()})
   out = {}
   for name, r in firsts.items():
-    c = configs[name]
-    averager = config_lib.make_averager(c)
+    c, averager = configs[name], averagers[name]
     codec = codecs[key(c)]
     if c.sync == "dp":
       out[name] = predictor.predict(

@@ -16,7 +16,6 @@ Each of those processes runs :func:`worker_main`.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import sys
@@ -77,7 +76,7 @@ def profile_codecs_in_processes(averagers: Mapping[str, Averager],
     raise ValueError(f"error_feedback names averagers {unknown} that are "
                      f"not profiled; averagers: {sorted(averagers)}")
   with tempfile.TemporaryDirectory(prefix="qsync_codec_") as tmp:
-    spec, out = os.path.join(tmp, "spec.pkl"), os.path.join(tmp, "out.json")
+    spec, out = os.path.join(tmp, "spec.pkl"), os.path.join(tmp, "out.pkl")
     with open(spec, "wb") as f:
       pickle.dump({"averagers": dict(averagers),
                    "error_feedback": dict(error_feedback or {}),
@@ -93,16 +92,14 @@ def profile_codecs_in_processes(averagers: Mapping[str, Averager],
       raise RuntimeError(f"profiling the encode/decode in {num_processes} "
                          f"processes failed (exit {code}); see the relayed "
                          "[p<id>] lines above")
-    with open(out) as f:
-      fits = json.load(f)
-  return {name: CodecCost(d["a_s"], d["b_s"], tuple(d["sizes"]),
-                          tuple(d["seconds"])) for name, d in fits.items()}
+    with open(out, "rb") as f:
+      return pickle.load(f)
 
 
 def worker_main(spec_path: str, out_path: str) -> None:
   """One process of :func:`profile_codecs_in_processes`: profiles the
-  averagers pickled in ``spec_path``; process 0 writes the fits to
-  ``out_path`` as JSON."""
+  averagers pickled in ``spec_path``; process 0 pickles the fits
+  (:class:`~qsync_jax.predictor.codec.CodecCost`) to ``out_path``."""
   # The runs' host allocator (every binary's): the codec's time hangs on it.
   from qsync_jax import host_malloc
   host_malloc.configure_from_env()
@@ -121,10 +118,9 @@ def worker_main(spec_path: str, out_path: str) -> None:
   fits = {name: profile_codec(averager, spec["num_elements"], mesh=mesh,
                               repeats=spec["repeats"], calls=spec["calls"],
                               sync=barrier,
-                              error_feedback=spec["error_feedback"].get(name)
-                              ).to_dict()
+                              error_feedback=spec["error_feedback"].get(name))
           for name, averager in spec["averagers"].items()}
   if jax.process_index() == 0:
-    with open(out_path, "w") as f:
-      json.dump(fits, f)
+    with open(out_path, "wb") as f:
+      pickle.dump(fits, f)
   distributed.shutdown()
