@@ -70,10 +70,14 @@ def abstract_args(num_elements: int, num_workers: int,
   args = (rows, jax.ShapeDtypeStruct((num_workers,), jnp.float32))
   if error_feedback is None:
     return args
-  state = jax.eval_shape(lambda: averagers.init_state(averager, num_elements))
   return (*args, rows if error_feedback else None, jax.tree.map(
       lambda s: jax.ShapeDtypeStruct((num_workers, *s.shape), s.dtype),
-      state))
+      _state_shape(averager, num_elements)))
+
+
+def _state_shape(averager: Averager, num_elements: int):
+  """The averager's state's shapes and dtypes (None: it has none)."""
+  return jax.eval_shape(lambda: averagers.init_state(averager, num_elements))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,8 +449,8 @@ def _worker_args(averager: Averager, row: np.ndarray, num_workers: int,
   # A warm state (PowerSGD's previous Q), as every call after the first
   # has: a state of zeros takes the first call's path.
   state = jax.tree.map(
-      lambda s: rng.standard_normal(np.shape(s)).astype(s.dtype),
-      averagers.init_state(averager, row.size))
+      lambda s: rng.standard_normal(s.shape).astype(s.dtype),
+      _state_shape(averager, row.size))
   return [*args, np.float32(0.01) * row if error_feedback else None, state]
 
 
@@ -488,9 +492,6 @@ def codec_programs(averager: Averager, sizes: Sequence[int],
     def args_of(row):
       return tuple(jax.tree.map(stacked, _worker_args(
           averager, row, num_workers, error_feedback, rng)))
-
-    def wrap(fn):
-      return fn
   else:
     # One device is the case of one host device.
     devices = list(host_devices or [device or jax.local_devices()[0]])
@@ -498,14 +499,12 @@ def codec_programs(averager: Averager, sizes: Sequence[int],
     def args_of(row):
       args = _worker_args(averager, row, num_workers, error_feedback, rng)
       return tuple(tuple(jax.device_put(args, d)) for d in devices)
-
-    wrap = _on_each
   # Compile everything first, so processes that share the host stay in step.
   programs = []
   for d in sizes:
     args = args_of(sample_data(sample, int(d)))
-    fn = wrap(local_program(averager, int(d), num_workers, mesh,
-                            error_feedback))
+    fn = local_program(averager, int(d), num_workers, mesh, error_feedback)
+    fn = fn if mesh is not None else _on_each(fn)
     jax.block_until_ready(fn(*args))
     programs.append((fn, args))
   return programs
