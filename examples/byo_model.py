@@ -7,6 +7,7 @@ the one jitted step) and Global-QSGD averaging of the parameter change.
 
   python examples/byo_model.py   # 4 fake CPU devices when no GPUs
 """
+
 import os
 
 from flax import nnx
@@ -31,8 +32,9 @@ class CNN(nnx.Module):
     return self.head(x.reshape(x.shape[0], -1))
 
 
-def main(steps: int = 300, n: int | None = None, batch: int = 32,
-         lr: float = 0.05):
+def main(
+  steps: int = 300, n: int | None = None, batch: int = 32, lr: float = 0.05
+):
   # XLA:CPU runs a lax.cond's collectives on its host thread pool: with more
   # fake devices than cores they can deadlock (seen: 4 on 2 cores).
   n = n or min(4, jax.device_count(), os.cpu_count() or 1)
@@ -44,19 +46,23 @@ def main(steps: int = 300, n: int | None = None, batch: int = 32,
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   schedule = optax.cosine_decay_schedule(lr, steps)
   tx = optax.sgd(schedule, momentum=0.9)
-  sync = jnp.asarray(qs.make_schedule(
-      "qsr", lr_schedule=schedule, h_base=2, alpha=0.02,
-      total_steps=steps).sync_table(steps))
+  sync = jnp.asarray(
+    qs.make_schedule(
+      "qsr", lr_schedule=schedule, h_base=2, alpha=0.02, total_steps=steps
+    ).sync_table(steps)
+  )
   averager = qs.make_averager("gqsgd")  # int8 on the wire, global scale
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))
   # Every worker holds its own copy (local SGD): stack a row per worker.
-  stack = lambda t: jax.tree.map(lambda a: jnp.stack([a] * n), t)  # noqa
+  stack = lambda t: jax.tree.map(lambda a: jnp.stack([a] * n), t)
   state = stack((params, rest, tx.init(params), params))
 
   @jax.jit
-  @jax.shard_map(mesh=mesh, in_specs=(jax.P("data"), jax.P("data"),
-                                      jax.P("data"), jax.P()),
-                 out_specs=(jax.P("data"), jax.P()))
+  @jax.shard_map(
+    mesh=mesh,
+    in_specs=(jax.P("data"), jax.P("data"), jax.P("data"), jax.P()),
+    out_specs=(jax.P("data"), jax.P()),
+  )
   def step(state, xb, yb, t):
     params, rest, opt, anchor = jax.tree.map(lambda a: a[0], state)
 
@@ -74,12 +80,14 @@ def main(steps: int = 300, n: int | None = None, batch: int = 32,
     def average(p):  # a sync step: average the change since the last one
       delta = jax.tree.map(jnp.subtract, p, anchor)
       mean = qs.parallel.averagers.average_tree(
-          averager, delta, jnp.float32(1 / n), "data")
+        averager, delta, jnp.float32(1 / n), "data"
+      )
       p = jax.tree.map(jnp.add, anchor, mean)
       return p, p
 
-    params, anchor = jax.lax.cond(sync[t], average, lambda p: (p, anchor),
-                                  params)
+    params, anchor = jax.lax.cond(
+      sync[t], average, lambda p: (p, anchor), params
+    )
     out = jax.tree.map(lambda a: a[None], (params, rest, opt, anchor))
     return out, jax.lax.pmean(loss, "data")
 
@@ -91,8 +99,10 @@ def main(steps: int = 300, n: int | None = None, batch: int = 32,
   test = nnx.merge(graphdef, params, rest)
   test.eval()
   accuracy = float((test(x[1500:]).argmax(-1) == y[1500:]).mean())
-  print(f"loss {float(loss):.3f}, test accuracy {accuracy:.3f}, "
-        f"{int(sync.sum())} syncs in {steps} steps")
+  print(
+    f"loss {float(loss):.3f}, test accuracy {accuracy:.3f}, "
+    f"{int(sync.sum())} syncs in {steps} steps"
+  )
   return accuracy, int(sync.sum())
 
 

@@ -49,64 +49,99 @@ from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
 from qsync_jax.allocation import pipeline
 from qsync_jax.allocation import sync_methods
-from qsync_jax.parallel import links
 from qsync_jax.numerics.precision import Precision
+from qsync_jax.parallel import links
 from qsync_jax.predictor import communication
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "resnet50", "Built-in model or module:factory.")
 flags.DEFINE_string("model_kwargs", "{}", "JSON config of the timing model.")
-flags.DEFINE_string("score_model_kwargs", None,
-                    "JSON config of the model the indicator scores "
-                    "(default: --model_kwargs).")
+flags.DEFINE_string(
+  "score_model_kwargs",
+  None,
+  "JSON config of the model the indicator scores (default: --model_kwargs).",
+)
 flags.DEFINE_string("dataset", "digits", "Dataset for the indicator.")
 flags.DEFINE_string("dataset_kwargs", "{}", "JSON dataset arguments.")
 flags.DEFINE_string("cluster", "v100:8,t4:8", "Cluster, kind:count,...")
 flags.DEFINE_integer("batch_size", 32, "Per-worker batch of the timing model.")
 flags.DEFINE_string("indicator", "qsync", "Indicator method.")
-flags.DEFINE_enum("method", "greedy", ["greedy", "memory", "ilp"],
-                  "Allocator search.")
-flags.DEFINE_list("candidates", ["int8", "fp16", "fp32"],
-                  "Precisions the weak kinds may use.")
-flags.DEFINE_list("memory_limit", [], "KIND=GiB limits (default: the "
-                  "catalog's device memory).")
-flags.DEFINE_float("compression", None, "Instead of --memory_limit: save this "
-                   "fraction of the weak kinds' FP32 residual bytes.")
+flags.DEFINE_enum(
+  "method", "greedy", ["greedy", "memory", "ilp"], "Allocator search."
+)
+flags.DEFINE_list(
+  "candidates", ["int8", "fp16", "fp32"], "Precisions the weak kinds may use."
+)
+flags.DEFINE_list(
+  "memory_limit", [], "KIND=GiB limits (default: the catalog's device memory)."
+)
+flags.DEFINE_float(
+  "compression",
+  None,
+  "Instead of --memory_limit: save this "
+  "fraction of the weak kinds' FP32 residual bytes.",
+)
 flags.DEFINE_integer("num_batches", 4, "Indicator batches.")
 flags.DEFINE_integer("score_batch_size", 32, "Indicator batch size.")
 flags.DEFINE_string("scores", None, "Load indicator scores from this JSON.")
-flags.DEFINE_integer("optimizer_state_copies", 2,
-                     "Float32 copies of the parameters the optimizer keeps: "
-                     "2 for Adam(W) (QSync trains BERT with AdamW), 1 for "
-                     "SGD with momentum (QSync's CNNs), 0 for plain SGD.")
+flags.DEFINE_integer(
+  "optimizer_state_copies",
+  2,
+  "Float32 copies of the parameters the optimizer keeps: "
+  "2 for Adam(W) (QSync trains BERT with AdamW), 1 for "
+  "SGD with momentum (QSync's CNNs), 0 for plain SGD.",
+)
 flags.DEFINE_integer("seed", 0, "Model and indicator seed.")
 flags.DEFINE_string("out", None, "Output directory.")
-flags.DEFINE_string("link", None, "Link rate between workers (1gbit, "
-                    "100mbit): also compare sync methods and averagers.")
-flags.DEFINE_string("latency", "0ms", "With --link: one-way delay from a "
-                    "worker to the switch.")
-flags.DEFINE_enum("topology", "per_node", list(links.TOPOLOGIES),
-                  "With --link: a link each or one shared link.")
-flags.DEFINE_integer("sync_period", 8, "With --link: local SGD's period and "
-                     "QSR's smallest one.")
-flags.DEFINE_integer("total_steps", 1000, "With --link: training steps (QSR's "
-                     "periods grow as the cosine learning rate decays).")
+flags.DEFINE_string(
+  "link",
+  None,
+  "Link rate between workers (1gbit, "
+  "100mbit): also compare sync methods and averagers.",
+)
+flags.DEFINE_string(
+  "latency", "0ms", "With --link: one-way delay from a worker to the switch."
+)
+flags.DEFINE_enum(
+  "topology",
+  "per_node",
+  list(links.TOPOLOGIES),
+  "With --link: a link each or one shared link.",
+)
+flags.DEFINE_integer(
+  "sync_period", 8, "With --link: local SGD's period and QSR's smallest one."
+)
+flags.DEFINE_integer(
+  "total_steps",
+  1000,
+  "With --link: training steps (QSR's "
+  "periods grow as the cosine learning rate decays).",
+)
 
 
 # Integer flags and their least value.
-_LEAST = {"batch_size": 1, "score_batch_size": 1, "num_batches": 1,
-          "optimizer_state_copies": 0, "seed": 0, "sync_period": 1,
-          "total_steps": 1}
-_SCORES_SHAPE = ('expected {layer: {precision: number}} or {"values": '
-                 '{layer: {precision: number}}, "method": name}')
+_LEAST = {
+  "batch_size": 1,
+  "score_batch_size": 1,
+  "num_batches": 1,
+  "optimizer_state_copies": 0,
+  "seed": 0,
+  "sync_period": 1,
+  "total_steps": 1,
+}
+_SCORES_SHAPE = (
+  'expected {layer: {precision: number}} or {"values": '
+  '{layer: {precision: number}}, "method": name}'
+)
 
 
 def _check_numeric_flags():
   """Raises ``ValueError`` naming the first numeric flag out of range."""
   for name, least in _LEAST.items():
     if getattr(FLAGS, name) < least:
-      raise ValueError(f"--{name} must be >= {least}, got "
-                       f"{getattr(FLAGS, name)}")
+      raise ValueError(
+        f"--{name} must be >= {least}, got {getattr(FLAGS, name)}"
+      )
   c = FLAGS.compression
   if c is not None and not (math.isfinite(c) and 0 <= c <= 1):
     raise ValueError(f"--compression must be a fraction in [0, 1], got {c}")
@@ -116,8 +151,10 @@ def _kwargs_flag(name):
   """The JSON object of flag ``--name``: keyword arguments."""
   value = config_lib.read_json(getattr(FLAGS, name), f"--{name}")
   if not isinstance(value, dict):
-    raise ValueError(f"--{name} must be a JSON object of keyword arguments, "
-                     f"got a {type(value).__name__}")
+    raise ValueError(
+      f"--{name} must be a JSON object of keyword arguments, "
+      f"got a {type(value).__name__}"
+    )
   return value
 
 
@@ -134,29 +171,36 @@ def _load_scores(path):
   with open(path) as f:
     loaded = config_lib.read_json(f.read(), what)
   if not isinstance(loaded, dict):
-    raise ValueError(f"{what} holds a {type(loaded).__name__}; "
-                     f"{_SCORES_SHAPE}")
+    raise ValueError(f"{what} holds a {type(loaded).__name__}; {_SCORES_SHAPE}")
   values = loaded.get("values", loaded)
   method = loaded.get("method", FLAGS.indicator)
   if not isinstance(values, dict) or not values:
     raise ValueError(f"{what} has no layers; {_SCORES_SHAPE}")
   if not isinstance(method, str):
-    raise ValueError(f"{what}: its method is a {type(method).__name__}, not "
-                     "a name")
+    raise ValueError(
+      f"{what}: its method is a {type(method).__name__}, not a name"
+    )
   for layer, row in values.items():
     if not isinstance(row, dict) or not row:
-      raise ValueError(f"{what}: layer {layer!r} maps to a "
-                       f"{type(row).__name__}, not {{precision: number}}; "
-                       f"{_SCORES_SHAPE}")
+      raise ValueError(
+        f"{what}: layer {layer!r} maps to a "
+        f"{type(row).__name__}, not {{precision: number}}; "
+        f"{_SCORES_SHAPE}"
+      )
     for precision, x in row.items():
       try:
         Precision.parse(precision)
       except ValueError as e:
         raise ValueError(f"{what}: layer {layer!r}: {e}") from None
-      if not (isinstance(x, (int, float)) and not isinstance(x, bool)
-              and math.isfinite(x)):
-        raise ValueError(f"{what}: the score of layer {layer!r} at "
-                         f"{precision} is {x!r}, not a finite number")
+      if not (
+        isinstance(x, (int, float))
+        and not isinstance(x, bool)
+        and math.isfinite(x)
+      ):
+        raise ValueError(
+          f"{what}: the score of layer {layer!r} at "
+          f"{precision} is {x!r}, not a finite number"
+        )
   return values, method
 
 
@@ -169,11 +213,13 @@ def _memory_limits(values):
     except ValueError:
       sep = ""
     if not sep:
-      raise ValueError(f"--memory_limit={value!r}: expected KIND=GiB, e.g. "
-                       "t4=12")
+      raise ValueError(
+        f"--memory_limit={value!r}: expected KIND=GiB, e.g. t4=12"
+      )
     if not (math.isfinite(gib) and gib > 0):
-      raise ValueError(f"--memory_limit={value!r}: the limit must be a "
-                       "positive number of GiB")
+      raise ValueError(
+        f"--memory_limit={value!r}: the limit must be a positive number of GiB"
+      )
     limits[kind.strip().lower()] = gib * 2**30
   return limits
 
@@ -185,57 +231,101 @@ def main(argv):
   with cli.bad_input_exits():
     # Every flag is checked before the models are built.
     _check_numeric_flags()
-    link = (communication.Link.parse(FLAGS.link, FLAGS.latency,
-                                     FLAGS.topology) if FLAGS.link else None)
+    link = (
+      communication.Link.parse(FLAGS.link, FLAGS.latency, FLAGS.topology)
+      if FLAGS.link
+      else None
+    )
     memory_limits = _memory_limits(FLAGS.memory_limit) or None
     model_kwargs = _kwargs_flag("model_kwargs")
-    score_kwargs = (model_kwargs if FLAGS.score_model_kwargs is None
-                    else _kwargs_flag("score_model_kwargs"))
+    score_kwargs = (
+      model_kwargs
+      if FLAGS.score_model_kwargs is None
+      else _kwargs_flag("score_model_kwargs")
+    )
     dataset_kwargs = _kwargs_flag("dataset_kwargs")
-    scores, name = (_load_scores(FLAGS.scores) if FLAGS.scores
-                    else (None, FLAGS.indicator))
+    scores, name = (
+      _load_scores(FLAGS.scores) if FLAGS.scores else (None, FLAGS.indicator)
+    )
     train_lib.make_out_dir(FLAGS.out, "--out")
     # Only the timing model's shapes are used: built without its weights.
-    timing_model = models_lib.without_weights(lambda: models_lib.build_model(
-        FLAGS.model, rngs=nnx.Rngs(FLAGS.seed), **model_kwargs))
+    timing_model = models_lib.without_weights(
+      lambda: models_lib.build_model(
+        FLAGS.model, rngs=nnx.Rngs(FLAGS.seed), **model_kwargs
+      )
+    )
     # A model without input_spec is traced on the dataset's inputs
     # (resized to --batch_size), the scored one sized for the dataset.
     needs_data = scores is None or not callable(
-        getattr(timing_model, "input_spec", None))
-    dataset = (data_lib.load_dataset(FLAGS.dataset, **dataset_kwargs)
-               if needs_data else None)
-    sample_input = (None if dataset is None or callable(
-        getattr(timing_model, "input_spec", None))
-                    else dataset.x_train[:1])
+      getattr(timing_model, "input_spec", None)
+    )
+    dataset = (
+      data_lib.load_dataset(FLAGS.dataset, **dataset_kwargs)
+      if needs_data
+      else None
+    )
+    sample_input = (
+      None
+      if dataset is None or callable(getattr(timing_model, "input_spec", None))
+      else dataset.x_train[:1]
+    )
     if scores is None:
       score_model = models_lib.build_model(
-          FLAGS.model, rngs=nnx.Rngs(FLAGS.seed),
-          data_kwargs=dataset.model_kwargs(),
-          sample_input=dataset.x_train[:2], **score_kwargs)
+        FLAGS.model,
+        rngs=nnx.Rngs(FLAGS.seed),
+        data_kwargs=dataset.model_kwargs(),
+        sample_input=dataset.x_train[:2],
+        **score_kwargs,
+      )
       scores = pipeline.compute_scores(
-          score_model, dataset, FLAGS.indicator,
-          num_batches=FLAGS.num_batches, batch_size=FLAGS.score_batch_size,
-          seed=FLAGS.seed).values
+        score_model,
+        dataset,
+        FLAGS.indicator,
+        num_batches=FLAGS.num_batches,
+        batch_size=FLAGS.score_batch_size,
+        seed=FLAGS.seed,
+      ).values
     result = pipeline.plan_cluster(
-        timing_model, FLAGS.cluster, scores, FLAGS.batch_size,
-        indicator_name=name, method=FLAGS.method,
-        memory_limits=memory_limits,
-        compression=FLAGS.compression, candidates=FLAGS.candidates,
-        optimizer_state_copies=FLAGS.optimizer_state_copies,
-        sample_input=sample_input)
+      timing_model,
+      FLAGS.cluster,
+      scores,
+      FLAGS.batch_size,
+      indicator_name=name,
+      method=FLAGS.method,
+      memory_limits=memory_limits,
+      compression=FLAGS.compression,
+      candidates=FLAGS.candidates,
+      optimizer_state_copies=FLAGS.optimizer_state_copies,
+      sample_input=sample_input,
+    )
     summary = pipeline.write(result, FLAGS.out)
-    sync = None if link is None else sync_methods.compare_for(
-        result, link, period=FLAGS.sync_period,
-        total_steps=FLAGS.total_steps, out_dir=FLAGS.out)
+    sync = (
+      None
+      if link is None
+      else sync_methods.compare_for(
+        result,
+        link,
+        period=FLAGS.sync_period,
+        total_steps=FLAGS.total_steps,
+        out_dir=FLAGS.out,
+      )
+    )
   print(result.table())
-  print(f"\nsearch {summary['search_time_s']:.3f} s, {summary['trials']} "
-        f"trials; quantized layers {summary['quantized_layers']}")
+  print(
+    f"\nsearch {summary['search_time_s']:.3f} s, {summary['trials']} "
+    f"trials; quantized layers {summary['quantized_layers']}"
+  )
   if summary["training_pace_s"] is not None:
-    print(f"training devices' pace (every worker a "
-          f"{'/'.join(summary['training_kinds'])}): "
-          f"{summary['training_pace_s'] * 1e3:.2f} ms"
-          + ("; the weak kinds straggle even at their fastest plan"
-             if summary["straggling"] else ""))
+    print(
+      f"training devices' pace (every worker a "
+      f"{'/'.join(summary['training_kinds'])}): "
+      f"{summary['training_pace_s'] * 1e3:.2f} ms"
+      + (
+        "; the weak kinds straggle even at their fastest plan"
+        if summary["straggling"]
+        else ""
+      )
+    )
   for k, v in summary["predicted_step_time_s"].items():
     print(f"predicted step {k:14s} {v * 1e3:9.2f} ms")
   if sync is not None:

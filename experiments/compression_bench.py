@@ -45,22 +45,38 @@ from qsync_jax.parallel import distributed
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output JSON file.")
-flags.DEFINE_list("sizes", [str(d) for d in compression.DEFAULT_SIZES],
-                  "Vector lengths in float32 elements.")
-flags.DEFINE_integer("repeats", compression.DEFAULT_REPEATS,
-                     "Timed rounds per case (median reported).")
-flags.DEFINE_list("settings", list(compression.SETTINGS),
-                  "Subset of fake_devices,multiprocess.")
+flags.DEFINE_list(
+  "sizes",
+  [str(d) for d in compression.DEFAULT_SIZES],
+  "Vector lengths in float32 elements.",
+)
+flags.DEFINE_integer(
+  "repeats",
+  compression.DEFAULT_REPEATS,
+  "Timed rounds per case (median reported).",
+)
+flags.DEFINE_list(
+  "settings", list(compression.SETTINGS), "Subset of fake_devices,multiprocess."
+)
 flags.DEFINE_integer("num_workers", 4, "Workers: fake devices or processes.")
-flags.DEFINE_bool("donate", False,
-                  "Each all-reduce takes its input buffer (as a training "
-                  "step's dead gradient), so its output may reuse it.")
-flags.DEFINE_list("strategies", None,
-                  "Strategies to measure (default: all); see "
-                  "experiments.benches.compression_cases.STRATEGIES.")
-flags.DEFINE_bool("parts", False,
-                  "Also time the pieces of gqsgd's all-reduce across the "
-                  "processes (multiprocess setting) and report its floor.")
+flags.DEFINE_bool(
+  "donate",
+  False,
+  "Each all-reduce takes its input buffer (as a training "
+  "step's dead gradient), so its output may reuse it.",
+)
+flags.DEFINE_list(
+  "strategies",
+  None,
+  "Strategies to measure (default: all); see "
+  "experiments.benches.compression_cases.STRATEGIES.",
+)
+flags.DEFINE_bool(
+  "parts",
+  False,
+  "Also time the pieces of gqsgd's all-reduce across the "
+  "processes (multiprocess setting) and report its floor.",
+)
 
 
 def main(argv):
@@ -81,9 +97,15 @@ def main(argv):
       sizes = [int(s) for s in FLAGS.sizes]
     except ValueError:
       raise ValueError(f"--sizes must be integers, got {FLAGS.sizes}") from None
-    report = compression.run(sizes, FLAGS.repeats, settings, num_workers,
-                             FLAGS.strategies, donate=FLAGS.donate,
-                             parts=FLAGS.parts)
+    report = compression.run(
+      sizes,
+      FLAGS.repeats,
+      settings,
+      num_workers,
+      FLAGS.strategies,
+      donate=FLAGS.donate,
+      parts=FLAGS.parts,
+    )
   first = jax.process_index() == 0
   distributed.shutdown()
   if not first:
@@ -97,14 +119,16 @@ def main(argv):
     if floor is None:
       print("gqsgd_floor: a part or strategy was not measured (see above)")
       continue
-    print(f"gqsgd_floor {floor['num_elements']}: passes "
-          f"{floor['passes_s'] * 1e3:.1f} ms + int8 all-reduce "
-          f"{floor['allreduce_int8_s'] * 1e3:.1f} ms = "
-          f"{floor['parts_sum_vs_whole']:.2f}x gqsgd; floor (int8 all-reduce "
-          f"+ 2 reads of {floor['read_s'] * 1e3:.1f} ms + a write pass of "
-          f"{floor['write_s'] * 1e3:.1f} ms) = "
-          f"{floor['floor_vs_fp32']:.2f}x the float32 mean "
-          f"({floor['cpu_floor_vs_fp32']:.2f}x in CPU time)")
+    print(
+      f"gqsgd_floor {floor['num_elements']}: passes "
+      f"{floor['passes_s'] * 1e3:.1f} ms + int8 all-reduce "
+      f"{floor['allreduce_int8_s'] * 1e3:.1f} ms = "
+      f"{floor['parts_sum_vs_whole']:.2f}x gqsgd; floor (int8 all-reduce "
+      f"+ 2 reads of {floor['read_s'] * 1e3:.1f} ms + a write pass of "
+      f"{floor['write_s'] * 1e3:.1f} ms) = "
+      f"{floor['floor_vs_fp32']:.2f}x the float32 mean "
+      f"({floor['cpu_floor_vs_fp32']:.2f}x in CPU time)"
+    )
 
 
 if __name__ == "__main__":

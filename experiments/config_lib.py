@@ -13,11 +13,12 @@ the optimizer, the sync schedule and the averager.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 import json
 import math
 import numbers
 import os
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from absl import logging
 from flax import nnx
@@ -29,17 +30,16 @@ import optax
 
 from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
+from qsync_jax import task
 from qsync_jax.allocation import sharing
 from qsync_jax.parallel import averagers
 from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.parallel import launchers
 from qsync_jax.parallel import schedules
 from qsync_jax.plan.precision import PrecisionPlan
-from qsync_jax import task
 from qsync_jax.train import evaluation
 from qsync_jax.train import programs
 from qsync_jax.train import step as step_lib
-
 
 
 def load_plan(spec: Any) -> PrecisionPlan:
@@ -90,37 +90,54 @@ def read_json(text: str, what: str) -> Any:
 
 # Integer fields and their least value.
 _INT_FIELDS: dict[str, int] = {
-    "batch_size": 1, "steps": 1, "warmup_steps": 0, "h_base": 1,
-    "switch_step": 0, "seed": 0, "log_every": 1, "eval_every": 0,
-    "checkpoint_every": 0, "allocator.num_batches": 1,
-    "allocator.timing_batch_size": 0, "compress_kwargs.bucket_size": 1,
-    "compress_kwargs.levels": 1, "bn_batches": 1,
-    "distributed.initialization_timeout_s": 1,
-    "distributed.heartbeat_timeout_s": 1, "distributed.shutdown_timeout_s": 1,
-    "compress_kwargs.rank": 1, "compress_kwargs.cols": 1,
-    "allocator.profile_repeats": 1, "distributed.planning_timeout_s": 1,
+  "batch_size": 1,
+  "steps": 1,
+  "warmup_steps": 0,
+  "h_base": 1,
+  "switch_step": 0,
+  "seed": 0,
+  "log_every": 1,
+  "eval_every": 0,
+  "checkpoint_every": 0,
+  "allocator.num_batches": 1,
+  "allocator.timing_batch_size": 0,
+  "compress_kwargs.bucket_size": 1,
+  "compress_kwargs.levels": 1,
+  "bn_batches": 1,
+  "distributed.initialization_timeout_s": 1,
+  "distributed.heartbeat_timeout_s": 1,
+  "distributed.shutdown_timeout_s": 1,
+  "compress_kwargs.rank": 1,
+  "compress_kwargs.cols": 1,
+  "allocator.profile_repeats": 1,
+  "distributed.planning_timeout_s": 1,
 }
 
 
 # Float fields: the condition their (finite) value must meet, in words.
 _FLOAT_FIELDS: dict[str, tuple[Callable[[float], bool], str]] = {
-    "learning_rate": (lambda v: v > 0, "> 0"),
-    "final_learning_rate": (lambda v: v >= 0, ">= 0"),
-    "lr_decay_factor": (lambda v: v > 0, "> 0"),
-    "lr_round_base": (lambda v: v > 0 and v != 1, "> 0 and != 1"),
-    "momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "alpha": (lambda v: v >= 0, ">= 0"),
-    "gamma": (lambda v: v > 0, "> 0"),
-    "allocator.compression": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "outer_lr": (lambda v: v > 0, "> 0"),
-    "outer_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
+  "learning_rate": (lambda v: v > 0, "> 0"),
+  "final_learning_rate": (lambda v: v >= 0, ">= 0"),
+  "lr_decay_factor": (lambda v: v > 0, "> 0"),
+  "lr_round_base": (lambda v: v > 0 and v != 1, "> 0 and != 1"),
+  "momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
+  "alpha": (lambda v: v >= 0, ">= 0"),
+  "gamma": (lambda v: v > 0, "> 0"),
+  "allocator.compression": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+  "outer_lr": (lambda v: v > 0, "> 0"),
+  "outer_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
 }
 
 
 # Fields that may be None: unset, the library's default applies.
-_OPTIONAL = ("allocator.compression", "compress_kwargs.bucket_size",
-             "compress_kwargs.levels", "compress_kwargs.rank",
-             "compress_kwargs.cols", "compress_kwargs.warm_start")
+_OPTIONAL = (
+  "allocator.compression",
+  "compress_kwargs.bucket_size",
+  "compress_kwargs.levels",
+  "compress_kwargs.rank",
+  "compress_kwargs.cols",
+  "compress_kwargs.warm_start",
+)
 
 
 def _leaves(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -165,43 +182,59 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       continue
     if name in _INT_FIELDS:
       least = _INT_FIELDS[name]
-      if not (_is_number(value) and isinstance(value, numbers.Integral)
-              and value >= least):
-        raise ValueError(f"config.{name} must be an integer >= {least}, got "
-                         f"{value!r}")
+      if not (
+        _is_number(value)
+        and isinstance(value, numbers.Integral)
+        and value >= least
+      ):
+        raise ValueError(
+          f"config.{name} must be an integer >= {least}, got {value!r}"
+        )
     elif name in _FLOAT_FIELDS:
       ok, words = _FLOAT_FIELDS[name]
       if not (_is_number(value) and math.isfinite(value) and ok(value)):
-        raise ValueError(f"config.{name} must be a finite number {words}, "
-                         f"got {value!r}")
+        raise ValueError(
+          f"config.{name} must be a finite number {words}, got {value!r}"
+        )
     elif _is_number(value) and not math.isfinite(value):
-      raise ValueError(f"config.{name} must be a finite number, got "
-                       f"{value!r}")
+      raise ValueError(f"config.{name} must be a finite number, got {value!r}")
   # "auto" is resolved from the devices once JAX starts (experiments.train).
-  if (config.get("plan_mode", "manual") == "manual" and "cluster" in config
-      and config.cluster.strip().lower() != cluster_lib.AUTO):
-    check_plan_kinds(to_plain(config.get("plans", {})) or {},
-                     cluster_lib.parse_cluster(config.cluster))
+  if (
+    config.get("plan_mode", "manual") == "manual"
+    and "cluster" in config
+    and config.cluster.strip().lower() != cluster_lib.AUTO
+  ):
+    check_plan_kinds(
+      to_plain(config.get("plans", {})) or {},
+      cluster_lib.parse_cluster(config.cluster),
+    )
   bn_stats = config.get("bn_stats", "reestimate")
   if bn_stats not in evaluation.BN_STATS:
-    raise ValueError(f"config.bn_stats must be one of "
-                     f"{', '.join(evaluation.BN_STATS)}, got {bn_stats!r}")
+    raise ValueError(
+      f"config.bn_stats must be one of "
+      f"{', '.join(evaluation.BN_STATS)}, got {bn_stats!r}"
+    )
   local_devices = config.get("distributed", {}).get("local_devices", "auto")
   if local_devices not in launchers.LOCAL_DEVICES:
-    raise ValueError(f"config.distributed.local_devices must be one of "
-                     f"{', '.join(launchers.LOCAL_DEVICES)}, got "
-                     f"{local_devices!r}")
+    raise ValueError(
+      f"config.distributed.local_devices must be one of "
+      f"{', '.join(launchers.LOCAL_DEVICES)}, got "
+      f"{local_devices!r}"
+    )
   source = config.get("allocator", {}).get("profiles", "auto")
   if source not in sharing.SOURCES:
-    raise ValueError(f"config.allocator.profiles must be one of "
-                     f"{', '.join(sharing.SOURCES)}, got {source!r}")
+    raise ValueError(
+      f"config.allocator.profiles must be one of "
+      f"{', '.join(sharing.SOURCES)}, got {source!r}"
+    )
   opt_fields(config)  # a field the optimizer's state does not have
   make_averager(config)  # an unknown strategy or field; building is cheap
   make_outer_optimizer(config)  # an unknown one, or one dp would not use
 
 
-def check_plan_kinds(plans: Mapping[str, Any],
-                     spec: cluster_lib.ClusterSpec) -> None:
+def check_plan_kinds(
+  plans: Mapping[str, Any], spec: cluster_lib.ClusterSpec
+) -> None:
   """Raises ``ValueError`` if ``plans`` names a kind ``spec`` lacks.
 
   A plan for a kind the cluster does not have is a typo or the wrong
@@ -211,8 +244,9 @@ def check_plan_kinds(plans: Mapping[str, Any],
   outside = sorted(k for k in plans if k not in kinds)
   if outside:
     raise ValueError(
-        f"plan(s) given for device kind(s) {', '.join(outside)}, which the "
-        f"cluster {spec} does not have (its kinds: {', '.join(kinds)})")
+      f"plan(s) given for device kind(s) {', '.join(outside)}, which the "
+      f"cluster {spec} does not have (its kinds: {', '.join(kinds)})"
+    )
 
 
 def to_plain(value: Any) -> Any:
@@ -237,39 +271,52 @@ def _lr_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """
   name = config.lr_schedule
   if name not in LR_SCHEDULES:
-    raise ValueError(f"unknown lr_schedule {name!r}; valid: "
-                     f"{', '.join(LR_SCHEDULES)}")
-  s = dict(name=name, peak=float(config.learning_rate),
-           final=float(config.get("final_learning_rate", 0.0)),
-           warmup=int(config.warmup_steps), total=int(config.steps),
-           decay_steps=tuple(config.get("lr_decay_steps") or ()),
-           factor=float(config.get("lr_decay_factor", 0.1)),
-           base=float(config.get("lr_round_base", 2.0)))
+    raise ValueError(
+      f"unknown lr_schedule {name!r}; valid: {', '.join(LR_SCHEDULES)}"
+    )
+  s = dict(
+    name=name,
+    peak=float(config.learning_rate),
+    final=float(config.get("final_learning_rate", 0.0)),
+    warmup=int(config.warmup_steps),
+    total=int(config.steps),
+    decay_steps=tuple(config.get("lr_decay_steps") or ()),
+    factor=float(config.get("lr_decay_factor", 0.1)),
+    base=float(config.get("lr_round_base", 2.0)),
+  )
   if name == "constant":
     return s
   if not 0 <= s["warmup"] < s["total"]:
-    raise ValueError(f"lr_schedule={name} needs 0 <= warmup_steps < steps, "
-                     f"got warmup_steps={s['warmup']}, steps={s['total']}")
+    raise ValueError(
+      f"lr_schedule={name} needs 0 <= warmup_steps < steps, "
+      f"got warmup_steps={s['warmup']}, steps={s['total']}"
+    )
   if name == "step":
     d = s["decay_steps"]
-    if not d or any(not isinstance(x, int) or x < 1 for x in d) or list(
-        d) != sorted(set(d)):
-      raise ValueError("lr_schedule=step needs lr_decay_steps, increasing "
-                       f"positive step counts, got {d!r}")
+    if (
+      not d
+      or any(not isinstance(x, int) or x < 1 for x in d)
+      or list(d) != sorted(set(d))
+    ):
+      raise ValueError(
+        "lr_schedule=step needs lr_decay_steps, increasing "
+        f"positive step counts, got {d!r}"
+      )
     if not s["factor"] > 0:
       raise ValueError(f"lr_decay_factor must be > 0, got {s['factor']}")
   if name == "cosine_step":
     if not (s["base"] > 0 and s["base"] != 1):
       raise ValueError(f"lr_round_base must be > 0 and != 1, got {s['base']}")
     if not (s["final"] > 0 and s["peak"] > 0):  # it rounds log(lr)
-      raise ValueError("lr_schedule=cosine_step needs learning_rate and "
-                       "final_learning_rate > 0, got "
-                       f"{s['peak']} and {s['final']}")
+      raise ValueError(
+        "lr_schedule=cosine_step needs learning_rate and "
+        "final_learning_rate > 0, got "
+        f"{s['peak']} and {s['final']}"
+      )
   return s
 
 
-def _rounded_to_powers(schedule: optax.Schedule, base: float
-                       ) -> optax.Schedule:
+def _rounded_to_powers(schedule: optax.Schedule, base: float) -> optax.Schedule:
   """``schedule`` rounded to the nearest power of ``base`` in log space."""
   log_base = float(np.log(base))
 
@@ -279,8 +326,9 @@ def _rounded_to_powers(schedule: optax.Schedule, base: float
   return rounded
 
 
-def make_learning_rate(config: ml_collections.ConfigDict
-                       ) -> optax.ScalarOrSchedule:
+def make_learning_rate(
+  config: ml_collections.ConfigDict,
+) -> optax.ScalarOrSchedule:
   """The learning rate of ``config.lr_schedule``, for training.
 
   The official QSR code's schedules (``xscheduler.py``) as optax schedules:
@@ -310,20 +358,24 @@ def make_learning_rate(config: ml_collections.ConfigDict
     after = optax.linear_schedule(peak, final, span)
   elif s["name"] == "step":
     after = optax.piecewise_constant_schedule(
-        peak, {d - warmup: s["factor"] for d in s["decay_steps"]})
+      peak, {d - warmup: s["factor"] for d in s["decay_steps"]}
+    )
   else:
     after = optax.cosine_decay_schedule(
-        peak, span, alpha=final / peak if peak else 0.0)
+      peak, span, alpha=final / peak if peak else 0.0
+    )
     if s["name"] == "cosine_step":
       after = _rounded_to_powers(after, s["base"])
   if not warmup:
     return after
   return optax.join_schedules(
-      [optax.linear_schedule(final, peak, warmup), after], [warmup])
+    [optax.linear_schedule(final, peak, warmup), after], [warmup]
+  )
 
 
-def make_learning_rate_f64(config: ml_collections.ConfigDict
-                           ) -> Callable[[int], float]:
+def make_learning_rate_f64(
+  config: ml_collections.ConfigDict,
+) -> Callable[[int], float]:
   """The schedule of :func:`make_learning_rate` in float64, for QSR.
 
   Each formula is the official ``xscheduler.py``'s, operation for operation,
@@ -366,8 +418,9 @@ def make_learning_rate_f64(config: ml_collections.ConfigDict
   return lr
 
 
-def make_optimizer(config: ml_collections.ConfigDict
-                   ) -> optax.GradientTransformation:
+def make_optimizer(
+  config: ml_collections.ConfigDict,
+) -> optax.GradientTransformation:
   """``config.optimizer``: Adam, or SGD with ``config.momentum`` (0: none).
 
   Both treat every parameter alike, so they are declared
@@ -379,7 +432,8 @@ def make_optimizer(config: ml_collections.ConfigDict
     return step_lib.elementwise(optax.adam(lr))
   if name == "sgd":
     return step_lib.elementwise(
-        optax.sgd(lr, momentum=config.get("momentum", 0.0) or None))
+      optax.sgd(lr, momentum=config.get("momentum", 0.0) or None)
+    )
   raise ValueError(f"unknown optimizer {name!r}; valid: adam, sgd")
 
 
@@ -395,9 +449,12 @@ def opt_fields(config: ml_collections.ConfigDict) -> tuple[str, ...]:
   Raises:
     ValueError: a field the optimizer's state does not have.
   """
-  fields = tuple(f.strip() for entry in config.get("opt_fields_to_average",
-                                                   ()) or ()
-                 for f in str(entry).split(",") if f.strip())
+  fields = tuple(
+    f.strip()
+    for entry in config.get("opt_fields_to_average", ()) or ()
+    for f in str(entry).split(",")
+    if f.strip()
+  )
   if fields:  # the state's fields do not depend on the parameters' shapes
     state = jax.eval_shape(make_optimizer(config).init, jnp.zeros(1))
     programs.opt_field_mask(state, fields)
@@ -414,8 +471,7 @@ def make_loss_fn(config: ml_collections.ConfigDict) -> Any:
   spec = str(config.get("loss_fn", "") or "").strip()
   if not spec:
     return None
-  fn = task.load_callable(spec, "loss_fn",
-                          "expected 'package.module:loss_fn'")
+  fn = task.load_callable(spec, "loss_fn", "expected 'package.module:loss_fn'")
   try:
     return task.as_objective(fn)
   except TypeError as err:
@@ -426,8 +482,9 @@ def make_loss_fn(config: ml_collections.ConfigDict) -> Any:
 OUTER_OPTIMIZERS = ("none", "diloco")
 
 
-def make_outer_optimizer(config: ml_collections.ConfigDict
-                         ) -> optax.GradientTransformation | None:
+def make_outer_optimizer(
+  config: ml_collections.ConfigDict,
+) -> optax.GradientTransformation | None:
   """The outer optimizer of ``config.outer_optimizer`` (None for "none").
 
   "diloco" is DiLoCo's (Douillard et al., arXiv 2311.08105, as MaxText and
@@ -441,16 +498,22 @@ def make_outer_optimizer(config: ml_collections.ConfigDict
   """
   name = config.get("outer_optimizer", "none")
   if name not in OUTER_OPTIMIZERS:
-    raise ValueError(f"config.outer_optimizer must be one of "
-                     f"{', '.join(OUTER_OPTIMIZERS)}, got {name!r}")
+    raise ValueError(
+      f"config.outer_optimizer must be one of "
+      f"{', '.join(OUTER_OPTIMIZERS)}, got {name!r}"
+    )
   if name == "none":
     return None
   if config.get("sync", "dp") == "dp":
-    raise ValueError(f"config.outer_optimizer={name} needs a local sync "
-                     "(local, postlocal, qsr), got sync='dp'")
-  return optax.sgd(config.get("outer_lr", 0.7),
-                   momentum=config.get("outer_momentum", 0.9) or None,
-                   nesterov=True)
+    raise ValueError(
+      f"config.outer_optimizer={name} needs a local sync "
+      "(local, postlocal, qsr), got sync='dp'"
+    )
+  return optax.sgd(
+    config.get("outer_lr", 0.7),
+    momentum=config.get("outer_momentum", 0.9) or None,
+    nesterov=True,
+  )
 
 
 def make_schedule(config: ml_collections.ConfigDict) -> schedules.Schedule:
@@ -460,11 +523,15 @@ def make_schedule(config: ml_collections.ConfigDict) -> schedules.Schedule:
   ``h_base`` during warmup.
   """
   return schedules.make_schedule(
-      config.get("sync", "dp"), total_steps=config.steps,
-      lr_schedule=make_learning_rate_f64(config),
-      h_base=config.get("h_base", 1), alpha=config.get("alpha", 0.0),
-      gamma=config.get("gamma", 2.0), warmup_steps=config.warmup_steps,
-      switch_step=config.get("switch_step", 0))
+    config.get("sync", "dp"),
+    total_steps=config.steps,
+    lr_schedule=make_learning_rate_f64(config),
+    h_base=config.get("h_base", 1),
+    alpha=config.get("alpha", 0.0),
+    gamma=config.get("gamma", 2.0),
+    warmup_steps=config.warmup_steps,
+    switch_step=config.get("switch_step", 0),
+  )
 
 
 def make_averager(config: ml_collections.ConfigDict) -> averagers.Averager:
@@ -478,21 +545,28 @@ def make_averager(config: ml_collections.ConfigDict) -> averagers.Averager:
   Raises:
     ValueError: an unknown strategy, or a field it does not have.
   """
-  kwargs = {k: v for k, v in (
-      to_plain(config.get("compress_kwargs", {})) or {}).items()
-            if v is not None}
+  kwargs = {
+    k: v
+    for k, v in (to_plain(config.get("compress_kwargs", {})) or {}).items()
+    if v is not None
+  }
   name = config.get("compress", "none")
   if name in ("gqsgd", "gqsgd_exp", "qsgd", "powersgd"):
     kwargs.setdefault("seed", config.seed)
   try:
     return averagers.make_averager(name, **kwargs)
   except TypeError as e:  # a field the strategy's dataclass does not have
-    raise ValueError(f"config.compress_kwargs {sorted(kwargs)} do not fit "
-                     f"compress={name!r}: {e}") from None
+    raise ValueError(
+      f"config.compress_kwargs {sorted(kwargs)} do not fit "
+      f"compress={name!r}: {e}"
+    ) from None
 
 
-def build_model(config: ml_collections.ConfigDict, dataset: data_lib.Dataset,
-                timing: bool = False) -> nnx.Module:
+def build_model(
+  config: ml_collections.ConfigDict,
+  dataset: data_lib.Dataset,
+  timing: bool = False,
+) -> nnx.Module:
   """``config.model`` sized for ``dataset`` (the dataset's facts go where
   the model takes them), with ``config.model_kwargs``.
 
@@ -512,8 +586,7 @@ def build_model(config: ml_collections.ConfigDict, dataset: data_lib.Dataset,
   kwargs = to_plain(config.get("model_kwargs", {})) or {}
   data_kwargs = dataset.model_kwargs()
   if timing:
-    wanted = to_plain(
-        config.allocator.get("timing_model_kwargs", {})) or {}
+    wanted = to_plain(config.allocator.get("timing_model_kwargs", {})) or {}
     usable = models_lib.model_arguments(config.model, wanted, {})
     if config.model not in models_lib.MODELS:
       # A user's model is traced on the dataset's inputs: it keeps the
@@ -521,10 +594,17 @@ def build_model(config: ml_collections.ConfigDict, dataset: data_lib.Dataset,
       usable = {k: v for k, v in usable.items() if k not in data_kwargs}
     left_out = sorted(set(wanted) - set(usable))
     if left_out:
-      logging.info("timing model %s: not taking allocator.timing_model_kwargs"
-                   " %s", config.model, ", ".join(left_out))
+      logging.info(
+        "timing model %s: not taking allocator.timing_model_kwargs %s",
+        config.model,
+        ", ".join(left_out),
+      )
     data_kwargs = {**data_kwargs, **usable}
     kwargs = {k: v for k, v in kwargs.items() if k not in usable}
   return models_lib.build_model(
-      config.model, rngs=nnx.Rngs(config.seed), data_kwargs=data_kwargs,
-      sample_input=dataset.x_train[:2], **kwargs)
+    config.model,
+    rngs=nnx.Rngs(config.seed),
+    data_kwargs=data_kwargs,
+    sample_input=dataset.x_train[:2],
+    **kwargs,
+  )

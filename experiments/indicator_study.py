@@ -57,22 +57,31 @@ def _batches(model, dataset, num_batches, batch_size):
   task = getattr(model, "task", "classification")
   if task == "classification" and dataset.task == "lm":
     dataset = dataclasses.replace(
-        dataset, y_train=data_lib.byte_category(dataset.y_train[:, -1]),
-        y_test=data_lib.byte_category(dataset.y_test[:, -1]))
+      dataset,
+      y_train=data_lib.byte_category(dataset.y_train[:, -1]),
+      y_test=data_lib.byte_category(dataset.y_test[:, -1]),
+    )
   return pipeline.indicator_batches(dataset, num_batches, batch_size)
 
 
 def plot(result: dict, path: str) -> None:
   """Bar chart: each method's scores per layer (INT8 or first precision)."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   layers = result["layers"]
-  panels = {"measured (grad error)": result["measured"]["grad"]["values"],
-            **{m: r["scores"] for m, r in result["methods"].items()}}
-  fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, len(layers) * 0.4),
-                                                     2.2 * len(panels)),
-                           sharex=True)
+  panels = {
+    "measured (grad error)": result["measured"]["grad"]["values"],
+    **{m: r["scores"] for m, r in result["methods"].items()},
+  }
+  fig, axes = plt.subplots(
+    len(panels),
+    1,
+    figsize=(max(8, len(layers) * 0.4), 2.2 * len(panels)),
+    sharex=True,
+  )
   width = 0.8 / len(result["precisions"])
   for ax, (name, values) in zip(np.atleast_1d(axes), panels.items()):
     for k, prec in enumerate(result["precisions"]):
@@ -80,8 +89,7 @@ def plot(result: dict, path: str) -> None:
       top = v.max() if v.max() > 0 else 1.0
       ax.bar(np.arange(len(layers)) + k * width, v / top, width, label=prec)
     rho = result["methods"].get(name, {}).get("spearman_vs_measured")
-    ax.set_ylabel(name if rho is None else f"{name}\nrho={rho:.2f}",
-                  fontsize=8)
+    ax.set_ylabel(name if rho is None else f"{name}\nrho={rho:.2f}", fontsize=8)
   axes[0].legend(fontsize=7)
   axes[-1].set_xticks(np.arange(len(layers)))
   axes[-1].set_xticklabels(layers, rotation=90, fontsize=7)
@@ -99,15 +107,26 @@ def main(argv):
       model_kwargs = json.loads(FLAGS.model_kwargs)
       dataset_kwargs = json.loads(FLAGS.dataset_kwargs)
     except json.JSONDecodeError as e:
-      raise ValueError(f"--model_kwargs/--dataset_kwargs are not JSON: {e}")
+      raise ValueError(
+        f"--model_kwargs/--dataset_kwargs are not JSON: {e}"
+      ) from None
     dataset = data_lib.load_dataset(FLAGS.dataset, **dataset_kwargs)
     model = models_lib.build_model(
-        FLAGS.model, rngs=nnx.Rngs(FLAGS.seed),
-        data_kwargs=dataset.model_kwargs(),
-        sample_input=dataset.x_train[:2], **model_kwargs)
+      FLAGS.model,
+      rngs=nnx.Rngs(FLAGS.seed),
+      data_kwargs=dataset.model_kwargs(),
+      sample_input=dataset.x_train[:2],
+      **model_kwargs,
+    )
     batches = _batches(model, dataset, FLAGS.num_batches, FLAGS.batch_size)
-    result = indicator.study(model, losses.cross_entropy, batches,
-                             FLAGS.precisions, FLAGS.methods, seed=FLAGS.seed)
+    result = indicator.study(
+      model,
+      losses.cross_entropy,
+      batches,
+      FLAGS.precisions,
+      FLAGS.methods,
+      seed=FLAGS.seed,
+    )
     result["model"], result["dataset"] = FLAGS.model, FLAGS.dataset
     with open(FLAGS.out, "w") as f:
       json.dump(result, f, indent=2)
@@ -115,11 +134,16 @@ def main(argv):
     print(f"train step {result['train_step_s'] * 1e3:.1f} ms")
     for name, r in result["methods"].items():
       per_batch = r["per_batch_s"]
-      cost = ("" if per_batch is None else
-              f", {per_batch / result['train_step_s']:.2f} train steps/batch")
-      print(f"{name:10s} spearman {r['spearman_vs_measured']:+.3f} "
-            f"(loss {r['spearman_vs_measured_loss']:+.3f}), "
-            f"{r['time_s']:.1f} s{cost}")
+      cost = (
+        ""
+        if per_batch is None
+        else f", {per_batch / result['train_step_s']:.2f} train steps/batch"
+      )
+      print(
+        f"{name:10s} spearman {r['spearman_vs_measured']:+.3f} "
+        f"(loss {r['spearman_vs_measured_loss']:+.3f}), "
+        f"{r['time_s']:.1f} s{cost}"
+      )
 
 
 if __name__ == "__main__":

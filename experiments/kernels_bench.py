@@ -22,10 +22,12 @@ from qsync_jax import cli
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output JSON file.")
 flags.DEFINE_list(
-    "sizes", None,
-    "Square sizes n (n x n x n GEMMs, n x n quantize / encode). Default: "
-    "1024,2048,4096,8192 on a GPU; 256,512 elsewhere, where the kernels run "
-    "in interpret mode (minutes per size above 1024, and not meaningful).")
+  "sizes",
+  None,
+  "Square sizes n (n x n x n GEMMs, n x n quantize / encode). Default: "
+  "1024,2048,4096,8192 on a GPU; 256,512 elsewhere, where the kernels run "
+  "in interpret mode (minutes per size above 1024, and not meaningful).",
+)
 flags.DEFINE_integer("repeats", 5, "Timed rounds per case (median reported).")
 
 

@@ -34,17 +34,33 @@ flags.DEFINE_list("configs", None, "Configurations (default: all).")
 flags.DEFINE_integer("seeds", 3, "Seeds per configuration.")
 flags.DEFINE_float("target", 0.95, "Target eval accuracy.")
 flags.DEFINE_string("link", "1gbit", "Each process's emulated link rate.")
-flags.DEFINE_enum("topology", "per_node", ["per_node", "shared"],
-                  "A link per process, or one shared bottleneck.")
+flags.DEFINE_enum(
+  "topology",
+  "per_node",
+  ["per_node", "shared"],
+  "A link per process, or one shared bottleneck.",
+)
 flags.DEFINE_integer("steps", None, "Override the training steps.")
-flags.DEFINE_string("model_kwargs", None, "The CNN's arguments as JSON "
-                    "instead of the study's wide CNN, e.g. a small one for a "
-                    "quick check: '{\"widths\": [8, 16], \"hidden\": 64}'.")
-flags.DEFINE_bool("predict", True, "Add the predictor's step time of each "
-                  "homogeneous configuration (profiles this host).")
-flags.DEFINE_bool("predict_only", False, "Run nothing: price the study "
-                  "already in --out (its summary.json) again with this "
-                  "predictor, e.g. after changing it. Needs no root.")
+flags.DEFINE_string(
+  "model_kwargs",
+  None,
+  "The CNN's arguments as JSON "
+  "instead of the study's wide CNN, e.g. a small one for a "
+  'quick check: \'{"widths": [8, 16], "hidden": 64}\'.',
+)
+flags.DEFINE_bool(
+  "predict",
+  True,
+  "Add the predictor's step time of each "
+  "homogeneous configuration (profiles this host).",
+)
+flags.DEFINE_bool(
+  "predict_only",
+  False,
+  "Run nothing: price the study "
+  "already in --out (its summary.json) again with this "
+  "predictor, e.g. after changing it. Needs no root.",
+)
 
 
 def main(argv):
@@ -52,46 +68,61 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   cli.start_binary()
   import jax
+
   # The predictor profiles the four workers sharing this host's cores.
   jax.config.update("jax_num_cpu_devices", 4)
   from experiments.studies import network
+
   try:
-    model_kwargs = (None if FLAGS.model_kwargs is None
-                    else json.loads(FLAGS.model_kwargs))
+    model_kwargs = (
+      None if FLAGS.model_kwargs is None else json.loads(FLAGS.model_kwargs)
+    )
   except json.JSONDecodeError as e:
     raise SystemExit(f"error: --model_kwargs is not JSON: {e}") from None
   if FLAGS.predict_only:
     if not FLAGS.predict:
-      raise app.UsageError("--predict_only with --nopredict has nothing to "
-                           "do")
+      raise app.UsageError("--predict_only with --nopredict has nothing to do")
     with cli.bad_input_exits():
       result = network.repredict(FLAGS.out)
     for name, s in result["configs"].items():
       if "predicted_step_s" in s:
-        print(f"{name:15s} step {s['step_time_mean_s'] * 1e3:6.1f} ms, "
-              f"predicted {s['predicted_step_s'] * 1e3:6.1f} ms "
-              f"({s['predicted_vs_measured_step']:+.1%})")
+        print(
+          f"{name:15s} step {s['step_time_mean_s'] * 1e3:6.1f} ms, "
+          f"predicted {s['predicted_step_s'] * 1e3:6.1f} ms "
+          f"({s['predicted_vs_measured_step']:+.1%})"
+        )
     return
   try:
     with cli.bad_input_exits():
-      result = network.run(FLAGS.out,
-                           names=FLAGS.configs or list(network.RUNS),
-                           seeds=FLAGS.seeds, target=FLAGS.target,
-                           link=FLAGS.link, topology=FLAGS.topology,
-                           steps=FLAGS.steps, predict=FLAGS.predict,
-                           model_kwargs=model_kwargs)
+      result = network.run(
+        FLAGS.out,
+        names=FLAGS.configs or list(network.RUNS),
+        seeds=FLAGS.seeds,
+        target=FLAGS.target,
+        link=FLAGS.link,
+        topology=FLAGS.topology,
+        steps=FLAGS.steps,
+        predict=FLAGS.predict,
+        model_kwargs=model_kwargs,
+      )
   except RuntimeError as e:  # a failed run, or the link is unavailable
     raise SystemExit(f"error: {e}") from None
   for name, s in result["configs"].items():
     t = s["time_to_target_mean_s"]
-    print(f"{name:15s} to {FLAGS.target}: "
-          f"{'not reached' if t is None else f'{t:6.1f} s'} "
-          f"({s['reached_target']}/{s['seeds']})  final "
-          f"{s['final_accuracy_mean']:.4f} +- {s['final_accuracy_std']:.4f}"
-          f"  step {s['step_time_mean_s'] * 1e3:6.1f} ms"
-          + (f" (predicted {s['predicted_step_s'] * 1e3:6.1f})"
-             if "predicted_step_s" in s else "") + "  sent "
-          f"{s['bytes_sent_per_worker'] / 1e6:8.1f} MB")
+    print(
+      f"{name:15s} to {FLAGS.target}: "
+      f"{'not reached' if t is None else f'{t:6.1f} s'} "
+      f"({s['reached_target']}/{s['seeds']})  final "
+      f"{s['final_accuracy_mean']:.4f} +- {s['final_accuracy_std']:.4f}"
+      f"  step {s['step_time_mean_s'] * 1e3:6.1f} ms"
+      + (
+        f" (predicted {s['predicted_step_s'] * 1e3:6.1f})"
+        if "predicted_step_s" in s
+        else ""
+      )
+      + "  sent "
+      f"{s['bytes_sent_per_worker'] / 1e6:8.1f} MB"
+    )
   key = network.KEY_RATIO[0]
   print(f"{key}: {result[key]}")
 

@@ -17,8 +17,9 @@ This module owns how ``experiments.train`` gets one plan per device kind:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import functools
-from typing import Any, Sequence
+from typing import Any
 
 from absl import logging
 import jax
@@ -39,8 +40,9 @@ from qsync_jax.plan.devices import supported_precisions
 from qsync_jax.plan.precision import PrecisionPlan
 
 
-def timing_batch(model: Any, dataset: data_lib.Dataset, batch_size: int,
-                 seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def timing_batch(
+  model: Any, dataset: data_lib.Dataset, batch_size: int, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
   """A training batch of ``batch_size`` the timing model takes, to profile.
 
   The dataset's examples (repeated to ``batch_size``) where the model takes
@@ -75,8 +77,9 @@ def timing_batch(model: Any, dataset: data_lib.Dataset, batch_size: int,
     high = max(int(np.max(dataset.x_train)) + 1, 1)
     new_x = rng.integers(0, high, want.shape).astype(want.dtype)
   if per_position:
-    y = rng.integers(0, max(int(np.max(dataset.y_train)) + 1, 1),
-                     want.shape).astype(y.dtype)
+    y = rng.integers(
+      0, max(int(np.max(dataset.y_train)) + 1, 1), want.shape
+    ).astype(y.dtype)
   return new_x, y
 
 
@@ -84,10 +87,11 @@ def _store() -> Any:
   return coordination.client() if jax.process_count() > 1 else None
 
 
-def auto_plans(config: ml_collections.ConfigDict, model: Any,
-               dataset: data_lib.Dataset
-               ) -> tuple[dict[str, PrecisionPlan],
-                          pipeline.PlanningResult | None, dict[str, str]]:
+def auto_plans(
+  config: ml_collections.ConfigDict, model: Any, dataset: data_lib.Dataset
+) -> tuple[
+  dict[str, PrecisionPlan], pipeline.PlanningResult | None, dict[str, str]
+]:
   """The allocator's plans for ``config.cluster`` (``plan_mode="auto"``).
 
   The timing model (``model``'s config rebuilt with
@@ -124,7 +128,8 @@ def auto_plans(config: ml_collections.ConfigDict, model: Any,
   # layer): only its shapes are needed to trace the graph and allocate, so
   # it is built abstractly, and for real only where a kind is measured here.
   timing_model = models_lib.without_weights(
-      lambda: config_lib.build_model(config, dataset, timing=True))
+    lambda: config_lib.build_model(config, dataset, timing=True)
+  )
 
   @functools.cache
   def concrete_timing_model():
@@ -133,11 +138,18 @@ def auto_plans(config: ml_collections.ConfigDict, model: Any,
   batch_size = a.get("timing_batch_size", 0) or config.batch_size
   # A model without input_spec is traced through the job's loss on a
   # training batch (resized to the timing batch).
-  sample = None if callable(getattr(timing_model, "input_spec", None)) else (
+  sample = (
+    None
+    if callable(getattr(timing_model, "input_spec", None))
+    else (
       task.as_objective(loss_fn).probe(
-          task.abstract((dataset.x_train[:1], dataset.y_train[:1]))))
+        task.abstract((dataset.x_train[:1], dataset.y_train[:1]))
+      )
+    )
+  )
   graph = predictor.trace_graph(
-      timing_model, pipeline.sample_at(timing_model, sample, batch_size))
+    timing_model, pipeline.sample_at(timing_model, sample, batch_size)
+  )
   candidates = tuple(a.get("candidates", ("int8", "fp16", "fp32")))
   batch = timing_batch(timing_model, dataset, batch_size, config.seed)
 
@@ -145,39 +157,65 @@ def auto_plans(config: ml_collections.ConfigDict, model: Any,
     logging.info("profiling %s on %s", kind, device)
     supported = supported_precisions(kind)
     return predictor.profile(
-        concrete_timing_model(), batch, device=device, device_kind=kind,
-        precisions=[p for p in candidates if p in {
-            q.value for q in supported}],
-        loss_fn=loss_fn, tx=config_lib.make_optimizer(config),
-        optimizer_name=config.optimizer, model_name=config.model,
-        cache_dir=a.get("profile_cache_dir") or None,
-        host_devices=list(local) if len(local) > 1 else None,
-        repeats=a.get("profile_repeats", 5), graph=graph)
+      concrete_timing_model(),
+      batch,
+      device=device,
+      device_kind=kind,
+      precisions=[p for p in candidates if p in {q.value for q in supported}],
+      loss_fn=loss_fn,
+      tx=config_lib.make_optimizer(config),
+      optimizer_name=config.optimizer,
+      model_name=config.model,
+      cache_dir=a.get("profile_cache_dir") or None,
+      host_devices=list(local) if len(local) > 1 else None,
+      repeats=a.get("profile_repeats", 5),
+      graph=graph,
+    )
 
   store = _store()
   timeout = config.get("distributed", {}).get("planning_timeout_s", 900)
   profiles = sharing.gather_profiles(
-      graph, spec, devices, sites, measure, store=store,
-      process_index=jax.process_index(), timeout_s=timeout)
+    graph,
+    spec,
+    devices,
+    sites,
+    measure,
+    store=store,
+    process_index=jax.process_index(),
+    timeout_s=timeout,
+  )
   result = None
 
   def allocate():
     nonlocal result
-    scores = pipeline.compute_scores(model, dataset, a.indicator,
-                                     num_batches=a.num_batches,
-                                     batch_size=config.batch_size,
-                                     seed=config.seed, loss_fn=loss_fn)
+    scores = pipeline.compute_scores(
+      model,
+      dataset,
+      a.indicator,
+      num_batches=a.num_batches,
+      batch_size=config.batch_size,
+      seed=config.seed,
+      loss_fn=loss_fn,
+    )
     result = pipeline.plan_cluster(
-        timing_model, spec, scores.values, batch_size,
-        indicator_name=a.indicator, method=a.method,
-        compression=a.get("compression"), candidates=candidates,
-        baselines=False, sample_input=sample, profiles=profiles,
-        graph=graph)
+      timing_model,
+      spec,
+      scores.values,
+      batch_size,
+      indicator_name=a.indicator,
+      method=a.method,
+      compression=a.get("compression"),
+      candidates=candidates,
+      baselines=False,
+      sample_input=sample,
+      profiles=profiles,
+      graph=graph,
+    )
     return result.allocation.plans
 
-  plans = sharing.plan_once(allocate, store=store,
-                            process_index=jax.process_index(),
-                            timeout_s=timeout)
+  plans = sharing.plan_once(
+    allocate, store=store, process_index=jax.process_index(), timeout_s=timeout
+  )
   return plans, result, sharing.describe_sites(sites)
 
 

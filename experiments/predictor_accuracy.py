@@ -39,21 +39,31 @@ from experiments.studies import predictor_accuracy
 from qsync_jax import cli
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("model", ["cnn", "bert", "resnet18"],
-                  "Built-in models or package.module:factory specs.")
-flags.DEFINE_string("model_kwargs", "{}",
-                    "JSON {model spec: config overrides} (merged over the "
-                    "built-in defaults).")
+flags.DEFINE_list(
+  "model",
+  ["cnn", "bert", "resnet18"],
+  "Built-in models or package.module:factory specs.",
+)
+flags.DEFINE_string(
+  "model_kwargs",
+  "{}",
+  "JSON {model spec: config overrides} (merged over the built-in defaults).",
+)
 flags.DEFINE_string("batch_sizes", "{}", "JSON {model spec: batch size}.")
 flags.DEFINE_list("workers", ["1", "4"], "Worker counts (fake devices).")
 flags.DEFINE_integer("rounds", 15, "Interleaved timing rounds.")
 flags.DEFINE_integer("burst", 5, "Calls per burst (the fastest counts).")
-flags.DEFINE_integer("plans_per_phase", 4,
-                     "Real steps timed alongside one profile (fewer: fewer "
-                     "executables alive at once).")
-flags.DEFINE_string("speed_model", "resnet50",
-                    "Also time simulating one plan of this model on "
-                    "v100:8,t4:8 (empty: skip).")
+flags.DEFINE_integer(
+  "plans_per_phase",
+  4,
+  "Real steps timed alongside one profile (fewer: fewer "
+  "executables alive at once).",
+)
+flags.DEFINE_string(
+  "speed_model",
+  "resnet50",
+  "Also time simulating one plan of this model on v100:8,t4:8 (empty: skip).",
+)
 flags.DEFINE_string("out", None, "Output JSON path.")
 flags.mark_flag_as_required("out")
 
@@ -66,30 +76,42 @@ def main(argv):
     workers = [int(w) for w in FLAGS.workers]
     jax.config.update("jax_num_cpu_devices", max(workers))
     result = predictor_accuracy.evaluate(
-        FLAGS.model, model_kwargs=json.loads(FLAGS.model_kwargs),
-        batch_sizes=json.loads(FLAGS.batch_sizes), workers=workers,
-        rounds=FLAGS.rounds, burst=FLAGS.burst,
-        plans_per_phase=FLAGS.plans_per_phase)
+      FLAGS.model,
+      model_kwargs=json.loads(FLAGS.model_kwargs),
+      batch_sizes=json.loads(FLAGS.batch_sizes),
+      workers=workers,
+      rounds=FLAGS.rounds,
+      burst=FLAGS.burst,
+      plans_per_phase=FLAGS.plans_per_phase,
+    )
     if FLAGS.speed_model:
       result["simulation_speed"] = predictor_accuracy.simulation_speed(
-          FLAGS.speed_model)
+        FLAGS.speed_model
+      )
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
   with open(FLAGS.out, "w") as f:
     json.dump(result, f, indent=1)
   predictor_accuracy.plot(result, os.path.splitext(FLAGS.out)[0] + ".png")
-  unfitted = ("" if result["unfitted_mean_abs_rel_error"] is None else
-              f"; mixed plans alone (unfitted): mean "
-              f"{result['unfitted_mean_abs_rel_error']:.4f}, max "
-              f"{result['unfitted_max_abs_rel_error']:.4f}")
-  print(f"mean |rel error| {result['mean_abs_rel_error']:.4f}, max "
-        f"{result['max_abs_rel_error']:.4f}{unfitted}, max memory "
-        f"|rel error| "
-        f"{result['max_abs_memory_rel_error']:.4f}; the hypervisor stole "
-        f"{result['steal_fraction']:.1%} of the CPU while timing")
+  unfitted = (
+    ""
+    if result["unfitted_mean_abs_rel_error"] is None
+    else f"; mixed plans alone (unfitted): mean "
+    f"{result['unfitted_mean_abs_rel_error']:.4f}, max "
+    f"{result['unfitted_max_abs_rel_error']:.4f}"
+  )
+  print(
+    f"mean |rel error| {result['mean_abs_rel_error']:.4f}, max "
+    f"{result['max_abs_rel_error']:.4f}{unfitted}, max memory "
+    f"|rel error| "
+    f"{result['max_abs_memory_rel_error']:.4f}; the hypervisor stole "
+    f"{result['steal_fraction']:.1%} of the CPU while timing"
+  )
   if "simulation_speed" in result:
     speed = result["simulation_speed"]
-    print(f"simulating one plan of {speed['model']} ({speed['layers']} "
-          f"layers) on {speed['cluster']}: {speed['simulate_ms']:.3f} ms")
+    print(
+      f"simulating one plan of {speed['model']} ({speed['layers']} "
+      f"layers) on {speed['cluster']}: {speed['simulate_ms']:.3f} ms"
+    )
 
 
 if __name__ == "__main__":

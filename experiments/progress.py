@@ -16,9 +16,9 @@ compilation better than the last unit's time would.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import math
 import time
-from typing import Callable
 
 
 def _print(line: str) -> None:
@@ -55,8 +55,12 @@ class Progress:
     finished: the units reported so far.
   """
 
-  def __init__(self, total: int, log: Callable[[str], None] = _print,
-               clock: Callable[[], float] = time.monotonic):
+  def __init__(
+    self,
+    total: int,
+    log: Callable[[str], None] = _print,
+    clock: Callable[[], float] = time.monotonic,
+  ):
     """Starts the clock.
 
     Args:
@@ -68,8 +72,7 @@ class Progress:
       ValueError: ``total`` is below 1.
     """
     if isinstance(total, bool) or not isinstance(total, int) or total < 1:
-      raise ValueError(f"progress needs at least 1 unit of work, got "
-                       f"{total!r}")
+      raise ValueError(f"progress needs at least 1 unit of work, got {total!r}")
     self.total = total
     self.finished = 0
     self._log = log
@@ -101,8 +104,10 @@ class Progress:
       ValueError: more units reported than ``total``.
     """
     if self.finished >= self.total:
-      raise ValueError(f"all {self.total} units of work were already "
-                       f"reported; {what!r} is one too many")
+      raise ValueError(
+        f"all {self.total} units of work were already "
+        f"reported; {what!r} is one too many"
+      )
     now = self._clock()
     took, self._last = now - self._last, now
     self.finished += 1
@@ -110,7 +115,9 @@ class Progress:
       tail = f"about {format_duration(self.seconds_left())} left"
     else:
       tail = f"all done in {format_duration(now - self._start)}"
-    line = (f"[{self.finished}/{self.total}] {what} done in "
-            f"{format_duration(took)}; {tail}")
+    line = (
+      f"[{self.finished}/{self.total}] {what} done in "
+      f"{format_duration(took)}; {tail}"
+    )
     self._log(line)
     return line

@@ -33,8 +33,9 @@ flags.DEFINE_list("tasks", ["cnn", "lm"], "Tasks to run.")
 flags.DEFINE_list("configs", None, "Configurations (default: all).")
 flags.DEFINE_integer("seeds", 3, "Seeds per configuration.")
 flags.DEFINE_integer("steps", None, "Override every task's training steps.")
-flags.DEFINE_float("learning_rate", None,
-                   "Override every task's peak learning rate.")
+flags.DEFINE_float(
+  "learning_rate", None, "Override every task's peak learning rate."
+)
 flags.DEFINE_integer("h_base", None, "Override every task's H_base.")
 
 
@@ -45,16 +46,26 @@ def main(argv):
   backend.start_backend(FLAGS.out, num_devices=4)  # four workers
   from experiments.configs import default
   from experiments.studies import qsr
+
   with cli.bad_input_exits():
-    result = qsr.run(FLAGS.out, default.get_config(), FLAGS.tasks,
-                     FLAGS.configs or list(qsr.CONFIGS), FLAGS.seeds,
-                     FLAGS.steps, FLAGS.learning_rate, FLAGS.h_base)
+    result = qsr.run(
+      FLAGS.out,
+      default.get_config(),
+      FLAGS.tasks,
+      FLAGS.configs or list(qsr.CONFIGS),
+      FLAGS.seeds,
+      FLAGS.steps,
+      FLAGS.learning_rate,
+      FLAGS.h_base,
+    )
   for tname, entry in result["tasks"].items():
     for name, s in entry["summary"].items():
-      print(f"{tname:4s} {name:14s} eval {s['final_eval_mean']:.4f} "
-            f"+- {s['final_eval_std']:.4f} (dp {s.get('eval_minus_dp', 0):+.4f})"
-            f"  rounds {s['sync_rounds']} ({s.get('rounds_vs_dp', 1):.1%} of "
-            f"dp)  bytes {s['comm_bytes']:.3g}")
+      print(
+        f"{tname:4s} {name:14s} eval {s['final_eval_mean']:.4f} "
+        f"+- {s['final_eval_std']:.4f} (dp {s.get('eval_minus_dp', 0):+.4f})"
+        f"  rounds {s['sync_rounds']} ({s.get('rounds_vs_dp', 1):.1%} of "
+        f"dp)  bytes {s['comm_bytes']:.3g}"
+      )
   print(f"wrote {os.path.join(FLAGS.out, 'study.json')}")
 
 

@@ -43,19 +43,30 @@ def main(argv):
   backend.start_backend(FLAGS.out, num_devices=4)  # four workers
   from experiments.configs import default
   from experiments.studies import qsync
+
   with cli.bad_input_exits():
     result = qsync.run(
-        FLAGS.out, default.get_config(), FLAGS.tasks,
-        FLAGS.configs or list(qsync.CONFIGS), FLAGS.seeds,
-        FLAGS.steps, FLAGS.predict)
+      FLAGS.out,
+      default.get_config(),
+      FLAGS.tasks,
+      FLAGS.configs or list(qsync.CONFIGS),
+      FLAGS.seeds,
+      FLAGS.steps,
+      FLAGS.predict,
+    )
   for tname, entry in result["tasks"].items():
     for name, acc in entry["accuracy"].items():
-      print(f"{tname:8s} {name:14s} accuracy {acc['mean']:.4f} "
-            f"+- {acc['std']:.4f} (n={acc['n']})")
-    for name, t in entry.get("paper", {}).get("predicted_step_time_s",
-                                              {}).items():
-      print(f"{tname:8s} {entry['paper']['model']} {name:14s} predicted "
-            f"step {t * 1e3:.2f} ms")
+      print(
+        f"{tname:8s} {name:14s} accuracy {acc['mean']:.4f} "
+        f"+- {acc['std']:.4f} (n={acc['n']})"
+      )
+    for name, t in (
+      entry.get("paper", {}).get("predicted_step_time_s", {}).items()
+    ):
+      print(
+        f"{tname:8s} {entry['paper']['model']} {name:14s} predicted "
+        f"step {t * 1e3:.2f} ms"
+      )
   print(f"wrote {os.path.join(FLAGS.out, 'study.json')}")
 
 

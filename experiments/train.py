@@ -75,47 +75,77 @@ from ml_collections import config_flags
 from experiments import config_lib
 from experiments import train_lib
 from qsync_jax import cli
-from qsync_jax.parallel import coordination
 from qsync_jax.parallel import cluster as cluster_lib
+from qsync_jax.parallel import coordination
 from qsync_jax.parallel import distributed
 
-_DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs",
-                               "default.py")
+_DEFAULT_CONFIG = os.path.join(
+  os.path.dirname(__file__), "configs", "default.py"
+)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", None, "Run directory for outputs.")
 flags.DEFINE_string("model", None, "Overrides config.model.")
-flags.DEFINE_string("model_kwargs", None, "JSON object merged into "
-                    "config.model_kwargs (the model's keyword arguments).")
-flags.DEFINE_string("dataset_kwargs", None, "JSON object merged into "
-                    "config.dataset_kwargs (the dataset loader's arguments).")
+flags.DEFINE_string(
+  "model_kwargs",
+  None,
+  "JSON object merged into "
+  "config.model_kwargs (the model's keyword arguments).",
+)
+flags.DEFINE_string(
+  "dataset_kwargs",
+  None,
+  "JSON object merged into "
+  "config.dataset_kwargs (the dataset loader's arguments).",
+)
 flags.DEFINE_string("cluster", None, "Overrides config.cluster.")
 flags.DEFINE_bool("resume", None, "Overrides config.resume.")
-flags.DEFINE_enum("sync", None, ["dp", "local", "postlocal", "qsr"],
-                  "Overrides config.sync: when workers average.")
-flags.DEFINE_integer("h_base", None, "Overrides config.h_base: the local-SGD "
-                     "period, or QSR's smallest one.")
-flags.DEFINE_float("alpha", None, "Overrides config.alpha: QSR's growth "
-                   "coefficient, H = max(h_base, floor((alpha / lr)^2)).")
-flags.DEFINE_enum("compress", None,
-                  ["none", "fp16", "bf16", "gqsgd", "gqsgd_exp", "qsgd",
-                   "powersgd"],
-                  "Overrides config.compress: what goes on the wire.")
+flags.DEFINE_enum(
+  "sync",
+  None,
+  ["dp", "local", "postlocal", "qsr"],
+  "Overrides config.sync: when workers average.",
+)
+flags.DEFINE_integer(
+  "h_base",
+  None,
+  "Overrides config.h_base: the local-SGD period, or QSR's smallest one.",
+)
+flags.DEFINE_float(
+  "alpha",
+  None,
+  "Overrides config.alpha: QSR's growth "
+  "coefficient, H = max(h_base, floor((alpha / lr)^2)).",
+)
+flags.DEFINE_enum(
+  "compress",
+  None,
+  ["none", "fp16", "bf16", "gqsgd", "gqsgd_exp", "qsgd", "powersgd"],
+  "Overrides config.compress: what goes on the wire.",
+)
 flags.DEFINE_multi_string(
-    "plan", [], "'auto' (the allocator chooses every kind's plan; the "
-    "default config's mode) or KIND=PLAN.json: the precision plan of one "
-    "device kind (repeatable; sets config.plan_mode=manual, and kinds not "
-    "named train in FP32).")
-flags.DEFINE_string("coordinator_address", None, "host:port of process 0's "
-                    "coordination service; default: from the launcher.")
-flags.DEFINE_integer("num_processes", None, "Processes in the run; default: "
-                     "from the launcher.")
-flags.DEFINE_integer("process_id", None, "This process's index; default: "
-                     "from the launcher.")
+  "plan",
+  [],
+  "'auto' (the allocator chooses every kind's plan; the "
+  "default config's mode) or KIND=PLAN.json: the precision plan of one "
+  "device kind (repeatable; sets config.plan_mode=manual, and kinds not "
+  "named train in FP32).",
+)
+flags.DEFINE_string(
+  "coordinator_address",
+  None,
+  "host:port of process 0's coordination service; default: from the launcher.",
+)
+flags.DEFINE_integer(
+  "num_processes", None, "Processes in the run; default: from the launcher."
+)
+flags.DEFINE_integer(
+  "process_id", None, "This process's index; default: from the launcher."
+)
 try:
-  config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG,
-                                  "Path to a get_config() file.",
-                                  lock_config=True)
+  config_flags.DEFINE_config_file(
+    "config", _DEFAULT_CONFIG, "Path to a get_config() file.", lock_config=True
+  )
 except (AttributeError, KeyError) as err:  # a --config.x override
   cli.exit_on_bad_override(err, sys.argv)
 
@@ -124,12 +154,15 @@ def _parse_plan_flags(values):
   plans = {}
   for value in values:
     if value == "auto":
-      raise ValueError("--plan=auto cannot be combined with KIND=PLAN.json "
-                       "plans")
+      raise ValueError(
+        "--plan=auto cannot be combined with KIND=PLAN.json plans"
+      )
     kind, sep, path = value.partition("=")
     if not sep or not kind or not path:
-      raise ValueError(f"--plan={value!r}: expected KIND=PLAN.json, e.g. "
-                       "--plan=t4=plans/t4.json")
+      raise ValueError(
+        f"--plan={value!r}: expected KIND=PLAN.json, e.g. "
+        "--plan=t4=plans/t4.json"
+      )
     plans[kind.strip().lower()] = path
   return plans
 
@@ -140,8 +173,15 @@ def main(argv):
   cli.start_binary()
   config = FLAGS.config
   with config.unlocked():
-    for name in ("model", "cluster", "resume", "sync", "h_base", "alpha",
-                 "compress"):
+    for name in (
+      "model",
+      "cluster",
+      "resume",
+      "sync",
+      "h_base",
+      "alpha",
+      "compress",
+    ):
       if getattr(FLAGS, name) is not None:
         config[name] = getattr(FLAGS, name)
   with cli.bad_input_exits():
@@ -149,11 +189,13 @@ def main(argv):
       if getattr(FLAGS, name) is not None:
         value = config_lib.read_json(getattr(FLAGS, name), f"--{name}")
         if not isinstance(value, dict):
-          raise ValueError(f"--{name} must be a JSON object, got "
-                           f"{getattr(FLAGS, name)!r}")
+          raise ValueError(
+            f"--{name} must be a JSON object, got {getattr(FLAGS, name)!r}"
+          )
         with config.unlocked():
           config[name] = ml_collections.ConfigDict(
-              {**config_lib.to_plain(config[name]), **value})
+            {**config_lib.to_plain(config[name]), **value}
+          )
     if FLAGS.plan == ["auto"]:
       with config.unlocked():
         config.plan_mode = "auto"
@@ -161,8 +203,8 @@ def main(argv):
       with config.unlocked():
         config.plan_mode = "manual"
         config.plans = ml_collections.ConfigDict(
-            {**config_lib.to_plain(config.plans), **_parse_plan_flags(
-                FLAGS.plan)})
+          {**config_lib.to_plain(config.plans), **_parse_plan_flags(FLAGS.plan)}
+        )
     # Before anything starts (train_and_evaluate checks it again, for
     # library callers).
     config_lib.validate_config(config)
@@ -170,12 +212,14 @@ def main(argv):
     auto = config.cluster.strip().lower() == cluster_lib.AUTO
     dist = config.get("distributed", {})
     multi = distributed.initialize(
-        timeout_s=dist.get("initialization_timeout_s", 300),
-        heartbeat_timeout_s=dist.get("heartbeat_timeout_s", 100),
-        shutdown_timeout_s=dist.get("shutdown_timeout_s", 300),
-        local_devices=dist.get("local_devices", "auto"),
-        coordinator_address=FLAGS.coordinator_address,
-        num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
+      timeout_s=dist.get("initialization_timeout_s", 300),
+      heartbeat_timeout_s=dist.get("heartbeat_timeout_s", 100),
+      shutdown_timeout_s=dist.get("shutdown_timeout_s", 300),
+      local_devices=dist.get("local_devices", "auto"),
+      coordinator_address=FLAGS.coordinator_address,
+      num_processes=FLAGS.num_processes,
+      process_id=FLAGS.process_id,
+    )
     if not multi and not auto:
       # Single process: one fake CPU device per worker when running on CPU
       # (before the backend starts; it does not affect GPU backends).

@@ -15,11 +15,12 @@ writing a summary, and ``make_out_dir`` refuses an output path that is a file.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 import json
 import math
 import os
 import time
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from absl import logging
 from flax import nnx
@@ -35,12 +36,13 @@ from qsync_jax import host_malloc
 from qsync_jax.allocation import pipeline
 from qsync_jax.parallel import agreement
 from qsync_jax.parallel import cluster as cluster_lib
-from qsync_jax.parallel import preemption
 from qsync_jax.parallel import links
+from qsync_jax.parallel import preemption
 from qsync_jax.plan.precision import PrecisionPlan
-from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train import trainer as trainer_lib
-from qsync_jax.train.trainer import HybridTrainer, Worker
+from qsync_jax.train.checkpoint import Checkpointer
+from qsync_jax.train.trainer import HybridTrainer
+from qsync_jax.train.trainer import Worker
 
 #: The file a preempted run leaves in its directory: the same command then
 #: resumes from the checkpoint it wrote, without --resume.
@@ -62,12 +64,16 @@ def make_out_dir(path: str, what: str = "output directory") -> None:
   try:
     os.makedirs(path, exist_ok=True)
   except (FileExistsError, NotADirectoryError):
-    raise ValueError(f"{what} {path!r} cannot be created: a parent of it is "
-                     "an existing file") from None
+    raise ValueError(
+      f"{what} {path!r} cannot be created: a parent of it is an existing file"
+    ) from None
 
 
-def make_workers(config: ml_collections.ConfigDict, devices=None,
-                 plans: Mapping[str, Any] | None = None) -> list[Worker]:
+def make_workers(
+  config: ml_collections.ConfigDict,
+  devices=None,
+  plans: Mapping[str, Any] | None = None,
+) -> list[Worker]:
   """Builds the workers of ``config.cluster`` with their plans and batches.
 
   ``plans`` (default ``config.plans``) maps a device kind to a plan (a
@@ -86,8 +92,12 @@ def make_workers(config: ml_collections.ConfigDict, devices=None,
   if plans is None:
     plans = config_lib.to_plain(config.get("plans", {})) or {}
   config_lib.check_plan_kinds(plans, spec)
-  plan_of = {kind: config_lib.load_plan(plans[kind]) if kind in plans else
-             PrecisionPlan() for kind in spec.groups()}
+  plan_of = {
+    kind: config_lib.load_plan(plans[kind])
+    if kind in plans
+    else PrecisionPlan()
+    for kind in spec.groups()
+  }
   n = spec.num_workers
   if config.batch_mode == "equal":
     sizes = [config.batch_size] * n
@@ -97,28 +107,36 @@ def make_workers(config: ml_collections.ConfigDict, devices=None,
     if missing:
       raise ValueError(f"config.speeds has no speed for {missing}")
     sizes = cluster_lib.dynamic_batch_sizes(
-        config.batch_size * n, [speeds[k] for k in spec.kinds])
+      config.batch_size * n, [speeds[k] for k in spec.kinds]
+    )
   else:
-    raise ValueError(f"unknown batch_mode {config.batch_mode!r}; valid: "
-                     "equal, dynamic")
-  return [Worker(d, k, plan_of[k], b)
-          for d, k, b in zip(devices, spec.kinds, sizes)]
+    raise ValueError(
+      f"unknown batch_mode {config.batch_mode!r}; valid: equal, dynamic"
+    )
+  return [
+    Worker(d, k, plan_of[k], b) for d, k, b in zip(devices, spec.kinds, sizes)
+  ]
 
 
-def batcher_sample(dataset: data_lib.Dataset, workers: list[Worker]
-                   ) -> tuple[np.ndarray, np.ndarray]:
+def batcher_sample(
+  dataset: data_lib.Dataset, workers: list[Worker]
+) -> tuple[np.ndarray, np.ndarray]:
   """One worker's batch of the training set, to trace the model with."""
   b = workers[0].batch_size
   return dataset.x_train[:b], dataset.y_train[:b]
 
 
 def _metrics_text(metrics: Mapping[str, Any]) -> str:
-  return " ".join(f"{k} {v:.4f}" for k, v in metrics.items()
-                  if k != "step" and isinstance(v, float))
+  return " ".join(
+    f"{k} {v:.4f}"
+    for k, v in metrics.items()
+    if k != "step" and isinstance(v, float)
+  )
 
 
-def check_agreement(config: ml_collections.ConfigDict,
-                    model: nnx.Module) -> None:
+def check_agreement(
+  config: ml_collections.ConfigDict, model: nnx.Module
+) -> None:
   """Checks that every process has the same run before any collective.
 
   Compares the library versions, ``XLA_FLAGS``, the config (less its
@@ -132,12 +150,15 @@ def check_agreement(config: ml_collections.ConfigDict,
   """
   if jax.process_count() == 1:
     return
-  plain = {k: v for k, v in config_lib.to_plain(config).items()
-           if k != "distributed"}
+  plain = {
+    k: v for k, v in config_lib.to_plain(config).items() if k != "distributed"
+  }
   logging.info("checking that %d processes agree", jax.process_count())
-  agreement.check(agreement.local_facts(
-      config=plain, params=nnx.state(model, nnx.Param),
-      data_seed=config.seed))
+  agreement.check(
+    agreement.local_facts(
+      config=plain, params=nnx.state(model, nnx.Param), data_seed=config.seed
+    )
+  )
 
 
 def _write_json(path: str, value: Any) -> None:
@@ -159,26 +180,36 @@ def plot_curves(metrics_path: str, png_path: str) -> None:
   """Writes a PNG of training loss and, where logged, accuracy (train and
   eval)."""
   import matplotlib  # local: only the plot needs it
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   with open(metrics_path) as f:
     rows = [json.loads(line) for line in f]
   train = [r for r in rows if "loss" in r]
   evals = [r for r in rows if "eval_accuracy" in r]
   with_accuracy = any("accuracy" in r for r in train) or evals
-  fig, axes = plt.subplots(1, 2 if with_accuracy else 1,
-                           figsize=(10 if with_accuracy else 5, 4),
-                           squeeze=False)
+  fig, axes = plt.subplots(
+    1,
+    2 if with_accuracy else 1,
+    figsize=(10 if with_accuracy else 5, 4),
+    squeeze=False,
+  )
   ax_loss = axes[0][0]
   ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train])
   ax_loss.set(xlabel="step", ylabel="train loss", yscale="log")
   if with_accuracy:
     ax_acc = axes[0][1]
     acc = [r for r in train if "accuracy" in r]
-    ax_acc.plot([r["step"] for r in acc], [r["accuracy"] for r in acc],
-                label="train")
-    ax_acc.plot([r["step"] for r in evals],
-                [r["eval_accuracy"] for r in evals], "o-", label="eval")
+    ax_acc.plot(
+      [r["step"] for r in acc], [r["accuracy"] for r in acc], label="train"
+    )
+    ax_acc.plot(
+      [r["step"] for r in evals],
+      [r["eval_accuracy"] for r in evals],
+      "o-",
+      label="eval",
+    )
     ax_acc.set(xlabel="step", ylabel="accuracy")
     ax_acc.legend()
   fig.tight_layout()
@@ -186,9 +217,11 @@ def plot_curves(metrics_path: str, png_path: str) -> None:
   plt.close(fig)
 
 
-def bn_batches(config: ml_collections.ConfigDict,
-               batcher: data_lib.WorkerBatcher, trainer: HybridTrainer
-               ) -> Iterator[dict[int, Any]]:
+def bn_batches(
+  config: ml_collections.ConfigDict,
+  batcher: data_lib.WorkerBatcher,
+  trainer: HybridTrainer,
+) -> Iterator[dict[int, Any]]:
   """The training batches evaluation re-estimates BatchNorm statistics on.
 
   The QSR code's ``bn_batches`` micro-batches split over the workers (at
@@ -202,9 +235,12 @@ def bn_batches(config: ml_collections.ConfigDict,
     yield {i: batches[i] for i in trainer.local_workers}
 
 
-def _check_finite_result(trainer: HybridTrainer, eval_loss: float,
-                         train_loss: float | None,
-                         summary_path: str | None) -> None:
+def _check_finite_result(
+  trainer: HybridTrainer,
+  eval_loss: float,
+  train_loss: float | None,
+  summary_path: str | None,
+) -> None:
   """Raises if the run ends with non-finite parameters or losses.
 
   A diverged run must not look like a result: any ``summary.json`` at
@@ -223,8 +259,11 @@ def _check_finite_result(trainer: HybridTrainer, eval_loss: float,
   Raises:
     FloatingPointError: naming what is not finite.
   """
-  params = [x for i in trainer.local_workers
-            for x in jax.tree.leaves(trainer.worker_params(i))]
+  params = [
+    x
+    for i in trainer.local_workers
+    for x in jax.tree.leaves(trainer.worker_params(i))
+  ]
   if not math.isfinite(eval_loss):
     problem = f"the final eval loss is {eval_loss}"
   elif train_loss is not None and not math.isfinite(train_loss):
@@ -236,8 +275,9 @@ def _check_finite_result(trainer: HybridTrainer, eval_loss: float,
   if summary_path is not None and os.path.exists(summary_path):
     os.remove(summary_path)
   raise FloatingPointError(
-      f"training diverged: {problem} at step {trainer.step} (try a lower "
-      "learning rate); no summary.json written")
+    f"training diverged: {problem} at step {trainer.step} (try a lower "
+    "learning rate); no summary.json written"
+  )
 
 
 def _finish_step(trainer: HybridTrainer, out: Any) -> None:
@@ -252,8 +292,9 @@ def _finish_step(trainer: HybridTrainer, out: Any) -> None:
   jax.block_until_ready((out, trainer.params, trainer.opt_state))
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict,
-                       out_dir: str) -> dict[str, Any]:
+def train_and_evaluate(
+  config: ml_collections.ConfigDict, out_dir: str
+) -> dict[str, Any]:
   """Runs the main job; see ``experiments/configs/default.py`` for fields.
 
   Before training, every process checks that the others run the same job
@@ -281,8 +322,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     return _train_and_evaluate(config, out_dir, watch)
 
 
-def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
-                        watch: preemption.PreemptionWatch) -> dict[str, Any]:
+def _train_and_evaluate(
+  config: ml_collections.ConfigDict,
+  out_dir: str,
+  watch: preemption.PreemptionWatch,
+) -> dict[str, Any]:
   """:func:`train_and_evaluate` with the preemption watch ``watch``."""
   if str(config.get("cluster", "")).strip().lower() == cluster_lib.AUTO:
     # One worker per device of jax.devices() (every process's), on a copy:
@@ -290,33 +334,44 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
     config = config.copy_and_resolve_references()
     with config.unlocked():
       config.cluster = cluster_lib.cluster_string(
-          cluster_lib.resolve_cluster(cluster_lib.AUTO))
+        cluster_lib.resolve_cluster(cluster_lib.AUTO)
+      )
   config_lib.validate_config(config)
   writer = jax.process_index() == 0
   make_out_dir(out_dir)
   dataset = data_lib.load_dataset(
-      config.dataset, **config_lib.to_plain(config.get("dataset_kwargs", {})))
+    config.dataset, **config_lib.to_plain(config.get("dataset_kwargs", {}))
+  )
   model = config_lib.build_model(config, dataset)
   check_agreement(config, model)
   plan_mode = config.get("plan_mode", "manual")
   profile_sources = None
-  if plan_mode == "auto" and len(
-      cluster_lib.parse_cluster(config.cluster).groups()) == 1:
+  if (
+    plan_mode == "auto"
+    and len(cluster_lib.parse_cluster(config.cluster).groups()) == 1
+  ):
     plans = {}
-    logging.info("one device kind in %s: nothing to allocate, FP32",
-                 config.cluster)
+    logging.info(
+      "one device kind in %s: nothing to allocate, FP32", config.cluster
+    )
   elif plan_mode == "auto":
-    plans, result, profile_sources = plans_lib.auto_plans(config, model,
-                                                          dataset)
-    logging.info("profiles: %s", ", ".join(
-        f"{k} {v}" for k, v in profile_sources.items()))
+    plans, result, profile_sources = plans_lib.auto_plans(
+      config, model, dataset
+    )
+    logging.info(
+      "profiles: %s", ", ".join(f"{k} {v}" for k, v in profile_sources.items())
+    )
     if result is None:
       logging.info("plans from process 0's allocator")
     else:
-      logging.info("allocator (%s, %s indicator) on %s in %.2f s:\n%s",
-                   result.allocation.method, result.indicator,
-                   config.cluster, result.allocation.search_time_s,
-                   result.table())
+      logging.info(
+        "allocator (%s, %s indicator) on %s in %.2f s:\n%s",
+        result.allocation.method,
+        result.indicator,
+        config.cluster,
+        result.allocation.search_time_s,
+        result.table(),
+      )
     if writer and result is not None:
       pipeline.write(result, os.path.join(out_dir, "allocation"))
   elif plan_mode == "manual":
@@ -328,19 +383,26 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
   logging.info("plans %s on %d process(es)", digest[:12], jax.process_count())
   schedule = config_lib.make_schedule(config)
   sample = batcher_sample(dataset, workers)
-  trainer = HybridTrainer(model, workers, config_lib.make_optimizer(config),
-                          loss_fn=config_lib.make_loss_fn(config),
-                          sample_batch=sample,
-                          averager=config_lib.make_averager(config),
-                          schedule=schedule,
-                          error_feedback=config.get("error_feedback", False),
-                          seed=config.seed,
-                          bn_stats=config.get("bn_stats", "reestimate"),
-                          opt_fields_to_average=config_lib.opt_fields(config),
-                          outer_tx=config_lib.make_outer_optimizer(config))
-  batcher = data_lib.WorkerBatcher(dataset.x_train, dataset.y_train,
-                                   [w.batch_size for w in workers],
-                                   seed=config.seed)
+  trainer = HybridTrainer(
+    model,
+    workers,
+    config_lib.make_optimizer(config),
+    loss_fn=config_lib.make_loss_fn(config),
+    sample_batch=sample,
+    averager=config_lib.make_averager(config),
+    schedule=schedule,
+    error_feedback=config.get("error_feedback", False),
+    seed=config.seed,
+    bn_stats=config.get("bn_stats", "reestimate"),
+    opt_fields_to_average=config_lib.opt_fields(config),
+    outer_tx=config_lib.make_outer_optimizer(config),
+  )
+  batcher = data_lib.WorkerBatcher(
+    dataset.x_train,
+    dataset.y_train,
+    [w.batch_size for w in workers],
+    seed=config.seed,
+  )
   metrics_path = os.path.join(out_dir, "metrics.jsonl")
   checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"))
   preempted_path = os.path.join(out_dir, PREEMPTED)
@@ -356,8 +418,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
     if writer:
       _truncate_metrics(metrics_path, trainer.step)
   elif checkpointer.latest_step() is not None:
-    raise ValueError(f"{out_dir} already holds checkpoints; pass --resume to "
-                     "continue that run or use a new --out_dir")
+    raise ValueError(
+      f"{out_dir} already holds checkpoints; pass --resume to "
+      "continue that run or use a new --out_dir"
+    )
   elif writer and os.path.exists(metrics_path):
     os.remove(metrics_path)
 
@@ -367,12 +431,22 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
       with open(os.path.join(out_dir, "plans", f"{w.kind}.json"), "w") as f:
         f.write(w.plan.to_json())
   for i, w in enumerate(workers):
-    logging.info("worker %d: %s on %s, batch %d, plan %s", i, w.kind,
-                 w.device, w.batch_size, w.plan)
+    logging.info(
+      "worker %d: %s on %s, batch %d, plan %s",
+      i,
+      w.kind,
+      w.device,
+      w.batch_size,
+      w.plan,
+    )
   logging.info("loss scaling: %s", trainer.loss_scaling)
-  logging.info("sync %s (%d sync rounds planned over %d steps), averaging %s",
-               schedule.name, len(schedule.sync_steps(config.steps)),
-               config.steps, trainer.averager.name)
+  logging.info(
+    "sync %s (%d sync rounds planned over %d steps), averaging %s",
+    schedule.name,
+    len(schedule.sync_steps(config.steps)),
+    config.steps,
+    trainer.averager.name,
+  )
 
   # Every update and averaging program compiles now, outside the training
   # clock; the first step (before the clock starts) compiles the rest.
@@ -388,8 +462,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
   while trainer.step < config.steps:
     step = trainer.step
     all_batches = batcher.step_batches(step)
-    out = trainer.train_step({i: all_batches[i]
-                              for i in trainer.local_workers})
+    out = trainer.train_step({i: all_batches[i] for i in trainer.local_workers})
     done = trainer.step
     if done == start_step + 1:
       # The training clock starts once the first step (which compiles the
@@ -404,37 +477,53 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
     if done % config.log_every == 0 or done == config.steps:
       now = time.perf_counter()
       # Every metric the objective reports, averaged over local workers.
-      last_train = {name: float(np.mean([float(m[name])
-                                         for m in out.values()]))
-                    for name in next(iter(out.values()))}
+      last_train = {
+        name: float(np.mean([float(m[name]) for m in out.values()]))
+        for name in next(iter(out.values()))
+      }
       rate = global_batch * (done - window_step) / (now - window_start)
       window_start, window_step = now, done
-      row = {"step": done, **last_train,
-             "examples_per_s": rate, "loss_scale": trainer.current_loss_scale,
-             "H": schedule.round_length(done),
-             "sync_rounds": trainer.sync_rounds,
-             "comm_bytes": trainer.comm_bytes}
-      logging.info("step %d/%d %s %.0f examples/s", done, config.steps,
-                   _metrics_text(last_train), rate)
-    if config.eval_every and (done % config.eval_every == 0
-                              or done == config.steps):
+      row = {
+        "step": done,
+        **last_train,
+        "examples_per_s": rate,
+        "loss_scale": trainer.current_loss_scale,
+        "H": schedule.round_length(done),
+        "sync_rounds": trainer.sync_rounds,
+        "comm_bytes": trainer.comm_bytes,
+      }
+      logging.info(
+        "step %d/%d %s %.0f examples/s",
+        done,
+        config.steps,
+        _metrics_text(last_train),
+        rate,
+      )
+    if config.eval_every and (
+      done % config.eval_every == 0 or done == config.steps
+    ):
       # The step's queued work finishes before the clock stops for the eval.
       _finish_step(trainer, out)
       eval_start = time.perf_counter()
       train_time = eval_start - train_start - excluded
-      ev = trainer.evaluate((dataset.x_test, dataset.y_test),
-                            train_batches=bn_batches(config, batcher,
-                                                     trainer))
+      ev = trainer.evaluate(
+        (dataset.x_test, dataset.y_test),
+        train_batches=bn_batches(config, batcher, trainer),
+      )
       last_eval = {"step": done, **ev}
       excluded += time.perf_counter() - eval_start
-      row = {**(row or {"step": done}), "train_time_s": train_time,
-             **{f"eval_{name}": value for name, value in ev.items()}}
+      row = {
+        **(row or {"step": done}),
+        "train_time_s": train_time,
+        **{f"eval_{name}": value for name, value in ev.items()},
+      }
       logging.info("step %d eval %s", done, _metrics_text(ev))
     if row is not None and writer:
       with open(metrics_path, "a") as f:
         f.write(json.dumps(row) + "\n")
-    if config.checkpoint_every and (done % config.checkpoint_every == 0
-                                    or done == config.steps):
+    if config.checkpoint_every and (
+      done % config.checkpoint_every == 0 or done == config.steps
+    ):
       _finish_step(trainer, out)
       save_start = time.perf_counter()
       checkpointer.save(trainer)
@@ -447,60 +536,79 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, out_dir: str,
       checkpointer.close()
       if writer:
         _write_json(preempted_path, {"step": done})
-      logging.info("preempted: checkpointed step %d; the same command "
-                   "resumes it", done)
+      logging.info(
+        "preempted: checkpointed step %d; the same command resumes it", done
+      )
       return {"preempted": True, "steps": done}
     if "eval_loss" in (row or {}) or (
-        config.checkpoint_every and done % config.checkpoint_every == 0):
+      config.checkpoint_every and done % config.checkpoint_every == 0
+    ):
       # Throughput windows count training only, not evals or checkpoints.
       window_start, window_step = time.perf_counter(), done
   if trainer.step > start_step:
     _finish_step(trainer, out)
   wall = time.perf_counter() - start
-  train_time = (time.perf_counter() - train_start - excluded
-                if trainer.step > start_step else 0.0)
-  final = (last_eval if last_eval.get("step") == trainer.step
-           else {"step": trainer.step,
-                 **trainer.evaluate((dataset.x_test, dataset.y_test),
-                                    train_batches=bn_batches(
-                                        config, batcher, trainer))})
+  train_time = (
+    time.perf_counter() - train_start - excluded
+    if trainer.step > start_step
+    else 0.0
+  )
+  final = (
+    last_eval
+    if last_eval.get("step") == trainer.step
+    else {
+      "step": trainer.step,
+      **trainer.evaluate(
+        (dataset.x_test, dataset.y_test),
+        train_batches=bn_batches(config, batcher, trainer),
+      ),
+    }
+  )
   checkpointer.close()
-  _check_finite_result(trainer, final["loss"], last_train.get("loss"),
-                       os.path.join(out_dir, "summary.json") if writer
-                       else None)
+  _check_finite_result(
+    trainer,
+    final["loss"],
+    last_train.get("loss"),
+    os.path.join(out_dir, "summary.json") if writer else None,
+  )
   summary = {
-      **{f"final_eval_{name}": value for name, value in final.items()
-         if name != "step"},
-      "final_train_loss": last_train.get("loss"),
-      "steps": trainer.step,
-      "steps_this_run": trainer.step - start_step,
-      "sync": schedule.name,
-      "compress": trainer.averager.name,
-      "error_feedback": trainer.error_feedback,
-      "outer_optimizer": config.get("outer_optimizer", "none"),
-      "sync_rounds": trainer.sync_rounds,
-      "comm_bytes": trainer.comm_bytes,
-      "wall_time_s": wall,
-      # From the end of this run's first step (compilation), less evals
-      # and checkpoints.
-      "train_time_s": train_time,
-      "examples_per_s": (global_batch * (trainer.step - start_step) / wall
-                         if wall > 0 else None),
-      "loss_scaling": trainer.loss_scaling,
-      "skipped_steps": trainer.skipped_steps,
-      "params_sha256": trainer.params_digest(),
-      "cluster": config.cluster,
-      "num_processes": jax.process_count(),
-      "plans_sha256": digest,
-      # Where each kind's profile came from (auto plans), or None.
-      "profiles": profile_sources,
-      # The launcher's emulated link and its measured rate, or None.
-      "link": links.link_info_from_env(),
-      # The host allocator's mode (qsync_jax.host_malloc).
-      "host_malloc": host_malloc.mode_from_env(),
-      "workers": trainer_lib.describe_workers(trainer.workers),
-      "precisions": [{k: v.value for k, v in eff.items()}
-                     for eff in trainer.precisions],
+    **{
+      f"final_eval_{name}": value
+      for name, value in final.items()
+      if name != "step"
+    },
+    "final_train_loss": last_train.get("loss"),
+    "steps": trainer.step,
+    "steps_this_run": trainer.step - start_step,
+    "sync": schedule.name,
+    "compress": trainer.averager.name,
+    "error_feedback": trainer.error_feedback,
+    "outer_optimizer": config.get("outer_optimizer", "none"),
+    "sync_rounds": trainer.sync_rounds,
+    "comm_bytes": trainer.comm_bytes,
+    "wall_time_s": wall,
+    # From the end of this run's first step (compilation), less evals
+    # and checkpoints.
+    "train_time_s": train_time,
+    "examples_per_s": (
+      global_batch * (trainer.step - start_step) / wall if wall > 0 else None
+    ),
+    "loss_scaling": trainer.loss_scaling,
+    "skipped_steps": trainer.skipped_steps,
+    "params_sha256": trainer.params_digest(),
+    "cluster": config.cluster,
+    "num_processes": jax.process_count(),
+    "plans_sha256": digest,
+    # Where each kind's profile came from (auto plans), or None.
+    "profiles": profile_sources,
+    # The launcher's emulated link and its measured rate, or None.
+    "link": links.link_info_from_env(),
+    # The host allocator's mode (qsync_jax.host_malloc).
+    "host_malloc": host_malloc.mode_from_env(),
+    "workers": trainer_lib.describe_workers(trainer.workers),
+    "precisions": [
+      {k: v.value for k, v in eff.items()} for eff in trainer.precisions
+    ],
   }
   if writer:
     _write_json(os.path.join(out_dir, "summary.json"), summary)

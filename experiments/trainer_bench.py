@@ -29,11 +29,20 @@ flags.DEFINE_integer("rounds", 7, "Interleaved measurement rounds.")
 # the network study's wide CNN (4.26M parameters, most in one dense layer),
 # and a small BERT-style encoder on 64-token sequences.
 CASES = [
-    ("cnn", 32, {}),
-    ("cnn", 128, {}),
-    ("cnn", 16, {"widths": (32, 64), "hidden": 4096}),
-    ("bert", 16, {"vocab_size": 512, "max_len": 64, "num_layers": 2,
-                  "hidden": 128, "mlp_dim": 256}),
+  ("cnn", 32, {}),
+  ("cnn", 128, {}),
+  ("cnn", 16, {"widths": (32, 64), "hidden": 4096}),
+  (
+    "bert",
+    16,
+    {
+      "vocab_size": 512,
+      "max_len": 64,
+      "num_layers": 2,
+      "hidden": 128,
+      "mlp_dim": 256,
+    },
+  ),
 ]
 
 
@@ -45,17 +54,25 @@ def main(argv):
   with cli.bad_input_exits():
     results = []
     for model, batch, kwargs in CASES:
-      r = trainer_overhead.trainer_overhead(model, batch,
-                                            num_workers=FLAGS.num_workers,
-                                            rounds=FLAGS.rounds,
-                                            model_kwargs=kwargs)
-      print(f"{model:5s} batch/worker {batch:4d}: hybrid "
-            f"{r['hybrid_step_s'] * 1e3:7.2f} ms, spmd "
-            f"{r['spmd_step_s'] * 1e3:7.2f} ms, ratio {r['ratio']:.3f}")
+      r = trainer_overhead.trainer_overhead(
+        model,
+        batch,
+        num_workers=FLAGS.num_workers,
+        rounds=FLAGS.rounds,
+        model_kwargs=kwargs,
+      )
+      print(
+        f"{model:5s} batch/worker {batch:4d}: hybrid "
+        f"{r['hybrid_step_s'] * 1e3:7.2f} ms, spmd "
+        f"{r['spmd_step_s'] * 1e3:7.2f} ms, ratio {r['ratio']:.3f}"
+      )
       results.append(r)
     with open(FLAGS.out, "w") as f:
-      json.dump({"device": str(jax.devices()[0].device_kind),
-                 "cases": results}, f, indent=2)
+      json.dump(
+        {"device": str(jax.devices()[0].device_kind), "cases": results},
+        f,
+        indent=2,
+      )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,14 @@ from pallas_kernels.quantize import quantize
 from pallas_kernels.quantize import quantize_reference
 
 __all__ = [
-    "fp8_error_bound", "fp8_matmul", "fp8_matmul_reference", "gqsgd_decode",
-    "gqsgd_encode", "gqsgd_encode_reference", "int8_matmul",
-    "int8_matmul_reference", "quantize", "quantize_reference",
+  "fp8_error_bound",
+  "fp8_matmul",
+  "fp8_matmul_reference",
+  "gqsgd_decode",
+  "gqsgd_encode",
+  "gqsgd_encode_reference",
+  "int8_matmul",
+  "int8_matmul_reference",
+  "quantize",
+  "quantize_reference",
 ]

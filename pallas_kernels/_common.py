@@ -22,9 +22,9 @@ import functools
 import warnings
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+import jax.numpy as jnp
 
 
 def on_gpu() -> bool:
@@ -46,17 +46,19 @@ def triton_params(num_warps: int = 4, num_stages: int = 2):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
+
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def pallas_call(kernel, *, interpret: bool, num_warps: int, num_stages: int,
-                **kwargs):
+def pallas_call(
+  kernel, *, interpret: bool, num_warps: int, num_stages: int, **kwargs
+):
   """``pl.pallas_call`` in interpret mode, or with Triton parameters."""
   if interpret:
     return pl.pallas_call(kernel, interpret=True, **kwargs)
-  return pl.pallas_call(kernel, compiler_params=triton_params(num_warps,
-                                                              num_stages),
-                        **kwargs)
+  return pl.pallas_call(
+    kernel, compiler_params=triton_params(num_warps, num_stages), **kwargs
+  )
 
 
 def check_block(name: str, value: int, minimum: int = 1) -> int:
@@ -65,10 +67,11 @@ def check_block(name: str, value: int, minimum: int = 1) -> int:
   Raises:
     ValueError: ``value`` is not an int power of two ``>= minimum``.
   """
-  if (not isinstance(value, int) or value < minimum
-      or value & (value - 1)):
-    raise ValueError(f"{name} must be a power of two >= {minimum} (Triton "
-                     f"tiles are powers of two), got {value!r}")
+  if not isinstance(value, int) or value < minimum or value & (value - 1):
+    raise ValueError(
+      f"{name} must be a power of two >= {minimum} (Triton "
+      f"tiles are powers of two), got {value!r}"
+    )
   return value
 
 
@@ -123,8 +126,9 @@ def as_salt(salt) -> jax.Array:
     return jnp.full((1, 1), salt, jnp.uint32)
   salt = jnp.asarray(salt)
   if salt.size != 1 or not jnp.issubdtype(salt.dtype, jnp.integer):
-    raise ValueError(f"salt/seed must be an integer scalar, got "
-                     f"{salt.dtype}{list(salt.shape)}")
+    raise ValueError(
+      f"salt/seed must be an integer scalar, got {salt.dtype}{list(salt.shape)}"
+    )
   return salt.reshape(1, 1).astype(jnp.uint32)
 
 
@@ -133,8 +137,18 @@ def as_salt(salt) -> jax.Array:
 # --------------------------------------------------------------------------
 
 
-def _gemm_kernel(x_ref, w_ref, sx_ref, sw_ref, *rest, block_k: int,
-                 num_k: int, acc_dtype, tile_dtype, has_bias: bool):
+def _gemm_kernel(
+  x_ref,
+  w_ref,
+  sx_ref,
+  sw_ref,
+  *rest,
+  block_k: int,
+  num_k: int,
+  acc_dtype,
+  tile_dtype,
+  has_bias: bool,
+):
   b_ref, o_ref = rest if has_bias else (None, rest[0])
   bm, bn = x_ref.shape[0], w_ref.shape[1]
 
@@ -161,8 +175,10 @@ def as_row_scale(s, m: int, name: str) -> jax.Array:
     return jnp.broadcast_to(s.reshape(1, 1), (m, 1))
   if s.shape in ((m,), (m, 1)):
     return s.reshape(m, 1)
-  raise ValueError(f"{name} must be a scalar (per tensor) or have shape "
-                   f"({m},) or ({m}, 1), got {s.shape}")
+  raise ValueError(
+    f"{name} must be a scalar (per tensor) or have shape "
+    f"({m},) or ({m}, 1), got {s.shape}"
+  )
 
 
 def as_col_scale(s, n: int, name: str) -> jax.Array:
@@ -172,22 +188,29 @@ def as_col_scale(s, n: int, name: str) -> jax.Array:
     return jnp.broadcast_to(s.reshape(1, 1), (1, n))
   if s.shape in ((n,), (1, n)):
     return s.reshape(1, n)
-  raise ValueError(f"{name} must be a scalar (per tensor) or have shape "
-                   f"({n},) or (1, {n}), got {s.shape}")
+  raise ValueError(
+    f"{name} must be a scalar (per tensor) or have shape "
+    f"({n},) or (1, {n}), got {s.shape}"
+  )
 
 
 def check_matmul_operands(x, w, x_dtypes, w_dtypes, op: str):
   """Validates 2-D operands of a GEMM and returns ``(M, K, N)``."""
   if x.ndim != 2 or w.ndim != 2:
-    raise ValueError(f"{op} takes 2-D operands x (M, K) and w (K, N), got "
-                     f"shapes {x.shape} and {w.shape}")
+    raise ValueError(
+      f"{op} takes 2-D operands x (M, K) and w (K, N), got "
+      f"shapes {x.shape} and {w.shape}"
+    )
   if x.shape[1] != w.shape[0]:
-    raise ValueError(f"{op}: contracting sizes differ: x {x.shape} and w "
-                     f"{w.shape}")
+    raise ValueError(
+      f"{op}: contracting sizes differ: x {x.shape} and w {w.shape}"
+    )
   for name, a, ok in (("x", x, x_dtypes), ("w", w, w_dtypes)):
     if a.dtype not in [jnp.dtype(d) for d in ok]:
-      raise ValueError(f"{op}: {name} must have dtype in "
-                       f"{[jnp.dtype(d).name for d in ok]}, got {a.dtype}")
+      raise ValueError(
+        f"{op}: {name} must have dtype in "
+        f"{[jnp.dtype(d).name for d in ok]}, got {a.dtype}"
+      )
   return x.shape[0], x.shape[1], w.shape[1]
 
 
@@ -197,18 +220,43 @@ OUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 def check_out_dtype(out_dtype, op: str):
   dt = jnp.dtype(out_dtype)
   if dt not in [jnp.dtype(d) for d in OUT_DTYPES]:
-    raise ValueError(f"{op}: out_dtype must be float32, bfloat16 or float16, "
-                     f"got {dt}")
+    raise ValueError(
+      f"{op}: out_dtype must be float32, bfloat16 or float16, got {dt}"
+    )
   return dt
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "acc_dtype", "out_dtype", "block_m", "block_n", "block_k", "interpret",
-    "num_warps", "num_stages", "tile_dtype"))
-def scaled_matmul(x, w, sx, sw, bias, *, acc_dtype, out_dtype, block_m: int,
-                  block_n: int, block_k: int, interpret: bool,
-                  num_warps: int, num_stages: int,
-                  tile_dtype=None) -> jax.Array:
+@functools.partial(
+  jax.jit,
+  static_argnames=(
+    "acc_dtype",
+    "out_dtype",
+    "block_m",
+    "block_n",
+    "block_k",
+    "interpret",
+    "num_warps",
+    "num_stages",
+    "tile_dtype",
+  ),
+)
+def scaled_matmul(
+  x,
+  w,
+  sx,
+  sw,
+  bias,
+  *,
+  acc_dtype,
+  out_dtype,
+  block_m: int,
+  block_n: int,
+  block_k: int,
+  interpret: bool,
+  num_warps: int,
+  num_stages: int,
+  tile_dtype=None,
+) -> jax.Array:
   """``(x @ w in acc_dtype) * (sx * sw) [+ bias]`` as one tiled kernel.
 
   Operands are zero padded to block multiples (exact: zero rows and columns
@@ -232,27 +280,39 @@ def scaled_matmul(x, w, sx, sw, bias, *, acc_dtype, out_dtype, block_m: int,
   """
   m, k = x.shape
   n = w.shape[1]
-  mp, np_, kp = round_up(m, block_m), round_up(n, block_n), round_up(k,
-                                                                    block_k)
-  args = [pad2(x, mp, kp), pad2(w, kp, np_), pad2(sx, mp, 1, 1.0),
-          pad2(sw, 1, np_, 1.0)]
-  in_specs = [pl.BlockSpec((block_m, kp), lambda i, j: (i, 0)),
-              pl.BlockSpec((kp, block_n), lambda i, j: (0, j)),
-              pl.BlockSpec((block_m, 1), lambda i, j: (i, 0)),
-              pl.BlockSpec((1, block_n), lambda i, j: (0, j))]
+  mp, np_, kp = round_up(m, block_m), round_up(n, block_n), round_up(k, block_k)
+  args = [
+    pad2(x, mp, kp),
+    pad2(w, kp, np_),
+    pad2(sx, mp, 1, 1.0),
+    pad2(sw, 1, np_, 1.0),
+  ]
+  in_specs = [
+    pl.BlockSpec((block_m, kp), lambda i, j: (i, 0)),
+    pl.BlockSpec((kp, block_n), lambda i, j: (0, j)),
+    pl.BlockSpec((block_m, 1), lambda i, j: (i, 0)),
+    pl.BlockSpec((1, block_n), lambda i, j: (0, j)),
+  ]
   if bias is not None:
     args.append(pad2(bias, 1, np_))
     in_specs.append(pl.BlockSpec((1, block_n), lambda i, j: (0, j)))
-  kernel = functools.partial(_gemm_kernel, block_k=block_k,
-                             num_k=kp // block_k, acc_dtype=acc_dtype,
-                             tile_dtype=tile_dtype,
-                             has_bias=bias is not None)
+  kernel = functools.partial(
+    _gemm_kernel,
+    block_k=block_k,
+    num_k=kp // block_k,
+    acc_dtype=acc_dtype,
+    tile_dtype=tile_dtype,
+    has_bias=bias is not None,
+  )
   out = pallas_call(
-      kernel, interpret=interpret, num_warps=num_warps,
-      num_stages=num_stages, grid=(mp // block_m, np_ // block_n),
-      in_specs=in_specs,
-      out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-      out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+    kernel,
+    interpret=interpret,
+    num_warps=num_warps,
+    num_stages=num_stages,
+    grid=(mp // block_m, np_ // block_n),
+    in_specs=in_specs,
+    out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
+    out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
   )(*args)
   return out[:m, :n]
 
@@ -264,16 +324,28 @@ def is_triton_lowered(text: str) -> bool:
 
 def lower_for_cuda(fn, *args) -> str:
   """Lowers ``jax.jit(fn)(*args)`` for CUDA (no GPU needed); returns text."""
-  return jax.jit(fn).trace(*args).lower(
-      lowering_platforms=("cuda",)).as_text()
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-
-def checked_scaled_matmul(name: str, x, w, x_scale, w_scale, bias, *,
-                          operand_dtypes, acc_dtype, out_dtype, block_m: int,
-                          block_n: int, block_k: int,
-                          interpret: bool | None, num_warps: int,
-                          num_stages: int, tile_dtype=None) -> jax.Array:
+def checked_scaled_matmul(
+  name: str,
+  x,
+  w,
+  x_scale,
+  w_scale,
+  bias,
+  *,
+  operand_dtypes,
+  acc_dtype,
+  out_dtype,
+  block_m: int,
+  block_n: int,
+  block_k: int,
+  interpret: bool | None,
+  num_warps: int,
+  num_stages: int,
+  tile_dtype=None,
+) -> jax.Array:
   """Checks a public GEMM's arguments, then runs :func:`scaled_matmul`.
 
   Raises:
@@ -281,8 +353,11 @@ def checked_scaled_matmul(name: str, x, w, x_scale, w_scale, bias, *,
   """
   m, _, n = check_matmul_operands(x, w, operand_dtypes, operand_dtypes, name)
   out_dtype = check_out_dtype(out_dtype, name)
-  for arg, b in (("block_m", block_m), ("block_n", block_n),
-                 ("block_k", block_k)):
+  for arg, b in (
+    ("block_m", block_m),
+    ("block_n", block_n),
+    ("block_k", block_k),
+  ):
     check_block(arg, b, 16)
   if bias is not None and jnp.size(bias) != n:
     raise ValueError(f"bias must have shape ({n},), got {jnp.shape(bias)}")
@@ -290,27 +365,50 @@ def checked_scaled_matmul(name: str, x, w, x_scale, w_scale, bias, *,
   sw = as_col_scale(w_scale, n, "w_scale")
   b = None if bias is None else as_col_scale(bias, n, "bias")
   return scaled_matmul(
-      x, w, sx, sw, b, acc_dtype=acc_dtype, out_dtype=out_dtype,
-      block_m=block_m, block_n=block_n, block_k=block_k,
-      interpret=resolve_interpret(interpret), num_warps=num_warps,
-      num_stages=num_stages, tile_dtype=tile_dtype)
+    x,
+    w,
+    sx,
+    sw,
+    b,
+    acc_dtype=acc_dtype,
+    out_dtype=out_dtype,
+    block_m=block_m,
+    block_n=block_n,
+    block_k=block_k,
+    interpret=resolve_interpret(interpret),
+    num_warps=num_warps,
+    num_stages=num_stages,
+    tile_dtype=tile_dtype,
+  )
 
 
-def reference_epilogue(acc: jax.Array, x_scale, w_scale, bias,
-                       out_dtype) -> jax.Array:
+def reference_epilogue(
+  acc: jax.Array, x_scale, w_scale, bias, out_dtype
+) -> jax.Array:
   """The GEMM epilogue in jnp: ``acc * (s_row * s_col) [+ bias]``."""
   m, n = acc.shape
-  y = acc.astype(jnp.float32) * (as_row_scale(x_scale, m, "x_scale")
-                                 * as_col_scale(w_scale, n, "w_scale"))
+  y = acc.astype(jnp.float32) * (
+    as_row_scale(x_scale, m, "x_scale") * as_col_scale(w_scale, n, "w_scale")
+  )
   if bias is not None:
     y = y + as_col_scale(bias, n, "bias")
   return y.astype(out_dtype)
 
 
-def rowwise_call(kernel, x2: jax.Array, per_row: jax.Array,
-                 scalar: jax.Array, *, out_dtype, block_rows: int,
-                 block_cols: int, interpret: bool, num_warps: int,
-                 num_stages: int, row_pad=0) -> jax.Array:
+def rowwise_call(
+  kernel,
+  x2: jax.Array,
+  per_row: jax.Array,
+  scalar: jax.Array,
+  *,
+  out_dtype,
+  block_rows: int,
+  block_cols: int,
+  interpret: bool,
+  num_warps: int,
+  num_stages: int,
+  row_pad=0,
+) -> jax.Array:
   """Runs an element-wise ``kernel(x_ref, row_ref, scalar_ref, o_ref)``
   over a 2-D array in (block_rows, block_cols) tiles.
 
@@ -320,12 +418,17 @@ def rowwise_call(kernel, x2: jax.Array, per_row: jax.Array,
   rows, cols = x2.shape
   rp, cp = round_up(rows, block_rows), round_up(cols, block_cols)
   out = pallas_call(
-      kernel, interpret=interpret, num_warps=num_warps,
-      num_stages=num_stages, grid=(rp // block_rows, cp // block_cols),
-      in_specs=[pl.BlockSpec((block_rows, block_cols), lambda i, j: (i, j)),
-                pl.BlockSpec((block_rows, 1), lambda i, j: (i, 0)),
-                pl.BlockSpec((1, 1), lambda i, j: (0, 0))],
-      out_specs=pl.BlockSpec((block_rows, block_cols), lambda i, j: (i, j)),
-      out_shape=jax.ShapeDtypeStruct((rp, cp), out_dtype),
+    kernel,
+    interpret=interpret,
+    num_warps=num_warps,
+    num_stages=num_stages,
+    grid=(rp // block_rows, cp // block_cols),
+    in_specs=[
+      pl.BlockSpec((block_rows, block_cols), lambda i, j: (i, j)),
+      pl.BlockSpec((block_rows, 1), lambda i, j: (i, 0)),
+      pl.BlockSpec((1, 1), lambda i, j: (0, 0)),
+    ],
+    out_specs=pl.BlockSpec((block_rows, block_cols), lambda i, j: (i, j)),
+    out_shape=jax.ShapeDtypeStruct((rp, cp), out_dtype),
   )(pad2(x2, rp, cp), pad2(per_row, rp, 1, row_pad), scalar)
   return out[:rows, :cols]

@@ -34,11 +34,21 @@ from pallas_kernels import _common
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
-def fp8_matmul(x: jax.Array, w: jax.Array, x_scale, w_scale,
-               bias: jax.Array | None = None, *, out_dtype=jnp.float32,
-               block_m: int = 64, block_n: int = 64, block_k: int = 64,
-               interpret: bool | None = None, num_warps: int = 4,
-               num_stages: int = 2) -> jax.Array:
+def fp8_matmul(
+  x: jax.Array,
+  w: jax.Array,
+  x_scale,
+  w_scale,
+  bias: jax.Array | None = None,
+  *,
+  out_dtype=jnp.float32,
+  block_m: int = 64,
+  block_n: int = 64,
+  block_k: int = 64,
+  interpret: bool | None = None,
+  num_warps: int = 4,
+  num_stages: int = 2,
+) -> jax.Array:
   """Returns ``(x @ w) * scales [+ bias]`` from fp8 operands.
 
   Args:
@@ -59,39 +69,65 @@ def fp8_matmul(x: jax.Array, w: jax.Array, x_scale, w_scale,
     ValueError: wrong ranks, dtypes, scale or bias shapes, or block sizes.
   """
   return _common.checked_scaled_matmul(
-      "fp8_matmul", x, w, x_scale, w_scale, bias, operand_dtypes=FP8_DTYPES,
-      acc_dtype=jnp.float32, out_dtype=out_dtype, block_m=block_m,
-      block_n=block_n, block_k=block_k, interpret=interpret,
-      num_warps=num_warps, num_stages=num_stages,
-      # Mixed e5m2 x e4m3: widen the tiles (module docstring).
-      tile_dtype=jnp.float16 if x.dtype != w.dtype else None)
+    "fp8_matmul",
+    x,
+    w,
+    x_scale,
+    w_scale,
+    bias,
+    operand_dtypes=FP8_DTYPES,
+    acc_dtype=jnp.float32,
+    out_dtype=out_dtype,
+    block_m=block_m,
+    block_n=block_n,
+    block_k=block_k,
+    interpret=interpret,
+    num_warps=num_warps,
+    num_stages=num_stages,
+    # Mixed e5m2 x e4m3: widen the tiles (module docstring).
+    tile_dtype=jnp.float16 if x.dtype != w.dtype else None,
+  )
 
 
-def fp8_matmul_reference(x: jax.Array, w: jax.Array, x_scale, w_scale,
-                         bias: jax.Array | None = None, *,
-                         out_dtype=jnp.float32) -> jax.Array:
+def fp8_matmul_reference(
+  x: jax.Array,
+  w: jax.Array,
+  x_scale,
+  w_scale,
+  bias: jax.Array | None = None,
+  *,
+  out_dtype=jnp.float32,
+) -> jax.Array:
   """Pure-jnp :func:`fp8_matmul`: XLA's fp8 dot with float32 accumulation."""
-  _common.check_matmul_operands(x, w, FP8_DTYPES, FP8_DTYPES,
-                                "fp8_matmul_reference")
-  acc = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
-                preferred_element_type=jnp.float32,
-                precision=jax.lax.Precision.HIGHEST)
+  _common.check_matmul_operands(
+    x, w, FP8_DTYPES, FP8_DTYPES, "fp8_matmul_reference"
+  )
+  acc = jnp.dot(
+    x.astype(jnp.float32),
+    w.astype(jnp.float32),
+    preferred_element_type=jnp.float32,
+    precision=jax.lax.Precision.HIGHEST,
+  )
   return _common.reference_epilogue(acc, x_scale, w_scale, bias, out_dtype)
 
 
-def fp8_error_bound(x: jax.Array, w: jax.Array, x_scale,
-                    w_scale) -> jax.Array:
+def fp8_error_bound(x: jax.Array, w: jax.Array, x_scale, w_scale) -> jax.Array:
   """Bound on ``|fp8_matmul - fp8_matmul_reference|`` (float32 outputs).
 
   ``K * 2**-24 * (|x| @ |w|) * |s_row * s_col|`` bounds the difference of
   two float32 summation orders of exact products, plus one ulp-sized term
   per output for the epilogue's rounding.
   """
-  m, k, n = _common.check_matmul_operands(x, w, FP8_DTYPES, FP8_DTYPES,
-                                          "fp8_error_bound")
-  mag = jnp.dot(jnp.abs(x.astype(jnp.float32)), jnp.abs(w.astype(jnp.float32)),
-                precision=jax.lax.Precision.HIGHEST)
-  s = jnp.abs(_common.as_row_scale(x_scale, m, "x_scale")
-              * _common.as_col_scale(w_scale, n, "w_scale"))
+  m, k, n = _common.check_matmul_operands(
+    x, w, FP8_DTYPES, FP8_DTYPES, "fp8_error_bound"
+  )
+  mag = jnp.dot(
+    jnp.abs(x.astype(jnp.float32)),
+    jnp.abs(w.astype(jnp.float32)),
+    precision=jax.lax.Precision.HIGHEST,
+  )
+  s = jnp.abs(
+    _common.as_row_scale(x_scale, m, "x_scale")
+    * _common.as_col_scale(w_scale, n, "w_scale")
+  )
   return (2 * k + 2) * 2.0**-24 * mag * s
-

@@ -32,8 +32,8 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
+import jax.numpy as jnp
 
 from pallas_kernels import _common
 from pallas_kernels.hashing import hash_uniform_at
@@ -51,55 +51,102 @@ def _encode(y, m, idx, seed, levels: int):
   return jnp.where(finite, q, 0.0)
 
 
-def _encode_kernel(y_ref, m_ref, seed_ref, o_ref, *, levels: int,
-                   ncols: int):
+def _encode_kernel(y_ref, m_ref, seed_ref, o_ref, *, levels: int, ncols: int):
   br, bc = o_ref.shape
-  idx = _common.flat_index(pl.program_id(0) * br, pl.program_id(1) * bc,
-                           (br, bc), ncols)
-  q = _encode(y_ref[...].astype(jnp.float32), m_ref[...], idx,
-              seed_ref[...], levels)
+  idx = _common.flat_index(
+    pl.program_id(0) * br, pl.program_id(1) * bc, (br, bc), ncols
+  )
+  q = _encode(
+    y_ref[...].astype(jnp.float32), m_ref[...], idx, seed_ref[...], levels
+  )
   o_ref[...] = q.astype(o_ref.dtype)
 
 
 def _check(y, global_max, levels, out_dtype):
   if y.ndim not in (1, 2) or not jnp.issubdtype(y.dtype, jnp.floating):
-    raise ValueError(f"gqsgd_encode: y must be a float (num_buckets, "
-                     f"bucket_size) array or one 1-D bucket, got "
-                     f"{y.dtype}{list(y.shape)}")
+    raise ValueError(
+      f"gqsgd_encode: y must be a float (num_buckets, "
+      f"bucket_size) array or one 1-D bucket, got "
+      f"{y.dtype}{list(y.shape)}"
+    )
   y2 = y.reshape(1, -1) if y.ndim == 1 else y
   m = jnp.asarray(global_max, jnp.float32)
   if m.size != y2.shape[0]:
-    raise ValueError(f"gqsgd_encode: global_max needs one value per bucket "
-                     f"({y2.shape[0]}), got shape {m.shape}")
+    raise ValueError(
+      f"gqsgd_encode: global_max needs one value per bucket "
+      f"({y2.shape[0]}), got shape {m.shape}"
+    )
   out_dtype = jnp.dtype(out_dtype)
   if out_dtype not in [jnp.dtype(d) for d in _CODE_DTYPES]:
-    raise ValueError(f"gqsgd_encode: out_dtype must be int8, int16 or int32, "
-                     f"got {out_dtype}")
-  if (not isinstance(levels, int) or levels < 1
-      or levels > jnp.iinfo(out_dtype).max):
-    raise ValueError(f"gqsgd_encode: levels must be an int in [1, "
-                     f"{jnp.iinfo(out_dtype).max}] for {out_dtype} codes, got "
-                     f"{levels!r}")
+    raise ValueError(
+      f"gqsgd_encode: out_dtype must be int8, int16 or int32, got {out_dtype}"
+    )
+  if (
+    not isinstance(levels, int)
+    or levels < 1
+    or levels > jnp.iinfo(out_dtype).max
+  ):
+    raise ValueError(
+      f"gqsgd_encode: levels must be an int in [1, "
+      f"{jnp.iinfo(out_dtype).max}] for {out_dtype} codes, got "
+      f"{levels!r}"
+    )
   return y2, m.reshape(-1, 1), out_dtype
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "levels", "out_dtype", "block_rows", "block_cols", "interpret",
-    "num_warps", "num_stages"))
-def _gqsgd_encode(y2, m2, seed, *, levels, out_dtype, block_rows, block_cols,
-                  interpret, num_warps, num_stages):
-  kernel = functools.partial(_encode_kernel, levels=levels,
-                             ncols=y2.shape[1])
+@functools.partial(
+  jax.jit,
+  static_argnames=(
+    "levels",
+    "out_dtype",
+    "block_rows",
+    "block_cols",
+    "interpret",
+    "num_warps",
+    "num_stages",
+  ),
+)
+def _gqsgd_encode(
+  y2,
+  m2,
+  seed,
+  *,
+  levels,
+  out_dtype,
+  block_rows,
+  block_cols,
+  interpret,
+  num_warps,
+  num_stages,
+):
+  kernel = functools.partial(_encode_kernel, levels=levels, ncols=y2.shape[1])
   return _common.rowwise_call(
-      kernel, y2, m2, seed, out_dtype=out_dtype, block_rows=block_rows,
-      block_cols=block_cols, interpret=interpret, num_warps=num_warps,
-      num_stages=num_stages)
+    kernel,
+    y2,
+    m2,
+    seed,
+    out_dtype=out_dtype,
+    block_rows=block_rows,
+    block_cols=block_cols,
+    interpret=interpret,
+    num_warps=num_warps,
+    num_stages=num_stages,
+  )
 
 
-def gqsgd_encode(y: jax.Array, global_max, levels: int, *, seed=0,
-                 out_dtype=jnp.int8, block_rows: int = 8,
-                 block_cols: int = 512, interpret: bool | None = None,
-                 num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+def gqsgd_encode(
+  y: jax.Array,
+  global_max,
+  levels: int,
+  *,
+  seed=0,
+  out_dtype=jnp.int8,
+  block_rows: int = 8,
+  block_cols: int = 512,
+  interpret: bool | None = None,
+  num_warps: int = 4,
+  num_stages: int = 2,
+) -> jax.Array:
   """Returns this worker's Global-QSGD codes of ``y``.
 
   Args:
@@ -125,16 +172,24 @@ def gqsgd_encode(y: jax.Array, global_max, levels: int, *, seed=0,
   _common.check_block("block_rows", block_rows)
   _common.check_block("block_cols", block_cols)
   y2, m2, out_dtype = _check(y, global_max, levels, out_dtype)
-  out = _gqsgd_encode(y2, m2, _common.as_salt(seed), levels=levels,
-                      out_dtype=out_dtype, block_rows=block_rows,
-                      block_cols=block_cols,
-                      interpret=_common.resolve_interpret(interpret),
-                      num_warps=num_warps, num_stages=num_stages)
+  out = _gqsgd_encode(
+    y2,
+    m2,
+    _common.as_salt(seed),
+    levels=levels,
+    out_dtype=out_dtype,
+    block_rows=block_rows,
+    block_cols=block_cols,
+    interpret=_common.resolve_interpret(interpret),
+    num_warps=num_warps,
+    num_stages=num_stages,
+  )
   return out.reshape(y.shape)
 
 
-def gqsgd_encode_reference(y: jax.Array, global_max, levels: int, *, seed=0,
-                           out_dtype=jnp.int8) -> jax.Array:
+def gqsgd_encode_reference(
+  y: jax.Array, global_max, levels: int, *, seed=0, out_dtype=jnp.int8
+) -> jax.Array:
   """Pure-jnp :func:`gqsgd_encode`."""
   y2, m2, out_dtype = _check(y, global_max, levels, out_dtype)
   idx = jax.lax.iota(jnp.uint32, y2.size).reshape(y2.shape)

@@ -12,12 +12,11 @@ kernels and the reference rounding draw bit-identical noise.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 
 
-def hash_uniform_at(idx: jax.Array, x: jax.Array, salt: jax.Array
-                    ) -> jax.Array:
+def hash_uniform_at(idx: jax.Array, x: jax.Array, salt: jax.Array) -> jax.Array:
   """Returns pseudo-random floats in [0, 1) for elements at indices ``idx``.
 
   ``h = idx * 0x9E3779B9 ^ bits(x) ^ salt`` followed by the ``lowbias32``

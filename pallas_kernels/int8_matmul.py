@@ -28,11 +28,21 @@ import jax.numpy as jnp
 from pallas_kernels import _common
 
 
-def int8_matmul(x: jax.Array, w: jax.Array, x_scale, w_scale,
-                bias: jax.Array | None = None, *,
-                out_dtype=jnp.float32, block_m: int = 64, block_n: int = 64,
-                block_k: int = 64, interpret: bool | None = None,
-                num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+def int8_matmul(
+  x: jax.Array,
+  w: jax.Array,
+  x_scale,
+  w_scale,
+  bias: jax.Array | None = None,
+  *,
+  out_dtype=jnp.float32,
+  block_m: int = 64,
+  block_n: int = 64,
+  block_k: int = 64,
+  interpret: bool | None = None,
+  num_warps: int = 4,
+  num_stages: int = 2,
+) -> jax.Array:
   """Returns ``dequantize(x @ w) [+ bias]`` from int8 operands.
 
   Args:
@@ -54,17 +64,36 @@ def int8_matmul(x: jax.Array, w: jax.Array, x_scale, w_scale,
     ValueError: wrong ranks, dtypes, scale or bias shapes, or block sizes.
   """
   return _common.checked_scaled_matmul(
-      "int8_matmul", x, w, x_scale, w_scale, bias, operand_dtypes=[jnp.int8],
-      acc_dtype=jnp.int32, out_dtype=out_dtype, block_m=block_m,
-      block_n=block_n, block_k=block_k, interpret=interpret,
-      num_warps=num_warps, num_stages=num_stages)
+    "int8_matmul",
+    x,
+    w,
+    x_scale,
+    w_scale,
+    bias,
+    operand_dtypes=[jnp.int8],
+    acc_dtype=jnp.int32,
+    out_dtype=out_dtype,
+    block_m=block_m,
+    block_n=block_n,
+    block_k=block_k,
+    interpret=interpret,
+    num_warps=num_warps,
+    num_stages=num_stages,
+  )
 
 
-def int8_matmul_reference(x: jax.Array, w: jax.Array, x_scale, w_scale,
-                          bias: jax.Array | None = None, *,
-                          out_dtype=jnp.float32) -> jax.Array:
+def int8_matmul_reference(
+  x: jax.Array,
+  w: jax.Array,
+  x_scale,
+  w_scale,
+  bias: jax.Array | None = None,
+  *,
+  out_dtype=jnp.float32,
+) -> jax.Array:
   """Pure-jnp :func:`int8_matmul`: XLA's int8 dot, the same epilogue."""
-  _common.check_matmul_operands(x, w, [jnp.int8], [jnp.int8],
-                                "int8_matmul_reference")
+  _common.check_matmul_operands(
+    x, w, [jnp.int8], [jnp.int8], "int8_matmul_reference"
+  )
   acc = jnp.dot(x, w, preferred_element_type=jnp.int32)
   return _common.reference_epilogue(acc, x_scale, w_scale, bias, out_dtype)

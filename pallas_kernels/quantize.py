@@ -28,8 +28,8 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
+import jax.numpy as jnp
 
 from pallas_kernels import _common
 from pallas_kernels.hashing import hash_uniform_at
@@ -43,13 +43,18 @@ def _rounding_name(rounding) -> str:
   # qsync_jax.numerics.quant.Rounding
   name = getattr(rounding, "value", rounding)
   if name not in ROUNDINGS:
-    raise ValueError(f"unknown rounding {rounding!r}; valid: "
-                     f"{', '.join(ROUNDINGS)}")
+    raise ValueError(
+      f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}"
+    )
   return name
 
 
-def round_scaled(v: jax.Array, rounding: str, idx: jax.Array | None = None,
-                 salt: jax.Array | None = None) -> jax.Array:
+def round_scaled(
+  v: jax.Array,
+  rounding: str,
+  idx: jax.Array | None = None,
+  salt: jax.Array | None = None,
+) -> jax.Array:
   """Rounds float32 ``v`` to integers (as float32); kernel and reference.
 
   Args:
@@ -65,14 +70,16 @@ def round_scaled(v: jax.Array, rounding: str, idx: jax.Array | None = None,
   return jnp.floor(v + hash_uniform_at(idx, v, salt))
 
 
-def _quantize_kernel(x_ref, s_ref, salt_ref, o_ref, *, rounding: str,
-                     ncols: int):
+def _quantize_kernel(
+  x_ref, s_ref, salt_ref, o_ref, *, rounding: str, ncols: int
+):
   br, bc = o_ref.shape
   v = x_ref[...].astype(jnp.float32) / s_ref[...]
   idx = None
   if rounding == "stochastic":
-    idx = _common.flat_index(pl.program_id(0) * br, pl.program_id(1) * bc,
-                             (br, bc), ncols)
+    idx = _common.flat_index(
+      pl.program_id(0) * br, pl.program_id(1) * bc, (br, bc), ncols
+    )
   r = round_scaled(v, rounding, idx, salt_ref[...])
   o_ref[...] = jnp.clip(r, -INT8_MAX, INT8_MAX).astype(jnp.int8)
 
@@ -80,8 +87,9 @@ def _quantize_kernel(x_ref, s_ref, salt_ref, o_ref, *, rounding: str,
 def _as_2d(x: jax.Array, scale) -> tuple[jax.Array, jax.Array]:
   """Views ``x`` as (rows, cols) and the scale as (rows, 1)."""
   if x.dtype not in [jnp.dtype(d) for d in _FLOAT_INPUTS]:
-    raise ValueError(f"quantize: x must be float32, bfloat16 or float16, got "
-                     f"{x.dtype}")
+    raise ValueError(
+      f"quantize: x must be float32, bfloat16 or float16, got {x.dtype}"
+    )
   s = jnp.asarray(scale, jnp.float32)
   cols = x.shape[-1] if x.ndim else 1
   x2 = x.reshape(-1, cols) if x.size else x.reshape(0, cols)
@@ -89,28 +97,66 @@ def _as_2d(x: jax.Array, scale) -> tuple[jax.Array, jax.Array]:
     return x2, jnp.broadcast_to(s.reshape(1, 1), (x2.shape[0], 1))
   if x.ndim == 2 and s.shape in ((x.shape[0],), (x.shape[0], 1)):
     return x2, s.reshape(-1, 1)
-  raise ValueError(f"quantize: scale must be a scalar (per tensor) or one per "
-                   f"row of a 2-D x, shape ({x.shape[0] if x.ndim else 1},) "
-                   f"or (rows, 1); got scale {s.shape} for x {x.shape}")
+  raise ValueError(
+    f"quantize: scale must be a scalar (per tensor) or one per "
+    f"row of a 2-D x, shape ({x.shape[0] if x.ndim else 1},) "
+    f"or (rows, 1); got scale {s.shape} for x {x.shape}"
+  )
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "rounding", "block_rows", "block_cols", "interpret", "num_warps",
-    "num_stages"))
-def _quantize(x2, s2, salt, *, rounding, block_rows, block_cols, interpret,
-              num_warps, num_stages):
-  kernel = functools.partial(_quantize_kernel, rounding=rounding,
-                             ncols=x2.shape[1])
+@functools.partial(
+  jax.jit,
+  static_argnames=(
+    "rounding",
+    "block_rows",
+    "block_cols",
+    "interpret",
+    "num_warps",
+    "num_stages",
+  ),
+)
+def _quantize(
+  x2,
+  s2,
+  salt,
+  *,
+  rounding,
+  block_rows,
+  block_cols,
+  interpret,
+  num_warps,
+  num_stages,
+):
+  kernel = functools.partial(
+    _quantize_kernel, rounding=rounding, ncols=x2.shape[1]
+  )
   return _common.rowwise_call(
-      kernel, x2, s2, salt, out_dtype=jnp.int8, block_rows=block_rows,
-      block_cols=block_cols, interpret=interpret, num_warps=num_warps,
-      num_stages=num_stages, row_pad=1.0)
+    kernel,
+    x2,
+    s2,
+    salt,
+    out_dtype=jnp.int8,
+    block_rows=block_rows,
+    block_cols=block_cols,
+    interpret=interpret,
+    num_warps=num_warps,
+    num_stages=num_stages,
+    row_pad=1.0,
+  )
 
 
-def quantize(x: jax.Array, scale, *, rounding="nearest", salt=0,
-             block_rows: int = 32, block_cols: int = 256,
-             interpret: bool | None = None, num_warps: int = 4,
-             num_stages: int = 2) -> jax.Array:
+def quantize(
+  x: jax.Array,
+  scale,
+  *,
+  rounding="nearest",
+  salt=0,
+  block_rows: int = 32,
+  block_cols: int = 256,
+  interpret: bool | None = None,
+  num_warps: int = 4,
+  num_stages: int = 2,
+) -> jax.Array:
   """Returns ``clip(round(x / scale), -127, 127)`` as int8, in one kernel.
 
   Args:
@@ -137,15 +183,23 @@ def quantize(x: jax.Array, scale, *, rounding="nearest", salt=0,
   x2, s2 = _as_2d(x, scale)
   if x.size == 0:
     return jnp.zeros(x.shape, jnp.int8)
-  out = _quantize(x2, s2, _common.as_salt(salt), rounding=rounding,
-                  block_rows=block_rows, block_cols=block_cols,
-                  interpret=_common.resolve_interpret(interpret),
-                  num_warps=num_warps, num_stages=num_stages)
+  out = _quantize(
+    x2,
+    s2,
+    _common.as_salt(salt),
+    rounding=rounding,
+    block_rows=block_rows,
+    block_cols=block_cols,
+    interpret=_common.resolve_interpret(interpret),
+    num_warps=num_warps,
+    num_stages=num_stages,
+  )
   return out.reshape(x.shape)
 
 
-def quantize_reference(x: jax.Array, scale, *, rounding="nearest",
-                       salt=0) -> jax.Array:
+def quantize_reference(
+  x: jax.Array, scale, *, rounding="nearest", salt=0
+) -> jax.Array:
   """Pure-jnp :func:`quantize`.
 
   Equal to ``qsync_jax.numerics.quant.quantize_int8``.

@@ -18,6 +18,8 @@ Typical use::
   allocation = qs.allocate(graph, "v100:8,t4:8", scores, profiles)
 """
 
+# The imports are grouped by topic, in the order of the data flow.
+
 # Subpackages, for the names not exported flat below.
 from qsync_jax import allocation
 from qsync_jax import data
@@ -88,30 +90,68 @@ from qsync_jax.train.step import elementwise
 from qsync_jax.train.trainer import HybridTrainer
 from qsync_jax.train.trainer import Worker
 
-__version__ = "0.1.0"
+from qsync_jax.version import __version__ as __version__
 
 __all__ = [
-    # subpackages
-    "allocation", "data", "linen", "models", "numerics", "parallel", "plan",
-    "predictor", "sensitivity", "task", "train",
-    # task
-    "Objective", "as_objective", "call_model",
-    # numerics
-    "Granularity", "Precision", "QuantConfig", "Rounding",
-    # plan
-    "DEVICE_PRECISIONS", "Layer", "LinenModel", "MatMul", "PlanError",
-    "PrecisionPlan", "apply_plan", "describe", "device_kinds",
-    "effective_precisions", "from_linen",
-    "layer_paths", "model_layers", "supported_precisions",
-    # sensitivity
-    "Scores",
-    # predictor
-    "ModelGraph", "Prediction", "Profile", "analytic_profile", "predict",
-    "profile", "trace_graph",
-    # allocation
-    "Allocation", "AllocationError", "allocate", "plan_cluster",
-    # parallel
-    "ClusterSpec", "make_averager", "make_schedule", "parse_cluster",
-    # train
-    "Checkpointer", "HybridTrainer", "Worker", "elementwise",
+  # subpackages
+  "allocation",
+  "data",
+  "linen",
+  "models",
+  "numerics",
+  "parallel",
+  "plan",
+  "predictor",
+  "sensitivity",
+  "task",
+  "train",
+  # task
+  "Objective",
+  "as_objective",
+  "call_model",
+  # numerics
+  "Granularity",
+  "Precision",
+  "QuantConfig",
+  "Rounding",
+  # plan
+  "DEVICE_PRECISIONS",
+  "Layer",
+  "LinenModel",
+  "MatMul",
+  "PlanError",
+  "PrecisionPlan",
+  "apply_plan",
+  "describe",
+  "device_kinds",
+  "effective_precisions",
+  "from_linen",
+  "layer_paths",
+  "model_layers",
+  "supported_precisions",
+  # sensitivity
+  "Scores",
+  # predictor
+  "ModelGraph",
+  "Prediction",
+  "Profile",
+  "analytic_profile",
+  "predict",
+  "profile",
+  "trace_graph",
+  # allocation
+  "Allocation",
+  "AllocationError",
+  "allocate",
+  "plan_cluster",
+  # parallel
+  "ClusterSpec",
+  "make_averager",
+  "make_schedule",
+  "parse_cluster",
+  # train
+  "Checkpointer",
+  "HybridTrainer",
+  "Worker",
+  "elementwise",
 ]

@@ -7,9 +7,9 @@ Every binary calls :func:`start_binary` first.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 import contextlib
 import sys
-from typing import Iterable, Iterator, Sequence
 
 from qsync_jax import host_malloc
 
@@ -36,8 +36,7 @@ def start_binary() -> None:
     host_malloc.configure_from_env()
 
 
-def check_names(what: str, names: Sequence[str],
-                valid: Iterable[str]) -> None:
+def check_names(what: str, names: Sequence[str], valid: Iterable[str]) -> None:
   """Raises ``ValueError`` naming every entry of ``names`` not in ``valid``.
 
   Args:
@@ -48,8 +47,7 @@ def check_names(what: str, names: Sequence[str],
   valid = list(valid)
   unknown = [n for n in names if n not in valid]
   if unknown:
-    raise ValueError(f"unknown {what}(s) {unknown}; valid: "
-                     f"{', '.join(valid)}")
+    raise ValueError(f"unknown {what}(s) {unknown}; valid: {', '.join(valid)}")
 
 
 def exit_on_bad_override(error: Exception, argv: Sequence[str]) -> None:
@@ -61,10 +59,17 @@ def exit_on_bad_override(error: Exception, argv: Sequence[str]) -> None:
   ``error:`` line naming the override and exits with status 1.
   """
   key = str(error).strip("'\"")
-  named = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")
-           and a.split("=", 1)[0].rsplit(".", 1)[-1] == key]
+  named = [
+    a.split("=", 1)[0]
+    for a in argv[1:]
+    if a.startswith("--config.")
+    and a.split("=", 1)[0].rsplit(".", 1)[-1] == key
+  ]
   where = named[0] if named else "a --config override"
-  print(f"error: {where}: the config has no field {key!r} (give model and "
-        "dataset arguments as JSON: --model_kwargs='{...}', "
-        "--dataset_kwargs='{...}')", file=sys.stderr)
+  print(
+    f"error: {where}: the config has no field {key!r} (give model and "
+    "dataset arguments as JSON: --model_kwargs='{...}', "
+    "--dataset_kwargs='{...}')",
+    file=sys.stderr,
+  )
   raise SystemExit(1)

@@ -18,9 +18,9 @@ itself lives in :mod:`qsync_jax.parallel.distributed` and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import os
 import sys
-from typing import Sequence
 
 from absl import app
 from absl import flags
@@ -36,19 +36,39 @@ def _define_flags() -> None:
   flags.DEFINE_integer("num_processes", None, "How many processes to start.")
   flags.DEFINE_integer("port", None, "Coordinator port; default: a free one.")
   flags.DEFINE_float("timeout_s", None, "Kill every process after this long.")
-  flags.DEFINE_float("dead_peer_timeout_s", 60,
-                     "Longest wait for killed processes to be reaped.")
-  flags.DEFINE_string("link", None, "Emulated link rate per process, as "
-                      "1gbit or 100mbit (root only); default: no emulation.")
-  flags.DEFINE_string("latency", "0ms", "With --link: one-way delay from "
-                      "each process to the switch (needs tc netem).")
-  flags.DEFINE_enum("topology", "per_node", list(links.TOPOLOGIES),
-                    "With --link: a link each (per_node) or one bottleneck "
-                    "all processes share (shared).")
-  flags.DEFINE_string("cpu_quota", None, "With --link: CPUs each process "
-                      "may use, as 1,1,0.5,0.5 (cgroup cpu controller).")
-  flags.DEFINE_float("link_probe_s", 0.5, "With --link: seconds of the rate "
-                     "measurement before the run.")
+  flags.DEFINE_float(
+    "dead_peer_timeout_s", 60, "Longest wait for killed processes to be reaped."
+  )
+  flags.DEFINE_string(
+    "link",
+    None,
+    "Emulated link rate per process, as "
+    "1gbit or 100mbit (root only); default: no emulation.",
+  )
+  flags.DEFINE_string(
+    "latency",
+    "0ms",
+    "With --link: one-way delay from "
+    "each process to the switch (needs tc netem).",
+  )
+  flags.DEFINE_enum(
+    "topology",
+    "per_node",
+    list(links.TOPOLOGIES),
+    "With --link: a link each (per_node) or one bottleneck "
+    "all processes share (shared).",
+  )
+  flags.DEFINE_string(
+    "cpu_quota",
+    None,
+    "With --link: CPUs each process "
+    "may use, as 1,1,0.5,0.5 (cgroup cpu controller).",
+  )
+  flags.DEFINE_float(
+    "link_probe_s",
+    0.5,
+    "With --link: seconds of the rate measurement before the run.",
+  )
 
 
 def _main(argv: Sequence[str]) -> None:
@@ -56,29 +76,43 @@ def _main(argv: Sequence[str]) -> None:
   with cli.bad_input_exits():
     if opts.num_processes is None or opts.num_processes < 1:
       raise ValueError(
-          f"--num_processes must be >= 1, got {opts.num_processes}")
+        f"--num_processes must be >= 1, got {opts.num_processes}"
+      )
     if len(argv) < 2:
-      raise ValueError("no command to launch; put it after --, as in "
-                       "-- python -m experiments.train")
-    kwargs = dict(port=opts.port, timeout_s=opts.timeout_s,
-                  dead_peer_timeout_s=opts.dead_peer_timeout_s)
+      raise ValueError(
+        "no command to launch; put it after --, as in "
+        "-- python -m experiments.train"
+      )
+    kwargs = dict(
+      port=opts.port,
+      timeout_s=opts.timeout_s,
+      dead_peer_timeout_s=opts.dead_peer_timeout_s,
+    )
     if opts.link is None:
       if opts.cpu_quota:
         raise ValueError("--cpu_quota needs --link (it shares the set-up)")
       sys.exit(launch(argv[1:], opts.num_processes, **kwargs))
-    spec = links.LinkSpec.parse(opts.link, opts.latency, opts.topology,
-                                opts.cpu_quota, opts.num_processes)
+    spec = links.LinkSpec.parse(
+      opts.link, opts.latency, opts.topology, opts.cpu_quota, opts.num_processes
+    )
     try:
       with links.LinkEmulator(opts.num_processes, spec) as emulator:
         measured = emulator.measure_rate(opts.link_probe_s)
         if measured is not None:
-          print(f"link: {spec.rate} {spec.topology}, measured "
-                f"{measured / 1e6:.1f} Mbit/s from process 0 to 1",
-                file=sys.stderr, flush=True)
-        code = launch(argv[1:], opts.num_processes,
-                      env={**os.environ, **emulator.env(measured)},
-                      coordinator_host=emulator.address(0),
-                      wrap=emulator.wrap, **kwargs)
+          print(
+            f"link: {spec.rate} {spec.topology}, measured "
+            f"{measured / 1e6:.1f} Mbit/s from process 0 to 1",
+            file=sys.stderr,
+            flush=True,
+          )
+        code = launch(
+          argv[1:],
+          opts.num_processes,
+          env={**os.environ, **emulator.env(measured)},
+          coordinator_host=emulator.address(0),
+          wrap=emulator.wrap,
+          **kwargs,
+        )
     except links.LinkUnavailableError as e:
       print(f"error: {e}", file=sys.stderr)
       code = 1

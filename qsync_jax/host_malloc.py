@@ -25,11 +25,11 @@ stays. Nothing happens on a C library other than glibc.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 import ctypes
 import ctypes.util
 import os
 import platform
-from typing import Mapping
 
 #: The modes :func:`configure` takes.
 MODES = ("reuse", "system")
@@ -40,8 +40,7 @@ ENV_VAR = "QSYNC_HOST_MALLOC"
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
-_REUSE = ((_M_MMAP_MAX, 0), (_M_ARENA_MAX, 1),
-          (_M_TRIM_THRESHOLD, 2**31 - 1))
+_REUSE = ((_M_MMAP_MAX, 0), (_M_ARENA_MAX, 1), (_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -66,8 +65,9 @@ def configure(mode: str = "reuse") -> bool:
     OSError: glibc refused a setting.
   """
   if mode not in MODES:
-    raise ValueError(f"unknown host allocator mode {mode!r}; valid: "
-                     f"{', '.join(MODES)}")
+    raise ValueError(
+      f"unknown host allocator mode {mode!r}; valid: {', '.join(MODES)}"
+    )
   libc = _glibc() if mode == "reuse" else None
   if libc is None:
     return False
@@ -86,8 +86,10 @@ def mode_from_env(environ: Mapping[str, str] | None = None) -> str:
   environ = os.environ if environ is None else environ
   mode = environ.get(ENV_VAR) or "reuse"
   if mode not in MODES:
-    raise ValueError(f"{ENV_VAR}={mode!r} is not a host allocator mode; "
-                     f"valid: {', '.join(MODES)}")
+    raise ValueError(
+      f"{ENV_VAR}={mode!r} is not a host allocator mode; "
+      f"valid: {', '.join(MODES)}"
+    )
   return mode
 
 

@@ -26,8 +26,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir",
-                  os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update(
+  "jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"]
+)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 # Four fake CPU devices for the multi-worker tests (before the backend starts).
 jax.config.update("jax_num_cpu_devices", 4)
@@ -50,5 +51,8 @@ def pytest_runtest_setup(item):
   have = _gpu_count()
   if have < need:
     import pytest  # local: conftest otherwise needs only jax
-    pytest.skip(f"needs {need} GPU{'s' if need > 1 else ''}; jax sees "
-                f"{have} (run on a GPU host: pytest -m gpu tests)")
+
+    pytest.skip(
+      f"needs {need} GPU{'s' if need > 1 else ''}; jax sees "
+      f"{have} (run on a GPU host: pytest -m gpu tests)"
+    )

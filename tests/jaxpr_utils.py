@@ -9,7 +9,7 @@ CONTRACTIONS = ("dot_general", "conv_general_dilated")
 
 def _sub_jaxprs(eqn):
   for value in eqn.params.values():
-    for v in (value if isinstance(value, (list, tuple)) else [value]):
+    for v in value if isinstance(value, (list, tuple)) else [value]:
       if hasattr(v, "jaxpr") and hasattr(v, "consts"):  # ClosedJaxpr
         yield v.jaxpr
       elif hasattr(v, "eqns"):  # Jaxpr
@@ -25,9 +25,13 @@ def contractions(jaxpr) -> list[tuple[str, tuple[str, ...], str]]:
   found = []
   for eqn in jaxpr.eqns:
     if eqn.primitive.name in CONTRACTIONS:
-      found.append((eqn.primitive.name,
-                    tuple(str(v.aval.dtype) for v in eqn.invars),
-                    str(eqn.outvars[0].aval.dtype)))
+      found.append(
+        (
+          eqn.primitive.name,
+          tuple(str(v.aval.dtype) for v in eqn.invars),
+          str(eqn.outvars[0].aval.dtype),
+        )
+      )
     for sub in _sub_jaxprs(eqn):
       found.extend(contractions(sub))
   return found

@@ -62,10 +62,16 @@ def _run(module, *args, path=None, timeout=300):
   # As conftest.py does in-process: tiny programs compile faster unoptimized.
   env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"
   env["PYTHONPATH"] = os.pathsep.join(
-      [ROOT, *([path] if path else []), env.get("PYTHONPATH", "")])
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT,
-                        env=env, capture_output=True, text=True,
-                        timeout=timeout)
+    [ROOT, *([path] if path else []), env.get("PYTHONPATH", "")]
+  )
+  return subprocess.run(
+    [sys.executable, "-m", module, *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 def _error_line(result):
@@ -82,22 +88,32 @@ def _error_line(result):
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arg, message", [
-    ("--config.learning_rate=nan",
-     "config.learning_rate must be a finite number > 0, got nan"),
-    ("--config.learning_rate=inf", "config.learning_rate must be a finite "
-     "number > 0, got inf"),
-    ("--config.learning_rate=-0.1", "config.learning_rate must be a finite "
-     "number > 0, got -0.1"),
+@pytest.mark.parametrize(
+  "arg, message",
+  [
+    (
+      "--config.learning_rate=nan",
+      "config.learning_rate must be a finite number > 0, got nan",
+    ),
+    (
+      "--config.learning_rate=inf",
+      "config.learning_rate must be a finite number > 0, got inf",
+    ),
+    (
+      "--config.learning_rate=-0.1",
+      "config.learning_rate must be a finite number > 0, got -0.1",
+    ),
     ("--config.steps=-5", "config.steps must be an integer >= 1, got -5"),
     ("--config.batch_size=0", "config.batch_size must be an integer >= 1"),
-    ("--config.log_every=0", "config.log_every must be an integer >= 1, "
-     "got 0"),
+    ("--config.log_every=0", "config.log_every must be an integer >= 1, got 0"),
     ("--config.eval_every=-1", "config.eval_every must be an integer >= 0"),
-    ("--config.checkpoint_every=-1",
-     "config.checkpoint_every must be an integer >= 0"),
+    (
+      "--config.checkpoint_every=-1",
+      "config.checkpoint_every must be an integer >= 0",
+    ),
     ("--h_base=0", "config.h_base must be an integer >= 1, got 0"),
-])
+  ],
+)
 def test_train_bad_numbers_fail_before_anything_runs(tmp_path, arg, message):
   out = tmp_path / "out"
   last = _error_line(_run("experiments.train", f"--out_dir={out}", arg))
@@ -105,10 +121,15 @@ def test_train_bad_numbers_fail_before_anything_runs(tmp_path, arg, message):
   assert not out.exists()  # failed before even the output directory
 
 
-@pytest.mark.parametrize("field, value, message", [
+@pytest.mark.parametrize(
+  "field, value, message",
+  [
     ("momentum", 1.0, "config.momentum must be a finite number in [0, 1)"),
-    ("final_learning_rate", -1.0, "config.final_learning_rate must be a "
-     "finite number >= 0"),
+    (
+      "final_learning_rate",
+      -1.0,
+      "config.final_learning_rate must be a finite number >= 0",
+    ),
     ("alpha", float("-inf"), "config.alpha must be a finite number >= 0"),
     ("gamma", 0.0, "config.gamma must be a finite number > 0"),
     ("seed", -1, "config.seed must be an integer >= 0"),
@@ -117,15 +138,28 @@ def test_train_bad_numbers_fail_before_anything_runs(tmp_path, arg, message):
     ("steps", 2.5, "config.steps must be an integer >= 1, got 2.5"),
     ("steps", True, "config.steps must be an integer >= 1, got True"),
     ("steps", None, "config.steps must be an integer >= 1, got None"),
-    ("allocator.num_batches", 0, "config.allocator.num_batches must be an "
-     "integer >= 1"),
-    ("allocator.compression", 1.5, "config.allocator.compression must be a "
-     "finite number in [0, 1]"),
-    ("compress_kwargs.bucket_size", 0, "config.compress_kwargs.bucket_size "
-     "must be an integer >= 1"),
-    ("model_kwargs.dropout", float("nan"), "config.model_kwargs.dropout must "
-     "be a finite number, got nan"),
-])
+    (
+      "allocator.num_batches",
+      0,
+      "config.allocator.num_batches must be an integer >= 1",
+    ),
+    (
+      "allocator.compression",
+      1.5,
+      "config.allocator.compression must be a finite number in [0, 1]",
+    ),
+    (
+      "compress_kwargs.bucket_size",
+      0,
+      "config.compress_kwargs.bucket_size must be an integer >= 1",
+    ),
+    (
+      "model_kwargs.dropout",
+      float("nan"),
+      "config.model_kwargs.dropout must be a finite number, got nan",
+    ),
+  ],
+)
 def test_validate_config_names_the_field_and_value(field, value, message):
   config = default_config.get_config()
   config_lib.validate_config(config)  # the defaults are valid
@@ -152,8 +186,14 @@ def test_validate_config_leaves_unset_placeholders_alone():
 def test_plan_for_a_kind_not_in_the_cluster_is_an_error(tmp_path):
   plan = tmp_path / "t4.json"
   plan.write_text('{"rules": [["conv1", "int8"]]}')
-  last = _error_line(_run("experiments.train", f"--out_dir={tmp_path}/o",
-                          "--cluster=v100:2", f"--plan=t4={plan}"))
+  last = _error_line(
+    _run(
+      "experiments.train",
+      f"--out_dir={tmp_path}/o",
+      "--cluster=v100:2",
+      f"--plan=t4={plan}",
+    )
+  )
   assert "device kind(s) t4" in last and "(its kinds: v100)" in last, last
   # The same through config.plans, and through make_workers' argument.
   config = default_config.get_config()
@@ -171,31 +211,54 @@ def test_train_existing_file_as_out_dir_is_an_error(tmp_path):
   taken = tmp_path / "taken"
   taken.write_text("not a directory")
   last = _error_line(_run("experiments.train", f"--out_dir={taken}"))
-  assert last == (f"error: --out_dir '{taken}' is an existing file, not a "
-                  "directory")
+  assert last == (
+    f"error: --out_dir '{taken}' is an existing file, not a directory"
+  )
   last = _error_line(_run("experiments.train", f"--out_dir={taken}/run"))
   assert "a parent of it is an existing file" in last, last
   assert taken.read_text() == "not a directory"
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("user_models:returns_int", "model spec 'user_models:returns_int' is not "
-     "a model factory: it returned a int, not an nnx.Module"),
-    ("user_models:takes_nothing", "model spec 'user_models:takes_nothing' is "
-     "not a model factory: calling it with (rngs) raised TypeError"),
-])
-def test_train_factory_that_is_not_a_model_factory(tmp_path, user_models,
-                                                   spec, message):
-  last = _error_line(_run("experiments.train", f"--out_dir={tmp_path}/o",
-                          "--cluster=v100:1", f"--config.model={spec}",
-                          path=user_models))
+@pytest.mark.parametrize(
+  "spec, message",
+  [
+    (
+      "user_models:returns_int",
+      "model spec 'user_models:returns_int' is not "
+      "a model factory: it returned a int, not an nnx.Module",
+    ),
+    (
+      "user_models:takes_nothing",
+      "model spec 'user_models:takes_nothing' is "
+      "not a model factory: calling it with (rngs) raised TypeError",
+    ),
+  ],
+)
+def test_train_factory_that_is_not_a_model_factory(
+  tmp_path, user_models, spec, message
+):
+  last = _error_line(
+    _run(
+      "experiments.train",
+      f"--out_dir={tmp_path}/o",
+      "--cluster=v100:1",
+      f"--config.model={spec}",
+      path=user_models,
+    )
+  )
   assert message in last, last
 
 
 def test_train_deeply_nested_plan_json_is_an_error(tmp_path):
   deep = '{"rules": ' + _DEEP + "}"
-  last = _error_line(_run("experiments.train", f"--out_dir={tmp_path}/a",
-                          "--cluster=t4:1", f"--plan=t4={deep}"))
+  last = _error_line(
+    _run(
+      "experiments.train",
+      f"--out_dir={tmp_path}/a",
+      "--cluster=t4:1",
+      f"--plan=t4={deep}",
+    )
+  )
   assert last == "error: plan JSON is nested too deeply", last
   plan = tmp_path / "deep.json"
   plan.write_text(deep)
@@ -206,13 +269,20 @@ def test_train_deeply_nested_plan_json_is_an_error(tmp_path):
 def test_compress_kwargs_override_reaches_the_averager():
   # The binary's flag: the default config file, locked, and the overrides
   # (config_flags registers them from the command line it is given).
-  argv = ["train", "--config.compress=gqsgd",
-          "--config.compress_kwargs.wire=int16",
-          "--config.compress_kwargs.bucket_size=256"]
+  argv = [
+    "train",
+    "--config.compress=gqsgd",
+    "--config.compress_kwargs.wire=int16",
+    "--config.compress_kwargs.bucket_size=256",
+  ]
   values = flags.FlagValues()
   config_flags.DEFINE_config_file(
-      "config", os.path.join(ROOT, "experiments", "configs", "default.py"),
-      flag_values=values, lock_config=True, sys_argv=argv)
+    "config",
+    os.path.join(ROOT, "experiments", "configs", "default.py"),
+    flag_values=values,
+    lock_config=True,
+    sys_argv=argv,
+  )
   values(argv)
   assert values.config.is_locked
   averager = config_lib.make_averager(values.config)
@@ -223,29 +293,44 @@ def test_compress_kwargs_override_reaches_the_averager():
   config.compress = "gqsgd"
   default = qs.parallel.GlobalQSGD()
   built = config_lib.make_averager(config)
-  assert (built.wire, built.bucket_size) == (default.wire,
-                                             default.bucket_size)
+  assert (built.wire, built.bucket_size) == (default.wire, default.bucket_size)
 
 
 def test_compress_kwargs_the_strategy_lacks_is_an_error(tmp_path):
-  last = _error_line(_run("experiments.train", f"--out_dir={tmp_path}/o",
-                          "--cluster=v100:1", "--compress=qsgd",
-                          "--config.compress_kwargs.wire=int16"))
-  assert "config.compress_kwargs ['seed', 'wire'] do not fit " \
-         "compress='qsgd'" in last, last
+  last = _error_line(
+    _run(
+      "experiments.train",
+      f"--out_dir={tmp_path}/o",
+      "--cluster=v100:1",
+      "--compress=qsgd",
+      "--config.compress_kwargs.wire=int16",
+    )
+  )
+  assert (
+    "config.compress_kwargs ['seed', 'wire'] do not fit compress='qsgd'" in last
+  ), last
 
 
 def test_diverged_run_fails_and_writes_no_summary(tmp_path, user_models):
   out = tmp_path / "out"
   out.mkdir()
   (out / "summary.json").write_text('{"final_eval_accuracy": 0.99}')
-  last = _error_line(_run(
-      "experiments.train", f"--out_dir={out}", "--cluster=v100:1",
-      "--config.model=user_models:nan_cnn", "--config.steps=1",
-      "--config.batch_size=8", "--config.eval_every=0",
-      "--config.checkpoint_every=0", path=user_models))
-  assert last.startswith("error: training diverged: the final eval loss is "
-                         "nan at step 1"), last
+  last = _error_line(
+    _run(
+      "experiments.train",
+      f"--out_dir={out}",
+      "--cluster=v100:1",
+      "--config.model=user_models:nan_cnn",
+      "--config.steps=1",
+      "--config.batch_size=8",
+      "--config.eval_every=0",
+      "--config.checkpoint_every=0",
+      path=user_models,
+    )
+  )
+  assert last.startswith(
+    "error: training diverged: the final eval loss is nan at step 1"
+  ), last
   assert not (out / "summary.json").exists()
 
 
@@ -255,24 +340,42 @@ def test_diverged_run_fails_and_writes_no_summary(tmp_path, user_models):
 
 
 def _allocate(tmp_path, *args, path=None):
-  return _run("experiments.allocate", "--model=cnn", "--cluster=v100:1,t4:1",
-              "--num_batches=1", f"--out={tmp_path}/plans", *args, path=path)
+  return _run(
+    "experiments.allocate",
+    "--model=cnn",
+    "--cluster=v100:1,t4:1",
+    "--num_batches=1",
+    f"--out={tmp_path}/plans",
+    *args,
+    path=path,
+  )
 
 
-@pytest.mark.parametrize("scores, message", [
+@pytest.mark.parametrize(
+  "scores, message",
+  [
     ([1, 2], "holds a list; expected {layer: {precision: number}}"),
     ({}, "has no layers"),
-    ({"values": {"conv1": 3}}, "layer 'conv1' maps to a int, not "
-     "{precision: number}"),
+    (
+      {"values": {"conv1": 3}},
+      "layer 'conv1' maps to a int, not {precision: number}",
+    ),
     ({"conv1": {"int3": 1.0}}, "layer 'conv1': "),
-    ({"conv1": {"int8": float("nan")}}, "the score of layer 'conv1' at int8 "
-     "is nan, not a finite number"),
+    (
+      {"conv1": {"int8": float("nan")}},
+      "the score of layer 'conv1' at int8 is nan, not a finite number",
+    ),
     ({"conv1": {"int8": "high"}}, "is 'high', not a finite number"),
-    ({"values": {"conv1": {"int8": 1.0}}, "method": 3},
-     "its method is a int, not a name"),
-    ({"conv1": {"int8": 1.0}}, "the indicator scores and the timing model "
-     "have different layers"),
-])
+    (
+      {"values": {"conv1": {"int8": 1.0}}, "method": 3},
+      "its method is a int, not a name",
+    ),
+    (
+      {"conv1": {"int8": 1.0}},
+      "the indicator scores and the timing model have different layers",
+    ),
+  ],
+)
 def test_allocate_scores_of_the_wrong_shape(tmp_path, scores, message):
   path = tmp_path / "scores.json"
   path.write_text(json.dumps(scores))
@@ -289,7 +392,9 @@ def test_allocate_unreadable_scores_files(tmp_path):
   assert last == f"error: --scores file '{path}' is nested too deeply", last
 
 
-@pytest.mark.parametrize("arg, message", [
+@pytest.mark.parametrize(
+  "arg, message",
+  [
     ("--batch_size=0", "--batch_size must be >= 1, got 0"),
     ("--batch_size=-8", "--batch_size must be >= 1, got -8"),
     ("--score_batch_size=0", "--score_batch_size must be >= 1, got 0"),
@@ -299,7 +404,8 @@ def test_allocate_unreadable_scores_files(tmp_path):
     ("--model_kwargs=[1]", "--model_kwargs must be a JSON object"),
     (f"--model_kwargs={_DEEP}", "--model_kwargs is nested too deeply"),
     (f"--dataset_kwargs={_DEEP}", "--dataset_kwargs is nested too deeply"),
-])
+  ],
+)
 def test_allocate_bad_flags(tmp_path, arg, message):
   last = _error_line(_allocate(tmp_path, arg))
   assert message in last, last
@@ -309,9 +415,11 @@ def test_allocate_bad_flags(tmp_path, arg, message):
 def test_allocate_existing_file_as_out_and_bad_factory(tmp_path, user_models):
   taken = tmp_path / "taken"
   taken.write_text("x")
-  last = _error_line(_run("experiments.allocate", "--model=cnn",
-                          f"--out={taken}"))
+  last = _error_line(
+    _run("experiments.allocate", "--model=cnn", f"--out={taken}")
+  )
   assert last == f"error: --out '{taken}' is an existing file, not a directory"
-  last = _error_line(_allocate(tmp_path, "--model=user_models:returns_int",
-                               path=user_models))
+  last = _error_line(
+    _allocate(tmp_path, "--model=user_models:returns_int", path=user_models)
+  )
   assert "'user_models:returns_int' is not a model factory" in last, last

@@ -10,12 +10,15 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from test_trainer import _batch
+from test_trainer import _cnn
+from test_trainer import _split
+from test_trainer import _workers
 
 import qsync_jax as qs
 from qsync_jax.train import checkpoint as ckpt_lib
 from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train.trainer import HybridTrainer
-from test_trainer import _batch, _cnn, _split, _workers
 
 SIZES = [4, 4]
 
@@ -30,8 +33,7 @@ def _train(trainer, steps):
 
 
 def _arrays(trainer):
-  return [np.asarray(a) for a in
-          jax.tree.leaves(ckpt_lib.state_tree(trainer))]
+  return [np.asarray(a) for a in jax.tree.leaves(ckpt_lib.state_tree(trainer))]
 
 
 def _assert_same(trainer, arrays):
@@ -63,10 +65,12 @@ def ckpt_dir(saved, tmp_path):
 
 def _data_files(step_dir):
   # Orbax's array data: the ocdbt data files under state/.
-  return [os.path.join(root, f)
-          for root, _, files in os.walk(os.path.join(step_dir, "state"))
-          if os.path.basename(root) == "d" and "ocdbt" in root
-          for f in files]
+  return [
+    os.path.join(root, f)
+    for root, _, files in os.walk(os.path.join(step_dir, "state"))
+    if os.path.basename(root) == "d" and "ocdbt" in root
+    for f in files
+  ]
 
 
 def _largest(step_dir):
@@ -80,7 +84,7 @@ def _flip(step_dir):
   with open(path, "r+b") as f:
     data = bytearray(f.read())
     mid = len(data) // 2
-    data[mid:mid + 16] = bytes(b ^ 0xFF for b in data[mid:mid + 16])
+    data[mid : mid + 16] = bytes(b ^ 0xFF for b in data[mid : mid + 16])
     f.seek(0)
     f.write(data)
 
@@ -90,8 +94,7 @@ def _older_arrays(step_dir):
   # only the checksum can tell.
   state = os.path.join(step_dir, "state")
   shutil.rmtree(state)
-  shutil.copytree(os.path.join(os.path.dirname(step_dir), "1", "state"),
-                  state)
+  shutil.copytree(os.path.join(os.path.dirname(step_dir), "1", "state"), state)
 
 
 def _truncate(step_dir):
@@ -118,8 +121,7 @@ def _edit_meta(step_dir):
     json.dump(meta, f)
 
 
-def test_intact_checkpoint_restores_bit_identically(ckpt_dir, saved,
-                                                    capsys):
+def test_intact_checkpoint_restores_bit_identically(ckpt_dir, saved, capsys):
   trainer = _trainer()
   meta = Checkpointer(ckpt_dir).restore_latest(trainer)
   assert meta["step"] == 2 and trainer.step == 2
@@ -127,7 +129,9 @@ def test_intact_checkpoint_restores_bit_identically(ckpt_dir, saved,
   assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("corrupt, why", [
+@pytest.mark.parametrize(
+  "corrupt, why",
+  [
     # Flipped bytes land in raw values (caught by the checksum) or in an
     # encoded block (unreadable), depending on the file's layout.
     (_flip, r"checksum mismatch in \['|arrays are unreadable"),
@@ -136,9 +140,11 @@ def test_intact_checkpoint_restores_bit_identically(ckpt_dir, saved,
     (_empty, r"metadata is unreadable|no metadata"),
     (_no_meta, r"metadata is unreadable|no metadata"),
     (_edit_meta, r"checksum mismatch in its metadata"),
-])
-def test_corrupt_newest_falls_back_to_the_older_one(ckpt_dir, saved, capsys,
-                                                    corrupt, why):
+  ],
+)
+def test_corrupt_newest_falls_back_to_the_older_one(
+  ckpt_dir, saved, capsys, corrupt, why
+):
   corrupt(os.path.join(ckpt_dir, "2"))
   trainer = _trainer()
   ckpt = Checkpointer(ckpt_dir)
@@ -163,13 +169,14 @@ def test_flipped_array_bytes_are_a_checksum_mismatch(saved):
   trainer = _trainer()
   Checkpointer(saved[0]).restore_latest(trainer)
   tree = ckpt_lib.state_tree(trainer)
-  meta = {ckpt_lib.INTEGRITY: {"arrays": {
-      "0": ckpt_lib.array_digests(tree)}}}
+  meta = {ckpt_lib.INTEGRITY: {"arrays": {"0": ckpt_lib.array_digests(tree)}}}
   assert ckpt_lib._array_problem(meta, tree) is None
-  tree["params"] = jax.tree.map(lambda a: a.at[(0,) * a.ndim].add(1.0),
-                                tree["params"])
+  tree["params"] = jax.tree.map(
+    lambda a: a.at[(0,) * a.ndim].add(1.0), tree["params"]
+  )
   assert "checksum mismatch in ['params']" in ckpt_lib._array_problem(
-      meta, tree)
+    meta, tree
+  )
 
 
 def test_all_corrupt_is_a_clear_error(ckpt_dir):
@@ -177,22 +184,28 @@ def test_all_corrupt_is_a_clear_error(ckpt_dir):
   _empty(os.path.join(ckpt_dir, "1"))
   trainer = _trainer()
   before = _arrays(trainer)
-  with pytest.raises(ValueError, match=r"no intact checkpoint in .*ckpt: "
-                     r"step 2: .*; step 1: "):
+  with pytest.raises(
+    ValueError,
+    match=r"no intact checkpoint in .*ckpt: "
+    r"step 2: .*; step 1: ",
+  ):
     Checkpointer(ckpt_dir).restore_latest(trainer)
   assert trainer.step == 0
   _assert_same(trainer, before)  # nothing corrupt was loaded
 
 
-def test_checkpoint_without_checksums_restores_with_a_warning(tmp_path,
-                                                              capsys):
+def test_checkpoint_without_checksums_restores_with_a_warning(tmp_path, capsys):
   trainer = _trainer()
   _train(trainer, 1)
   ckpt = Checkpointer(str(tmp_path / "ckpt"))
   # The format before checksums: the same items, no integrity record.
-  ckpt._manager.save(1, args=ocp.args.Composite(
+  ckpt._manager.save(
+    1,
+    args=ocp.args.Composite(
       state=ocp.args.StandardSave(ckpt_lib.state_tree(trainer)),
-      meta=ocp.args.JsonSave(ckpt_lib.state_meta(trainer))))
+      meta=ocp.args.JsonSave(ckpt_lib.state_meta(trainer)),
+    ),
+  )
   ckpt._manager.wait_until_finished()
   resumed = _trainer()
   assert ckpt.restore_latest(resumed)["step"] == 1
@@ -203,14 +216,19 @@ def test_checkpoint_without_checksums_restores_with_a_warning(tmp_path,
 
 
 def test_an_optimizer_declared_otherwise_is_refused_and_not_set_aside(
-    ckpt_dir, saved):
+  ckpt_dir, saved
+):
   # The saving run's Adam kept a pytree state; one declared elementwise
   # keeps a flat one. Refused before any array is read, the checkpoint is
   # not taken for a corrupt one.
-  resumed = HybridTrainer(_cnn(), _workers(SIZES),
-                          qs.elementwise(optax.adam(1e-2)))
-  with pytest.raises(ValueError, match="holds a pytree optimizer state and "
-                     "this run's optimizer keeps a flat one"):
+  resumed = HybridTrainer(
+    _cnn(), _workers(SIZES), qs.elementwise(optax.adam(1e-2))
+  )
+  with pytest.raises(
+    ValueError,
+    match="holds a pytree optimizer state and "
+    "this run's optimizer keeps a flat one",
+  ):
     Checkpointer(ckpt_dir).restore_latest(resumed)
   assert sorted(os.listdir(ckpt_dir)) == sorted(os.listdir(saved[0]))
   assert Checkpointer(ckpt_dir).restore_latest(_trainer())["step"] == 2

@@ -1,5 +1,4 @@
-"""--config.cluster=auto: jax device kinds to catalog kinds, specs from devices.
-"""
+"""--config.cluster=auto: jax device kinds to catalog kinds, specs from devices."""
 
 import json
 import os
@@ -16,7 +15,9 @@ from qsync_jax.plan import devices as devices_lib
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("device_kind, kind", [
+@pytest.mark.parametrize(
+  "device_kind, kind",
+  [
     ("Tesla T4", "t4"),
     ("Tesla V100-SXM2-16GB", "v100"),
     ("Tesla V100-SXM2-32GB", "v100"),
@@ -30,7 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("NVIDIA A10", "a10"),
     ("NVIDIA L40S", "l40s"),
     ("cpu", "cpu"),
-])
+  ],
+)
 def test_device_kind_strings_map_to_catalog_kinds(device_kind, kind):
   assert devices_lib.device_kind_of(device_kind) == kind
 
@@ -44,8 +46,9 @@ def test_jax_cpu_devices_are_cpu():
   assert {devices_lib.device_kind_of(d) for d in jax.devices()} == {"cpu"}
 
 
-@pytest.mark.parametrize("name", ["NVIDIA H200", "Tesla K80", "NVIDIA L40",
-                                  "NVIDIA A10G", ""])
+@pytest.mark.parametrize(
+  "name", ["NVIDIA H200", "Tesla K80", "NVIDIA L40", "NVIDIA A10G", ""]
+)
 def test_unknown_device_kind_is_one_line_listing_the_kinds(name):
   with pytest.raises(ValueError) as info:
     devices_lib.device_kind_of(name)
@@ -66,8 +69,12 @@ def _fake(device_kind, platform="gpu"):
 
 
 def test_cluster_from_devices_keeps_worker_order():
-  devices = [_fake("Tesla V100-SXM2-16GB"), _fake("Tesla T4"),
-             _fake("Tesla V100-SXM2-16GB"), _fake("NVIDIA L4")]
+  devices = [
+    _fake("Tesla V100-SXM2-16GB"),
+    _fake("Tesla T4"),
+    _fake("Tesla V100-SXM2-16GB"),
+    _fake("NVIDIA L4"),
+  ]
   spec = cluster_lib.cluster_from_devices(devices)
   assert spec.kinds == ("v100", "t4", "v100", "l4")
   # The spec string keeps the order; str() would merge the v100 groups.
@@ -78,9 +85,11 @@ def test_cluster_from_devices_keeps_worker_order():
 
 def test_cluster_from_devices_reads_cpu_platform_and_jax_devices():
   assert cluster_lib.cluster_from_devices(
-      [_fake("anything", platform="cpu")]).kinds == ("cpu",)
+    [_fake("anything", platform="cpu")]
+  ).kinds == ("cpu",)
   assert cluster_lib.cluster_from_devices().kinds == ("cpu",) * len(
-      jax.devices())
+    jax.devices()
+  )
 
 
 def test_cluster_from_devices_errors():
@@ -102,11 +111,25 @@ def test_main_job_with_cluster_auto_trains_on_the_cpu_devices(tmp_path):
   env["JAX_NUM_CPU_DEVICES"] = "2"  # the devices "auto" finds
   env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # tiny program: compile fast
   result = subprocess.run(
-      [sys.executable, "-m", "experiments.train", f"--out_dir={tmp_path}",
-       "--config.cluster=auto", "--config.plan_mode=manual",
-       "--config.steps=2", "--config.batch_size=4", "--config.eval_every=0",
-       "--config.checkpoint_every=0", "--config.log_every=1"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    [
+      sys.executable,
+      "-m",
+      "experiments.train",
+      f"--out_dir={tmp_path}",
+      "--config.cluster=auto",
+      "--config.plan_mode=manual",
+      "--config.steps=2",
+      "--config.batch_size=4",
+      "--config.eval_every=0",
+      "--config.checkpoint_every=0",
+      "--config.log_every=1",
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["cluster"] == "cpu:2"

@@ -25,9 +25,9 @@ def worker_trees(seed=0):
   """Four workers' trees: mixed float dtypes, nested, stacked on axis 0."""
   rng = np.random.default_rng(seed)
   return {
-      "w": rng.normal(size=(N, 3, 5)).astype(np.float32),
-      "b": rng.normal(size=(N, 7)).astype(np.float32),
-      "h": [rng.normal(size=(N, 4)).astype(jnp.bfloat16)],
+    "w": rng.normal(size=(N, 3, 5)).astype(np.float32),
+    "b": rng.normal(size=(N, 7)).astype(np.float32),
+    "h": [rng.normal(size=(N, 4)).astype(jnp.bfloat16)],
   }
 
 
@@ -45,8 +45,11 @@ def per_worker(fn, num_in, num_out):
 
   specs = tuple([P(AXIS)] * num_in)
   out_specs = tuple([P(AXIS)] * num_out) if num_out > 1 else P(AXIS)
-  return jax.jit(jax.shard_map(body, mesh=mesh(), in_specs=specs,
-                               out_specs=out_specs, check_vma=True))
+  return jax.jit(
+    jax.shard_map(
+      body, mesh=mesh(), in_specs=specs, out_specs=out_specs, check_vma=True
+    )
+  )
 
 
 def exact_mean(trees):
@@ -55,8 +58,13 @@ def exact_mean(trees):
 
 def test_average_tree_mean_is_the_mean_of_the_workers_trees():
   trees = worker_trees()
-  f = per_worker(lambda t: averagers.average_tree(
-      averagers.MeanAverager(), t, jnp.float32(1 / N), AXIS), 1, 1)
+  f = per_worker(
+    lambda t: averagers.average_tree(
+      averagers.MeanAverager(), t, jnp.float32(1 / N), AXIS
+    ),
+    1,
+    1,
+  )
   out = f(trees)
   want = exact_mean(trees)
   for i in range(N):
@@ -65,8 +73,9 @@ def test_average_tree_mean_is_the_mean_of_the_workers_trees():
     assert got["h"][0].dtype == jnp.bfloat16 and got["w"].dtype == np.float32
     np.testing.assert_allclose(got["w"], want["w"], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got["b"], want["b"], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(got["h"][0], np.float32),
-                               want["h"][0], rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(
+      np.asarray(got["h"][0], np.float32), want["h"][0], rtol=1e-2, atol=1e-2
+    )
 
 
 def test_average_tree_gqsgd_is_within_its_error_bound():
@@ -74,15 +83,26 @@ def test_average_tree_gqsgd_is_within_its_error_bound():
   trees["h"] = [x.astype(np.float32) for x in trees["h"]]  # exact compare
   averager = parallel.make_averager("gqsgd")
   key = jax.random.key(3)
-  f = per_worker(lambda t: averager.reduce(
-      averagers.ravel_floats(t)[0], jnp.float32(1 / N), AXIS, key)[0], 1, 1)
-  g = per_worker(lambda t: averagers.average_tree(
-      averager, t, jnp.float32(1 / N), AXIS, key), 1, 1)
+  f = per_worker(
+    lambda t: averager.reduce(
+      averagers.ravel_floats(t)[0], jnp.float32(1 / N), AXIS, key
+    )[0],
+    1,
+    1,
+  )
+  g = per_worker(
+    lambda t: averagers.average_tree(
+      averager, t, jnp.float32(1 / N), AXIS, key
+    ),
+    1,
+    1,
+  )
   out = g(trees)
   # Each worker's stochastic rounding moves w_i x_i by less than one step
   # M / s (one bucket here): |mean - exact| <= n M / s (arXiv 2305.18627).
-  flat_workers = np.stack([np.asarray(averagers.ravel_floats(row(trees, i))[0])
-                           for i in range(N)])
+  flat_workers = np.stack(
+    [np.asarray(averagers.ravel_floats(row(trees, i))[0]) for i in range(N)]
+  )
   bound = N * np.max(np.abs(flat_workers / N)) / averager.levels(N)
   want = exact_mean(trees)
   errors = []
@@ -94,7 +114,8 @@ def test_average_tree_gqsgd_is_within_its_error_bound():
   # The tree path is the flat averager on the raveled tree, unraveled.
   flat_out = np.asarray(f(trees))
   np.testing.assert_array_equal(
-      np.asarray(averagers.ravel_floats(row(out, 0))[0]), flat_out[0])
+    np.asarray(averagers.ravel_floats(row(out, 0))[0]), flat_out[0]
+  )
 
 
 def test_non_float_leaves_are_refused_by_path():
@@ -102,8 +123,9 @@ def test_non_float_leaves_are_refused_by_path():
   with pytest.raises(ValueError, match=r"int32 at \['step'\]"):
     averagers.ravel_floats(tree)
   with pytest.raises(ValueError, match="floating-point"):
-    parallel.averaged(averagers.MeanAverager(), AXIS,
-                      error_feedback=True).init(tree)
+    parallel.averaged(averagers.MeanAverager(), AXIS, error_feedback=True).init(
+      tree
+    )
 
 
 @pytest.mark.parametrize("name", ["mean", "gqsgd"])
@@ -111,8 +133,9 @@ def test_transformation_gives_every_worker_the_same_update(name):
   grads = worker_trees(2)
   grads["h"] = [x.astype(np.float32) for x in grads["h"]]
   params = row(grads, 0)
-  tx = optax.chain(parallel.averaged(parallel.make_averager(name), AXIS),
-                   optax.sgd(0.1))
+  tx = optax.chain(
+    parallel.averaged(parallel.make_averager(name), AXIS), optax.sgd(0.1)
+  )
   state = tx.init(params)
 
   def step(g, state):
@@ -120,8 +143,15 @@ def test_transformation_gives_every_worker_the_same_update(name):
     return tx.update(g, state, params)
 
   # out_specs P() for the updates: check_vma=True proves them invariant.
-  f = jax.jit(jax.shard_map(step, mesh=mesh(), in_specs=(P(AXIS), P()),
-                            out_specs=(P(), P()), check_vma=True))
+  f = jax.jit(
+    jax.shard_map(
+      step,
+      mesh=mesh(),
+      in_specs=(P(AXIS), P()),
+      out_specs=(P(), P()),
+      check_vma=True,
+    )
+  )
   updates, new_state = f(grads, state)
   rows = per_worker(lambda g: tx.update(g, state, params)[0], 1, 1)(grads)
   for i in range(N):
@@ -139,8 +169,11 @@ def two_calls(error_feedback, seed=0):
   rng = np.random.default_rng(seed)
   size = 4096
   grads = [rng.normal(size=(N, size)).astype(np.float32) for _ in range(2)]
-  tx = parallel.averaged(parallel.make_averager("gqsgd", bucket_size=None),
-                         AXIS, error_feedback=error_feedback)
+  tx = parallel.averaged(
+    parallel.make_averager("gqsgd", bucket_size=None),
+    AXIS,
+    error_feedback=error_feedback,
+  )
   state0 = tx.init(jnp.zeros(size))
   stacked = jax.tree.map(lambda x: jnp.stack([x] * N), state0)
   f = per_worker(tx.update, 2, 2)
@@ -156,8 +189,7 @@ def test_error_feedback_carries_the_residual_in_the_state():
   assert np.any(s1.residual) and np.any(s1.residual != s2.residual)
   assert np.all(np.asarray(s2.count) == 2)
   # The residuals telescope: the summed error is the last residuals' mean.
-  np.testing.assert_allclose(err_ef, -np.asarray(s2.residual).sum(0),
-                             atol=1e-5)
+  np.testing.assert_allclose(err_ef, -np.asarray(s2.residual).sum(0), atol=1e-5)
   _, _, s_plain, err_plain = two_calls(False)
   assert s_plain.residual is None
   assert np.linalg.norm(err_ef) < 0.85 * np.linalg.norm(err_plain)
@@ -166,12 +198,18 @@ def test_error_feedback_carries_the_residual_in_the_state():
 def schedules():
   lr = optax.cosine_decay_schedule(0.5, 60)
   return [
-      parallel.make_schedule("dp", total_steps=60),
-      parallel.make_schedule("local", total_steps=60, h_base=7),
-      parallel.make_schedule("postlocal", total_steps=60, h_base=4,
-                             switch_step=10),
-      parallel.make_schedule("qsr", total_steps=60, h_base=2, alpha=0.8,
-                             lr_schedule=lambda s: float(lr(s))),
+    parallel.make_schedule("dp", total_steps=60),
+    parallel.make_schedule("local", total_steps=60, h_base=7),
+    parallel.make_schedule(
+      "postlocal", total_steps=60, h_base=4, switch_step=10
+    ),
+    parallel.make_schedule(
+      "qsr",
+      total_steps=60,
+      h_base=2,
+      alpha=0.8,
+      lr_schedule=lambda s: float(lr(s)),
+    ),
   ]
 
 
@@ -180,8 +218,9 @@ def test_sync_table_equals_is_sync_step(schedule):
   table = schedule.sync_table(60)
   assert table.dtype == np.bool_ and table.shape == (60,)
   assert list(np.flatnonzero(table) + 1) == schedule.sync_steps(60)
-  assert [bool(b) for b in table] == [schedule.is_sync_step(t)
-                                      for t in range(1, 61)]
+  assert [bool(b) for b in table] == [
+    schedule.is_sync_step(t) for t in range(1, 61)
+  ]
 
 
 def test_sync_table_drives_one_jitted_step():

@@ -14,14 +14,25 @@ import pytest
 from experiments.benches import compression as cb
 
 SIZE = 4096
-FIELDS = {"setting", "strategy", "num_elements", "num_workers", "time_s",
-          "rounds_s", "cpu_s", "calls_per_round", "wire_bytes", "rel_error",
-          "time_vs_fp32"}
+FIELDS = {
+  "setting",
+  "strategy",
+  "num_elements",
+  "num_workers",
+  "time_s",
+  "rounds_s",
+  "cpu_s",
+  "calls_per_round",
+  "wire_bytes",
+  "rel_error",
+  "time_vs_fp32",
+}
 
 
 def by_strategy(report, setting):
-  return {r["strategy"]: r for r in report["results"]
-          if r["setting"] == setting}
+  return {
+    r["strategy"]: r for r in report["results"] if r["setting"] == setting
+  }
 
 
 def check_measured(results, n):
@@ -36,17 +47,18 @@ def check_measured(results, n):
   assert results["none"]["time_vs_fp32"] == 1.0
   fp32 = results["none"]["wire_bytes"]
   assert fp32 == pytest.approx(2 * (n - 1) / n * 4 * SIZE)
-  assert results["gqsgd"]["wire_bytes"] / fp32 == pytest.approx(0.25,
-                                                                 rel=1e-2)
+  assert results["gqsgd"]["wire_bytes"] / fp32 == pytest.approx(0.25, rel=1e-2)
 
 
 def test_fake_devices_report_schema_and_errors():
-  report = cb.run([SIZE], repeats=1, settings=["fake_devices"],
-                  num_workers=4)
+  report = cb.run([SIZE], repeats=1, settings=["fake_devices"], num_workers=4)
   json.dumps(report)  # JSON-ready
-  assert set(report) == {"settings", "results",
-                         "gqsgd_vs_fp32_time_ratio_16M_fake_devices",
-                         "gqsgd_vs_fp32_time_ratio_16M_multiprocess"}
+  assert set(report) == {
+    "settings",
+    "results",
+    "gqsgd_vs_fp32_time_ratio_16M_fake_devices",
+    "gqsgd_vs_fp32_time_ratio_16M_multiprocess",
+  }
   # 16M floats were not measured: no headline ratio.
   assert report["gqsgd_vs_fp32_time_ratio_16M_fake_devices"] is None
   info = report["settings"]
@@ -56,14 +68,21 @@ def test_fake_devices_report_schema_and_errors():
   assert set(results) == set(cb.STRATEGIES)
   check_measured(results, 4)
   assert results["gqsgd_int16"]["rel_error"] < results["gqsgd"]["rel_error"]
-  assert cb.time_ratio(report["results"], "fake_devices", "gqsgd",
-                       SIZE) == results["gqsgd"]["time_vs_fp32"]
+  assert (
+    cb.time_ratio(report["results"], "fake_devices", "gqsgd", SIZE)
+    == results["gqsgd"]["time_vs_fp32"]
+  )
 
 
 def test_a_failing_strategy_is_recorded_and_the_run_goes_on():
   # Exponential dithering needs a power-of-two number of workers.
-  report = cb.run([SIZE], repeats=1, settings=["fake_devices"],
-                  num_workers=3, strategies=["none", "gqsgd_exp", "gqsgd"])
+  report = cb.run(
+    [SIZE],
+    repeats=1,
+    settings=["fake_devices"],
+    num_workers=3,
+    strategies=["none", "gqsgd_exp", "gqsgd"],
+  )
   results = by_strategy(report, "fake_devices")
   assert "power-of-two" in results["gqsgd_exp"]["error"]
   assert "time_s" not in results["gqsgd_exp"]
@@ -73,10 +92,13 @@ def test_a_failing_strategy_is_recorded_and_the_run_goes_on():
 
 def test_donated_inputs_give_the_same_averages():
   names = ["none", "gqsgd"]
-  kept = by_strategy(cb.run([SIZE], repeats=2, settings=["fake_devices"],
-                            strategies=names), "fake_devices")
-  donated = cb.run([SIZE], repeats=2, settings=["fake_devices"],
-                   strategies=names, donate=True)
+  kept = by_strategy(
+    cb.run([SIZE], repeats=2, settings=["fake_devices"], strategies=names),
+    "fake_devices",
+  )
+  donated = cb.run(
+    [SIZE], repeats=2, settings=["fake_devices"], strategies=names, donate=True
+  )
   assert donated["settings"]["donate"] is True
   results = by_strategy(donated, "fake_devices")
   for name in names:
@@ -88,8 +110,12 @@ def test_donated_inputs_give_the_same_averages():
 
 def test_a_donating_program_takes_its_input_buffer():
   import jax
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax.sharding import Mesh
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   from qsync_jax.parallel import averagers
+
   mesh = Mesh(np.array(jax.devices()[:2]), (cb.AXIS,))
   sharding = NamedSharding(mesh, P(cb.AXIS))
   x = jax.device_put(np.ones((2, SIZE), np.float32), sharding)
@@ -114,8 +140,7 @@ def test_bad_arguments():
   with pytest.raises(ValueError, match="multiprocess setting only"):
     cb.run([SIZE], settings=["fake_devices"], parts=True)
   with pytest.raises(ValueError, match="include both"):
-    cb.run([SIZE], settings=["multiprocess"], strategies=["gqsgd"],
-           parts=True)
+    cb.run([SIZE], settings=["multiprocess"], strategies=["gqsgd"], parts=True)
   with pytest.raises(ValueError, match="CPU devices"):
     cb.run([SIZE], repeats=1, settings=["fake_devices"], num_workers=64)
 
@@ -133,9 +158,15 @@ def test_data_shares_a_component_and_the_exact_mean_is_float64():
 
 def test_multiprocess_smoke():
   start = time.monotonic()
-  report = cb.run([SIZE], repeats=1, settings=["multiprocess"],
-                  num_workers=2, strategies=["none", "gqsgd", "gqsgd_exp"],
-                  timeout_s=90, parts=True)
+  report = cb.run(
+    [SIZE],
+    repeats=1,
+    settings=["multiprocess"],
+    num_workers=2,
+    strategies=["none", "gqsgd", "gqsgd_exp"],
+    timeout_s=90,
+    parts=True,
+  )
   elapsed = time.monotonic() - start
   print(f"2-process compression bench took {elapsed:.1f} s")
   results = by_strategy(report, "multiprocess")
@@ -154,12 +185,14 @@ def test_multiprocess_smoke():
   t = {name: r["time_s"] for name, r in results.items()}
   assert floor["num_elements"] == SIZE
   assert floor["floor_s"] == pytest.approx(
-      t["allreduce_int8"] + 2 * t["bucket_absmax"] + t["scale_f32"])
-  assert floor["floor_vs_fp32"] == pytest.approx(floor["floor_s"] /
-                                                 t["none"])
+    t["allreduce_int8"] + 2 * t["bucket_absmax"] + t["scale_f32"]
+  )
+  assert floor["floor_vs_fp32"] == pytest.approx(floor["floor_s"] / t["none"])
   cpu = {name: r["cpu_s"] for name, r in results.items()}
   assert floor["cpu_floor_vs_fp32"] == pytest.approx(
-      (cpu["allreduce_int8"] + 2 * cpu["bucket_absmax"] + cpu["scale_f32"])
-      / cpu["none"])
+    (cpu["allreduce_int8"] + 2 * cpu["bucket_absmax"] + cpu["scale_f32"])
+    / cpu["none"]
+  )
   assert floor["parts_sum_vs_whole"] == pytest.approx(
-      (t["gqsgd_passes"] + t["allreduce_int8"]) / t["gqsgd"])
+    (t["gqsgd_passes"] + t["allreduce_int8"]) / t["gqsgd"]
+  )

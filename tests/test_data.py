@@ -67,15 +67,18 @@ def test_make_lm_windows():
 
 
 def test_synthetic():
-  ds = data.load_synthetic(num_train=100, num_test=20, input_shape=(4, 4, 2),
-                           num_classes=3)
+  ds = data.load_synthetic(
+    num_train=100, num_test=20, input_shape=(4, 4, 2), num_classes=3
+  )
   assert ds.x_train.shape == (100, 4, 4, 2) and ds.x_test.shape == (20, 4, 4, 2)
   assert ds.x_train.dtype == np.float32 and ds.y_train.dtype == np.int32
   assert set(np.unique(ds.y_train)) <= {0, 1, 2}
   np.testing.assert_array_equal(
-      ds.x_train, data.load_synthetic(100, 20, (4, 4, 2), 3).x_train)
-  reg = data.load_dataset("synthetic_regression", num_train=50, num_test=10,
-                          output_dim=2)
+    ds.x_train, data.load_synthetic(100, 20, (4, 4, 2), 3).x_train
+  )
+  reg = data.load_dataset(
+    "synthetic_regression", num_train=50, num_test=10, output_dim=2
+  )
   assert reg.task == "regression" and reg.y_train.shape == (50, 2)
   assert reg.x_train.shape == (50, 16) and reg.y_train.dtype == np.float32
 
@@ -91,9 +94,12 @@ def _write_cifar(root, n=10, protocol=None):
   rows = {}
   for name in data.cifar10.EXPECTED_FILES:
     rows[name] = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
-    batch = {b"batch_label": name.encode(), b"labels": list(range(n)),
-             b"data": rows[name],
-             b"filenames": [b"img_%d.png" % i for i in range(n)] + [b""]}
+    batch = {
+      b"batch_label": name.encode(),
+      b"labels": list(range(n)),
+      b"data": rows[name],
+      b"filenames": [b"img_%d.png" % i for i in range(n)] + [b""],
+    }
     with open(root / name, "wb") as f:
       pickle.dump(batch, f, protocol=protocol)
   return rows
@@ -113,8 +119,8 @@ def test_cifar10_layout(tmp_path):
     assert img[h, w, c] == np.float32(raw[c * 1024 + h * 32 + w] / 255.0)
   direct = data.load_cifar10(tmp_path / "cifar-10-batches-py", normalize=True)
   np.testing.assert_allclose(
-      direct.x_test, (ds.x_test - data.cifar10.MEAN) / data.cifar10.STD,
-      rtol=1e-6)
+    direct.x_test, (ds.x_test - data.cifar10.MEAN) / data.cifar10.STD, rtol=1e-6
+  )
 
 
 @pytest.mark.parametrize("protocol", [0, 2, None, 5])
@@ -124,7 +130,8 @@ def test_cifar10_loads_every_pickle_protocol(tmp_path, protocol):
   rows = _write_cifar(tmp_path / "b", n=4, protocol=protocol)
   ds = data.load_cifar10(tmp_path / "b")
   np.testing.assert_array_equal(  # Pixel (0, 1) of each channel.
-      np.rint(ds.x_test[2, 0, 1] * 255), rows["test_batch"][2, [1, 1025, 2049]])
+    np.rint(ds.x_test[2, 0, 1] * 255), rows["test_batch"][2, [1, 1025, 2049]]
+  )
   np.testing.assert_array_equal(ds.y_train, np.tile(np.arange(4), 5))
 
 
@@ -139,8 +146,7 @@ class _RunsCode:
 
 
 @pytest.mark.parametrize("protocol", [0, 2, None])
-def test_cifar10_crafted_pickle_is_refused_without_running(tmp_path,
-                                                           protocol):
+def test_cifar10_crafted_pickle_is_refused_without_running(tmp_path, protocol):
   root = tmp_path / "b"
   _write_cifar(root)
   marker = tmp_path / "ran"
@@ -159,16 +165,21 @@ def test_cifar10_crafted_pickle_is_refused_without_running(tmp_path,
   assert marker.exists()
 
 
-@pytest.mark.parametrize("content, message", [
+@pytest.mark.parametrize(
+  "content, message",
+  [
     (b"not a pickle", "not a CIFAR-10 batch pickle"),
-    (pickle.dumps([1, 2]), "expected a dict with keys b'data' and b'labels', "
-     "got list"),
+    (
+      pickle.dumps([1, 2]),
+      "expected a dict with keys b'data' and b'labels', got list",
+    ),
     (pickle.dumps({b"data": 1}), "got keys [\"b'data'\"]"),
     # _codecs.encode is admitted for pickle's latin1 bytes only.
     (b"c_codecs\nencode\n(Vx\nVrot13\ntR.", "refused _codecs.encode"),
-], ids=["garbage", "list", "no_labels", "rot13"])
-def test_cifar10_malformed_batch_is_one_clear_error(tmp_path, content,
-                                                    message):
+  ],
+  ids=["garbage", "list", "no_labels", "rot13"],
+)
+def test_cifar10_malformed_batch_is_one_clear_error(tmp_path, content, message):
   root = tmp_path / "b"
   _write_cifar(root)
   (root / "test_batch").write_bytes(content)
@@ -221,13 +232,15 @@ def test_batcher_determinism_and_resume():
     a.step_batches(step)
   fresh = data.WorkerBatcher(x, y, [5, 11], seed=7)
   for step in (17, 9, 3):  # Jump straight to a step, out of order.
-    for (xa, ya), (xf, yf) in zip(a.step_batches(step),
-                                  fresh.step_batches(step)):
+    for (xa, ya), (xf, yf) in zip(
+      a.step_batches(step), fresh.step_batches(step)
+    ):
       np.testing.assert_array_equal(xa, xf)
       np.testing.assert_array_equal(ya, yf)
   other_seed = data.WorkerBatcher(x, y, [5, 11], seed=8)
-  assert not np.array_equal(other_seed.step_batches(0)[0][1],
-                            a.step_batches(0)[0][1])
+  assert not np.array_equal(
+    other_seed.step_batches(0)[0][1], a.step_batches(0)[0][1]
+  )
 
 
 @pytest.mark.parametrize("sizes", [[4, 0], [-1, 3], [], [60, 5]])

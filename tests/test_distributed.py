@@ -27,7 +27,9 @@ with open(os.path.join(out, "pid" + os.environ["QSYNC_PROCESS_ID"]), "w") as f:
   f.write(str(os.getpid()))
 """
 
-_PSUM_WORKER = _PREAMBLE + """\
+_PSUM_WORKER = (
+  _PREAMBLE
+  + """\
 import time
 import jax
 import numpy as np
@@ -61,11 +63,15 @@ with open(os.path.join(out, f"result{pid}"), "w") as f:
   f.write(repr(total))
 distributed.shutdown()
 """
+)
 
-_SLEEP_WORKER = _PREAMBLE + """\
+_SLEEP_WORKER = (
+  _PREAMBLE
+  + """\
 import time
 time.sleep(120)
 """
+)
 
 
 def _write_worker(tmp_path, source):
@@ -77,13 +83,17 @@ def _write_worker(tmp_path, source):
 def _worker_env():
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+    p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p
+  )
   return env
 
 
 def _pids(tmp_path):
-  return {int(f.name[3:]): int(f.read_text())
-          for f in tmp_path.glob("pid*") if f.read_text()}
+  return {
+    int(f.name[3:]): int(f.read_text())
+    for f in tmp_path.glob("pid*")
+    if f.read_text()
+  }
 
 
 def _is_running(pid):
@@ -112,15 +122,18 @@ def _kill_leftovers(tmp_path, script):
       pass
 
 
-def _launch(tmp_path, script, num_processes, *args, hard_timeout_s=50,
-            **kwargs):
+def _launch(
+  tmp_path, script, num_processes, *args, hard_timeout_s=50, **kwargs
+):
   """Runs ``launch`` on ``script`` under a hard timeout; returns its code."""
   result = []
   command = [sys.executable, script, str(tmp_path), *args]
   thread = threading.Thread(
-      target=lambda: result.append(distributed.launch(
-          command, num_processes, env=_worker_env(), **kwargs)),
-      daemon=True)
+    target=lambda: result.append(
+      distributed.launch(command, num_processes, env=_worker_env(), **kwargs)
+    ),
+    daemon=True,
+  )
   try:
     thread.start()
     thread.join(hard_timeout_s)
@@ -137,15 +150,19 @@ def test_config_from_env_unset():
 
 
 def test_config_from_env_parses():
-  config = distributed.config_from_env({
+  config = distributed.config_from_env(
+    {
       "QSYNC_COORDINATOR_ADDRESS": "127.0.0.1:1234",
       "QSYNC_NUM_PROCESSES": "4",
       "QSYNC_PROCESS_ID": "3",
-  })
+    }
+  )
   assert config == distributed.DistributedConfig("127.0.0.1:1234", 4, 3)
 
 
-@pytest.mark.parametrize("address,num,pid,bad_var", [
+@pytest.mark.parametrize(
+  "address,num,pid,bad_var",
+  [
     ("127.0.0.1:1234", None, None, "QSYNC_NUM_PROCESSES"),
     (None, "2", "0", "QSYNC_COORDINATOR_ADDRESS"),
     ("127.0.0.1:1234", "2", None, "QSYNC_PROCESS_ID"),
@@ -156,27 +173,36 @@ def test_config_from_env_parses():
     ("127.0.0.1:1234", "0", "0", "QSYNC_NUM_PROCESSES"),
     ("127.0.0.1", "2", "0", "QSYNC_COORDINATOR_ADDRESS"),
     ("127.0.0.1:port", "2", "0", "QSYNC_COORDINATOR_ADDRESS"),
-])
+  ],
+)
 def test_config_from_env_errors_name_the_variable(address, num, pid, bad_var):
-  values = zip(("QSYNC_COORDINATOR_ADDRESS", "QSYNC_NUM_PROCESSES",
-                "QSYNC_PROCESS_ID"), (address, num, pid))
+  values = zip(
+    ("QSYNC_COORDINATOR_ADDRESS", "QSYNC_NUM_PROCESSES", "QSYNC_PROCESS_ID"),
+    (address, num, pid),
+  )
   environ = {name: value for name, value in values if value is not None}
   with pytest.raises(ValueError, match=bad_var):
     distributed.config_from_env(environ)
 
 
 def test_initialize_single_process_is_a_no_op(monkeypatch):
-  for name in ("QSYNC_COORDINATOR_ADDRESS", "QSYNC_NUM_PROCESSES",
-               "QSYNC_PROCESS_ID"):
+  for name in (
+    "QSYNC_COORDINATOR_ADDRESS",
+    "QSYNC_NUM_PROCESSES",
+    "QSYNC_PROCESS_ID",
+  ):
     monkeypatch.delenv(name, raising=False)
   assert not distributed.initialize()
   assert not distributed.initialize(
-      distributed.DistributedConfig("127.0.0.1:1", 1, 0))
+    distributed.DistributedConfig("127.0.0.1:1", 1, 0)
+  )
   distributed.shutdown()  # Nothing to leave; must not raise.
 
 
-@pytest.mark.parametrize("command,num_processes,port", [
-    ([], 2, None), (["true"], 0, None), (["true"], 2, 70000)])
+@pytest.mark.parametrize(
+  "command,num_processes,port",
+  [([], 2, None), (["true"], 0, None), (["true"], 2, 70000)],
+)
 def test_launch_rejects_bad_arguments(command, num_processes, port):
   with pytest.raises(ValueError):
     distributed.launch(command, num_processes, port=port)
@@ -200,8 +226,9 @@ def test_launch_kills_peers_when_one_dies(tmp_path):
   returned_at = time.time()
   elapsed = time.monotonic() - start
   abort = returned_at - float((tmp_path / "died_at").read_text())
-  print(f"launch returned after {elapsed:.2f} s, {abort:.2f} s after "
-        "process 1 died")
+  print(
+    f"launch returned after {elapsed:.2f} s, {abort:.2f} s after process 1 died"
+  )
   assert code != 0 and code != distributed.TIMEOUT_EXIT_CODE
   assert elapsed < 60
   assert abort < 10
@@ -222,15 +249,21 @@ def test_launch_timeout_kills_everything(tmp_path):
 
 def _run_cli(*args, **kwargs):
   return subprocess.Popen(
-      [sys.executable, "-m", "qsync_jax.distributed", *args],
-      env=_worker_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True, **kwargs)
+    [sys.executable, "-m", "qsync_jax.distributed", *args],
+    env=_worker_env(),
+    cwd=REPO_ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    **kwargs,
+  )
 
 
 def test_cli_sigterm_kills_children(tmp_path):
   script = _write_worker(tmp_path, _SLEEP_WORKER)
-  launcher = _run_cli("--num_processes=2", "--", sys.executable, script,
-                      str(tmp_path))
+  launcher = _run_cli(
+    "--num_processes=2", "--", sys.executable, script, str(tmp_path)
+  )
   try:
     deadline = time.monotonic() + 30
     while len(_pids(tmp_path)) < 2:
@@ -249,13 +282,16 @@ def test_cli_sigterm_kills_children(tmp_path):
 
 
 # A worker that starts a grandchild in its process group, then sleeps.
-_SPAWN_WORKER = _PREAMBLE + """\
+_SPAWN_WORKER = (
+  _PREAMBLE
+  + """\
 import subprocess, time
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
 with open(os.path.join(out, "pid1" + os.environ["QSYNC_PROCESS_ID"]), "w") as f:
   f.write(str(child.pid))
 time.sleep(120)
 """
+)
 
 
 def _wait_for_pids(tmp_path, launcher, count):
@@ -275,12 +311,15 @@ def _wait_gone(pids, within_s):
   return [p for p in pids if _is_running(p)]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"),
-                    reason="the parent-death signal is Linux only")
+@pytest.mark.skipif(
+  not sys.platform.startswith("linux"),
+  reason="the parent-death signal is Linux only",
+)
 def test_cli_sigkill_of_launcher_kills_workers(tmp_path):
   script = _write_worker(tmp_path, _SLEEP_WORKER)
-  launcher = _run_cli("--num_processes=2", "--", sys.executable, script,
-                      str(tmp_path))
+  launcher = _run_cli(
+    "--num_processes=2", "--", sys.executable, script, str(tmp_path)
+  )
   try:
     pids = _wait_for_pids(tmp_path, launcher, 2)
     assert all(_is_running(p) for p in pids.values())
@@ -288,8 +327,10 @@ def test_cli_sigkill_of_launcher_kills_workers(tmp_path):
     launcher.wait(timeout=10)
     start = time.monotonic()
     assert _wait_gone(pids.values(), within_s=5) == []
-    print(f"workers gone {time.monotonic() - start:.3f} s after the "
-          "launcher was reaped")
+    print(
+      f"workers gone {time.monotonic() - start:.3f} s after the "
+      "launcher was reaped"
+    )
   finally:
     launcher.kill()
     launcher.wait()
@@ -298,8 +339,9 @@ def test_cli_sigkill_of_launcher_kills_workers(tmp_path):
 
 def test_cli_sigterm_kills_each_workers_process_group(tmp_path):
   script = _write_worker(tmp_path, _SPAWN_WORKER)
-  launcher = _run_cli("--num_processes=2", "--", sys.executable, script,
-                      str(tmp_path))
+  launcher = _run_cli(
+    "--num_processes=2", "--", sys.executable, script, str(tmp_path)
+  )
   try:
     pids = _wait_for_pids(tmp_path, launcher, 4)
     # Worker i's grandchild is recorded as pid1<i>, i.e. key 10 + i.
@@ -331,10 +373,12 @@ def test_launch_refuses_a_port_in_use(tmp_path):
     with pytest.raises(ValueError) as err:
       distributed.launch(["touch", str(marker)], 2, port=port)
     assert str(err.value) == (
-        f"coordinator port {port} is already in use; pick another port or "
-        "leave it out to use a free one")
-    launcher = _run_cli("--num_processes=2", f"--port={port}", "--", "touch",
-                        str(marker))
+      f"coordinator port {port} is already in use; pick another port or "
+      "leave it out to use a free one"
+    )
+    launcher = _run_cli(
+      "--num_processes=2", f"--port={port}", "--", "touch", str(marker)
+    )
     try:
       _, stderr = launcher.communicate(timeout=30)
     finally:
@@ -346,10 +390,13 @@ def test_launch_refuses_a_port_in_use(tmp_path):
   distributed.check_port_free(port)  # Free again once the socket closed.
 
 
-@pytest.mark.parametrize("args,message", [
+@pytest.mark.parametrize(
+  "args,message",
+  [
     (("--num_processes=0", "--", "true"), "--num_processes must be >= 1"),
     (("--num_processes=2",), "no command to launch"),
-])
+  ],
+)
 def test_cli_bad_input_is_one_line(args, message):
   launcher = _run_cli(*args)
   try:

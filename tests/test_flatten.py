@@ -9,9 +9,11 @@ from qsync_jax.numerics import flatten
 
 
 def test_ravel_matches_ravel_pytree_element_for_element():
-  tree = {"b": jnp.arange(3, dtype=jnp.float32),
-          "a": [jnp.ones((2, 3)) * 2.0, jnp.float32(7.0)],
-          "c": {"z": jnp.arange(4, dtype=jnp.int32).reshape(2, 2)}}
+  tree = {
+    "b": jnp.arange(3, dtype=jnp.float32),
+    "a": [jnp.ones((2, 3)) * 2.0, jnp.float32(7.0)],
+    "c": {"z": jnp.arange(4, dtype=jnp.int32).reshape(2, 2)},
+  }
   got = flatten.ravel(tree)
   want = ravel_pytree(tree)[0]
   assert got.dtype == want.dtype
@@ -37,5 +39,7 @@ def test_a_raveled_gradient_keeps_its_weight_gradient_out_of_a_concatenate():
   hlo = jax.jit(flat_grad).lower(params).as_text()
   assert "concatenate" not in hlo
   np.testing.assert_allclose(
-      np.asarray(jax.jit(flat_grad)(params)),
-      np.asarray(ravel_pytree(jax.grad(loss)(params))[0]), rtol=1e-6)
+    np.asarray(jax.jit(flat_grad)(params)),
+    np.asarray(ravel_pytree(jax.grad(loss)(params))[0]),
+    rtol=1e-6,
+  )

@@ -16,8 +16,7 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 def test_mode_defaults_to_reuse_and_names_a_bad_value():
   assert host_malloc.mode_from_env({}) == "reuse"
   assert host_malloc.mode_from_env({host_malloc.ENV_VAR: ""}) == "reuse"
-  assert host_malloc.mode_from_env(
-      {host_malloc.ENV_VAR: "system"}) == "system"
+  assert host_malloc.mode_from_env({host_malloc.ENV_VAR: "system"}) == "system"
   with pytest.raises(ValueError, match="QSYNC_HOST_MALLOC='tcmalloc'"):
     host_malloc.mode_from_env({host_malloc.ENV_VAR: "tcmalloc"})
   with pytest.raises(ValueError, match="unknown host allocator mode"):
@@ -44,8 +43,13 @@ _FAULTS = textwrap.dedent("""
 
 def _faults(mode: str) -> tuple[str, int]:
   env = {**os.environ, host_malloc.ENV_VAR: mode}
-  out = subprocess.run([sys.executable, "-c", _FAULTS], env=env, check=True,
-                       capture_output=True, text=True).stdout.split()
+  out = subprocess.run(
+    [sys.executable, "-c", _FAULTS],
+    env=env,
+    check=True,
+    capture_output=True,
+    text=True,
+  ).stdout.split()
   return out[0], int(out[1])
 
 
@@ -67,11 +71,20 @@ def test_reuse_keeps_freed_large_buffers_mapped():
 def test_a_binary_names_a_bad_mode_and_exits_1(tmp_path):
   env = {**os.environ, host_malloc.ENV_VAR: "bogus"}
   proc = subprocess.run(
-      [sys.executable, "-m", "experiments.train",
-       f"--out_dir={tmp_path / 'run'}"], env=env, capture_output=True,
-      text=True, check=False)
+    [
+      sys.executable,
+      "-m",
+      "experiments.train",
+      f"--out_dir={tmp_path / 'run'}",
+    ],
+    env=env,
+    capture_output=True,
+    text=True,
+    check=False,
+  )
   assert proc.returncode == 1
   assert proc.stderr.strip().splitlines()[-1] == (
-      "error: QSYNC_HOST_MALLOC='bogus' is not a host allocator mode; "
-      "valid: reuse, system")
+    "error: QSYNC_HOST_MALLOC='bogus' is not a host allocator mode; "
+    "valid: reuse, system"
+  )
   assert not (tmp_path / "run").exists()

@@ -6,6 +6,7 @@ from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from toy_models import NoLayers
 
 from experiments.studies import indicator as indicator_study
 from qsync_jax import models
@@ -13,26 +14,30 @@ from qsync_jax import sensitivity
 from qsync_jax.plan import policy
 from qsync_jax.sensitivity import depth as sensitivity_depth
 from qsync_jax.task import losses
-from toy_models import NoLayers
 
 
 def _cnn():
-  return models.create_model("cnn", rngs=nnx.Rngs(0), widths=(4, 8),
-                             hidden=16)
+  return models.create_model("cnn", rngs=nnx.Rngs(0), widths=(4, 8), hidden=16)
 
 
 def _batches(n=2, size=8):
   rng = np.random.default_rng(0)
-  return [(rng.uniform(size=(size, 8, 8, 1)).astype(np.float32),
-           rng.integers(0, 10, size).astype(np.int32)) for _ in range(n)]
+  return [
+    (
+      rng.uniform(size=(size, 8, 8, 1)).astype(np.float32),
+      rng.integers(0, 10, size).astype(np.int32),
+    )
+    for _ in range(n)
+  ]
 
 
 @pytest.mark.parametrize("method", sensitivity.METHODS)
 def test_every_method_scores_every_layer(method):
-  scores = sensitivity.compute(_cnn(), losses.cross_entropy, _batches(),
-                               method=method)
+  scores = sensitivity.compute(
+    _cnn(), losses.cross_entropy, _batches(), method=method
+  )
   assert scores.layers == ["conv1", "conv2", "fc", "head"]
-  for layer, row in scores.values.items():
+  for _layer, row in scores.values.items():
     assert row["fp32"] == 0.0 and row["tf32"] == 0.0
     assert set(row) == {"int8", "fp16", "bf16", "fp32", "tf32"}
     assert all(np.isfinite(v) and v >= 0 for v in row.values())
@@ -42,15 +47,17 @@ def test_every_method_scores_every_layer(method):
 
 @pytest.mark.parametrize("method", ["qsync", "qsync_var", "wvar", "hessian"])
 def test_int8_is_at_least_as_sensitive_as_fp16(method):
-  scores = sensitivity.compute(_cnn(), losses.cross_entropy, _batches(),
-                               method=method)
+  scores = sensitivity.compute(
+    _cnn(), losses.cross_entropy, _batches(), method=method
+  )
   for layer, row in scores.values.items():
     assert row["int8"] >= row["fp16"] > 0, (layer, row)
 
 
 def test_measured_ground_truth_orders_int8_above_fp16():
-  truth = sensitivity.measure(_cnn(), losses.cross_entropy, _batches(),
-                              precisions=["int8", "fp16"])
+  truth = sensitivity.measure(
+    _cnn(), losses.cross_entropy, _batches(), precisions=["int8", "fp16"]
+  )
   for kind in ("grad", "loss"):
     for layer, row in truth[kind].values.items():
       assert row["int8"] > row["fp16"] >= 0, (kind, layer, row)
@@ -84,14 +91,26 @@ def test_hutchinson_trace_matches_the_exact_hessian_trace():
 
 
 def test_floors_give_embeddings_and_attention_only_16_bit_scores():
-  model = models.create_model("bert", rngs=nnx.Rngs(0), vocab_size=32,
-                              max_len=8, num_layers=1, num_heads=2,
-                              hidden=16, mlp_dim=16)
+  model = models.create_model(
+    "bert",
+    rngs=nnx.Rngs(0),
+    vocab_size=32,
+    max_len=8,
+    num_layers=1,
+    num_heads=2,
+    hidden=16,
+    mlp_dim=16,
+  )
   rng = np.random.default_rng(0)
-  batches = [(rng.integers(0, 32, (4, 8)).astype(np.int32),
-              rng.integers(0, 2, 4).astype(np.int32))]
-  scores = sensitivity.compute(model, losses.cross_entropy, batches,
-                               method="qsync_var")
+  batches = [
+    (
+      rng.integers(0, 32, (4, 8)).astype(np.int32),
+      rng.integers(0, 2, 4).astype(np.int32),
+    )
+  ]
+  scores = sensitivity.compute(
+    model, losses.cross_entropy, batches, method="qsync_var"
+  )
   assert "int8" not in scores["token_embed"]
   assert "int8" not in scores["layers/0/attention/scores"]
   assert scores["layers/0/attention/query"]["int8"] > 0
@@ -109,18 +128,29 @@ def test_bad_input_is_a_clear_error():
     sensitivity.compute(_cnn(), losses.cross_entropy, wrong, "qsync")
   other = [(np.zeros((4, 9, 9, 1), np.float32), np.zeros(4, np.int32))]
   assert sensitivity.compute(_cnn(), None, other, "random").layers == [
-      "conv1", "conv2", "fc", "head"]
+    "conv1",
+    "conv2",
+    "fc",
+    "head",
+  ]
 
   with pytest.raises(ValueError, match="no layer a precision plan can"):
-    sensitivity.compute(NoLayers(), losses.cross_entropy,
-                        [(np.zeros((2, 4), np.float32),
-                          np.zeros(2, np.int32))], "qsync")
+    sensitivity.compute(
+      NoLayers(),
+      losses.cross_entropy,
+      [(np.zeros((2, 4), np.float32), np.zeros(2, np.int32))],
+      "qsync",
+    )
 
 
 def test_study_reports_spearman_time_and_scores_per_method():
-  result = indicator_study.study(_cnn(), losses.cross_entropy, _batches(),
-                                 precisions=["int8", "fp16"],
-                                 methods=["qsync_var", "random"])
+  result = indicator_study.study(
+    _cnn(),
+    losses.cross_entropy,
+    _batches(),
+    precisions=["int8", "fp16"],
+    methods=["qsync_var", "random"],
+  )
   assert result["layers"] == ["conv1", "conv2", "fc", "head"]
   assert result["precisions"] == ["int8", "fp16"]
   assert result["train_step_s"] > 0
@@ -149,8 +179,13 @@ class _Skip(nnx.Module):
 
 def _skip_batches(n=2):
   rng = np.random.default_rng(1)
-  return [(rng.normal(size=(5, 6)).astype(np.float32),
-           rng.integers(0, 3, 5).astype(np.int32)) for _ in range(n)]
+  return [
+    (
+      rng.normal(size=(5, 6)).astype(np.float32),
+      rng.integers(0, 3, 5).astype(np.int32),
+    )
+    for _ in range(n)
+  ]
 
 
 def test_qsync_depth_is_the_bfs_depth_not_the_forward_index():
@@ -165,16 +200,21 @@ def test_qsync_depth_is_the_bfs_depth_not_the_forward_index():
   assert lookup == [None] * 4
   # The score follows: the head (depth 4 of L = 6) weighs its forward term
   # by gamma (6 - 4) = 8, where forward order (last layer) would give 0.
-  scores = sensitivity.compute(model, losses.cross_entropy, _skip_batches(),
-                               "qsync", ["int8"])
+  scores = sensitivity.compute(
+    model, losses.cross_entropy, _skip_batches(), "qsync", ["int8"]
+  )
   stats = _hand_stats(model, _skip_batches(), "head")
-  fwd = (stats["w_norm"] * stats["sv"] ** 2 * stats["dv"]
-         + stats["x_norm"] * stats["sw"] ** 2 * stats["dw"]) / 6
-  bwd = (stats["gw_norm"] * stats["sv"] ** 2 * stats["dv"]
-         + stats["x_norm"] * 2.0 ** (2 * stats["e_x"]) * 2.0 ** -18
-         * stats["dvv"]) / 6
-  np.testing.assert_allclose(scores["head"]["int8"], 4 * 2 * fwd + 4 * bwd,
-                             rtol=1e-4)
+  fwd = (
+    stats["w_norm"] * stats["sv"] ** 2 * stats["dv"]
+    + stats["x_norm"] * stats["sw"] ** 2 * stats["dw"]
+  ) / 6
+  bwd = (
+    stats["gw_norm"] * stats["sv"] ** 2 * stats["dv"]
+    + stats["x_norm"] * 2.0 ** (2 * stats["e_x"]) * 2.0**-18 * stats["dvv"]
+  ) / 6
+  np.testing.assert_allclose(
+    scores["head"]["int8"], 4 * 2 * fwd + 4 * bwd, rtol=1e-4
+  )
 
 
 def _exp(v):
@@ -184,6 +224,7 @@ def _exp(v):
 
 def _hand_stats(model, batches, path):
   """The head's QSync statistics of the _Skip model, by hand in numpy."""
+
   def head_input(m, x):
     h = nnx.relu(m.d1(x))
     return m.d2(nnx.relu(m.d3(h))) + h
@@ -191,22 +232,31 @@ def _hand_stats(model, batches, path):
   def loss(m, x, y):
     return losses.cross_entropy(m(x), y)
 
-  grads = [nnx.grad(loss)(model, jnp.asarray(x), jnp.asarray(y))
-           for x, y in batches]
+  grads = [
+    nnx.grad(loss)(model, jnp.asarray(x), jnp.asarray(y)) for x, y in batches
+  ]
   gw = np.mean([np.asarray(g[path]["kernel"][...]) for g in grads], axis=0)
   xs = [np.asarray(head_input(model, jnp.asarray(x))) for x, _ in batches]
   w = np.asarray(getattr(model, path).kernel[...])
   x_norm = float(np.mean([np.linalg.norm(v) for v in xs]))
   dv = xs[0].size
-  return {"sv": float(np.mean([np.abs(v).max() for v in xs])) / 127,
-          "sw": np.abs(w).max() / 127, "dv": dv, "dw": w.size,
-          "dvv": xs[0].shape[0] * w.shape[1], "x_norm": x_norm,
-          "w_norm": np.linalg.norm(w), "gw": gw,
-          "gw_norm": np.linalg.norm(gw),
-          "per_batch_gw_norm": float(np.mean(
-              [np.linalg.norm(np.asarray(g[path]["kernel"][...]))
-               for g in grads])),
-          "e_x": _exp(np.sqrt(x_norm / dv))}
+  return {
+    "sv": float(np.mean([np.abs(v).max() for v in xs])) / 127,
+    "sw": np.abs(w).max() / 127,
+    "dv": dv,
+    "dw": w.size,
+    "dvv": xs[0].shape[0] * w.shape[1],
+    "x_norm": x_norm,
+    "w_norm": np.linalg.norm(w),
+    "gw": gw,
+    "gw_norm": np.linalg.norm(gw),
+    "per_batch_gw_norm": float(
+      np.mean(
+        [np.linalg.norm(np.asarray(g[path]["kernel"][...])) for g in grads]
+      )
+    ),
+    "e_x": _exp(np.sqrt(x_norm / dv)),
+  }
 
 
 def test_qsync_takes_the_norm_of_the_accumulated_weight_gradient():
@@ -219,33 +269,51 @@ def test_qsync_takes_the_norm_of_the_accumulated_weight_gradient():
   e_w = _exp(np.sqrt(stats["w_norm"] / stats["dw"]))
 
   def fp16(gw_norm, e_g):
-    c = 2.0 ** -18 / 6
-    fwd = c * (stats["w_norm"] * stats["dv"] * stats["e_x"]
-               + stats["x_norm"] * stats["dw"] * e_w)
-    bwd = c * (gw_norm * stats["dv"] * stats["e_x"]
-               + stats["x_norm"] * stats["dvv"] * e_g)
+    c = 2.0**-18 / 6
+    fwd = c * (
+      stats["w_norm"] * stats["dv"] * stats["e_x"]
+      + stats["x_norm"] * stats["dw"] * e_w
+    )
+    bwd = c * (
+      gw_norm * stats["dv"] * stats["e_x"]
+      + stats["x_norm"] * stats["dvv"] * e_g
+    )
     return 4 * 2 * fwd + 4 * bwd
 
   e_g = _exp(np.abs(stats["gw"]).max())
-  got = sensitivity.compute(model, losses.cross_entropy, batches, "qsync",
-                            ["fp16"])["head"]["fp16"]
+  got = sensitivity.compute(
+    model, losses.cross_entropy, batches, "qsync", ["fp16"]
+  )["head"]["fp16"]
   np.testing.assert_allclose(got, fp16(stats["gw_norm"], e_g), rtol=1e-4)
-  assert not np.isclose(got, fp16(stats["per_batch_gw_norm"], e_g),
-                        rtol=1e-3)
+  assert not np.isclose(got, fp16(stats["per_batch_gw_norm"], e_g), rtol=1e-3)
 
 
 def test_qsync_scores_an_embedding_table_as_its_input():
-  model = models.create_model("bert", rngs=nnx.Rngs(0), vocab_size=32,
-                              max_len=8, num_layers=1, num_heads=2,
-                              hidden=16, mlp_dim=16)
+  model = models.create_model(
+    "bert",
+    rngs=nnx.Rngs(0),
+    vocab_size=32,
+    max_len=8,
+    num_layers=1,
+    num_heads=2,
+    hidden=16,
+    mlp_dim=16,
+  )
   rng = np.random.default_rng(0)
-  batches = [(rng.integers(0, 32, (4, 8)).astype(np.int32),
-              rng.integers(0, 2, 4).astype(np.int32)) for _ in range(2)]
-  scores = sensitivity.compute(model, losses.cross_entropy, batches,
-                               "qsync", ["int8", "fp16"])
+  batches = [
+    (
+      rng.integers(0, 32, (4, 8)).astype(np.int32),
+      rng.integers(0, 2, 4).astype(np.int32),
+    )
+    for _ in range(2)
+  ]
+  scores = sensitivity.compute(
+    model, losses.cross_entropy, batches, "qsync", ["int8", "fp16"]
+  )
   layers = policy.model_layers(model, jnp.asarray(batches[0][0]))
   depths, lookup = sensitivity_depth.forward_structure(
-      model, layers, jnp.asarray(batches[0][0]))
+    model, layers, jnp.asarray(batches[0][0])
+  )
   i = [l.path for l in layers].index("token_embed")
   assert depths[i] == 0 and lookup[i] == 4 * 8 * 16
   # Depth 0: only gamma L times the forward term, with Sw = Dw = ||W|| = 1
@@ -254,6 +322,6 @@ def test_qsync_scores_an_embedding_table_as_its_input():
   table = np.asarray(model.token_embed.embedding[...])
   t_norm = np.linalg.norm(table)
   e_x = _exp(np.sqrt(t_norm / table.size))
-  want = 4 * max(depths) * 2.0 ** -18 / 6 * (table.size * e_x + t_norm)
+  want = 4 * max(depths) * 2.0**-18 / 6 * (table.size * e_x + t_norm)
   assert scores["token_embed"]["fp16"] > 0
   np.testing.assert_allclose(scores["token_embed"]["fp16"], want, rtol=1e-5)

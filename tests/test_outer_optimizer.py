@@ -6,14 +6,17 @@ import jax
 import numpy as np
 import optax
 import pytest
+from test_trainer import _batch
+from test_trainer import _cnn
+from test_trainer import _split
+from test_trainer import _workers
 
-import qsync_jax as qs
 from experiments import config_lib
 from experiments.configs import default as default_config
+import qsync_jax as qs
 from qsync_jax.train import checkpoint as ckpt_lib
 from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train.trainer import HybridTrainer
-from test_trainer import _batch, _cnn, _split, _workers
 
 SIZES = [8, 8, 8, 8]
 H = 3
@@ -21,8 +24,14 @@ H = 3
 
 def _trainer(outer_tx=None, **kwargs):
   schedule = qs.parallel.schedules.ConstantLocalSGD(H)
-  return HybridTrainer(_cnn(), _workers(SIZES), optax.sgd(0.05),
-                       schedule=schedule, outer_tx=outer_tx, **kwargs)
+  return HybridTrainer(
+    _cnn(),
+    _workers(SIZES),
+    optax.sgd(0.05),
+    schedule=schedule,
+    outer_tx=outer_tx,
+    **kwargs,
+  )
 
 
 def _batches(steps):
@@ -41,16 +50,20 @@ def _nesterov():
 @pytest.mark.parametrize("compress", ["none", "gqsgd"])
 def test_outer_sgd_with_rate_one_is_plain_averaging_bit_for_bit(compress):
   def make(outer_tx):
-    return _trainer(outer_tx, averager=qs.make_averager(compress),
-                    error_feedback=compress != "none")
+    return _trainer(
+      outer_tx,
+      averager=qs.make_averager(compress),
+      error_feedback=compress != "none",
+    )
 
   plain, outer = make(None), make(optax.sgd(1.0))
   for b in _batches(2 * H):
     plain.train_step(b)
     outer.train_step(b)
   assert outer.sync_rounds == plain.sync_rounds == 2
-  assert np.asarray(outer.params).tobytes() == np.asarray(
-      plain.params).tobytes()
+  assert (
+    np.asarray(outer.params).tobytes() == np.asarray(plain.params).tobytes()
+  )
   assert outer.comm_bytes == plain.comm_bytes
 
 
@@ -64,10 +77,13 @@ def test_nesterov_momentum_is_the_hand_computed_outer_step():
   # First sync, zero momentum: the outer gradient is g = anchor - mean,
   # the trace becomes g and Nesterov steps by lr * (g + 0.9 g) = 1.33 g.
   g = start - np.asarray(plain.params)[0]
-  np.testing.assert_allclose(np.asarray(outer.params)[0], start - 1.33 * g,
-                             rtol=0, atol=1e-6)
-  trace = np.concatenate([np.asarray(l).reshape(4, -1) for l in
-                          jax.tree.leaves(outer.outer_state)], axis=1)
+  np.testing.assert_allclose(
+    np.asarray(outer.params)[0], start - 1.33 * g, rtol=0, atol=1e-6
+  )
+  trace = np.concatenate(
+    [np.asarray(l).reshape(4, -1) for l in jax.tree.leaves(outer.outer_state)],
+    axis=1,
+  )
   assert _rows_identical(trace) and _rows_identical(outer.params)
   assert np.abs(trace[0]).max() > 0
   # The state advances: the second sync adds 0.9 * the old trace.
@@ -75,8 +91,10 @@ def test_nesterov_momentum_is_the_hand_computed_outer_step():
   for b in batches[H:]:
     outer.train_step(b)
     plain.train_step(b)
-  after = np.concatenate([np.asarray(l).reshape(4, -1) for l in
-                          jax.tree.leaves(outer.outer_state)], axis=1)
+  after = np.concatenate(
+    [np.asarray(l).reshape(4, -1) for l in jax.tree.leaves(outer.outer_state)],
+    axis=1,
+  )
   assert not np.allclose(after, before) and _rows_identical(after)
   assert not np.allclose(np.asarray(outer.params), np.asarray(plain.params))
   assert outer.in_sync and outer.sync_rounds == 2
@@ -84,15 +102,16 @@ def test_nesterov_momentum_is_the_hand_computed_outer_step():
 
 def test_checkpoint_mid_round_resumes_outer_state_bit_identically(tmp_path):
   def make():
-    return _trainer(_nesterov(), averager=qs.make_averager("gqsgd"),
-                    error_feedback=True)
+    return _trainer(
+      _nesterov(), averager=qs.make_averager("gqsgd"), error_feedback=True
+    )
 
   batches = _batches(3 * H)
   straight = make()
   for b in batches:
     straight.train_step(b)
   first = make()
-  for b in batches[:H + 1]:  # one sync, then mid-round
+  for b in batches[: H + 1]:  # one sync, then mid-round
     first.train_step(b)
   assert not first.in_sync
   ckpt = Checkpointer(str(tmp_path / "ckpt"))
@@ -100,22 +119,26 @@ def test_checkpoint_mid_round_resumes_outer_state_bit_identically(tmp_path):
   assert "outer_state" in ckpt_lib.state_tree(first)
   resumed = make()
   ckpt.restore_latest(resumed)
-  for a, b in zip(jax.tree.leaves(resumed.outer_state),
-                  jax.tree.leaves(first.outer_state)):
+  for a, b in zip(
+    jax.tree.leaves(resumed.outer_state), jax.tree.leaves(first.outer_state)
+  ):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
-  for b in batches[H + 1:]:
+  for b in batches[H + 1 :]:
     resumed.train_step(b)
   assert resumed.params_digest() == straight.params_digest()
-  for a, b in zip(jax.tree.leaves(ckpt_lib.state_tree(resumed)),
-                  jax.tree.leaves(ckpt_lib.state_tree(straight))):
+  for a, b in zip(
+    jax.tree.leaves(ckpt_lib.state_tree(resumed)),
+    jax.tree.leaves(ckpt_lib.state_tree(straight)),
+  ):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
   ckpt.close()
 
 
 def test_outer_optimizer_needs_a_local_schedule():
   with pytest.raises(ValueError, match="never makes; use a local schedule"):
-    HybridTrainer(_cnn(), _workers(SIZES), optax.sgd(0.05),
-                  outer_tx=_nesterov())
+    HybridTrainer(
+      _cnn(), _workers(SIZES), optax.sgd(0.05), outer_tx=_nesterov()
+    )
 
 
 def test_config_builds_the_outer_optimizer():
@@ -133,16 +156,27 @@ def test_config_builds_the_outer_optimizer():
   config_lib.validate_config(config)
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(outer_optimizer="adam", sync="local"),
-     "outer_optimizer must be one of none, diloco"),
-    (dict(outer_optimizer="diloco", sync="dp"),
-     "outer_optimizer=diloco needs a local sync"),
-    (dict(outer_optimizer="diloco", sync="local", outer_lr=0.0),
-     r"config.outer_lr must be a finite number > 0"),
-    (dict(outer_optimizer="diloco", sync="local", outer_momentum=1.0),
-     r"config.outer_momentum must be a finite number in \[0, 1\)"),
-])
+@pytest.mark.parametrize(
+  "changes, message",
+  [
+    (
+      dict(outer_optimizer="adam", sync="local"),
+      "outer_optimizer must be one of none, diloco",
+    ),
+    (
+      dict(outer_optimizer="diloco", sync="dp"),
+      "outer_optimizer=diloco needs a local sync",
+    ),
+    (
+      dict(outer_optimizer="diloco", sync="local", outer_lr=0.0),
+      r"config.outer_lr must be a finite number > 0",
+    ),
+    (
+      dict(outer_optimizer="diloco", sync="local", outer_momentum=1.0),
+      r"config.outer_momentum must be a finite number in \[0, 1\)",
+    ),
+  ],
+)
 def test_config_errors(changes, message):
   config = default_config.get_config()
   config.update(changes)

@@ -8,11 +8,17 @@ from absl import flags
 import jax
 from jax import lax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from ml_collections import config_flags
 import numpy as np
 import optax
-from ml_collections import config_flags
 import pytest
+from test_trainer import _batch
+from test_trainer import _cnn
+from test_trainer import _split
+from test_trainer import _workers
 
 from experiments import config_lib
 from qsync_jax import parallel
@@ -21,7 +27,6 @@ from qsync_jax.parallel.powersgd import PowerSGD
 from qsync_jax.train import checkpoint as ckpt_lib
 from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train.trainer import HybridTrainer
-from test_trainer import _batch, _cnn, _split, _workers
 
 AXIS = "workers"
 N = 4
@@ -40,23 +45,31 @@ def _run(averager, x, w, key=jax.random.key(3)):
 
   mesh = _mesh()
   sharding = NamedSharding(mesh, P(AXIS))
-  f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
-                            out_specs=(P(AXIS), P(AXIS))))
-  return tuple(map(np.asarray, f(jax.device_put(x, sharding),
-                                 jax.device_put(w, sharding))))
+  f = jax.jit(
+    jax.shard_map(
+      fn, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(AXIS), P(AXIS))
+    )
+  )
+  return tuple(
+    map(np.asarray, f(jax.device_put(x, sharding), jax.device_put(w, sharding)))
+  )
 
 
 def _low_rank(rows, cols, rank, seed=0):
   rng = np.random.default_rng(seed)
-  return (rng.normal(size=(rows, rank)) @ rng.normal(size=(rank, cols))
-          ).astype(np.float32)
+  return (rng.normal(size=(rows, rank)) @ rng.normal(size=(rank, cols))).astype(
+    np.float32
+  )
 
 
-@pytest.mark.parametrize("shape, averager", [
-    ((24, 24), PowerSGD(rank=3)),           # nearly square by default
+@pytest.mark.parametrize(
+  "shape, averager",
+  [
+    ((24, 24), PowerSGD(rank=3)),  # nearly square by default
     ((40, 20), PowerSGD(rank=2, cols=20)),  # fixed width
     ((40, 20), PowerSGD(rank=4, cols=20)),  # rank above the input's
-])
+  ],
+)
 def test_identical_low_rank_inputs_average_exactly(shape, averager):
   m = _low_rank(*shape, rank=2 if shape == (40, 20) else 3).reshape(-1)
   x = np.stack([m] * N)
@@ -72,8 +85,9 @@ def test_weighted_inputs_in_one_column_space_average_exactly():
   # Rank-2 inputs sharing one column space: their weighted sum is rank 2.
   rng = np.random.default_rng(1)
   u = rng.normal(size=(30, 2))
-  x = np.stack([(u @ rng.normal(size=(2, 20))).reshape(-1)
-                for _ in range(N)]).astype(np.float32)
+  x = np.stack(
+    [(u @ rng.normal(size=(2, 20))).reshape(-1) for _ in range(N)]
+  ).astype(np.float32)
   w = np.array([0.1, 0.2, 0.3, 0.4], np.float32)
   mean, _ = _run(PowerSGD(rank=2, cols=20), x, w)
   exact = (x.astype(np.float64) * w[:, None]).sum(0)
@@ -109,7 +123,8 @@ def test_error_feedback_makes_the_cumulative_mean_converge():
   def fn(xi, wi):
     def step(residual, key):
       mean, residual = averagers.compress_with_feedback(
-          averager, xi[0], residual, wi[0], AXIS, key)
+        averager, xi[0], residual, wi[0], AXIS, key
+      )
       return residual, mean
 
     keys = jax.random.split(jax.random.key(0), steps)
@@ -118,19 +133,27 @@ def test_error_feedback_makes_the_cumulative_mean_converge():
 
   mesh = _mesh()
   sharding = NamedSharding(mesh, P(AXIS))
-  f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
-                            out_specs=(P(AXIS), P(AXIS))))
-  residual, cumulative = map(np.asarray, f(jax.device_put(x, sharding),
-                                           jax.device_put(w, sharding)))
-  np.testing.assert_allclose(cumulative[0, -1] + residual.sum(0),
-                             steps * exact, atol=1e-3)
-  err = [np.linalg.norm(cumulative[0, t - 1] / t - exact)
-         / np.linalg.norm(exact) for t in (1, steps // 2, steps)]
+  f = jax.jit(
+    jax.shard_map(
+      fn, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(AXIS), P(AXIS))
+    )
+  )
+  residual, cumulative = map(
+    np.asarray, f(jax.device_put(x, sharding), jax.device_put(w, sharding))
+  )
+  np.testing.assert_allclose(
+    cumulative[0, -1] + residual.sum(0), steps * exact, atol=1e-3
+  )
+  err = [
+    np.linalg.norm(cumulative[0, t - 1] / t - exact) / np.linalg.norm(exact)
+    for t in (1, steps // 2, steps)
+  ]
   assert err[0] > 0.5  # one rank-1 call misses most of a random matrix
   assert err[2] < 0.1 and err[2] < 0.6 * err[1]  # about 1 / T
   # Without feedback the running average keeps the rank-1 bias.
-  plain = np.mean([_run(averager, x, w, jax.random.key(k))[0][0]
-                   for k in range(8)], axis=0)
+  plain = np.mean(
+    [_run(averager, x, w, jax.random.key(k))[0][0] for k in range(8)], axis=0
+  )
   assert np.linalg.norm(plain - exact) / np.linalg.norm(exact) > 0.3
 
 
@@ -161,7 +184,8 @@ def test_wire_bytes_and_matrix_shape():
   assert a.matrix_shape(d) == (4096, 4096, 4)
   assert a.wire_bytes(d, 4) == pytest.approx(2 * 3 / 4 * 4 * (2 * 4096) * 4)
   assert a.wire_bytes(d, 4) / fp32.wire_bytes(d, 4) == pytest.approx(
-      2 * 4 / 4096)
+    2 * 4 / 4096
+  )
   # Not a perfect square: padded up; fixed width; rank clamped.
   assert PowerSGD(rank=2).matrix_shape(17) == (4, 5, 2)
   assert PowerSGD(rank=2, cols=256).matrix_shape(1000) == (4, 256, 2)
@@ -170,12 +194,15 @@ def test_wire_bytes_and_matrix_shape():
   assert a.wire_bytes(d, 1) == 0 and a.wire_bytes(0, 4) == 0
 
 
-@pytest.mark.parametrize("kwargs, message", [
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
     (dict(rank=0), "rank must be an integer >= 1"),
     (dict(rank=1.5), "rank must be an integer >= 1"),
     (dict(cols=0), "cols must be None or an integer >= 1"),
     (dict(warm_start=1), "warm_start must be a bool"),
-])
+  ],
+)
 def test_bad_settings_are_clear_errors(kwargs, message):
   with pytest.raises(ValueError, match=message):
     averagers.make_averager("powersgd", **kwargs)
@@ -185,8 +212,13 @@ def test_bad_settings_are_clear_errors(kwargs, message):
 def test_trains_through_the_hybrid_trainer(error_feedback):
   sizes = [8] * N
   averager = averagers.make_averager("powersgd", rank=2)
-  trainer = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2),
-                          averager=averager, error_feedback=error_feedback)
+  trainer = HybridTrainer(
+    _cnn(),
+    _workers(sizes),
+    optax.adam(1e-2),
+    averager=averager,
+    error_feedback=error_feedback,
+  )
   x, y = _batch(32, seed=0)
   first = trainer.evaluate((x, y))["loss"]
   for step in range(6):
@@ -195,7 +227,8 @@ def test_trains_through_the_hybrid_trainer(error_feedback):
   for r in rows[1:]:
     np.testing.assert_array_equal(r, rows[0])
   assert trainer.comm_bytes == pytest.approx(
-      6 * averager.wire_bytes(trainer.num_params, N))
+    6 * averager.wire_bytes(trainer.num_params, N)
+  )
   assert trainer.comm_bytes < 0.1 * 6 * 1.5 * 4 * trainer.num_params
   assert (trainer.residual is not None) == error_feedback
   assert trainer.evaluate((x, y))["loss"] < first
@@ -223,21 +256,27 @@ def _repeated(averager, x, w, steps):
 
   def fn(xi, wi):
     def step(state, key):
-      mean, _, state = averagers.average(averager, xi[0], wi[0], AXIS, key,
-                                         state=state)
+      mean, _, state = averagers.average(
+        averager, xi[0], wi[0], AXIS, key, state=state
+      )
       return state, mean
 
     keys = jax.random.split(jax.random.key(0), steps)
     state, means = lax.scan(
-        step, averagers.init_state(averager, xi.shape[1]), keys)
+      step, averagers.init_state(averager, xi.shape[1]), keys
+    )
     return jax.tree.map(lambda a: a[None], state), means[None]
 
   mesh = _mesh()
   sharding = NamedSharding(mesh, P(AXIS))
-  f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
-                            out_specs=(P(AXIS), P(AXIS))))
-  return jax.tree.map(np.asarray, f(jax.device_put(x, sharding),
-                                    jax.device_put(w, sharding)))
+  f = jax.jit(
+    jax.shard_map(
+      fn, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(AXIS), P(AXIS))
+    )
+  )
+  return jax.tree.map(
+    np.asarray, f(jax.device_put(x, sharding), jax.device_put(w, sharding))
+  )
 
 
 def test_warm_start_converges_to_the_best_rank_r_approximation():
@@ -250,12 +289,13 @@ def test_warm_start_converges_to_the_best_rank_r_approximation():
   _, cold = _repeated(PowerSGD(rank=3, warm_start=False), x, w, 12)
 
   def errs(means):
-    return np.array([np.linalg.norm(m.reshape(mean.shape) - mean)
-                     for m in means[0]]) / best_err
+    return (
+      np.array([np.linalg.norm(m.reshape(mean.shape) - mean) for m in means[0]])
+      / best_err
+    )
 
   assert errs(warm)[0] == errs(cold)[0] > 1.2  # the same first call
-  np.testing.assert_allclose(warm[0, -1].reshape(mean.shape), best,
-                             atol=1e-5)
+  np.testing.assert_allclose(warm[0, -1].reshape(mean.shape), best, atol=1e-5)
   assert errs(warm)[-1] < 1 + 1e-6
   assert errs(cold).min() > 1.1
   # Q is the all-reduced factor: the same on every worker, bit for bit.
@@ -284,13 +324,12 @@ def test_state_is_only_for_warm_start_and_zeros_start_cold():
 def test_a_non_finite_call_resets_the_state():
   x = np.ones((N, 25), np.float32)
   x[1, 3] = np.nan
-  state, means = _repeated(PowerSGD(rank=2), x, np.full(N, 0.25,
-                                                         np.float32), 2)
+  state, means = _repeated(PowerSGD(rank=2), x, np.full(N, 0.25, np.float32), 2)
   assert np.isnan(means).all() and not state.any()
 
 
 def test_the_transformation_keeps_the_warm_start_state():
-  x, w, mean, best = _noisy_low_rank()
+  x, _w, mean, best = _noisy_low_rank()
   tx = parallel.averaged(PowerSGD(rank=3), AXIS)
   state = tx.init(jnp.zeros(mean.size))
   assert state.averager_state.shape == (24, 3)
@@ -299,13 +338,20 @@ def test_the_transformation_keeps_the_warm_start_state():
     out, s = tx.update(g[0], jax.tree.map(lambda a: a[0], s))
     return out[None], jax.tree.map(lambda a: a[None], s)
 
-  f = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P(AXIS), P(AXIS)),
-                            out_specs=(P(AXIS), P(AXIS))))
+  f = jax.jit(
+    jax.shard_map(
+      body,
+      mesh=_mesh(),
+      in_specs=(P(AXIS), P(AXIS)),
+      out_specs=(P(AXIS), P(AXIS)),
+    )
+  )
   stacked = jax.tree.map(lambda a: jnp.stack([a] * N), state)
   for _ in range(12):
     out, stacked = f(x, stacked)
-  np.testing.assert_allclose(np.asarray(out)[0].reshape(mean.shape), best,
-                             atol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(out)[0].reshape(mean.shape), best, atol=1e-5
+  )
   q = np.asarray(stacked.averager_state)
   assert (q == q[:1]).all() and q.any()
   assert stacked.residual is None
@@ -313,26 +359,38 @@ def test_the_transformation_keeps_the_warm_start_state():
 
 def _powersgd_trainer(warm_start=True):
   return HybridTrainer(
-      _cnn(), _workers([8] * N), optax.sgd(0.05, momentum=0.9),
-      averager=averagers.make_averager("powersgd", rank=2,
-                                       warm_start=warm_start),
-      error_feedback=True)
+    _cnn(),
+    _workers([8] * N),
+    optax.sgd(0.05, momentum=0.9),
+    averager=averagers.make_averager("powersgd", rank=2, warm_start=warm_start),
+    error_feedback=True,
+  )
 
 
-def test_trainer_carries_q_and_a_checkpoint_resumes_bit_identically(
-    tmp_path):
+def test_trainer_carries_q_and_a_checkpoint_resumes_bit_identically(tmp_path):
   batches = [_split(*_batch(32, seed=s), [8] * N) for s in range(6)]
   straight = _powersgd_trainer()
   for b in batches:
     straight.train_step(b)
   q = np.asarray(straight.averager_state)
-  assert q.shape == (N, *straight.averager.matrix_shape(
-      straight.num_params)[1:]) and q.any() and (q == q[:1]).all()
+  assert (
+    q.shape == (N, *straight.averager.matrix_shape(straight.num_params)[1:])
+    and q.any()
+    and (q == q[:1]).all()
+  )
   # A skipped (non-finite) step leaves Q and the residual as they were.
   t = straight
   nan = jax.jit(lambda p: p * jnp.nan)(t.params)
-  out = t._update(t.params, t.opt_state, t.loss_scale, nan, t._weights,
-                  t._counter, t.residual, t.averager_state)
+  out = t._update(
+    t.params,
+    t.opt_state,
+    t.loss_scale,
+    nan,
+    t._weights,
+    t._counter,
+    t.residual,
+    t.averager_state,
+  )
   assert not np.asarray(out[3]).any()
   np.testing.assert_array_equal(out[5], t.residual)
   np.testing.assert_array_equal(out[6], q)
@@ -345,13 +403,17 @@ def test_trainer_carries_q_and_a_checkpoint_resumes_bit_identically(
   resumed = _powersgd_trainer()
   ckpt.restore_latest(resumed)
   ckpt.close()
-  assert (np.asarray(resumed.averager_state).tobytes()
-          == np.asarray(first.averager_state).tobytes())
+  assert (
+    np.asarray(resumed.averager_state).tobytes()
+    == np.asarray(first.averager_state).tobytes()
+  )
   for b in batches[3:]:
     resumed.train_step(b)
   assert resumed.params_digest() == straight.params_digest()
-  for a, b in zip(jax.tree.leaves(ckpt_lib.state_tree(resumed)),
-                  jax.tree.leaves(ckpt_lib.state_tree(straight))):
+  for a, b in zip(
+    jax.tree.leaves(ckpt_lib.state_tree(resumed)),
+    jax.tree.leaves(ckpt_lib.state_tree(straight)),
+  ):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
   # Without warm start there is no state, and the run differs.
   cold = _powersgd_trainer(warm_start=False)
@@ -364,15 +426,26 @@ def test_trainer_carries_q_and_a_checkpoint_resumes_bit_identically(
 
 @pytest.mark.parametrize("arg, warm", [(None, True), ("false", False)])
 def test_the_config_sets_warm_start(arg, warm):
-  argv = ["train", "--config.compress=powersgd",
-          "--config.compress_kwargs.rank=16"]
+  argv = [
+    "train",
+    "--config.compress=powersgd",
+    "--config.compress_kwargs.rank=16",
+  ]
   if arg is not None:
     argv.append(f"--config.compress_kwargs.warm_start={arg}")
   values = flags.FlagValues()
   config_flags.DEFINE_config_file(
-      "config", os.path.join(os.path.dirname(os.path.dirname(__file__)),
-                             "experiments", "configs", "default.py"),
-      flag_values=values, lock_config=True, sys_argv=argv)
+    "config",
+    os.path.join(
+      os.path.dirname(os.path.dirname(__file__)),
+      "experiments",
+      "configs",
+      "default.py",
+    ),
+    flag_values=values,
+    lock_config=True,
+    sys_argv=argv,
+  )
   values(argv)
   config_lib.validate_config(values.config)
   averager = config_lib.make_averager(values.config)

@@ -18,8 +18,10 @@ def test_parse_names_and_errors():
 
 
 def test_bits_order():
-  assert [p.bits for p in (Precision.INT8, Precision.FP16, Precision.TF32,
-                           Precision.FP32)] == [8, 16, 19, 32]
+  assert [
+    p.bits
+    for p in (Precision.INT8, Precision.FP16, Precision.TF32, Precision.FP32)
+  ] == [8, 16, 19, 32]
 
 
 def test_capability_table_matches_the_hardware():
@@ -32,19 +34,34 @@ def test_capability_table_matches_the_hardware():
   assert Precision.FP8 in qs.supported_precisions("l4")
   assert Precision.FP8 not in qs.supported_precisions("a100")
   assert qs.supported_precisions("cpu") == frozenset(Precision)
-  assert set(qs.device_kinds()) == {"cpu", "t4", "v100", "a10", "l4", "a100",
-                                    "h100", "l40s"}
+  assert set(qs.device_kinds()) == {
+    "cpu",
+    "t4",
+    "v100",
+    "a10",
+    "l4",
+    "a100",
+    "h100",
+    "l40s",
+  }
   with pytest.raises(ValueError, match="unknown device kind 'k80'"):
     qs.supported_precisions("k80")
 
 
 def test_resolve_first_match_wins_with_fullmatch():
-  plan = qs.PrecisionPlan([(r"conv\d", "int8"), (r"conv.*", "fp16"),
-                           ("fc", Precision.BF16)], default="fp32")
+  plan = qs.PrecisionPlan(
+    [(r"conv\d", "int8"), (r"conv.*", "fp16"), ("fc", Precision.BF16)],
+    default="fp32",
+  )
   got = plan.resolve(["conv1", "conv10", "conv_a", "fc", "fc2", "head"])
-  assert got == {"conv1": Precision.INT8, "conv10": Precision.FP16,
-                 "conv_a": Precision.FP16, "fc": Precision.BF16,
-                 "fc2": Precision.FP32, "head": Precision.FP32}
+  assert got == {
+    "conv1": Precision.INT8,
+    "conv10": Precision.FP16,
+    "conv_a": Precision.FP16,
+    "fc": Precision.BF16,
+    "fc2": Precision.FP32,
+    "head": Precision.FP32,
+  }
 
 
 def test_rule_matching_no_layer_lists_valid_paths():
@@ -58,18 +75,23 @@ def test_rule_matching_no_layer_lists_valid_paths():
 
 def test_json_round_trip():
   plan = qs.PrecisionPlan(
-      [(r"layers/\d+/attn/.*", "fp16"), ("conv0", "int8"), ("x", "fp8")],
-      default="bf16",
-      quant=qs.QuantConfig(granularity="channel", rounding="stochastic"))
+    [(r"layers/\d+/attn/.*", "fp16"), ("conv0", "int8"), ("x", "fp8")],
+    default="bf16",
+    quant=qs.QuantConfig(granularity="channel", rounding="stochastic"),
+  )
   text = plan.to_json()
   back = qs.PrecisionPlan.from_json(text)
   assert back == plan
-  assert json.loads(text)["quant"] == {"granularity": "channel",
-                                       "rounding": "stochastic"}
+  assert json.loads(text)["quant"] == {
+    "granularity": "channel",
+    "rounding": "stochastic",
+  }
   assert qs.PrecisionPlan.from_json(back.to_json(indent=None)) == plan
 
 
-@pytest.mark.parametrize("text, message", [
+@pytest.mark.parametrize(
+  "text, message",
+  [
     ("{not json", "malformed plan JSON"),
     ("[1, 2]", "a plan must be a JSON object"),
     ('{"rules": [["a", "int3"]]}', "unknown precision 'int3'"),
@@ -79,14 +101,17 @@ def test_json_round_trip():
     ('{"default": "fp64"}', "unknown precision 'fp64'"),
     ('{"rulez": []}', "unknown plan keys"),
     ('{"quant": {"rounding": "up"}}', "unknown rounding 'up'"),
-])
+  ],
+)
 def test_malformed_plans_raise_one_clear_error(text, message):
   with pytest.raises(qs.PlanError, match=message):
     qs.PrecisionPlan.from_json(text)
 
 
-@pytest.mark.parametrize("kind, precision", [("v100", "int8"), ("t4", "fp8"),
-                                             ("t4", "bf16"), ("a100", "fp8")])
+@pytest.mark.parametrize(
+  "kind, precision",
+  [("v100", "int8"), ("t4", "fp8"), ("t4", "bf16"), ("a100", "fp8")],
+)
 def test_validate_for_rejects_missing_precision(kind, precision):
   plan = qs.PrecisionPlan([("conv1", precision)])
   with pytest.raises(qs.PlanError) as e:
@@ -106,22 +131,29 @@ def test_validate_for_only_counts_layers_that_resolve():
 def test_from_precisions_builds_exact_rules():
   plan = qs.PrecisionPlan.from_precisions({"a.b[0]": "int8", "c": "fp16"})
   assert plan.resolve(["a.b[0]", "c", "axb0"], strict=False) == {
-      "a.b[0]": Precision.INT8, "c": Precision.FP16, "axb0": Precision.FP32}
+    "a.b[0]": Precision.INT8,
+    "c": Precision.FP16,
+    "axb0": Precision.FP32,
+  }
 
 
 # 35 layer paths like a ResNet's, as in the report of the slow rule.
-_PATHS = [f"blocks/{b}/conv{c}/kernel_weights" for b in range(12)
-          for c in range(1, 4)][:35]
+_PATHS = [
+  f"blocks/{b}/conv{c}/kernel_weights" for b in range(12) for c in range(1, 4)
+][:35]
 
 
-@pytest.mark.parametrize("rule, what", [
+@pytest.mark.parametrize(
+  "rule, what",
+  [
     ("([a-z0-9/]+)+!", "holds a quantifier"),
     ("(?:a?)*b", "holds a quantifier"),
     (r"(?:blocks/\d+/)+conv1", "holds a quantifier"),
     ("(?:a|aa)+!", "holds an alternation"),
     ("(?=(?:x+)+)y", "holds a quantifier"),  # Inside a lookahead too.
     (".*.*.*.*.*!", "has 5 repeats, more than 4"),
-])
+  ],
+)
 def test_catastrophic_rules_are_refused(rule, what):
   # Refused by a look at the pattern, before any layer name is matched.
   with pytest.raises(qs.PlanError) as e:
@@ -133,11 +165,22 @@ def test_catastrophic_rules_are_refused(rule, what):
     qs.PrecisionPlan.from_json(json.dumps({"rules": [[rule, "fp16"]]}))
 
 
-@pytest.mark.parametrize("rule", [
-    r"conv\d", r"conv.*", r"layers/\d+/attn/.*", ".*embed", "conv1|fc",
-    "(?:conv|fc)1", "(a|b)+", "(?:ab)+c", "a?b?c", re.escape("a.b[0]"),
+@pytest.mark.parametrize(
+  "rule",
+  [
+    r"conv\d",
+    r"conv.*",
+    r"layers/\d+/attn/.*",
+    ".*embed",
+    "conv1|fc",
+    "(?:conv|fc)1",
+    "(a|b)+",
+    "(?:ab)+c",
+    "a?b?c",
+    re.escape("a.b[0]"),
     r"blocks/\d+/conv\d+/.*_\w+",
-])
+  ],
+)
 def test_ordinary_rules_are_kept(rule):
   assert qs.PrecisionPlan([(rule, "int8")]).rules[0][0] == rule
 

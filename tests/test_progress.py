@@ -39,8 +39,11 @@ def test_estimate_is_mean_time_per_unit_times_units_left():
   with pytest.raises(ValueError, match="no unit of work has finished"):
     p.seconds_left()
   # Units of 20 s, 30 s and 41 s: mean 30.33 s, 9 left -> 273 s = 5 min.
-  for took, what in ((20, "qsr cnn seed 0"), (30, "qsr cnn seed 1"),
-                     (41, "qsr cnn seed 2")):
+  for took, what in (
+    (20, "qsr cnn seed 0"),
+    (30, "qsr cnn seed 1"),
+    (41, "qsr cnn seed 2"),
+  ):
     clock.now += took
     line = p.done(what)
   assert p.seconds_left() == pytest.approx(91 / 3 * 9)
@@ -71,8 +74,9 @@ def test_total_must_be_a_positive_count(total):
 
 def test_default_log_prints_the_line(capsys):
   progress.Progress(1).done("phase")
-  assert capsys.readouterr().out.startswith("[1/1] phase done in 0 s; all "
-                                            "done in 0 s")
+  assert capsys.readouterr().out.startswith(
+    "[1/1] phase done in 0 s; all done in 0 s"
+  )
 
 
 def test_compression_bench_prints_a_progress_line_per_size(capsys):

@@ -28,10 +28,12 @@ def test_quantize_round_trip_error_is_at_most_half_a_step():
 
 def test_truncate_rounds_toward_zero_like_the_reference_kernel():
   v = jnp.array([1.7, -1.7, 0.4, -0.4, 2.5])
-  np.testing.assert_array_equal(quant.round_values(v, "truncate"),
-                                [1, -1, 0, 0, 2])
-  np.testing.assert_array_equal(quant.round_values(v, "nearest"),
-                                [2, -2, 0, 0, 2])
+  np.testing.assert_array_equal(
+    quant.round_values(v, "truncate"), [1, -1, 0, 0, 2]
+  )
+  np.testing.assert_array_equal(
+    quant.round_values(v, "nearest"), [2, -2, 0, 0, 2]
+  )
 
 
 # Stochastic rounding: each rounded value has variance p(1 - p) <= 1/4 around
@@ -49,8 +51,9 @@ def test_stochastic_rounding_is_unbiased(use_key):
   assert abs(float(err.mean())) < TOL
   # Also for one repeated value, where round-to-nearest is maximally biased.
   c = jnp.full((N,), 0.3)
-  assert abs(float(quant.round_values(c, "stochastic", key=key).mean())
-             - 0.3) < TOL
+  assert (
+    abs(float(quant.round_values(c, "stochastic", key=key).mean()) - 0.3) < TOL
+  )
   assert abs(float(quant.round_values(c, "nearest").mean()) - 0.3) > 0.29
 
 
@@ -77,8 +80,8 @@ def test_fp8_quantization_uses_the_full_range():
   assert q.dtype == jnp.float8_e4m3fn
   assert float(jnp.abs(q.astype(jnp.float32)).max()) == 448.0
   rel = jnp.abs(quant.dequantize(q, s) - x) / jnp.abs(x).max()
-  assert float(rel.max()) < 2 ** -4
-  g, sg = quant.quantize_fp8(x, quant.FP8_GRADIENT)
+  assert float(rel.max()) < 2**-4
+  g, _sg = quant.quantize_fp8(x, quant.FP8_GRADIENT)
   assert g.dtype == jnp.float8_e5m2
 
 
@@ -86,12 +89,12 @@ def test_config_rejects_unknown_values():
   with pytest.raises(ValueError, match="unknown granularity 'row'"):
     quant.QuantConfig(granularity="row")
   assert quant.QuantConfig.from_dict({"rounding": "truncate"}).rounding is (
-      quant.Rounding.TRUNCATE)
+    quant.Rounding.TRUNCATE
+  )
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_a_non_finite_value_makes_its_scale_and_the_int8_output_non_finite(
-    bad):
+def test_a_non_finite_value_makes_its_scale_and_the_int8_output_non_finite(bad):
   # Large rows: XLA:CPU's max-reduction drops NaN there (jax 0.10).
   x = np.random.default_rng(0).normal(size=(256, 4096)).astype(np.float32)
   x[100, 7] = bad

@@ -22,9 +22,15 @@ def test_readme_example_runs(tmp_path):
   script = tmp_path / "example.py"
   script.write_text(_example())
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
-  result = subprocess.run([sys.executable, str(script)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True,
-                          timeout=600, check=False)
+  result = subprocess.run(
+    [sys.executable, str(script)],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.splitlines()
   assert lines[0] == "['conv1', 'conv2', 'fc', 'head']"
@@ -36,7 +42,18 @@ def test_readme_example_runs(tmp_path):
 
 def test_readme_example_uses_the_flat_api():
   example = _example()
-  for name in ("apply_plan", "trace_graph", "analytic_profile", "predict",
-               "allocate", "plan_cluster", "parse_cluster", "make_averager",
-               "make_schedule", "HybridTrainer", "Worker", "Checkpointer"):
+  for name in (
+    "apply_plan",
+    "trace_graph",
+    "analytic_profile",
+    "predict",
+    "allocate",
+    "plan_cluster",
+    "parse_cluster",
+    "make_averager",
+    "make_schedule",
+    "HybridTrainer",
+    "Worker",
+    "Checkpointer",
+  ):
     assert f"qs.{name}(" in example, name

@@ -21,8 +21,12 @@ from qsync_jax.parallel import schedules
 def cosine_lr():
   """Linear warmup 0 -> 0.1 over 10 steps, cosine to 0.001 at step 100."""
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=0.1, warmup_steps=10, decay_steps=100,
-      end_value=0.001)
+    init_value=0.0,
+    peak_value=0.1,
+    warmup_steps=10,
+    decay_steps=100,
+    end_value=0.001,
+  )
 
 
 def qsr_cosine(**kwargs):
@@ -72,7 +76,10 @@ def test_qsr_warmup_uses_init_h_and_gamma_selects_the_rule():
   assert qsr_cosine(gamma=3).period(72) == 28
   # At the peak (alpha / lr = 2): linear 2, QSR 4, cubic 8.
   assert [qsr_cosine(gamma=g, h_base=1).period(10) for g in (1, 2, 3)] == [
-      2, 4, 8]
+    2,
+    4,
+    8,
+  ]
 
 
 def test_qsr_constant_and_degenerate_learning_rates():
@@ -81,8 +88,12 @@ def test_qsr_constant_and_degenerate_learning_rates():
   assert q.sync_steps(10) == [4, 8, 10]
   # A zero or vanishing LR gives the remaining steps, without overflow.
   assert schedules.QSR(0.0, total_steps=10, alpha=1.0, h_base=1).period(3) == 7
-  assert schedules.QSR(1e-300, total_steps=10, alpha=1e10, h_base=1,
-                       gamma=3).period(0) == 10
+  assert (
+    schedules.QSR(1e-300, total_steps=10, alpha=1e10, h_base=1, gamma=3).period(
+      0
+    )
+    == 10
+  )
   with pytest.raises(ValueError, match="h_base must be a positive integer"):
     schedules.QSR(0.1, total_steps=10, alpha=0.1, h_base=0)
   with pytest.raises(ValueError, match="alpha >= 0"):
@@ -112,7 +123,10 @@ def test_constant_local_sgd():
   s = schedules.ConstantLocalSGD(4)
   assert s.sync_steps(10) == [4, 8]
   assert schedules.ConstantLocalSGD(4, total_steps=10).sync_steps(10) == [
-      4, 8, 10]
+    4,
+    8,
+    10,
+  ]
   assert not s.averages_gradients_at(4) and not s.is_sync_step(0)
   with pytest.raises(ValueError, match="h must be a positive integer"):
     schedules.ConstantLocalSGD(0)
@@ -122,7 +136,11 @@ def test_post_local_sgd():
   s = schedules.PostLocalSGD(switch_step=5, h=3, total_steps=12)
   assert s.sync_steps(12) == [1, 2, 3, 4, 5, 8, 11, 12]
   assert [s.averages_gradients_at(t) for t in (1, 5, 6, 8)] == [
-      True, True, False, False]
+    True,
+    True,
+    False,
+    False,
+  ]
   with pytest.raises(ValueError, match="switch_step"):
     schedules.PostLocalSGD(switch_step=-1, h=2)
 
@@ -130,23 +148,26 @@ def test_post_local_sgd():
 # Each stateless schedule with its sync steps in 1..20, written out by hand
 # from its definition (not from the code under test).
 STATELESS = [
-    (schedules.EveryStep(), list(range(1, 21))),
-    (schedules.ConstantLocalSGD(3, total_steps=20), [3, 6, 9, 12, 15, 18, 20]),
-    (schedules.PostLocalSGD(4, 5), [1, 2, 3, 4, 9, 14, 19]),
-    # total_steps adds a sync at 19; it does not stop the rule after it.
-    (schedules.PostLocalSGD(0, 2, total_steps=19), [
-        2, 4, 6, 8, 10, 12, 14, 16, 18, 19, 20]),
+  (schedules.EveryStep(), list(range(1, 21))),
+  (schedules.ConstantLocalSGD(3, total_steps=20), [3, 6, 9, 12, 15, 18, 20]),
+  (schedules.PostLocalSGD(4, 5), [1, 2, 3, 4, 9, 14, 19]),
+  # total_steps adds a sync at 19; it does not stop the rule after it.
+  (
+    schedules.PostLocalSGD(0, 2, total_steps=19),
+    [2, 4, 6, 8, 10, 12, 14, 16, 18, 19, 20],
+  ),
 ]
 
 
-@pytest.mark.parametrize("schedule,expected", STATELESS,
-                         ids=[s.name for s, _ in STATELESS])
-def test_stateless_schedules_agree_and_resume_from_anything(schedule,
-                                                            expected):
+@pytest.mark.parametrize(
+  "schedule,expected", STATELESS, ids=[s.name for s, _ in STATELESS]
+)
+def test_stateless_schedules_agree_and_resume_from_anything(schedule, expected):
   assert schedule.sync_steps(20) == expected
   assert [t for t in range(1, 21) if schedule.is_sync_step(t)] == expected
-  assert [schedule.round_length(t) for t in range(1, expected[-1] + 1)
-         ] == _rounds_from(expected)
+  assert [
+    schedule.round_length(t) for t in range(1, expected[-1] + 1)
+  ] == _rounds_from(expected)
   assert schedule.state_dict() == {}
   # Whatever a checkpoint held (nothing, a QSR round), a fresh copy loaded
   # from it mid-run answers as the one that ran.
@@ -154,15 +175,20 @@ def test_stateless_schedules_agree_and_resume_from_anything(schedule,
     fresh = copy.deepcopy(schedule)
     fresh.load_state_dict(state)
     assert [t for t in range(9, 21) if fresh.is_sync_step(t)] == [
-        t for t in expected if t >= 9]
+      t for t in expected if t >= 9
+    ]
     assert fresh.sync_steps(20) == expected
 
 
-@pytest.mark.parametrize("schedule", [s for s, _ in STATELESS] + [
-    qsr_cosine(), qsr_cosine(gamma=1, warmup_steps=0)],
-                         ids=lambda s: s.name)
+@pytest.mark.parametrize(
+  "schedule",
+  [s for s, _ in STATELESS]
+  + [qsr_cosine(), qsr_cosine(gamma=1, warmup_steps=0)],
+  ids=lambda s: s.name,
+)
 def test_a_schedule_loaded_from_any_mid_run_state_answers_as_one_that_ran(
-    schedule):
+  schedule,
+):
   total = 100 if isinstance(schedule, schedules.QSR) else 20
   ran = copy.deepcopy(schedule)
   for k in range(total):
@@ -171,10 +197,13 @@ def test_a_schedule_loaded_from_any_mid_run_state_answers_as_one_that_ran(
     fresh.load_state_dict(json.loads(json.dumps(ran.state_dict())))
     assert fresh.state_dict() == ran.state_dict()
     ahead = copy.deepcopy(ran)
-    assert [(fresh.is_sync_step(t), fresh.round_length(t))
-            for t in range(k + 1, total + 1)] == [
-                (ahead.is_sync_step(t), ahead.round_length(t))
-                for t in range(k + 1, total + 1)], k
+    assert [
+      (fresh.is_sync_step(t), fresh.round_length(t))
+      for t in range(k + 1, total + 1)
+    ] == [
+      (ahead.is_sync_step(t), ahead.round_length(t))
+      for t in range(k + 1, total + 1)
+    ], k
 
 
 def test_every_step_keeps_its_attribute():
@@ -195,7 +224,8 @@ def _rounds_from(syncs):
 def test_round_length_is_the_period_of_each_steps_round():
   q = qsr_cosine()
   assert [q.round_length(t) for t in range(1, 101)] == _rounds_from(
-      COSINE_SYNCS)
+    COSINE_SYNCS
+  )
   fresh = qsr_cosine()  # asked in order, as the trainer does, after a sync
   lengths = []
   for t in range(1, 101):
@@ -207,21 +237,29 @@ def test_round_length_is_the_period_of_each_steps_round():
   assert [local.round_length(t) for t in range(1, 11)] == [4] * 8 + [2] * 2
   post = schedules.PostLocalSGD(3, 4, total_steps=12)
   assert [post.round_length(t) for t in range(1, 13)] == _rounds_from(
-      post.sync_steps(12))
+    post.sync_steps(12)
+  )
   assert schedules.EveryStep().round_length(7) == 1
 
 
 def test_make_schedule_builds_each_rule_and_rejects_bad_ones():
   lr = cosine_lr()
-  q = schedules.make_schedule("qsr", total_steps=100, lr_schedule=lr, h_base=2,
-                              alpha=0.2, warmup_steps=10)
+  q = schedules.make_schedule(
+    "qsr", total_steps=100, lr_schedule=lr, h_base=2, alpha=0.2, warmup_steps=10
+  )
   assert q.sync_steps(100) == COSINE_SYNCS and q.name == "qsr"
-  assert schedules.make_schedule("qsr", total_steps=100, lr_schedule=lr,
-                                 alpha=0.2, gamma=3.0).name == "qsr_cubic"
-  assert schedules.make_schedule("local", total_steps=10,
-                                 h_base=4).sync_steps(10) == [4, 8, 10]
-  assert schedules.make_schedule("postlocal", total_steps=10, h_base=4,
-                                 switch_step=2).sync_steps(10) == [1, 2, 6, 10]
+  assert (
+    schedules.make_schedule(
+      "qsr", total_steps=100, lr_schedule=lr, alpha=0.2, gamma=3.0
+    ).name
+    == "qsr_cubic"
+  )
+  assert schedules.make_schedule("local", total_steps=10, h_base=4).sync_steps(
+    10
+  ) == [4, 8, 10]
+  assert schedules.make_schedule(
+    "postlocal", total_steps=10, h_base=4, switch_step=2
+  ).sync_steps(10) == [1, 2, 6, 10]
   assert schedules.make_schedule("dp", total_steps=3).sync_steps(3) == [1, 2, 3]
   with pytest.raises(ValueError, match="alpha > 0"):
     schedules.make_schedule("qsr", total_steps=10, lr_schedule=lr)
@@ -234,8 +272,9 @@ def test_make_schedule_builds_each_rule_and_rejects_bad_ones():
 # The official QSR code (hmgxr128/QSR), transcribed: xscheduler.py's
 # schedulers with steps_per_epoch = 1 (so epochs are steps), and the order in
 # which trainer_process.py and localopt.LocalOptimizer set the LR and H.
-def _official_lr(kind, step, max_lr, final_lr, total, warmup, decay_points,
-                 gamma, base):
+def _official_lr(
+  kind, step, max_lr, final_lr, total, warmup, decay_points, gamma, base
+):
   if step < warmup:
     return final_lr + step * (max_lr - final_lr) / warmup
   span = total - warmup
@@ -247,10 +286,11 @@ def _official_lr(kind, step, max_lr, final_lr, total, warmup, decay_points,
     points = np.array([0] + list(decay_points) + [total + 5])
     for i in range(len(points) - 1):
       if step >= points[i] and step < points[i + 1]:
-        lr = max_lr * (gamma ** i)
+        lr = max_lr * (gamma**i)
     return lr
   lr = final_lr + 0.5 * (max_lr - final_lr) * (
-      1 + np.cos(delta_step / span * np.pi))
+    1 + np.cos(delta_step / span * np.pi)
+  )
   if kind == "cosine_step":
     lr = base ** np.round(np.log(lr) / np.log(base))
   return lr
@@ -260,8 +300,7 @@ def _official_sync_steps(lr_at, total, alpha, power, min_h, init_h, warmup):
   def adjust_h(step_ctr, lr):
     if step_ctr < warmup or alpha == 0:
       return init_h
-    return max(min(max(int((alpha / lr) ** power), min_h),
-                   total - step_ctr), 1)
+    return max(min(max(int((alpha / lr) ** power), min_h), total - step_ctr), 1)
 
   lr = lr_at(0)
   h, local, syncs = adjust_h(0, lr), 0, []  # once before training
@@ -277,14 +316,29 @@ def _official_sync_steps(lr_at, total, alpha, power, min_h, init_h, warmup):
   return syncs
 
 
-def _lr_config(kind, *, steps, learning_rate, warmup_steps=0,
-               final_learning_rate=1e-6, lr_decay_steps=None, base=2.0):
+def _lr_config(
+  kind,
+  *,
+  steps,
+  learning_rate,
+  warmup_steps=0,
+  final_learning_rate=1e-6,
+  lr_decay_steps=None,
+  base=2.0,
+):
   from experiments.configs import default
+
   config = default.get_config()
-  config.update(dict(steps=steps, learning_rate=learning_rate,
-                     lr_schedule=kind, warmup_steps=warmup_steps,
-                     final_learning_rate=final_learning_rate,
-                     lr_round_base=base))
+  config.update(
+    dict(
+      steps=steps,
+      learning_rate=learning_rate,
+      lr_schedule=kind,
+      warmup_steps=warmup_steps,
+      final_learning_rate=final_learning_rate,
+      lr_round_base=base,
+    )
+  )
   config.lr_decay_steps = lr_decay_steps
   return config
 
@@ -294,34 +348,49 @@ def _lr_config(kind, *, steps, learning_rate, warmup_steps=0,
 # floor. In most, the former float32 schedule with a 1e-6 tolerance synced
 # elsewhere (0.3 / 0.1 is 2.9999999999999996, the official H 2, not 3).
 OFFICIAL_CASES = [
-    ("step", 2000, 0.1, 0.02, 2.0, 1, (1000, 1500), 2.0),
-    ("step", 600, 0.1, 0.2, 2.0, 2, (200, 400), 2.0),
-    ("linear", 500, 0.1, 0.3, 1.0, 1, None, 2.0),
-    ("linear", 1000, 0.1, 0.2, 2.0, 1, None, 2.0),
-    ("cosine", 500, 0.1, 0.3, 1.0, 1, None, 2.0),
-    ("cosine", 1000, 0.1, 0.2, 2.0, 2, None, 2.0),
-    ("cosine_step", 600, 0.1, 0.3, 1.0, 1, None, 10.0),
-    ("cosine_step", 600, 0.4, 0.1, 2.0, 2, None, 2.0),
+  ("step", 2000, 0.1, 0.02, 2.0, 1, (1000, 1500), 2.0),
+  ("step", 600, 0.1, 0.2, 2.0, 2, (200, 400), 2.0),
+  ("linear", 500, 0.1, 0.3, 1.0, 1, None, 2.0),
+  ("linear", 1000, 0.1, 0.2, 2.0, 1, None, 2.0),
+  ("cosine", 500, 0.1, 0.3, 1.0, 1, None, 2.0),
+  ("cosine", 1000, 0.1, 0.2, 2.0, 2, None, 2.0),
+  ("cosine_step", 600, 0.1, 0.3, 1.0, 1, None, 10.0),
+  ("cosine_step", 600, 0.4, 0.1, 2.0, 2, None, 2.0),
 ]
 
 
 @pytest.mark.parametrize("warmup", [0, 50])
-@pytest.mark.parametrize("case", OFFICIAL_CASES,
-                         ids=lambda c: f"{c[0]}-{c[1]}")
+@pytest.mark.parametrize("case", OFFICIAL_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def test_qsr_syncs_where_the_official_code_does(case, warmup):
   from experiments import config_lib
+
   kind, steps, peak, alpha, gamma, h_base, points, base = case
-  config = _lr_config(kind, steps=steps, learning_rate=peak,
-                      warmup_steps=warmup, lr_decay_steps=points, base=base)
-  official_lr = lambda t: _official_lr(  # noqa: E731
-      kind, t, peak, 1e-6, steps, warmup, points or (), 0.1, base)
+  config = _lr_config(
+    kind,
+    steps=steps,
+    learning_rate=peak,
+    warmup_steps=warmup,
+    lr_decay_steps=points,
+    base=base,
+  )
+  official_lr = lambda t: _official_lr(
+    kind, t, peak, 1e-6, steps, warmup, points or (), 0.1, base
+  )
   lr = config_lib.make_learning_rate_f64(config)
   assert [lr(t) for t in range(steps + 1)] == [
-      official_lr(t) for t in range(steps + 1)]
-  q = schedules.QSR(lr, total_steps=steps, alpha=alpha, h_base=h_base,
-                    gamma=gamma, warmup_steps=warmup)
-  official = _official_sync_steps(official_lr, steps, alpha, gamma, h_base,
-                                  h_base, warmup)
+    official_lr(t) for t in range(steps + 1)
+  ]
+  q = schedules.QSR(
+    lr,
+    total_steps=steps,
+    alpha=alpha,
+    h_base=h_base,
+    gamma=gamma,
+    warmup_steps=warmup,
+  )
+  official = _official_sync_steps(
+    official_lr, steps, alpha, gamma, h_base, h_base, warmup
+  )
   assert q.sync_steps(steps) == official
   assert [t for t in range(1, steps + 1) if q.is_sync_step(t)] == official
 
@@ -331,74 +400,117 @@ def test_qsr_step_decay_gives_the_official_1169_syncs():
   # decay the official LR is 0.1 * 0.1 ** 1 = 0.010000000000000002, so
   # (alpha / lr) ** 2 = 3.9999999999999982 and H = 3, not 4 (1127 syncs).
   from experiments import config_lib
-  config = _lr_config("step", steps=2000, learning_rate=0.1,
-                      lr_decay_steps=(1000, 1500))
-  q = schedules.QSR(config_lib.make_learning_rate_f64(config),
-                    total_steps=2000, alpha=0.02, h_base=1)
+
+  config = _lr_config(
+    "step", steps=2000, learning_rate=0.1, lr_decay_steps=(1000, 1500)
+  )
+  q = schedules.QSR(
+    config_lib.make_learning_rate_f64(config),
+    total_steps=2000,
+    alpha=0.02,
+    h_base=1,
+  )
   syncs = q.sync_steps(2000)
   assert len(syncs) == 1169
   assert q.period(1000) == 3 and q.period(1500) == 399
   # optax's piecewise-constant schedule, run in float64, agrees.
   optax_lr = optax.piecewise_constant_schedule(0.1, {1000: 0.1, 1500: 0.1})
-  assert schedules.QSR(optax_lr, total_steps=2000, alpha=0.02,
-                       h_base=1).sync_steps(2000) == syncs
+  assert (
+    schedules.QSR(optax_lr, total_steps=2000, alpha=0.02, h_base=1).sync_steps(
+      2000
+    )
+    == syncs
+  )
 
 
 def test_qsr_refuses_a_learning_rate_below_float64():
-  as_float32 = lambda t: np.float32(0.1)  # noqa: E731
-  with pytest.raises(ValueError, match="QSR reads the learning rate in "
-                     "float64; the learning rate at step 0 is"):
+  as_float32 = lambda t: np.float32(0.1)
+  with pytest.raises(
+    ValueError,
+    match="QSR reads the learning rate in "
+    "float64; the learning rate at step 0 is",
+  ):
     schedules.QSR(as_float32, total_steps=10, alpha=0.1, h_base=1)
-  cast = lambda t: jnp.asarray(0.1, jnp.float32)  # noqa: E731
+  cast = lambda t: jnp.asarray(0.1, jnp.float32)
   with pytest.raises(ValueError, match="float32"):
     schedules.QSR(cast, total_steps=10, alpha=0.1, h_base=1)
   with pytest.raises(ValueError, match="step 0 is nan, not finite"):
     schedules.QSR(math.nan, total_steps=10, alpha=0.1, h_base=1)
   # alpha = 0 never reads the LR; a float32 constant is then harmless.
-  assert schedules.QSR(np.float32(0.1), total_steps=4, alpha=0.0,
-                       h_base=2).sync_steps(4) == [2, 4]
+  assert schedules.QSR(
+    np.float32(0.1), total_steps=4, alpha=0.0, h_base=2
+  ).sync_steps(4) == [2, 4]
 
 
-@pytest.mark.parametrize("kind", ["constant", "cosine", "linear", "step",
-                                  "cosine_step"])
+@pytest.mark.parametrize(
+  "kind", ["constant", "cosine", "linear", "step", "cosine_step"]
+)
 @pytest.mark.parametrize("warmup", [0, 20])
 def test_training_and_qsr_learning_rates_are_one_schedule(kind, warmup):
   from experiments import config_lib
-  config = _lr_config(kind, steps=200, learning_rate=0.3, warmup_steps=warmup,
-                      final_learning_rate=1e-3, lr_decay_steps=(60, 120))
+
+  config = _lr_config(
+    kind,
+    steps=200,
+    learning_rate=0.3,
+    warmup_steps=warmup,
+    final_learning_rate=1e-3,
+    lr_decay_steps=(60, 120),
+  )
   train = config_lib.make_learning_rate(config)
   lr = config_lib.make_learning_rate_f64(config)
   counts = np.arange(221)  # past the end: the LR holds its last value
-  got = (np.full(counts.shape, train) if kind == "constant"
-         else np.asarray(train(jnp.asarray(counts))))
+  got = (
+    np.full(counts.shape, train)
+    if kind == "constant"
+    else np.asarray(train(jnp.asarray(counts)))
+  )
   want = np.array([lr(int(t)) for t in counts])
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * 0.3)
   if kind != "constant":
-    assert lr(0) == (1e-3 if warmup else 0.25 if kind == "cosine_step"
-                     else 0.3)
+    assert lr(0) == (1e-3 if warmup else 0.25 if kind == "cosine_step" else 0.3)
     assert lr(200) == pytest.approx(
-        {"cosine": 1e-3, "linear": 1e-3, "step": 3e-3,
-         "cosine_step": 2.0 ** -10}[kind])
+      {"cosine": 1e-3, "linear": 1e-3, "step": 3e-3, "cosine_step": 2.0**-10}[
+        kind
+      ]
+    )
 
 
-@pytest.mark.parametrize("fields,message", [
-    (dict(lr_schedule="exp"), "unknown lr_schedule 'exp'; valid: constant, "
-     "cosine, linear, step, cosine_step"),
+@pytest.mark.parametrize(
+  "fields,message",
+  [
+    (
+      dict(lr_schedule="exp"),
+      "unknown lr_schedule 'exp'; valid: constant, "
+      "cosine, linear, step, cosine_step",
+    ),
     (dict(lr_schedule="step"), "lr_schedule=step needs lr_decay_steps"),
     (dict(lr_schedule="step", lr_decay_steps=(50, 20)), "increasing"),
-    (dict(lr_schedule="step", lr_decay_steps=(20,), lr_decay_factor=0.0),
-     "lr_decay_factor must be > 0"),
-    (dict(lr_schedule="cosine_step", final_learning_rate=0.0),
-     "needs learning_rate and final_learning_rate > 0"),
-    (dict(lr_schedule="cosine_step", final_learning_rate=1e-3,
-          lr_round_base=1.0), "lr_round_base must be > 0 and != 1"),
+    (
+      dict(lr_schedule="step", lr_decay_steps=(20,), lr_decay_factor=0.0),
+      "lr_decay_factor must be > 0",
+    ),
+    (
+      dict(lr_schedule="cosine_step", final_learning_rate=0.0),
+      "needs learning_rate and final_learning_rate > 0",
+    ),
+    (
+      dict(
+        lr_schedule="cosine_step", final_learning_rate=1e-3, lr_round_base=1.0
+      ),
+      "lr_round_base must be > 0 and != 1",
+    ),
     (dict(lr_schedule="linear", warmup_steps=100), "warmup_steps < steps"),
-])
+  ],
+)
 def test_learning_rate_config_errors_name_the_problem(fields, message):
   from experiments import config_lib
+
   config = _lr_config("constant", steps=100, learning_rate=0.1)
   config.update(fields)
-  for make in (config_lib.make_learning_rate,
-               config_lib.make_learning_rate_f64):
+  for make in (
+    config_lib.make_learning_rate,
+    config_lib.make_learning_rate_f64,
+  ):
     with pytest.raises(ValueError, match=re.escape(message)):
       make(config)

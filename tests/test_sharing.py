@@ -35,8 +35,9 @@ class _Store:
 
   def blocking_key_value_get(self, key, timeout_ms):
     with self.cond:
-      if not self.cond.wait_for(lambda: key in self.items,
-                                timeout=timeout_ms / 1000):
+      if not self.cond.wait_for(
+        lambda: key in self.items, timeout=timeout_ms / 1000
+      ):
         raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
       return self.items[key]
 
@@ -60,8 +61,9 @@ def _run(n, fn):
 
 
 def _device(kind_name, process, platform="gpu", i=0):
-  return types.SimpleNamespace(device_kind=kind_name, platform=platform,
-                               process_index=process, id=i)
+  return types.SimpleNamespace(
+    device_kind=kind_name, platform=platform, process_index=process, id=i
+  )
 
 
 def test_sites_measure_each_kind_on_its_first_device_of_that_kind():
@@ -70,33 +72,57 @@ def test_sites_measure_each_kind_on_its_first_device_of_that_kind():
   spec = parse_cluster("v100:1,t4:2")
   sites = sharing.profile_sites(spec, [v100, t4a, t4b])
   assert sites == {"v100": v100, "t4": t4a}
-  assert sharing.describe_sites(sites)["t4"].startswith(
-      "measured on process 1")
+  assert sharing.describe_sites(sites)["t4"].startswith("measured on process 1")
   # A spec naming GPUs the run lacks (CPUs run them): the catalog.
   cpus = [_device("cpu", 0, "cpu"), _device("cpu", 1, "cpu")]
   assert sharing.profile_sites(parse_cluster("v100:1,t4:1"), cpus) == {
-      "v100": None, "t4": None}
+    "v100": None,
+    "t4": None,
+  }
   assert sharing.describe_sites({"t4": None}) == {"t4": "analytic"}
   # "measured": on whatever device runs the kind; "analytic": never.
-  assert sharing.profile_sites(parse_cluster("v100:1,t4:1"), cpus,
-                               "measured") == {"v100": cpus[0], "t4": cpus[1]}
+  assert sharing.profile_sites(
+    parse_cluster("v100:1,t4:1"), cpus, "measured"
+  ) == {"v100": cpus[0], "t4": cpus[1]}
   assert sharing.profile_sites(spec, [v100, t4a, t4b], "analytic") == {
-      "v100": None, "t4": None}
+    "v100": None,
+    "t4": None,
+  }
 
 
-@pytest.mark.parametrize("cluster,devices,source,message", [
-    ("cpu:1,t4:1", [_device("Tesla T4", 0), _device("Tesla T4", 0)], "auto",
-     "cannot profile cpu: no device of that kind runs in this job, and "
-     r"the GPU catalog \(a10, .*\) has no figures for it"),
-    ("cpu:1,t4:1", [_device("cpu", 0, "cpu"), _device("Tesla T4", 0)],
-     "analytic", "cannot profile cpu: analytic profiles were asked for"),
-    ("t4:1", [_device("Tesla T4", 0)], "sometimes",
-     "unknown profile source 'sometimes'; valid: auto, measured, analytic"),
-    ("t4:2", [_device("Tesla T4", 0)], "auto",
-     "cluster t4:2 has 2 workers but 1 devices were given"),
-])
-def test_sites_reject_what_cannot_be_profiled(cluster, devices, source,
-                                              message):
+@pytest.mark.parametrize(
+  "cluster,devices,source,message",
+  [
+    (
+      "cpu:1,t4:1",
+      [_device("Tesla T4", 0), _device("Tesla T4", 0)],
+      "auto",
+      "cannot profile cpu: no device of that kind runs in this job, and "
+      r"the GPU catalog \(a10, .*\) has no figures for it",
+    ),
+    (
+      "cpu:1,t4:1",
+      [_device("cpu", 0, "cpu"), _device("Tesla T4", 0)],
+      "analytic",
+      "cannot profile cpu: analytic profiles were asked for",
+    ),
+    (
+      "t4:1",
+      [_device("Tesla T4", 0)],
+      "sometimes",
+      "unknown profile source 'sometimes'; valid: auto, measured, analytic",
+    ),
+    (
+      "t4:2",
+      [_device("Tesla T4", 0)],
+      "auto",
+      "cluster t4:2 has 2 workers but 1 devices were given",
+    ),
+  ],
+)
+def test_sites_reject_what_cannot_be_profiled(
+  cluster, devices, source, message
+):
   with pytest.raises(ValueError, match=message):
     sharing.profile_sites(parse_cluster(cluster), devices, source)
 
@@ -109,52 +135,88 @@ def graph():
 
 def _fake_measure(graph, calls, process, fail=None):
   """A measured profile: the v100 figures, stamped with the kind measured."""
+
   def measure(kind, device, local):
     calls.append((process, kind, device.id, len(local)))
     if kind == fail:
       raise RuntimeError("out of memory")
-    return dataclasses.replace(predictor.analytic_profile(graph, "v100"),
-                               device_kind=kind, source="measured")
+    return dataclasses.replace(
+      predictor.analytic_profile(graph, "v100"),
+      device_kind=kind,
+      source="measured",
+    )
+
   return measure
 
 
 def test_every_process_measures_its_kinds_and_gets_all_profiles(graph):
   spec = parse_cluster("v100:1,t4:2,a100:1")
-  devices = [_device("Tesla V100-SXM2-16GB", 0, i=0),
-             _device("Tesla T4", 1, i=1), _device("Tesla T4", 1, i=2),
-             _device("cpu", 1, "cpu", i=3)]  # a100 is not present
+  devices = [
+    _device("Tesla V100-SXM2-16GB", 0, i=0),
+    _device("Tesla T4", 1, i=1),
+    _device("Tesla T4", 1, i=2),
+    _device("cpu", 1, "cpu", i=3),
+  ]  # a100 is not present
   sites = sharing.profile_sites(spec, devices)
   store, calls = _Store(), []
-  results, errors = _run(2, lambda p: sharing.gather_profiles(
-      graph, spec, devices, sites, _fake_measure(graph, calls, p),
-      store=store, process_index=p, timeout_s=30))
+  results, errors = _run(
+    2,
+    lambda p: sharing.gather_profiles(
+      graph,
+      spec,
+      devices,
+      sites,
+      _fake_measure(graph, calls, p),
+      store=store,
+      process_index=p,
+      timeout_s=30,
+    ),
+  )
   assert errors == [None, None]
   # Each kind measured once, by its own process, with its local devices.
   assert sorted(calls) == [(0, "v100", 0, 1), (1, "t4", 1, 2)]
   for profiles in results:
     assert list(profiles) == ["v100", "t4", "a100"]
     assert {k: p.source for k, p in profiles.items()} == {
-        "v100": "measured", "t4": "measured", "a100": "analytic"}
+      "v100": "measured",
+      "t4": "measured",
+      "a100": "analytic",
+    }
     assert profiles["t4"].device_kind == "t4"
   assert results[0]["t4"].to_dict() == results[1]["t4"].to_dict()
   # One process: no store, every site local.
   calls.clear()
   alone = sharing.gather_profiles(
-      graph, spec, [_device("Tesla V100-SXM2-16GB", 0)] * 4,
-      {"v100": devices[0], "t4": None, "a100": None},
-      _fake_measure(graph, calls, 0))
+    graph,
+    spec,
+    [_device("Tesla V100-SXM2-16GB", 0)] * 4,
+    {"v100": devices[0], "t4": None, "a100": None},
+    _fake_measure(graph, calls, 0),
+  )
   assert calls == [(0, "v100", 0, 1)] and alone["t4"].source == "analytic"
 
 
 def test_a_process_that_cannot_profile_ends_every_process(graph):
   spec = parse_cluster("v100:1,t4:1")
-  devices = [_device("Tesla V100-SXM2-16GB", 0, i=0),
-             _device("Tesla T4", 1, i=1)]
+  devices = [
+    _device("Tesla V100-SXM2-16GB", 0, i=0),
+    _device("Tesla T4", 1, i=1),
+  ]
   sites = sharing.profile_sites(spec, devices)
   store = _Store()
-  _, errors = _run(2, lambda p: sharing.gather_profiles(
-      graph, spec, devices, sites, _fake_measure(graph, [], p, fail="t4"),
-      store=store, process_index=p, timeout_s=30))
+  _, errors = _run(
+    2,
+    lambda p: sharing.gather_profiles(
+      graph,
+      spec,
+      devices,
+      sites,
+      _fake_measure(graph, [], p, fail="t4"),
+      store=store,
+      process_index=p,
+      timeout_s=30,
+    ),
+  )
   for e in errors:
     assert isinstance(e, coordination.CoordinationError)
     assert str(e).startswith("process 1 could not profile t4 on ")
@@ -169,8 +231,12 @@ def test_process_0_allocates_once_and_shares_the_plans():
     calls.append(1)
     return plans
 
-  results, errors = _run(3, lambda p: sharing.plan_once(
-      allocate, store=store, process_index=p, timeout_s=30))
+  results, errors = _run(
+    3,
+    lambda p: sharing.plan_once(
+      allocate, store=store, process_index=p, timeout_s=30
+    ),
+  )
   assert errors == [None] * 3 and calls == [1]
   digests = {sharing.plans_digest(r) for r in results}
   assert digests == {sharing.plans_digest(plans)}
@@ -180,26 +246,36 @@ def test_process_0_allocates_once_and_shares_the_plans():
     raise ValueError("no plan fits t4 in 1 GiB")
 
   failing = _Store()
-  _, errors = _run(2, lambda p: sharing.plan_once(
-      no_plan, store=failing, process_index=p, timeout_s=30))
+  _, errors = _run(
+    2,
+    lambda p: sharing.plan_once(
+      no_plan, store=failing, process_index=p, timeout_s=30
+    ),
+  )
   assert [str(e) for e in errors] == [
-      "process 0 could not allocate plans: ValueError: no plan fits t4 in "
-      "1 GiB"] * 2
-  with pytest.raises(coordination.CoordinationError,
-                     match=r"process 0 did not share its plans within 1 s "
-                     r"\(process 1 waited\)"):
+    "process 0 could not allocate plans: ValueError: no plan fits t4 in 1 GiB"
+  ] * 2
+  with pytest.raises(
+    coordination.CoordinationError,
+    match=r"process 0 did not share its plans within 1 s "
+    r"\(process 1 waited\)",
+  ):
     sharing.plan_once(allocate, store=_Store(), process_index=1, timeout_s=1)
 
 
 def test_the_timing_batch_is_what_the_timing_model_takes():
   from experiments import plans_lib  # pylint: disable=g-import-not-at-top
   from qsync_jax import data
+
   digits = data.load_dataset("digits")
   kwargs = digits.model_kwargs()
   # The CNN as deployed (32 x 32 x 3): random inputs of its spec, the
   # dataset's labels, repeated past the dataset's length.
-  wide = models.build_model("cnn", rngs=nnx.Rngs(0), data_kwargs={
-      **kwargs, "image_size": 32, "in_channels": 3})
+  wide = models.build_model(
+    "cnn",
+    rngs=nnx.Rngs(0),
+    data_kwargs={**kwargs, "image_size": 32, "in_channels": 3},
+  )
   x, y = plans_lib.timing_batch(wide, digits, 16)
   assert x.shape == (16, 32, 32, 3) and x.dtype == np.float32
   np.testing.assert_array_equal(y, digits.y_train[:16])

@@ -1,6 +1,7 @@
 """Tests for HybridTrainer, cluster specs, dynamic batching and loss scaling,
 BatchNorm statistics at evaluation and optimizer state at syncs."""
 
+import itertools
 import logging
 
 from flax import nnx
@@ -13,11 +14,12 @@ import pytest
 import qsync_jax as qs
 from qsync_jax import models
 from qsync_jax.parallel import cluster
-from qsync_jax.train import evaluation
 from qsync_jax.task import losses
+from qsync_jax.train import evaluation
 from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train.layout import rows as _rows
-from qsync_jax.train.trainer import HybridTrainer, Worker
+from qsync_jax.train.trainer import HybridTrainer
+from qsync_jax.train.trainer import Worker
 
 INT8_FP16 = qs.PrecisionPlan([(r"conv\d", "int8"), ("fc", "fp16")])
 
@@ -28,21 +30,25 @@ def _cnn(seed=0):
 
 def _batch(n, seed=0):
   rng = np.random.default_rng(seed)
-  return (rng.uniform(size=(n, 8, 8, 1)).astype(np.float32),
-          rng.integers(0, 10, size=n).astype(np.int32))
+  return (
+    rng.uniform(size=(n, 8, 8, 1)).astype(np.float32),
+    rng.integers(0, 10, size=n).astype(np.int32),
+  )
 
 
 def _workers(sizes, plans=None, kinds=None):
   plans = plans or [qs.PrecisionPlan()] * len(sizes)
   kinds = kinds or ["cpu"] * len(sizes)
-  return [Worker(d, k, p, b) for d, k, p, b in
-          zip(jax.devices(), kinds, plans, sizes)]
+  return [
+    Worker(d, k, p, b) for d, k, p, b in zip(jax.devices(), kinds, plans, sizes)
+  ]
 
 
 def _split(x, y, sizes):
   bounds = np.cumsum([0, *sizes])
-  return {i: (x[a:b], y[a:b]) for i, (a, b) in
-          enumerate(zip(bounds[:-1], bounds[1:]))}
+  return {
+    i: (x[a:b], y[a:b]) for i, (a, b) in enumerate(itertools.pairwise(bounds))
+  }
 
 
 def _flat(tree):
@@ -54,16 +60,17 @@ def _grad(model, x, y):
   return nnx.grad(lambda m: losses.cross_entropy(m(x), y))(model)
 
 
-@pytest.mark.parametrize("declared", [False, True],
-                         ids=["pytree_update", "elementwise_update"])
-def test_four_fp32_workers_match_one_device_on_the_concatenated_batch(
-    declared):
+@pytest.mark.parametrize(
+  "declared", [False, True], ids=["pytree_update", "elementwise_update"]
+)
+def test_four_fp32_workers_match_one_device_on_the_concatenated_batch(declared):
   # SGD with momentum: Adam's m / sqrt(v) turns float32 rounding noise on
   # near-zero gradients into +-lr steps, which says nothing about the trainer.
   sizes = [8, 8, 8, 8]
   tx = optax.sgd(0.1, momentum=0.9)
-  trainer = HybridTrainer(_cnn(), _workers(sizes),
-                          qs.elementwise(tx) if declared else tx)
+  trainer = HybridTrainer(
+    _cnn(), _workers(sizes), qs.elementwise(tx) if declared else tx
+  )
   ref = _cnn()
   opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
   for step in range(3):
@@ -72,8 +79,9 @@ def test_four_fp32_workers_match_one_device_on_the_concatenated_batch(
     opt.update(ref, _grad(ref, x, y))
   want = _flat(nnx.state(ref, nnx.Param))
   for i in range(4):
-    np.testing.assert_allclose(_flat(trainer.worker_params(i)), want,
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+      _flat(trainer.worker_params(i)), want, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_dynamic_batch_weighted_gradient_equals_the_full_batch_gradient():
@@ -88,17 +96,20 @@ def test_dynamic_batch_weighted_gradient_equals_the_full_batch_gradient():
   step = before - _flat(trainer.worker_params(0))
   np.testing.assert_allclose(step, full_grad, rtol=1e-5, atol=1e-6)
   # An unweighted mean of the per-worker means would be a different step.
-  per_worker = [_flat(_grad(model, xb, yb))
-                for xb, yb in _split(x, y, sizes).values()]
+  per_worker = [
+    _flat(_grad(model, xb, yb)) for xb, yb in _split(x, y, sizes).values()
+  ]
   assert not np.allclose(np.mean(per_worker, 0), full_grad, rtol=1e-3)
 
 
 def test_mixed_plans_keep_every_worker_identical():
   sizes = [8, 8, 8, 8]
   plans = [qs.PrecisionPlan()] * 2 + [INT8_FP16] * 2
-  trainer = HybridTrainer(_cnn(), _workers(sizes, plans,
-                                           ["v100", "v100", "t4", "t4"]),
-                          optax.adam(1e-2))
+  trainer = HybridTrainer(
+    _cnn(),
+    _workers(sizes, plans, ["v100", "v100", "t4", "t4"]),
+    optax.adam(1e-2),
+  )
   assert trainer.loss_scaling  # an FP16 layer turns it on
   for step in range(3):
     trainer.train_step(_split(*_batch(32, seed=step), sizes))
@@ -109,15 +120,18 @@ def test_mixed_plans_keep_every_worker_identical():
   assert trainer.comm_bytes == pytest.approx(3 * 1.5 * 4 * trainer.num_params)
 
 
-@pytest.mark.parametrize("declared", [False, True],
-                         ids=["pytree_update", "elementwise_update"])
+@pytest.mark.parametrize(
+  "declared", [False, True], ids=["pytree_update", "elementwise_update"]
+)
 def test_non_finite_gradient_skips_the_step_on_all_workers(declared):
   sizes = [8, 8, 8, 8]
   plans = [qs.PrecisionPlan()] * 2 + [INT8_FP16] * 2
   tx = optax.adam(1e-2)
-  trainer = HybridTrainer(_cnn(), _workers(sizes, plans,
-                                           ["v100", "v100", "t4", "t4"]),
-                          qs.elementwise(tx) if declared else tx)
+  trainer = HybridTrainer(
+    _cnn(),
+    _workers(sizes, plans, ["v100", "v100", "t4", "t4"]),
+    qs.elementwise(tx) if declared else tx,
+  )
   trainer.train_step(_split(*_batch(32), sizes))
   before = {d: np.asarray(r) for d, r in _rows(trainer.params).items()}
   opt_before = [np.asarray(a) for a in jax.tree.leaves(trainer.opt_state)]
@@ -134,8 +148,10 @@ def test_non_finite_gradient_skips_the_step_on_all_workers(declared):
     np.testing.assert_array_equal(np.asarray(a), b)
   trainer.train_step(_split(*_batch(32, seed=2), sizes))
   assert trainer.last_step_finite() and trainer.skipped_steps == 1
-  assert not np.array_equal(np.asarray(next(iter(_rows(
-      trainer.params).values()))), next(iter(before.values())))
+  assert not np.array_equal(
+    np.asarray(next(iter(_rows(trainer.params).values()))),
+    next(iter(before.values())),
+  )
 
 
 def test_an_elementwise_optimizer_keeps_flat_state_and_steps_as_on_the_pytree():
@@ -143,9 +159,13 @@ def test_an_elementwise_optimizer_keeps_flat_state_and_steps_as_on_the_pytree():
   # step, the parameter average with Adam's moments averaged too.
   sizes = [8, 8]
   schedule = qs.make_schedule("local", total_steps=4, h_base=2)
-  make = lambda tx: HybridTrainer(_cnn(), _workers(sizes), tx,
-                                  schedule=schedule,
-                                  opt_fields_to_average=("mu", "nu"))
+  make = lambda tx: HybridTrainer(
+    _cnn(),
+    _workers(sizes),
+    tx,
+    schedule=schedule,
+    opt_fields_to_average=("mu", "nu"),
+  )
   pytree, flat = make(optax.adam(1e-2)), make(qs.elementwise(optax.adam(1e-2)))
   for step in range(4):
     batches = _split(*_batch(16, seed=step), sizes)
@@ -154,11 +174,15 @@ def test_an_elementwise_optimizer_keeps_flat_state_and_steps_as_on_the_pytree():
   for i in range(2):
     # Float32 rounding (XLA fuses the two layouts differently), which
     # Adam's m / sqrt(v) amplifies on near-zero gradients.
-    np.testing.assert_allclose(_flat(flat.worker_params(i)),
-                               _flat(pytree.worker_params(i)),
-                               rtol=1e-5, atol=1e-5)
-  float_shapes = lambda t: {a.shape for a in jax.tree.leaves(t)
-                            if np.issubdtype(a.dtype, np.floating)}
+    np.testing.assert_allclose(
+      _flat(flat.worker_params(i)),
+      _flat(pytree.worker_params(i)),
+      rtol=1e-5,
+      atol=1e-5,
+    )
+  float_shapes = lambda t: {
+    a.shape for a in jax.tree.leaves(t) if np.issubdtype(a.dtype, np.floating)
+  }
   assert float_shapes(flat.opt_state) == {(2, flat.num_params)}
   assert (2, flat.num_params) not in float_shapes(pytree.opt_state)
 
@@ -170,9 +194,12 @@ def test_every_program_compiles_once(sync, num_workers):
   # reads the initial state, which must look the same to jit (it did not on
   # a one-device mesh).
   sizes = [4] * num_workers
-  trainer = HybridTrainer(_cnn(), _workers(sizes), optax.sgd(0.1),
-                          schedule=qs.make_schedule(sync, total_steps=4,
-                                                    h_base=2))
+  trainer = HybridTrainer(
+    _cnn(),
+    _workers(sizes),
+    optax.sgd(0.1),
+    schedule=qs.make_schedule(sync, total_steps=4, h_base=2),
+  )
   for step in range(4):
     trainer.train_step(_split(*_batch(sum(sizes), seed=step), sizes))
   # The workers share one gradient function, compiled once per device.
@@ -194,8 +221,9 @@ def test_checkpoint_restore_continues_bit_identically(tmp_path):
   kinds = ["v100", "v100", "t4", "t4"]
 
   def make():
-    return HybridTrainer(_cnn(), _workers(sizes, plans, kinds),
-                         optax.adam(1e-2))
+    return HybridTrainer(
+      _cnn(), _workers(sizes, plans, kinds), optax.adam(1e-2)
+    )
 
   batches = [_split(*_batch(32, seed=s), sizes) for s in range(6)]
   straight = make()
@@ -223,21 +251,24 @@ def test_bad_worker_sets_are_clear_errors():
   with pytest.raises(ValueError, match="at least one worker"):
     HybridTrainer(_cnn(), [], optax.sgd(0.1))
   with pytest.raises(ValueError, match="distinct devices"):
-    HybridTrainer(_cnn(), [Worker(d, "cpu", qs.PrecisionPlan(), 4)] * 2,
-                  optax.sgd(0.1))
+    HybridTrainer(
+      _cnn(), [Worker(d, "cpu", qs.PrecisionPlan(), 4)] * 2, optax.sgd(0.1)
+    )
   with pytest.raises(qs.PlanError, match="'v100' does not support int8"):
-    HybridTrainer(_cnn(), _workers([4], [INT8_FP16], ["v100"]),
-                  optax.sgd(0.1))
+    HybridTrainer(_cnn(), _workers([4], [INT8_FP16], ["v100"]), optax.sgd(0.1))
 
 
-@pytest.mark.parametrize("spec, message", [
+@pytest.mark.parametrize(
+  "spec, message",
+  [
     ("", "empty cluster spec"),
     ("v100", "malformed cluster group 'v100'"),
     ("v100:2,k80:1", "unknown device kind 'k80'"),
     ("v100:0", "count must be positive"),
     ("t4:-1", "count must be positive"),
     ("t4:two", "is not an integer"),
-])
+  ],
+)
 def test_cluster_spec_errors(spec, message):
   with pytest.raises(ValueError, match=message):
     cluster.parse_cluster(spec)
@@ -254,7 +285,11 @@ def test_cluster_spec_maps_onto_devices():
 
 def test_dynamic_batch_sizes_follow_speed_and_keep_the_global_batch():
   assert cluster.dynamic_batch_sizes(256, [1.3, 1.3, 1.0, 1.0]) == [
-      72, 72, 56, 56]
+    72,
+    72,
+    56,
+    56,
+  ]
   sizes = cluster.dynamic_batch_sizes(10, [100, 1, 1])
   assert sum(sizes) == 10 and min(sizes) == 1
   with pytest.raises(ValueError, match="positive"):
@@ -268,8 +303,10 @@ def test_dynamic_batch_sizes_follow_speed_and_keep_the_global_batch():
 
 def test_trainer_overhead_benchmark_reports_both_step_times():
   from experiments.benches import trainer_overhead
-  r = trainer_overhead.trainer_overhead("cnn", 4, num_workers=2, rounds=1,
-                                        steps_per_round=2)
+
+  r = trainer_overhead.trainer_overhead(
+    "cnn", 4, num_workers=2, rounds=1, steps_per_round=2
+  )
   assert r["hybrid_step_s"] > 0 and r["spmd_step_s"] > 0
   assert r["ratio"] == pytest.approx(r["hybrid_step_s"] / r["spmd_step_s"])
 
@@ -284,23 +321,31 @@ def test_local_sgd_with_h1_and_plain_sgd_equals_data_parallel():
   # rounding, and never bit-identical by construction (the sums differ).
   sizes = [8, 8, 8, 8]
   dp = HybridTrainer(_cnn(), _workers(sizes), optax.sgd(0.1))
-  local = HybridTrainer(_cnn(), _workers(sizes), optax.sgd(0.1),
-                        schedule=qs.parallel.schedules.ConstantLocalSGD(1))
+  local = HybridTrainer(
+    _cnn(),
+    _workers(sizes),
+    optax.sgd(0.1),
+    schedule=qs.parallel.schedules.ConstantLocalSGD(1),
+  )
   for step in range(4):
     batches = _split(*_batch(32, seed=step), sizes)
     dp.train_step(batches)
     local.train_step(batches)
-  np.testing.assert_allclose(np.asarray(local.params), np.asarray(dp.params),
-                             rtol=0, atol=2e-6)
+  np.testing.assert_allclose(
+    np.asarray(local.params), np.asarray(dp.params), rtol=0, atol=2e-6
+  )
   assert local.sync_rounds == dp.sync_rounds == 4
   assert local.comm_bytes == dp.comm_bytes
 
 
 def test_local_sgd_rounds_keep_workers_apart_until_the_average():
   sizes = [8, 8, 8, 8]
-  trainer = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2),
-                          schedule=qs.parallel.schedules.ConstantLocalSGD(
-                              3, total_steps=7))
+  trainer = HybridTrainer(
+    _cnn(),
+    _workers(sizes),
+    optax.adam(1e-2),
+    schedule=qs.parallel.schedules.ConstantLocalSGD(3, total_steps=7),
+  )
   start = np.asarray(trainer.params)[0]
   local_rows = []
   for step in range(1, 8):
@@ -322,8 +367,12 @@ def test_local_sgd_rounds_keep_workers_apart_until_the_average():
 
 def test_evaluation_in_the_middle_of_a_round_uses_the_mean_model():
   sizes = [8, 8, 8, 8]
-  trainer = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2),
-                          schedule=qs.parallel.schedules.ConstantLocalSGD(4))
+  trainer = HybridTrainer(
+    _cnn(),
+    _workers(sizes),
+    optax.adam(1e-2),
+    schedule=qs.parallel.schedules.ConstantLocalSGD(4),
+  )
   for step in range(2):
     trainer.train_step(_split(*_batch(32, seed=step), sizes))
   assert not trainer.in_sync
@@ -335,24 +384,28 @@ def test_evaluation_in_the_middle_of_a_round_uses_the_mean_model():
   ref.eval()
   logits = ref(x)
   assert got["loss"] == pytest.approx(
-      float(losses.cross_entropy(logits, y)), rel=1e-5)
+    float(losses.cross_entropy(logits, y)), rel=1e-5
+  )
   assert trainer.sync_rounds == 0 and not trainer.in_sync  # untouched
 
 
 @pytest.mark.parametrize("compress", ["gqsgd", "gqsgd_exp", "qsgd", "fp16"])
 def test_compressed_averages_keep_workers_identical_and_count_their_bytes(
-    compress):
+  compress,
+):
   sizes = [8, 8, 8, 8]
   averager = qs.parallel.averagers.make_averager(compress)
-  trainer = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2),
-                          averager=averager)
+  trainer = HybridTrainer(
+    _cnn(), _workers(sizes), optax.adam(1e-2), averager=averager
+  )
   for step in range(3):
     trainer.train_step(_split(*_batch(32, seed=step), sizes))
   rows = np.asarray(trainer.params)
   for r in rows[1:]:
     np.testing.assert_array_equal(r, rows[0])
   assert trainer.comm_bytes == pytest.approx(
-      3 * averager.wire_bytes(trainer.num_params, 4))
+    3 * averager.wire_bytes(trainer.num_params, 4)
+  )
   assert trainer.comm_bytes < 3 * 1.5 * 4 * trainer.num_params
 
 
@@ -360,17 +413,27 @@ def test_gqsgd_noise_changes_from_step_to_step():
   # The trainer keys every average afresh: the same change averaged at the
   # next count rounds differently (a fixed key would repeat the error).
   sizes = [8, 8, 8, 8]
-  trainer = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2),
-                          averager=qs.parallel.averagers.make_averager("gqsgd"))
+  trainer = HybridTrainer(
+    _cnn(),
+    _workers(sizes),
+    optax.adam(1e-2),
+    averager=qs.parallel.averagers.make_averager("gqsgd"),
+  )
   trainer.train_step(_split(*_batch(32), sizes))
   assert np.asarray(trainer._counter).tolist() == [1, 1, 1, 1]
   rng = np.random.default_rng(0)
-  delta = jax.device_put(rng.normal(size=trainer.params.shape).astype(
-      np.float32), trainer.sharding)
+  delta = jax.device_put(
+    rng.normal(size=trainer.params.shape).astype(np.float32), trainer.sharding
+  )
   moved = jax.jit(lambda a, b: a + b)(trainer.params, delta)
-  a, b = (np.asarray(trainer._average_params(
-      moved, trainer.params, trainer._weights, counter, None)[0])
-          for counter in (trainer._counter, trainer._counter + 1))
+  a, b = (
+    np.asarray(
+      trainer._average_params(
+        moved, trainer.params, trainer._weights, counter, None
+      )[0]
+    )
+    for counter in (trainer._counter, trainer._counter + 1)
+  )
   assert not np.array_equal(a, b)
   exact = np.asarray(trainer.params)[0] + np.asarray(delta).mean(0)
   for got in (a, b):
@@ -382,11 +445,17 @@ def test_qsr_checkpoint_mid_round_resumes_bit_identically(tmp_path):
   lr = optax.cosine_decay_schedule(1e-2, 12)
 
   def make():
-    schedule = qs.parallel.schedules.QSR(lr, total_steps=12, alpha=2e-2,
-                                         h_base=2)
-    return HybridTrainer(_cnn(), _workers(sizes), optax.adam(lr),
-                         schedule=schedule, error_feedback=True,
-                         averager=qs.parallel.averagers.make_averager("gqsgd"))
+    schedule = qs.parallel.schedules.QSR(
+      lr, total_steps=12, alpha=2e-2, h_base=2
+    )
+    return HybridTrainer(
+      _cnn(),
+      _workers(sizes),
+      optax.adam(lr),
+      schedule=schedule,
+      error_feedback=True,
+      averager=qs.parallel.averagers.make_averager("gqsgd"),
+    )
 
   batches = [_split(*_batch(32, seed=s), sizes) for s in range(12)]
   straight = make()
@@ -429,17 +498,29 @@ class _TinyBN(nnx.Module):
 
 
 def _bn_trainer(bn_stats="reestimate", local=True):
-  schedule = (qs.parallel.schedules.ConstantLocalSGD(4) if local else None)
-  return HybridTrainer(_TinyBN(), _workers([4, 6]), optax.sgd(0.1),
-                       schedule=schedule, bn_stats=bn_stats,
-                       sample_input=np.zeros((2, 4), np.float32))
+  schedule = qs.parallel.schedules.ConstantLocalSGD(4) if local else None
+  return HybridTrainer(
+    _TinyBN(),
+    _workers([4, 6]),
+    optax.sgd(0.1),
+    schedule=schedule,
+    bn_stats=bn_stats,
+    sample_input=np.zeros((2, 4), np.float32),
+  )
 
 
 def _bn_batches(steps, seed=0):
   rng = np.random.default_rng(seed)
-  return [{i: (rng.normal(size=(b, 4)).astype(np.float32) + i,
-               rng.integers(0, 2, size=b).astype(np.int32))
-           for i, b in enumerate([4, 6])} for _ in range(steps)]
+  return [
+    {
+      i: (
+        rng.normal(size=(b, 4)).astype(np.float32) + i,
+        rng.integers(0, 2, size=b).astype(np.int32),
+      )
+      for i, b in enumerate([4, 6])
+    }
+    for _ in range(steps)
+  ]
 
 
 def test_bn_reestimation_equals_a_hand_computation():
@@ -458,14 +539,21 @@ def test_bn_reestimation_equals_a_hand_computation():
   want_mean = np.mean([np.mean([a.mean(0) for a in hi], 0) for hi in h], 0)
   want_var = np.mean([np.mean([a.var(0) for a in hi], 0) for hi in h], 0)
   params = trainer._mean_params(trainer.params, trainer._weights)
-  got = evaluation.reestimate(trainer._bn_fn, params, trainer.rest,
-                              trainer._devices, steps)
+  got = evaluation.reestimate(
+    trainer._bn_fn, params, trainer.rest, trainer._devices, steps
+  )
   np.testing.assert_allclose(
-      np.mean([np.asarray(got[i]["bn"]["mean"][...]) for i in got], 0),
-      want_mean, rtol=1e-5, atol=1e-6)
+    np.mean([np.asarray(got[i]["bn"]["mean"][...]) for i in got], 0),
+    want_mean,
+    rtol=1e-5,
+    atol=1e-6,
+  )
   np.testing.assert_allclose(
-      np.mean([np.asarray(got[i]["bn"]["var"][...]) for i in got], 0),
-      want_var, rtol=1e-5, atol=1e-6)
+    np.mean([np.asarray(got[i]["bn"]["var"][...]) for i in got], 0),
+    want_var,
+    rtol=1e-5,
+    atol=1e-6,
+  )
   # evaluate() uses them: the reference model with those statistics.
   x, y = _bn_batches(1, seed=3)[0][1]
   ref = _TinyBN()
@@ -475,7 +563,8 @@ def test_bn_reestimation_equals_a_hand_computation():
   ref.eval()
   want = float(losses.cross_entropy(ref(x), y))
   assert trainer.evaluate((x, y), train_batches=steps)["loss"] == (
-      pytest.approx(want, rel=1e-5))
+    pytest.approx(want, rel=1e-5)
+  )
   averaged = _bn_trainer("average")
   for b in _bn_batches(2, seed=1):
     averaged.train_step(b)
@@ -483,7 +572,8 @@ def test_bn_reestimation_equals_a_hand_computation():
 
 
 def test_bn_reestimation_leaves_training_state_and_resume_bit_identical(
-    tmp_path):
+  tmp_path,
+):
   batches = _bn_batches(8, seed=4)
   bn_data = _bn_batches(2, seed=5)
   x, y = bn_data[0][0]
@@ -495,8 +585,10 @@ def test_bn_reestimation_leaves_training_state_and_resume_bit_identical(
   for step, b in enumerate(batches, 1):
     straight.train_step(b)
     if step in (2, 4, 8):  # mid-round and after a sync
-      before = [np.asarray(v) for v in jax.tree.leaves(
-          (straight.rest, straight.opt_state))]
+      before = [
+        np.asarray(v)
+        for v in jax.tree.leaves((straight.rest, straight.opt_state))
+      ]
       evals.append(straight.evaluate((x, y), train_batches=bn_data))
       after = jax.tree.leaves((straight.rest, straight.opt_state))
       for a, b2 in zip(before, after):
@@ -522,8 +614,9 @@ def test_models_without_batchnorm_evaluate_the_same_either_way():
   batches = [_split(*_batch(16, seed=s), sizes) for s in range(2)]
   results = []
   for bn_stats in ("reestimate", "average"):
-    trainer = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2),
-                            bn_stats=bn_stats)
+    trainer = HybridTrainer(
+      _cnn(), _workers(sizes), optax.adam(1e-2), bn_stats=bn_stats
+    )
     assert trainer._bn_fn is None
     for b in batches:
       trainer.train_step(b)
@@ -537,71 +630,95 @@ def test_bn_settings_errors():
   with pytest.raises(ValueError, match="needs training batches"):
     _bn_trainer().evaluate(_bn_batches(1)[0][0])
   with pytest.raises(ValueError, match=r"no batch for local workers \[1\]"):
-    _bn_trainer().evaluate(_bn_batches(1)[0][0],
-                           train_batches=[{0: _bn_batches(1)[0][0]}])
-  with pytest.raises(ValueError, match="no field.s. mux to average; its "
-                     "fields: count, mu, nu"):
-    HybridTrainer(_cnn(), _workers([4, 4]), optax.adam(1e-2),
-                  opt_fields_to_average=["mux"])
+    _bn_trainer().evaluate(
+      _bn_batches(1)[0][0], train_batches=[{0: _bn_batches(1)[0][0]}]
+    )
+  with pytest.raises(
+    ValueError, match="no field.s. mux to average; its fields: count, mu, nu"
+  ):
+    HybridTrainer(
+      _cnn(), _workers([4, 4]), optax.adam(1e-2), opt_fields_to_average=["mux"]
+    )
 
 
 def test_averaging_mu_at_a_sync_makes_every_worker_hold_the_mean():
   sizes = [8, 8, 8, 8]
 
   def make(fields):
-    return HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2),
-                         schedule=qs.parallel.schedules.ConstantLocalSGD(2),
-                         opt_fields_to_average=fields)
+    return HybridTrainer(
+      _cnn(),
+      _workers(sizes),
+      optax.adam(1e-2),
+      schedule=qs.parallel.schedules.ConstantLocalSGD(2),
+      opt_fields_to_average=fields,
+    )
 
   with_mu, without = make(["mu"]), make([])
   for step in range(2):  # step 2 ends the first round
     b = _split(*_batch(32, seed=step), sizes)
     with_mu.train_step(b)
     without.train_step(b)
+
   def rows(tree):  # (workers, all entries)
-    return np.concatenate([np.asarray(x).reshape(4, -1)
-                           for x in jax.tree.leaves(tree)], 1)
+    return np.concatenate(
+      [np.asarray(x).reshape(4, -1) for x in jax.tree.leaves(tree)], 1
+    )
 
   mu, local_mu = rows(with_mu.opt_state[0].mu), rows(without.opt_state[0].mu)
   assert not np.allclose(local_mu[0], local_mu[1])
   for row in mu:
     np.testing.assert_array_equal(row, mu[0])
   np.testing.assert_allclose(mu[0], local_mu.mean(0), rtol=1e-5, atol=1e-9)
-  np.testing.assert_array_equal(rows(with_mu.opt_state[0].nu),
-                                rows(without.opt_state[0].nu))
+  np.testing.assert_array_equal(
+    rows(with_mu.opt_state[0].nu), rows(without.opt_state[0].nu)
+  )
   assert with_mu.comm_bytes - without.comm_bytes == pytest.approx(
-      qs.parallel.averagers.MeanAverager().wire_bytes(with_mu.num_params, 4))
+    qs.parallel.averagers.MeanAverager().wire_bytes(with_mu.num_params, 4)
+  )
 
 
 def test_config_checks_bn_and_optimizer_fields():
   from experiments import config_lib
   from experiments.configs import default
+
   config = default.get_config()
   config.opt_fields_to_average = ("mu,nu",)  # as the command line gives it
   assert config_lib.opt_fields(config) == ("mu", "nu")
   config_lib.validate_config(config)
   for field, value, message in [
-      ("bn_batches", 0, "config.bn_batches must be an integer >= 1"),
-      ("bn_stats", "mean", "config.bn_stats must be one of average, "
-       "reestimate"),
-      ("opt_fields_to_average", ("trace",), "no field.s. trace")]:
+    ("bn_batches", 0, "config.bn_batches must be an integer >= 1"),
+    ("bn_stats", "mean", "config.bn_stats must be one of average, reestimate"),
+    ("opt_fields_to_average", ("trace",), "no field.s. trace"),
+  ]:
     bad = default.get_config()
     bad[field] = value
     with pytest.raises(ValueError, match=message):
       config_lib.validate_config(bad)
 
 
-@pytest.mark.parametrize("sync,compiled", [
-    ("dp", {"update"}), ("local", {"local_update", "average"}),
-    ("postlocal", {"update", "local_update", "average"})])
+@pytest.mark.parametrize(
+  "sync,compiled",
+  [
+    ("dp", {"update"}),
+    ("local", {"local_update", "average"}),
+    ("postlocal", {"update", "local_update", "average"}),
+  ],
+)
 def test_compile_leaves_the_steps_only_the_gradient_functions(
-    sync, compiled, caplog):
+  sync, compiled, caplog
+):
   sizes = [4, 4]
-  trainer = HybridTrainer(_cnn(), _workers(sizes), optax.sgd(0.1),
-                          schedule=qs.make_schedule(sync, total_steps=4,
-                                                    h_base=2, switch_step=1))
-  compiling = lambda: {m.split("jit(")[1].split(")")[0]
-                       for m in caplog.messages if m.startswith("Compiling")}
+  trainer = HybridTrainer(
+    _cnn(),
+    _workers(sizes),
+    optax.sgd(0.1),
+    schedule=qs.make_schedule(sync, total_steps=4, h_base=2, switch_step=1),
+  )
+  compiling = lambda: {
+    m.split("jit(")[1].split(")")[0]
+    for m in caplog.messages
+    if m.startswith("Compiling")
+  }
   with jax.log_compiles(True):
     caplog.set_level(logging.WARNING)
     trainer.compile(4)

@@ -17,24 +17,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import user_models
 
 from experiments.configs import default as default_config
 import qsync_jax as qs
 from qsync_jax import models
 from qsync_jax import task
-import user_models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 # name: (factory, dataset, loss_fn spec, the int8 rule of a plan)
 CASES = {
-    "nnx_cnn": ("user_models:nnx_cnn", "digits", "", "conv1"),
-    "linen_resnet": ("user_models:linen_resnet", "digits", "",
-                     "ResidualBlock_0/Conv_0"),
-    "bare_linear": ("user_models:bare_linear", "mnist1d", "", "Linear"),
-    "two_input": ("user_models:two_input", "mnist1d",
-                  "user_models:two_input_loss", "a"),
+  "nnx_cnn": ("user_models:nnx_cnn", "digits", "", "conv1"),
+  "linen_resnet": (
+    "user_models:linen_resnet",
+    "digits",
+    "",
+    "ResidualBlock_0/Conv_0",
+  ),
+  "bare_linear": ("user_models:bare_linear", "mnist1d", "", "Linear"),
+  "two_input": (
+    "user_models:two_input",
+    "mnist1d",
+    "user_models:two_input_loss",
+    "a",
+  ),
 }
 
 
@@ -46,18 +54,24 @@ STATEFUL = ("nnx_cnn", "linen_resnet")
 def _build(name):
   spec, dataset_name, _, _ = CASES[name]
   dataset = qs.data.load_dataset(dataset_name)
-  model = models.build_model(spec, rngs=nnx.Rngs(0),
-                             data_kwargs=dataset.model_kwargs(),
-                             sample_input=dataset.x_train[:2])
+  model = models.build_model(
+    spec,
+    rngs=nnx.Rngs(0),
+    data_kwargs=dataset.model_kwargs(),
+    sample_input=dataset.x_train[:2],
+  )
   x = dataset.x_train[:4]
   inputs = user_models.split_inputs(x) if name == "two_input" else x
   return model, inputs
 
 
 def _modes(model):
-  return [(p, getattr(n, a)) for p, n in nnx.iter_graph(model)
-          for a in ("deterministic", "use_running_average")
-          if isinstance(n, nnx.Module) and a in vars(n)]
+  return [
+    (p, getattr(n, a))
+    for p, n in nnx.iter_graph(model)
+    for a in ("deterministic", "use_running_average")
+    if isinstance(n, nnx.Module) and a in vars(n)
+  ]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -71,8 +85,9 @@ def test_a_plan_puts_int8_on_the_named_layer_and_keeps_the_mode(name):
   want = task.call_model(model, inputs, train=False)
   qs.apply_plan(model, qs.PrecisionPlan([(rule, "int8")]), inputs)
   assert _modes(model) == modes  # tracing left eval mode alone
-  jaxpr = str(jax.make_jaxpr(
-      lambda: task.call_model(model, inputs, train=False))())
+  jaxpr = str(
+    jax.make_jaxpr(lambda: task.call_model(model, inputs, train=False))()
+  )
   assert "i8[" in jaxpr  # real int8 operands
   got = task.call_model(model, inputs, train=False)
   np.testing.assert_allclose(got, want, atol=0.1 * float(jnp.abs(want).max()))
@@ -80,8 +95,7 @@ def test_a_plan_puts_int8_on_the_named_layer_and_keeps_the_mode(name):
 
 def _env():
   env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS,
-                                       env.get("PYTHONPATH", "")])
+  env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS, env.get("PYTHONPATH", "")])
   env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # faster compiles
   return env
 
@@ -108,24 +122,49 @@ def _config(name, **overrides):
 
 
 def _flags(config):
-  keys = ("model", "dataset", "loss_fn", "cluster", "plan_mode", "batch_size",
-          "bn_batches", "steps", "eval_every", "log_every", "checkpoint_every")
+  keys = (
+    "model",
+    "dataset",
+    "loss_fn",
+    "cluster",
+    "plan_mode",
+    "batch_size",
+    "bn_batches",
+    "steps",
+    "eval_every",
+    "log_every",
+    "checkpoint_every",
+  )
   flags = [f"--config.{k}={config[k]}" for k in keys]
-  flags += ["--config.allocator.num_batches=1",
-            "--config.allocator.timing_batch_size=16"]
+  flags += [
+    "--config.allocator.num_batches=1",
+    "--config.allocator.timing_batch_size=16",
+  ]
   return flags
 
 
 def _train(out, config, *extra):
   return subprocess.run(
-      [sys.executable, "-m", "experiments.train", f"--out_dir={out}",
-       *_flags(config), *extra], cwd=ROOT, env=_env(), capture_output=True,
-      text=True, timeout=900)
+    [
+      sys.executable,
+      "-m",
+      "experiments.train",
+      f"--out_dir={out}",
+      *_flags(config),
+      *extra,
+    ],
+    cwd=ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_train_binary_runs_a_user_factory_and_resumes_bit_identically(
-    name, tmp_path):
+  name, tmp_path
+):
   config = _config(name)
   out = tmp_path / "run"
   result = _train(out, config)
@@ -134,8 +173,9 @@ def test_the_train_binary_runs_a_user_factory_and_resumes_bit_identically(
   assert summary["steps"] == 4
   assert np.isfinite(summary["final_eval_loss"])
   assert 0.0 <= summary["final_eval_accuracy"] <= 1.0
-  rows = [json.loads(r)
-          for r in (out / "metrics.jsonl").read_text().splitlines()]
+  rows = [
+    json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()
+  ]
   assert any("eval_accuracy" in r for r in rows)
   if name not in STATEFUL:
     return
@@ -152,9 +192,12 @@ def test_the_train_binary_runs_a_user_factory_and_resumes_bit_identically(
 
 def test_a_tonnx_factory_is_wrapped_and_a_bare_tonnx_is_a_clear_error():
   dataset = qs.data.load_dataset("digits")
-  model = models.build_model("user_models:tonnx_resnet", rngs=nnx.Rngs(0),
-                             data_kwargs=dataset.model_kwargs(),
-                             sample_input=dataset.x_train[:2])
+  model = models.build_model(
+    "user_models:tonnx_resnet",
+    rngs=nnx.Rngs(0),
+    data_kwargs=dataset.model_kwargs(),
+    sample_input=dataset.x_train[:2],
+  )
   assert isinstance(model, qs.LinenModel)
   assert "Dense_0" in qs.layer_paths(model, dataset.x_train[:2])
   tonnx = user_models.tonnx_resnet(rngs=nnx.Rngs(0), num_classes=10)
@@ -164,35 +207,50 @@ def test_a_tonnx_factory_is_wrapped_and_a_bare_tonnx_is_a_clear_error():
 
 
 def test_unknown_model_and_dataset_kwargs_name_the_accepted_ones():
-  with pytest.raises(ValueError, match="accepts: in_channels, num_classes, "
-                     "width"):
-    models.build_model("user_models:nnx_cnn", rngs=nnx.Rngs(0),
-                       data_kwargs={"in_channels": 1, "num_classes": 10},
-                       depth=3)
+  with pytest.raises(
+    ValueError, match="accepts: in_channels, num_classes, width"
+  ):
+    models.build_model(
+      "user_models:nnx_cnn",
+      rngs=nnx.Rngs(0),
+      data_kwargs={"in_channels": 1, "num_classes": 10},
+      depth=3,
+    )
   with pytest.raises(ValueError, match="accepts: .*image_size"):
     models.build_model("cnn", rngs=nnx.Rngs(0), depth=3)
   with pytest.raises(ValueError, match="accepts: test_fraction, seed"):
     qs.data.load_dataset("digits", input_shape=(8, 8, 1))
   # The factory gets only the dataset facts it names.
   assert models.model_arguments(
-      "user_models:bare_linear", {"input_shape": (4,), "num_classes": 3,
-                                  "image_size": 8}, {}) == {
-                                      "input_shape": (4,), "num_classes": 3}
+    "user_models:bare_linear",
+    {"input_shape": (4,), "num_classes": 3, "image_size": 8},
+    {},
+  ) == {"input_shape": (4,), "num_classes": 3}
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--config.model=user_models:nnx_cnn", '--model_kwargs={"depth": 3}'],
-     "accepts: in_channels, num_classes, width"),
+@pytest.mark.parametrize(
+  "args, message",
+  [
+    (
+      ["--config.model=user_models:nnx_cnn", '--model_kwargs={"depth": 3}'],
+      "accepts: in_channels, num_classes, width",
+    ),
     (['--dataset_kwargs={"input_shape": 3}'], "accepts: test_fraction, seed"),
-    (["--config.dataset_kwargs.input_shape=3"],
-     "--config.dataset_kwargs.input_shape: the config has no field"),
-])
-def test_the_binary_reports_unknown_kwargs_in_one_line(tmp_path, args,
-                                                       message):
+    (
+      ["--config.dataset_kwargs.input_shape=3"],
+      "--config.dataset_kwargs.input_shape: the config has no field",
+    ),
+  ],
+)
+def test_the_binary_reports_unknown_kwargs_in_one_line(tmp_path, args, message):
   result = subprocess.run(
-      [sys.executable, "-m", "experiments.train", f"--out_dir={tmp_path}",
-       *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
-      timeout=300)
+    [sys.executable, "-m", "experiments.train", f"--out_dir={tmp_path}", *args],
+    cwd=ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert result.returncode == 1
   errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
   assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]

@@ -17,8 +17,8 @@ import pytest
 import qsync_jax as qs
 from qsync_jax import allocation
 from qsync_jax import predictor
-from qsync_jax.predictor import graph as graph_lib
 from qsync_jax import sensitivity
+from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.task import losses
 from qsync_jax.task import objective as objective_lib
 
@@ -59,46 +59,70 @@ class TwoInputs(nnx.Module):
 def two_input_loss(model, batch, rngs):
   """The user's own step on dict batches."""
   logits = model(batch["x"], batch["z"], train=True, rngs=rngs)
-  return (losses.cross_entropy(logits, batch["y"]),
-          {"accuracy": losses.accuracy(logits, batch["y"])})
+  return (
+    losses.cross_entropy(logits, batch["y"]),
+    {"accuracy": losses.accuracy(logits, batch["y"])},
+  )
 
 
 def _cnn_case():
   rng = np.random.default_rng(0)
-  batches = [(rng.normal(size=(4, 8, 8, 1)).astype(np.float32),
-              rng.integers(0, 3, 4).astype(np.int32)) for _ in range(2)]
+  batches = [
+    (
+      rng.normal(size=(4, 8, 8, 1)).astype(np.float32),
+      rng.integers(0, 3, 4).astype(np.int32),
+    )
+    for _ in range(2)
+  ]
   return UserCNN(nnx.Rngs(0)), None, batches, ["conv", "fc", "head"]
 
 
 def _two_input_case():
   rng = np.random.default_rng(1)
-  batches = [{"x": rng.normal(size=(4, 6)).astype(np.float32),
-              "z": rng.normal(size=(4, 4)).astype(np.float32),
-              "y": rng.integers(0, 3, 4).astype(np.int32)}
-             for _ in range(2)]
-  return TwoInputs(nnx.Rngs(1)), two_input_loss, batches, ["fx", "fz",
-                                                           "head"]
+  batches = [
+    {
+      "x": rng.normal(size=(4, 6)).astype(np.float32),
+      "z": rng.normal(size=(4, 4)).astype(np.float32),
+      "y": rng.integers(0, 3, 4).astype(np.int32),
+    }
+    for _ in range(2)
+  ]
+  return TwoInputs(nnx.Rngs(1)), two_input_loss, batches, ["fx", "fz", "head"]
 
 
 def _linear_case():
   rng = np.random.default_rng(2)
-  batches = [(rng.normal(size=(4, 5)).astype(np.float32),
-              rng.integers(0, 3, 4).astype(np.int32)) for _ in range(2)]
-  return nnx.Linear(5, 3, rngs=nnx.Rngs(2)), losses.cross_entropy, batches, [
-      "Linear"]
+  batches = [
+    (
+      rng.normal(size=(4, 5)).astype(np.float32),
+      rng.integers(0, 3, 4).astype(np.int32),
+    )
+    for _ in range(2)
+  ]
+  return (
+    nnx.Linear(5, 3, rngs=nnx.Rngs(2)),
+    losses.cross_entropy,
+    batches,
+    ["Linear"],
+  )
 
 
-CASES = {"cnn": _cnn_case, "two_inputs": _two_input_case,
-         "bare_linear": _linear_case}
+CASES = {
+  "cnn": _cnn_case,
+  "two_inputs": _two_input_case,
+  "bare_linear": _linear_case,
+}
 
 
 def _modes(model):
   """Every mode attribute of the model, and its parameters' values."""
-  modes = [(tuple(path), name, getattr(node, name))
-           for path, node in nnx.iter_graph(model)
-           if isinstance(node, nnx.Module)
-           for name in ("deterministic", "use_running_average")
-           if name in vars(node)]
+  modes = [
+    (tuple(path), name, getattr(node, name))
+    for path, node in nnx.iter_graph(model)
+    if isinstance(node, nnx.Module)
+    for name in ("deterministic", "use_running_average")
+    if name in vars(node)
+  ]
   params = jax.tree.leaves(nnx.state(model, nnx.Param))
   return modes, [np.asarray(p).copy() for p in params]
 
@@ -116,8 +140,9 @@ def test_user_model_through_indicator_graph_prediction_and_allocation(case):
   # Users' modes stay as they set them: train for the CNN, eval for the
   # two-input model's own default.
   before = _modes(model)
-  scores = sensitivity.compute(model, loss_fn, batches, "qsync",
-                               ["int8", "fp16"])
+  scores = sensitivity.compute(
+    model, loss_fn, batches, "qsync", ["int8", "fp16"]
+  )
   _unchanged(model, before)
   assert scores.layers == paths
   for row in scores.values.values():
@@ -127,8 +152,9 @@ def test_user_model_through_indicator_graph_prediction_and_allocation(case):
       assert row["int8"] > 0
   # Another method on the same batches: the Hessian trace (dropout masks
   # are fixed per batch, so every probe sees one function).
-  hessian = sensitivity.compute(model, loss_fn, batches, "hessian",
-                                ["int8", "fp16"], hessian_probes=2)
+  hessian = sensitivity.compute(
+    model, loss_fn, batches, "hessian", ["int8", "fp16"], hessian_probes=2
+  )
   assert all(hessian[p]["int8"] > hessian[p]["fp16"] > 0 for p in paths)
 
   objective = objective_lib.as_objective(loss_fn)
@@ -139,14 +165,18 @@ def test_user_model_through_indicator_graph_prediction_and_allocation(case):
   assert g.batch_size == 4
   assert all(n.flops > 0 for n in g.nodes)
 
-  prof = predictor.profile(model, batch, loss_fn=loss_fn,
-                           precisions=["fp32"],
-                           tx=optax.sgd(0.1), repeats=1)
+  prof = predictor.profile(
+    model,
+    batch,
+    loss_fn=loss_fn,
+    precisions=["fp32"],
+    tx=optax.sgd(0.1),
+    repeats=1,
+  )
   _unchanged(model, before)
   assert set(prof.layers) == set(paths)
   assert prof.memory.base_bytes > 0
-  measured = predictor.predict(g, "cpu:1", {}, {"cpu": prof},
-                               link=(0.0, 0.0))
+  measured = predictor.predict(g, "cpu:1", {}, {"cpu": prof}, link=(0.0, 0.0))
   assert measured.step_time_s > 0
 
   profiles = {k: predictor.analytic_profile(g, k) for k in ("v100", "t4")}
@@ -163,8 +193,9 @@ def test_plan_cluster_takes_a_sample_input_at_any_batch():
   model, _, batches, paths = _two_input_case()
   inputs = {"x": batches[0]["x"], "z": batches[0]["z"]}
   scores = {p: {"int8": 2.0, "fp16": 1.0} for p in paths}
-  result = allocation.plan_cluster(model, CLUSTER, scores, 16,
-                                   sample_input=inputs)
+  result = allocation.plan_cluster(
+    model, CLUSTER, scores, 16, sample_input=inputs
+  )
   assert result.graph.paths == paths
   assert result.graph.batch_size == 16  # resized from the sample's 4
   assert result.baselines["dynamic_batch"]["step_time_s"] > 0
@@ -195,7 +226,11 @@ def test_indicator_errors_name_the_problem_without_input_spec():
 
 def test_dropout_masks_are_fixed_per_batch_and_seed():
   model, loss_fn, batches, _ = _two_input_case()
-  runs = [sensitivity.compute(model, loss_fn, batches, "qsync_var",
-                              ["int8"], seed=s).values for s in (0, 0, 1)]
+  runs = [
+    sensitivity.compute(
+      model, loss_fn, batches, "qsync_var", ["int8"], seed=s
+    ).values
+    for s in (0, 0, 1)
+  ]
   assert runs[0] == runs[1]  # the same masks for the same seed
   assert runs[0] != runs[2]  # dropout is on: another seed, other masks

@@ -27,13 +27,21 @@ N = 4
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8")
 # Relative error (Frobenius norm) of a planned layer's gradients against the
 # plain FP32 layer's under the same shard_map: the precision's own error.
-VS_FP32 = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 4e-3, "int8": 6e-2,
-           "fp8": 1.5e-1}
+VS_FP32 = {
+  "fp32": 1e-5,
+  "bf16": 3e-2,
+  "fp16": 4e-3,
+  "int8": 6e-2,
+  "fp8": 1.5e-1,
+}
 # Modes: (parameter spec, data spec). "replicated": one weight, data sharded;
 # "per_worker": stacked weights (local SGD), data sharded; "shared_data":
 # stacked weights, one replicated batch (the input's gradient is then summed).
-MODES = {"replicated": (P(), P(AXIS)), "per_worker": (P(AXIS), P(AXIS)),
-         "shared_data": (P(AXIS), P())}
+MODES = {
+  "replicated": (P(), P(AXIS)),
+  "per_worker": (P(AXIS), P(AXIS)),
+  "shared_data": (P(AXIS), P()),
+}
 
 
 class _Wrap(nnx.Module):
@@ -67,7 +75,8 @@ def _loss(graphdef, state, x, t):
 def _grads(graphdef, state, x, t):
   """(loss, d_state, d_x) of one worker."""
   loss, (ds, dx) = jax.value_and_grad(
-      functools.partial(_loss, graphdef), argnums=(0, 1))(state, x, t)
+    functools.partial(_loss, graphdef), argnums=(0, 1)
+  )(state, x, t)
   return loss, ds, dx
 
 
@@ -88,9 +97,15 @@ def _under_shard_map(graphdef, mode):
       ds = jax.tree.map(lambda v: v[None], ds)
     return loss[None], ds, dx
 
-  return jax.jit(jax.shard_map(
-      body, mesh=_mesh(), in_specs=(pspec, dspec, dspec),
-      out_specs=(P(AXIS), pspec, dspec), check_vma=True))
+  return jax.jit(
+    jax.shard_map(
+      body,
+      mesh=_mesh(),
+      in_specs=(pspec, dspec, dspec),
+      out_specs=(P(AXIS), pspec, dspec),
+      check_vma=True,
+    )
+  )
 
 
 def _per_shard(graphdef, mode, state, x, t):
@@ -124,13 +139,21 @@ def _case(kind, precision, mode, quant=None):
   rng = np.random.default_rng(1)
   if pspec == P(AXIS):  # every worker's weights differ (local SGD)
     state = jax.tree.map(
-        lambda v: np.stack([np.asarray(v) + 0.1 * rng.normal(size=v.shape)
-                            for _ in range(N)]).astype(np.float32), state)
-  batch = shard_shape if dspec == P() else (N * shard_shape[0],
-                                            *shard_shape[1:])
+      lambda v: np.stack(
+        [np.asarray(v) + 0.1 * rng.normal(size=v.shape) for _ in range(N)]
+      ).astype(np.float32),
+      state,
+    )
+  batch = (
+    shard_shape if dspec == P() else (N * shard_shape[0], *shard_shape[1:])
+  )
   x = rng.normal(size=batch).astype(np.float32)
-  y = jax.eval_shape(nnx.merge(plain, jax.tree.map(
-      lambda v: v[0], state) if pspec == P(AXIS) else state), x[:1])
+  y = jax.eval_shape(
+    nnx.merge(
+      plain, jax.tree.map(lambda v: v[0], state) if pspec == P(AXIS) else state
+    ),
+    x[:1],
+  )
   t = rng.normal(size=(batch[0], *y.shape[1:])).astype(np.float32)
   return plain, planned, state, x, t
 
@@ -148,29 +171,30 @@ def _rel_err(got, want):
 
 
 def _check(kind, precision, mode, quant=None, same_tol=1e-5):
-  plain, planned, state, x, t = _case(kind, precision, mode, quant)
+  _plain, planned, state, x, t = _case(kind, precision, mode, quant)
   loss, ds, dx = _under_shard_map(planned, mode)(state, x, t)
   # The planned op under shard_map equals the same op run shard by shard:
   # the same local arithmetic, so only the workers' sum may reorder.
   r_loss, r_ds, r_dx = _per_shard(planned, mode, state, x, t)
   np.testing.assert_allclose(loss, r_loss, rtol=same_tol)
-  for got, want in zip(jax.tree.leaves(ds) + [dx],
-                       jax.tree.leaves(r_ds) + [r_dx]):
+  for got, want in zip(
+    jax.tree.leaves(ds) + [dx], jax.tree.leaves(r_ds) + [r_dx]
+  ):
     assert got.shape == want.shape and got.dtype == np.float32
     assert _rel_err(got, want) < same_tol, (precision, mode)
   # And it is close, to the precision's error, to jax's own autodiff of the
   # plain FP32 layer under the same shard_map (psum for a replicated weight).
   f_ds, f_dx = _fp32_under_shard_map(kind, mode)
-  for got, want in zip(jax.tree.leaves(ds) + [dx],
-                       jax.tree.leaves(f_ds) + [f_dx]):
+  for got, want in zip(
+    jax.tree.leaves(ds) + [dx], jax.tree.leaves(f_ds) + [f_dx]
+  ):
     assert _rel_err(got, want) < VS_FP32[precision], (precision, mode)
 
 
 @pytest.mark.parametrize("mode", ["replicated", "per_worker"])
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("kind", ["linear", "conv", "einsum"])
-def test_planned_layer_gradients_under_checked_shard_map(kind, precision,
-                                                         mode):
+def test_planned_layer_gradients_under_checked_shard_map(kind, precision, mode):
   _check(kind, precision, mode)
 
 
@@ -187,17 +211,23 @@ def test_stochastic_per_channel_int8_under_checked_shard_map(mode):
   # x / scale, which XLA computes as x * (1 / scale) in some programs and not
   # others, so the noise (not its distribution) differs from the per-shard
   # program's: the two agree to int8's error, not bit for bit.
-  _check("linear", "int8", mode,
-         qs.QuantConfig(granularity="channel", rounding="stochastic"),
-         same_tol=VS_FP32["int8"])
+  _check(
+    "linear",
+    "int8",
+    mode,
+    qs.QuantConfig(granularity="channel", rounding="stochastic"),
+    same_tol=VS_FP32["int8"],
+  )
 
 
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
 def test_pallas_kernel_under_checked_shard_map(precision):
   # The kernel (interpret mode on CPU) runs in a nested unchecked shard_map;
   # its output must come back typed as varying over the workers' axis.
-  kind, mode = {"int8": ("linear", "per_worker"),
-                "fp8": ("einsum", "replicated")}[precision]
+  kind, mode = {
+    "int8": ("linear", "per_worker"),
+    "fp8": ("einsum", "replicated"),
+  }[precision]
   with ops.kernel_backend("pallas"):
     _check(kind, precision, mode)
 
@@ -211,17 +241,23 @@ def test_matmul_of_two_activations_under_checked_shard_map(precision):
   rng = np.random.default_rng(2)
   a = rng.normal(size=(N * 3, 4, 8)).astype(np.float32)
   b = rng.normal(size=(8, 5)).astype(np.float32)
-  loss = lambda a, b: jnp.sum(mm("bsi,io->bso", a, b).astype(jnp.float32)
-                              ** 2)
+  loss = lambda a, b: jnp.sum(mm("bsi,io->bso", a, b).astype(jnp.float32) ** 2)
   grads = jax.grad(loss, argnums=(0, 1))
-  got_a, got_b = jax.jit(jax.shard_map(
-      grads, mesh=_mesh(), in_specs=(P(AXIS), P()),
-      out_specs=(P(AXIS), P()), check_vma=True))(a, b)
+  got_a, got_b = jax.jit(
+    jax.shard_map(
+      grads,
+      mesh=_mesh(),
+      in_specs=(P(AXIS), P()),
+      out_specs=(P(AXIS), P()),
+      check_vma=True,
+    )
+  )(a, b)
   per = [jax.jit(grads)(s, b) for s in np.split(a, N)]
   assert _rel_err(got_a, np.concatenate([p[0] for p in per])) < 1e-5
   assert _rel_err(got_b, np.sum([p[1] for p in per], axis=0)) < 1e-5
-  f_a, f_b = jax.grad(lambda a, b: jnp.sum(jnp.einsum("bsi,io->bso", a, b)
-                                           ** 2), argnums=(0, 1))(a, b)
+  f_a, f_b = jax.grad(
+    lambda a, b: jnp.sum(jnp.einsum("bsi,io->bso", a, b) ** 2), argnums=(0, 1)
+  )(a, b)
   assert _rel_err(got_a, f_a) < VS_FP32[precision]
   assert _rel_err(got_b, f_b) < VS_FP32[precision]
 
@@ -234,7 +270,12 @@ def test_varying_axes_reads_the_type_inside_and_outside_shard_map():
     seen["cast"] = ops.varying_axes(ops.pvary_to(w, {AXIS}))
     return x
 
-  jax.shard_map(body, mesh=_mesh(), in_specs=(P(), P(AXIS)),
-                out_specs=P(AXIS), check_vma=True)(np.ones(3), np.ones(N))
+  jax.shard_map(
+    body,
+    mesh=_mesh(),
+    in_specs=(P(), P(AXIS)),
+    out_specs=P(AXIS),
+    check_vma=True,
+  )(np.ones(3), np.ones(N))
   assert seen == {"w": frozenset(), "x": {AXIS}, "cast": {AXIS}}
   assert ops.varying_axes(jnp.ones(3)) == frozenset()

@@ -17,8 +17,9 @@ import jax.numpy as jnp
 class DropoutCNN(nnx.Module):
   """Conv-BN-ReLU twice, global mean pool, Dropout, Linear head."""
 
-  def __init__(self, in_channels: int, num_classes: int, *, rngs: nnx.Rngs,
-               width: int = 8):
+  def __init__(
+    self, in_channels: int, num_classes: int, *, rngs: nnx.Rngs, width: int = 8
+  ):
     self.conv1 = nnx.Conv(in_channels, width, (3, 3), rngs=rngs)
     self.bn1 = nnx.BatchNorm(width, rngs=rngs)
     self.conv2 = nnx.Conv(width, 2 * width, (3, 3), rngs=rngs)
@@ -50,6 +51,7 @@ class ResidualBlock(nn.Module):
 
 class LinenResNet(nn.Module):
   """The shape of flax's ImageNet example ResNet, small."""
+
   num_classes: int = 10
   width: int = 8
 
@@ -75,8 +77,9 @@ def bare_linear(*, rngs, input_shape, num_classes):
 class TwoInput(nnx.Module):
   """Two inputs, each through its own Linear; dropout rngs at call time."""
 
-  def __init__(self, a_features: int, b_features: int, num_classes: int, *,
-               rngs: nnx.Rngs):
+  def __init__(
+    self, a_features: int, b_features: int, num_classes: int, *, rngs: nnx.Rngs
+  ):
     self.a = nnx.Linear(a_features, 32, rngs=rngs)
     self.b = nnx.Linear(b_features, 32, rngs=rngs)
     self.dropout = nnx.Dropout(0.1)

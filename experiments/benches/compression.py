@@ -63,18 +63,22 @@ has ``predicted_vs_measured_max_rel_error``: the max over strategies of
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import json
 import os
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from experiments import progress
+
 # By name: callers (the binary, the tests) reach them as compression.X too.
 from experiments.benches.compression_cases import all_reduce_fn
 from experiments.benches.compression_cases import AXIS
@@ -84,11 +88,11 @@ from experiments.benches.compression_cases import check_arguments
 from experiments.benches.compression_cases import copies
 from experiments.benches.compression_cases import DATA_DOC
 from experiments.benches.compression_cases import exact_mean
-from experiments.benches.compression_cases import predict_cases
-from experiments.benches.compression_cases import prediction_parts
 from experiments.benches.compression_cases import first_row
 from experiments.benches.compression_cases import HEADLINE_SIZE
 from experiments.benches.compression_cases import HEADLINE_STRATEGY
+from experiments.benches.compression_cases import predict_cases
+from experiments.benches.compression_cases import prediction_parts
 from experiments.benches.compression_cases import print_row
 from experiments.benches.compression_cases import relative_error
 from experiments.benches.compression_cases import result_row
@@ -111,13 +115,19 @@ DEFAULT_SIZES = (1 << 20, 1 << 22, 1 << 24)
 DEFAULT_REPEATS = 11
 
 
-def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
-               strategies: Sequence[str] | None = None, *,
-               devices: Sequence[jax.Device] | None = None, seed: int = 0,
-               report: bool = True, on_size=None,
-               donate: bool = False,
-               link: communication.Link | None = None
-               ) -> list[dict[str, Any]]:
+def bench_mesh(
+  sizes: Sequence[int],
+  repeats: int,
+  setting: str,
+  strategies: Sequence[str] | None = None,
+  *,
+  devices: Sequence[jax.Device] | None = None,
+  seed: int = 0,
+  report: bool = True,
+  on_size=None,
+  donate: bool = False,
+  link: communication.Link | None = None,
+) -> list[dict[str, Any]]:
   """Measures the strategies over a mesh of ``devices``, one worker each.
 
   In a multi-process run every process calls this with the same arguments
@@ -156,8 +166,9 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
   n = len(devices)
   mesh = Mesh(np.array(devices), (AXIS,))
   sharding = NamedSharding(mesh, P(AXIS))
-  local = [i for i, d in enumerate(devices)
-           if d.process_index == jax.process_index()]
+  local = [
+    i for i, d in enumerate(devices) if d.process_index == jax.process_index()
+  ]
   say = report and jax.process_index() == 0
   sizes_done = progress.Progress(len(sizes)) if say else None
   results = []
@@ -165,7 +176,8 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
     rows = np.stack([worker_data(d, i, seed) for i in local])
     x = jax.make_array_from_process_local_data(sharding, rows, (n, d))
     w = jax.make_array_from_process_local_data(
-        sharding, np.full(len(local), 1.0 / n, np.float32), (n,))
+      sharding, np.full(len(local), 1.0 / n, np.float32), (n,)
+    )
     # The predictor profiles on this process's first worker's data.
     sample = rows[0] if link is not None else None
     del rows
@@ -190,26 +202,49 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
         case.rel_error = relative_error(first_row(out), exact)
       del out
     # With a link, the predictor's parts are timed in the same rounds.
-    parts = (None if link is None else
-             prediction_parts(cases, d, devices, sample=sample))
-    time_rounds(cases + ([] if parts is None else parts.cases()), repeats,
-                calls)
-    predicted = ({} if parts is None else
-                 predict_cases(cases, parts, d, devices, link))
+    parts = (
+      None
+      if link is None
+      else prediction_parts(cases, d, devices, sample=sample)
+    )
+    time_rounds(
+      cases + ([] if parts is None else parts.cases()), repeats, calls
+    )
+    predicted = (
+      {} if parts is None else predict_cases(cases, parts, d, devices, link)
+    )
     del parts
     for case in cases:
-      result = result_row(case, calls, setting=setting, strategy=case.name,
-                          num_elements=d, num_workers=n)
+      result = result_row(
+        case,
+        calls,
+        setting=setting,
+        strategy=case.name,
+        num_elements=d,
+        num_workers=n,
+      )
       if "error" not in result:
-        result.update(wire_bytes=float(case.averager.wire_bytes(d, n)),
-                      rel_error=case.rel_error,
-                      **predicted.get(case.name, {}))
+        result.update(
+          wire_bytes=float(case.averager.wire_bytes(d, n)),
+          rel_error=case.rel_error,
+          **predicted.get(case.name, {}),
+        )
       if say:
-        print_row(setting, result, "" if "error" in result else (
+        print_row(
+          setting,
+          result,
+          ""
+          if "error" in result
+          else (
             f"  {result['wire_bytes'] / 2**20:8.2f} MiB/worker  "
-            f"rel err {result['rel_error']:.3e}" + (
-                f"  predicted {result['predicted_s'] * 1e3:9.2f} ms"
-                if "predicted_s" in result else "")))
+            f"rel err {result['rel_error']:.3e}"
+            + (
+              f"  predicted {result['predicted_s'] * 1e3:9.2f} ms"
+              if "predicted_s" in result
+              else ""
+            )
+          ),
+        )
       results.append(result)
     del x, w, cases, sample
     if sizes_done is not None:
@@ -219,10 +254,15 @@ def bench_mesh(sizes: Sequence[int], repeats: int, setting: str,
   return results
 
 
-def run_fake_devices(sizes: Sequence[int], repeats: int, num_workers: int,
-                     strategies: Sequence[str] | None = None, *,
-                     seed: int = 0,
-                     donate: bool = False) -> list[dict[str, Any]]:
+def run_fake_devices(
+  sizes: Sequence[int],
+  repeats: int,
+  num_workers: int,
+  strategies: Sequence[str] | None = None,
+  *,
+  seed: int = 0,
+  donate: bool = False,
+) -> list[dict[str, Any]]:
   """The ``fake_devices`` setting: this process's first ``num_workers``
   CPU devices.
 
@@ -233,12 +273,19 @@ def run_fake_devices(sizes: Sequence[int], repeats: int, num_workers: int,
   devices = jax.devices("cpu")
   if len(devices) < num_workers:
     raise ValueError(
-        f"the fake_devices setting needs {num_workers} CPU devices, this "
-        f"process has {len(devices)}; call jax.config.update("
-        f"'jax_num_cpu_devices', {num_workers}) before JAX starts")
-  return bench_mesh(sizes, repeats, "fake_devices", strategies,
-                    devices=devices[:num_workers], seed=seed,
-                    donate=donate)
+      f"the fake_devices setting needs {num_workers} CPU devices, this "
+      f"process has {len(devices)}; call jax.config.update("
+      f"'jax_num_cpu_devices', {num_workers}) before JAX starts"
+    )
+  return bench_mesh(
+    sizes,
+    repeats,
+    "fake_devices",
+    strategies,
+    devices=devices[:num_workers],
+    seed=seed,
+    donate=donate,
+  )
 
 
 def _worker_main(spec_path: str) -> None:
@@ -252,34 +299,57 @@ def _worker_main(spec_path: str) -> None:
   with open(spec_path) as f:
     spec = json.load(f)
   if not distributed.initialize():
-    raise RuntimeError("compression_bench worker started outside a "
-                       "multi-process launch")
+    raise RuntimeError(
+      "compression_bench worker started outside a multi-process launch"
+    )
 
   def write(results):
     if jax.process_index() != 0:
       return
     tmp = spec["out"] + ".tmp"
     with open(tmp, "w") as f:
-      json.dump({"results": results,
-                 "device": str(jax.devices()[0].device_kind),
-                 "backend": jax.default_backend()}, f)
+      json.dump(
+        {
+          "results": results,
+          "device": str(jax.devices()[0].device_kind),
+          "backend": jax.default_backend(),
+        },
+        f,
+      )
     os.replace(tmp, spec["out"])
 
   donate = spec.get("donate", False)
-  results = bench_mesh(spec["sizes"], spec["repeats"], "multiprocess",
-                       spec["strategies"], seed=spec["seed"], on_size=write,
-                       donate=donate)
+  results = bench_mesh(
+    spec["sizes"],
+    spec["repeats"],
+    "multiprocess",
+    spec["strategies"],
+    seed=spec["seed"],
+    on_size=write,
+    donate=donate,
+  )
   if spec.get("parts", False):
-    bench_parts(spec["sizes"], spec["repeats"], seed=spec["seed"],
-                donate=donate, on_size=lambda rows: write(results + rows))
+    bench_parts(
+      spec["sizes"],
+      spec["repeats"],
+      seed=spec["seed"],
+      donate=donate,
+      on_size=lambda rows: write(results + rows),
+    )
   distributed.shutdown()
 
 
-def run_multiprocess(sizes: Sequence[int], repeats: int, num_workers: int,
-                     strategies: Sequence[str] | None = None, *,
-                     seed: int = 0, timeout_s: float = 3600,
-                     donate: bool = False,
-                     parts: bool = False) -> list[dict[str, Any]]:
+def run_multiprocess(
+  sizes: Sequence[int],
+  repeats: int,
+  num_workers: int,
+  strategies: Sequence[str] | None = None,
+  *,
+  seed: int = 0,
+  timeout_s: float = 3600,
+  donate: bool = False,
+  parts: bool = False,
+) -> list[dict[str, Any]]:
   """The ``multiprocess`` setting: ``num_workers`` localhost processes.
 
   The processes run this module (``python -m experiments.benches.compression
@@ -297,49 +367,74 @@ def run_multiprocess(sizes: Sequence[int], repeats: int, num_workers: int,
   """
   names = list(STRATEGIES) if strategies is None else list(strategies)
   with tempfile.TemporaryDirectory(prefix="compression_bench_") as tmp:
-    spec = {"sizes": [int(d) for d in sizes], "repeats": int(repeats),
-            "strategies": names, "seed": int(seed), "donate": bool(donate),
-            "parts": bool(parts), "out": os.path.join(tmp, "results.json")}
+    spec = {
+      "sizes": [int(d) for d in sizes],
+      "repeats": int(repeats),
+      "strategies": names,
+      "seed": int(seed),
+      "donate": bool(donate),
+      "parts": bool(parts),
+      "out": os.path.join(tmp, "results.json"),
+    }
     spec_path = os.path.join(tmp, "spec.json")
     with open(spec_path, "w") as f:
       json.dump(spec, f)
     env = dict(os.environ)
     # The workers import experiments and qsync_jax from wherever this
     # process did: the repository root, two levels above this file's folder.
-    root = os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))))
+    root = os.path.dirname(
+      os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    )
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (root, env.get("PYTHONPATH")) if p)
+      p for p in (root, env.get("PYTHONPATH")) if p
+    )
     code = distributed.launch(
-        [sys.executable, "-m", "experiments.benches.compression", spec_path],
-        num_workers, timeout_s=timeout_s, env=env)
+      [sys.executable, "-m", "experiments.benches.compression", spec_path],
+      num_workers,
+      timeout_s=timeout_s,
+      env=env,
+    )
     measured = []
     if os.path.exists(spec["out"]):
       with open(spec["out"]) as f:
         measured = json.load(f)["results"]
   done = {(r["strategy"], r["num_elements"]) for r in measured}
-  why = ("timed out" if code == distributed.TIMEOUT_EXIT_CODE
-         else f"exited with code {code}")
+  why = (
+    "timed out"
+    if code == distributed.TIMEOUT_EXIT_CODE
+    else f"exited with code {code}"
+  )
   for d in spec["sizes"]:
     for name in names + (list(PARTS) if parts else []):
       if (name, d) not in done:
-        measured.append({
-            "setting": "multiprocess", "strategy": name, "num_elements": d,
+        measured.append(
+          {
+            "setting": "multiprocess",
+            "strategy": name,
+            "num_elements": d,
             "num_workers": num_workers,
             **({"part": True} if name in PARTS else {}),
             "error": f"the {num_workers}-process run {why} before measuring "
-                     "this (its output above says why)"})
+            "this (its output above says why)",
+          }
+        )
   return measured
 
 
-def time_ratio(results: Sequence[dict[str, Any]], setting: str,
-               strategy: str = HEADLINE_STRATEGY,
-               num_elements: int = HEADLINE_SIZE,
-               baseline: str = "none") -> float | None:
+def time_ratio(
+  results: Sequence[dict[str, Any]],
+  setting: str,
+  strategy: str = HEADLINE_STRATEGY,
+  num_elements: int = HEADLINE_SIZE,
+  baseline: str = "none",
+) -> float | None:
   """``time_s`` of ``strategy`` over ``baseline``'s, or None if either is
   missing or failed."""
-  times = {r["strategy"]: r.get("time_s") for r in results
-           if r["setting"] == setting and r["num_elements"] == num_elements}
+  times = {
+    r["strategy"]: r.get("time_s")
+    for r in results
+    if r["setting"] == setting and r["num_elements"] == num_elements
+  }
   a, b = times.get(strategy), times.get(baseline)
   return None if a is None or b is None else a / b
 
@@ -351,12 +446,18 @@ def _loadavg() -> list[float] | None:
     return None
 
 
-def run(sizes: Sequence[int] = DEFAULT_SIZES,
-        repeats: int = DEFAULT_REPEATS,
-        settings: Sequence[str] = SETTINGS, num_workers: int = 4,
-        strategies: Sequence[str] | None = None, *, seed: int = 0,
-        timeout_s: float = 3600, donate: bool = False,
-        parts: bool = False) -> dict[str, Any]:
+def run(
+  sizes: Sequence[int] = DEFAULT_SIZES,
+  repeats: int = DEFAULT_REPEATS,
+  settings: Sequence[str] = SETTINGS,
+  num_workers: int = 4,
+  strategies: Sequence[str] | None = None,
+  *,
+  seed: int = 0,
+  timeout_s: float = 3600,
+  donate: bool = False,
+  parts: bool = False,
+) -> dict[str, Any]:
   """Runs the benchmark in each setting; returns the JSON-ready report.
 
   Args:
@@ -387,118 +488,152 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES,
   settings = list(settings)
   bad = [s for s in settings if s not in SETTINGS]
   if bad or not settings:
-    raise ValueError(f"settings must be a non-empty subset of "
-                     f"{', '.join(SETTINGS)}, got {settings}")
+    raise ValueError(
+      f"settings must be a non-empty subset of "
+      f"{', '.join(SETTINGS)}, got {settings}"
+    )
   names = check_arguments(sizes, repeats, strategies)
   sizes = [int(d) for d in sizes]
   if num_workers < 1:
     raise ValueError(f"num_workers must be >= 1, got {num_workers}")
   if parts and "multiprocess" not in settings:
-    raise ValueError("parts are timed in the multiprocess setting only; add "
-                     f"it to settings (got {settings})")
+    raise ValueError(
+      "parts are timed in the multiprocess setting only; add "
+      f"it to settings (got {settings})"
+    )
   if parts and not {"none", HEADLINE_STRATEGY} <= set(names):
-    raise ValueError(f"parts are compared with the strategies 'none' and "
-                     f"{HEADLINE_STRATEGY!r}; include both (got {names})")
+    raise ValueError(
+      f"parts are compared with the strategies 'none' and "
+      f"{HEADLINE_STRATEGY!r}; include both (got {names})"
+    )
   # One process of a launch: the launch's processes are the workers.
   launched = jax.process_count() > 1
-  if launched and (settings != ["multiprocess"]
-                   or num_workers != jax.process_count()):
+  if launched and (
+    settings != ["multiprocess"] or num_workers != jax.process_count()
+  ):
     raise ValueError(
-        f"under the launcher only the multiprocess setting runs, with the "
-        f"{jax.process_count()} launched processes as workers; got settings "
-        f"{settings} and {num_workers} workers")
+      f"under the launcher only the multiprocess setting runs, with the "
+      f"{jax.process_count()} launched processes as workers; got settings "
+      f"{settings} and {num_workers} workers"
+    )
   link = links.link_info_from_env()
 
   info = {
-      "jax_version": jax.__version__,
-      "backend": jax.default_backend(),
-      "device": str(jax.devices()[0].device_kind),
-      "cpu_count": os.cpu_count(),
-      # The workers inherit it; glibc.malloc.hugetlb=1 backs big buffers
-      # with transparent huge pages (see docs/RESULTS.md).
-      "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
-      # The host allocator's mode, in this process and the workers.
-      "host_malloc": host_malloc.mode_from_env(),
-      "num_workers": num_workers,
-      "sizes": sizes,
-      "repeats": repeats,
-      "calls_per_round": {str(d): calls_per_round(d) for d in sizes},
-      "seed": seed,
-      "donate": donate,
-      "parts": list(PARTS) if parts else [],
-      "data": DATA_DOC,
-      "strategies": {name: repr(averagers.make_averager(f, **kw))
-                     for name, (f, kw) in STRATEGIES.items()
-                     if name in names},
-      "timing": ("time_s: median over repeats of wall seconds per call, "
-                 "each round dispatching calls_per_round calls and waiting "
-                 "for the last, after one warm-up call; strategies "
-                 "interleaved round by round. cpu_s: the same rounds' CPU "
-                 "seconds per call of the timing process (all threads)"),
-      "rel_error": "||avg - exact|| / ||exact||, exact the float64 mean",
-      "multiprocess": "one CPU device per process, gloo collectives over "
-                      + ("the emulated link (see link)" if link else
-                         "localhost TCP") + "; process 0's timings",
-      "link": link,
-      "notes": [
-          "wire_bytes is each averager's model of its wire format; on "
-          "XLA:CPU a bfloat16 all-reduce is promoted to float32 (see "
-          "averagers.CastAverager), so bf16 moves 4 bytes per element here",
-          "gloo adds float16 element by element through software float "
-          "conversions (gloo/types.h), so fp16 is slower than float32 in "
-          "the multiprocess setting",
-          "gqsgd_threefry is gqsgd with jax.random (threefry) rounding "
-          "noise instead of the counter hash",
-      ],
-      "loadavg": {},
-      "wall_s": {},
+    "jax_version": jax.__version__,
+    "backend": jax.default_backend(),
+    "device": str(jax.devices()[0].device_kind),
+    "cpu_count": os.cpu_count(),
+    # The workers inherit it; glibc.malloc.hugetlb=1 backs big buffers
+    # with transparent huge pages (see docs/RESULTS.md).
+    "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+    # The host allocator's mode, in this process and the workers.
+    "host_malloc": host_malloc.mode_from_env(),
+    "num_workers": num_workers,
+    "sizes": sizes,
+    "repeats": repeats,
+    "calls_per_round": {str(d): calls_per_round(d) for d in sizes},
+    "seed": seed,
+    "donate": donate,
+    "parts": list(PARTS) if parts else [],
+    "data": DATA_DOC,
+    "strategies": {
+      name: repr(averagers.make_averager(f, **kw))
+      for name, (f, kw) in STRATEGIES.items()
+      if name in names
+    },
+    "timing": (
+      "time_s: median over repeats of wall seconds per call, "
+      "each round dispatching calls_per_round calls and waiting "
+      "for the last, after one warm-up call; strategies "
+      "interleaved round by round. cpu_s: the same rounds' CPU "
+      "seconds per call of the timing process (all threads)"
+    ),
+    "rel_error": "||avg - exact|| / ||exact||, exact the float64 mean",
+    "multiprocess": "one CPU device per process, gloo collectives over "
+    + ("the emulated link (see link)" if link else "localhost TCP")
+    + "; process 0's timings",
+    "link": link,
+    "notes": [
+      "wire_bytes is each averager's model of its wire format; on "
+      "XLA:CPU a bfloat16 all-reduce is promoted to float32 (see "
+      "averagers.CastAverager), so bf16 moves 4 bytes per element here",
+      "gloo adds float16 element by element through software float "
+      "conversions (gloo/types.h), so fp16 is slower than float32 in "
+      "the multiprocess setting",
+      "gqsgd_threefry is gqsgd with jax.random (threefry) rounding "
+      "noise instead of the counter hash",
+    ],
+    "loadavg": {},
+    "wall_s": {},
   }
   results = []
   for setting in settings:
     start, load = time.monotonic(), _loadavg()
     if setting == "fake_devices":
-      results += run_fake_devices(sizes, repeats, num_workers, names,
-                                  seed=seed, donate=donate)
+      results += run_fake_devices(
+        sizes, repeats, num_workers, names, seed=seed, donate=donate
+      )
     elif launched:
       results += bench_mesh(
-          sizes, repeats, setting, names, seed=seed, donate=donate,
-          link=communication.Link.from_record(link) if link else None)
+        sizes,
+        repeats,
+        setting,
+        names,
+        seed=seed,
+        donate=donate,
+        link=communication.Link.from_record(link) if link else None,
+      )
       if parts:
         results += bench_parts(sizes, repeats, seed=seed, donate=donate)
     else:
-      results += run_multiprocess(sizes, repeats, num_workers, names,
-                                  seed=seed, timeout_s=timeout_s,
-                                  donate=donate, parts=parts)
+      results += run_multiprocess(
+        sizes,
+        repeats,
+        num_workers,
+        names,
+        seed=seed,
+        timeout_s=timeout_s,
+        donate=donate,
+        parts=parts,
+      )
     info["loadavg"][setting] = {"start": load, "end": _loadavg()}
     info["wall_s"][setting] = round(time.monotonic() - start, 1)
   for r in results:
     if "time_s" in r:
-      r["time_vs_fp32"] = time_ratio(results, r["setting"], r["strategy"],
-                                     r["num_elements"])
+      r["time_vs_fp32"] = time_ratio(
+        results, r["setting"], r["strategy"], r["num_elements"]
+      )
   report = {"settings": info, "results": results}
   for setting in SETTINGS:
     report[f"gqsgd_vs_fp32_time_ratio_16M_{setting}"] = (
-        time_ratio(results, setting) if setting in settings else None)
+      time_ratio(results, setting) if setting in settings else None
+    )
   if link is not None and "multiprocess" in settings:
-    report[f"gqsgd_vs_fp32_time_ratio_16M_{link['topology']}_"
-           f"{link['link']}"] = time_ratio(results, "multiprocess")
+    report[
+      f"gqsgd_vs_fp32_time_ratio_16M_{link['topology']}_{link['link']}"
+    ] = time_ratio(results, "multiprocess")
   if any("predicted_s" in r for r in results):
     report["predicted_vs_measured_max_rel_error"] = max_rel_error(results)
     report["predicted_link_vs_measured_max_rel_error"] = max_rel_error(
-        results, key="predicted_link_s")
+      results, key="predicted_link_s"
+    )
   if parts:
     report["gqsgd_floor"] = [floor_analysis(results, d) for d in sizes]
   return report
 
 
-def max_rel_error(results: Sequence[dict[str, Any]],
-                  num_elements: int = HEADLINE_SIZE,
-                  key: str = "predicted_s") -> float | None:
+def max_rel_error(
+  results: Sequence[dict[str, Any]],
+  num_elements: int = HEADLINE_SIZE,
+  key: str = "predicted_s",
+) -> float | None:
   """Max over strategies of ``|r[key] - time_s| / time_s`` at
   ``num_elements`` (None if no result there has both)."""
-  errors = [abs(r[key] - r["time_s"]) / r["time_s"]
-            for r in results if r["num_elements"] == num_elements
-            and key in r and "time_s" in r]
+  errors = [
+    abs(r[key] - r["time_s"]) / r["time_s"]
+    for r in results
+    if r["num_elements"] == num_elements and key in r and "time_s" in r
+  ]
   return max(errors) if errors else None
 
 

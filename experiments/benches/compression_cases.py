@@ -20,38 +20,41 @@ CPU work, and ``cpu_s`` shows where it goes even when other load blurs
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import dataclasses
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from qsync_jax import cli
 from qsync_jax.predictor import codec
-from qsync_jax.predictor.codec import CodecCost, fit_sizes
 from qsync_jax.predictor import collective_cost
 from qsync_jax.predictor import communication
 from qsync_jax.predictor import timing
+from qsync_jax.predictor.codec import CodecCost
+from qsync_jax.predictor.codec import fit_sizes
 
 AXIS = "workers"
 #: Bench name -> (``averagers.make_averager`` name, keyword arguments).
 STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "none": ("none", {}),
-    "fp16": ("fp16", {}),
-    "bf16": ("bf16", {}),
-    "gqsgd": ("gqsgd", {}),
-    "gqsgd_int16": ("gqsgd", {"wire": "int16"}),
-    # Global-QSGD's rounding noise from jax.random (threefry), its default
-    # before the counter hash: what the hash saves.
-    "gqsgd_threefry": ("gqsgd", {"noise": "threefry"}),
-    "gqsgd_exp": ("gqsgd_exp", {}),
-    "qsgd": ("qsgd", {}),
-    # PyTorch DDP's comm hook baseline; rank 4 is the hook's common setting.
-    "powersgd": ("powersgd", {"rank": 4}),
+  "none": ("none", {}),
+  "fp16": ("fp16", {}),
+  "bf16": ("bf16", {}),
+  "gqsgd": ("gqsgd", {}),
+  "gqsgd_int16": ("gqsgd", {"wire": "int16"}),
+  # Global-QSGD's rounding noise from jax.random (threefry), its default
+  # before the counter hash: what the hash saves.
+  "gqsgd_threefry": ("gqsgd", {"noise": "threefry"}),
+  "gqsgd_exp": ("gqsgd_exp", {}),
+  "qsgd": ("qsgd", {}),
+  # PyTorch DDP's comm hook baseline; rank 4 is the hook's common setting.
+  "powersgd": ("powersgd", {"rank": 4}),
 }
 #: The headline: Global-QSGD (int8) against the float32 mean at 2**24 floats.
 HEADLINE_STRATEGY = "gqsgd"
@@ -62,9 +65,10 @@ _LAYER_SIZE = 1 << 14
 _NOISE_STD = 2.0
 #: How :func:`worker_data` makes the data, as the report states it.
 DATA_DOC = (
-    "worker i: mag * (g + 2 * e_i), g and e_i standard normal (g shared by "
-    "all workers), mag lognormal(0, 1) per layer of 16384 elements; float32; "
-    "equal weights 1/n")
+  "worker i: mag * (g + 2 * e_i), g and e_i standard normal (g shared by "
+  "all workers), mag lognormal(0, 1) per layer of 16384 elements; float32; "
+  "equal weights 1/n"
+)
 
 
 def calls_per_round(num_elements: int) -> int:
@@ -87,16 +91,19 @@ def worker_data(num_elements: int, worker: int, seed: int = 0) -> np.ndarray:
   """
   shared = np.random.default_rng([seed, 0])
   layers = -(-num_elements // _LAYER_SIZE)
-  mag = np.repeat(np.exp(shared.standard_normal(layers)),
-                  _LAYER_SIZE)[:num_elements].astype(np.float32)
+  mag = np.repeat(np.exp(shared.standard_normal(layers)), _LAYER_SIZE)[
+    :num_elements
+  ].astype(np.float32)
   g = shared.standard_normal(num_elements, dtype=np.float32)
   noise = np.random.default_rng([seed, 1, worker]).standard_normal(
-      num_elements, dtype=np.float32)
+    num_elements, dtype=np.float32
+  )
   return mag * (g + np.float32(_NOISE_STD) * noise)
 
 
-def exact_mean(num_elements: int, num_workers: int,
-               seed: int = 0) -> np.ndarray:
+def exact_mean(
+  num_elements: int, num_workers: int, seed: int = 0
+) -> np.ndarray:
   """The float64 mean of the workers' :func:`worker_data`."""
   total = np.zeros(num_elements, np.float64)
   for i in range(num_workers):
@@ -129,6 +136,7 @@ class Case:
   With ``barrier`` every process waits for the others before the case's
   timer starts (a program without collectives does not keep them in step).
   """
+
   name: str
   averager: Any = None
   fn: Any = None
@@ -184,10 +192,13 @@ def result_row(case: Case, calls: int, **fields: Any) -> dict[str, Any]:
   """``fields`` plus the case's error or its timings."""
   if case.error is not None:
     return {**fields, "error": case.error}
-  return {**fields, "time_s": statistics.median(case.rounds),
-          "rounds_s": case.rounds,
-          "cpu_s": statistics.median(case.cpu_rounds),
-          "calls_per_round": calls}
+  return {
+    **fields,
+    "time_s": statistics.median(case.rounds),
+    "rounds_s": case.rounds,
+    "cpu_s": statistics.median(case.cpu_rounds),
+    "calls_per_round": calls,
+  }
 
 
 def print_row(label: str, row: dict[str, Any], detail: str = "") -> None:
@@ -196,8 +207,11 @@ def print_row(label: str, row: dict[str, Any], detail: str = "") -> None:
   if "error" in row:
     print(head + f"error: {row['error']}", flush=True)
   else:
-    print(head + f"{row['time_s'] * 1e3:9.2f} ms  "
-          f"(cpu {row['cpu_s'] * 1e3:8.2f} ms){detail}", flush=True)
+    print(
+      head + f"{row['time_s'] * 1e3:9.2f} ms  "
+      f"(cpu {row['cpu_s'] * 1e3:8.2f} ms){detail}",
+      flush=True,
+    )
 
 
 def copies(x: jax.Array, k: int, donate: bool) -> list[jax.Array]:
@@ -215,9 +229,12 @@ def all_reduce_fn(averager, mesh, donate: bool = False):
   def body(x, w):
     return averager(x[0], w[0], AXIS)[None]
 
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
-                               out_specs=P(AXIS)),
-                 donate_argnums=(0,) if donate else ())
+  return jax.jit(
+    jax.shard_map(
+      body, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS)
+    ),
+    donate_argnums=(0,) if donate else (),
+  )
 
 
 def first_row(out: jax.Array) -> np.ndarray:
@@ -235,6 +252,7 @@ class PredictionParts:
     collectives: ``{(kind, HLO type): [its part case at each fit size]}``.
     codec_sizes, collective_sizes: the fit sizes (elements; operand bytes).
   """
+
   compiled: dict[str, list[Any]]
   codecs: dict[str, list[Case]]
   codec_sizes: list[int]
@@ -243,8 +261,9 @@ class PredictionParts:
 
   def cases(self) -> list[Case]:
     """Every part case, for :func:`time_rounds`."""
-    return ([c for cs in self.codecs.values() for c in cs]
-            + [c for cs in self.collectives.values() for c in cs])
+    return [c for cs in self.codecs.values() for c in cs] + [
+      c for cs in self.collectives.values() for c in cs
+    ]
 
 
 def _part(name: str, fn, args: tuple) -> Case:
@@ -258,9 +277,12 @@ def priced(collectives: Sequence[Any]) -> list[Any]:
   return [c for c in collectives if not codec.timed_in_codec(c.operand_bytes)]
 
 
-def prediction_parts(cases: Sequence[Case], num_elements: int,
-                     devices: Sequence[jax.Device], sample=None
-                     ) -> PredictionParts:
+def prediction_parts(
+  cases: Sequence[Case],
+  num_elements: int,
+  devices: Sequence[jax.Device],
+  sample=None,
+) -> PredictionParts:
   """The parts of every case that ran, built to be timed with the cases.
 
   Each case's encode/decode (:func:`qsync_jax.predictor.codec.
@@ -281,14 +303,25 @@ def prediction_parts(cases: Sequence[Case], num_elements: int,
   """
   mesh = Mesh(np.array(list(devices)), (AXIS,))
   ran = [case for case in cases if case.fn is not None]
-  compiled = {case.name: communication.compiled_collectives(
-      case.averager, num_elements, devices) for case in ran}
+  compiled = {
+    case.name: communication.compiled_collectives(
+      case.averager, num_elements, devices
+    )
+    for case in ran
+  }
   codec_sizes = fit_sizes(num_elements)
-  codecs = {case.name: [
-      _part(f"{case.name} codec {d}", fn, args) for d, (fn, args) in zip(
-          codec_sizes, codec.codec_programs(case.averager, codec_sizes,
-                                            mesh=mesh, sample=sample))]
-            for case in ran}
+  codecs = {
+    case.name: [
+      _part(f"{case.name} codec {d}", fn, args)
+      for d, (fn, args) in zip(
+        codec_sizes,
+        codec.codec_programs(
+          case.averager, codec_sizes, mesh=mesh, sample=sample
+        ),
+      )
+    ]
+    for case in ran
+  }
   # Each kind and type is fitted at the largest operand it is used at and a
   # quarter of it: fitted further below, the line missed what the host's
   # caches stop holding (the float32 mean fitted at 1/16 and 1/4 of 64 MiB
@@ -297,18 +330,30 @@ def prediction_parts(cases: Sequence[Case], num_elements: int,
   for c in (c for cs in compiled.values() for c in priced(cs)):
     key = (c.kind, c.dtype)
     largest[key] = max(largest.get(key, 0.0), c.operand_bytes)
-  sizes = {key: fit_sizes(max(int(top), 1 << 14))
-           for key, top in sorted(largest.items())}
-  collectives = {key: [
-      _part(f"{key[0]} {key[1]} {b}", fn, args) for b, (fn, args) in zip(
-          sizes[key], collective_cost.collective_programs(
-              *key, devices, sizes[key], sample))] for key in sizes}
+  sizes = {
+    key: fit_sizes(max(int(top), 1 << 14))
+    for key, top in sorted(largest.items())
+  }
+  collectives = {
+    key: [
+      _part(f"{key[0]} {key[1]} {b}", fn, args)
+      for b, (fn, args) in zip(
+        sizes[key],
+        collective_cost.collective_programs(*key, devices, sizes[key], sample),
+      )
+    ]
+    for key in sizes
+  }
   return PredictionParts(compiled, codecs, codec_sizes, collectives, sizes)
 
 
-def predict_cases(cases: Sequence[Case], parts: PredictionParts,
-                  num_elements: int, devices: Sequence[jax.Device],
-                  link: communication.Link) -> dict[str, dict[str, Any]]:
+def predict_cases(
+  cases: Sequence[Case],
+  parts: PredictionParts,
+  num_elements: int,
+  devices: Sequence[jax.Device],
+  link: communication.Link,
+) -> dict[str, dict[str, Any]]:
   """The predictor's time for every case that ran, from its parts' rounds.
 
   Two predictions per case, both with the encode/decode fitted from its
@@ -330,14 +375,19 @@ def predict_cases(cases: Sequence[Case], parts: PredictionParts,
     "wire_s", "latency_s", "collectives_s", "collectives_in_codec",
     "collective_fits", "codec_s", "codec_fit"}}``.
   """
+
   def fit(sizes, part_cases):
-    return CodecCost.fit(sizes, [statistics.median(c.rounds)
-                                 for c in part_cases])
+    return CodecCost.fit(
+      sizes, [statistics.median(c.rounds) for c in part_cases]
+    )
 
   n = len(devices)
   measured = collective_cost.CollectiveCost(
-      {key: fit(parts.collective_sizes[key], cs)
-       for key, cs in parts.collectives.items()})
+    {
+      key: fit(parts.collective_sizes[key], cs)
+      for key, cs in parts.collectives.items()
+    }
+  )
   fits = measured.to_dict()
   out: dict[str, dict[str, Any]] = {}
   for case in cases:
@@ -346,31 +396,41 @@ def predict_cases(cases: Sequence[Case], parts: PredictionParts,
     compiled = parts.compiled[case.name]
     apart = priced(compiled)
     traffic = communication.averager_traffic(
-        case.averager, num_elements, n, devices=devices, compiled=compiled)
+      case.averager, num_elements, n, devices=devices, compiled=compiled
+    )
     # The bytes and ring steps of the priced collectives as compiled.
     traffic_apart = communication.traffic_of(apart, n)
     cost = fit(parts.codec_sizes, parts.codecs[case.name])
     out[case.name] = {
-        "predicted_s": communication.averaging_time(
-            case.averager, num_elements, n, link, cost,
-            measured=measured, collectives=apart),
-        "predicted_link_s": communication.averaging_time(
-            case.averager, num_elements, n, link, cost,
-            traffic=traffic_apart),
-        "moved_bytes": traffic.bytes,
-        "wire_s": link.wire_time(traffic_apart.bytes, n),
-        "latency_s": traffic_apart.steps * link.latency_s,
-        "collectives_s": measured(apart),
-        "collectives_in_codec": len(compiled) - len(apart),
-        "collective_fits": {f"{c.kind} {c.dtype}": fits[f"{c.kind} {c.dtype}"]
-                            for c in apart},
-        "codec_s": cost(num_elements),
-        "codec_fit": cost.to_dict()}
+      "predicted_s": communication.averaging_time(
+        case.averager,
+        num_elements,
+        n,
+        link,
+        cost,
+        measured=measured,
+        collectives=apart,
+      ),
+      "predicted_link_s": communication.averaging_time(
+        case.averager, num_elements, n, link, cost, traffic=traffic_apart
+      ),
+      "moved_bytes": traffic.bytes,
+      "wire_s": link.wire_time(traffic_apart.bytes, n),
+      "latency_s": traffic_apart.steps * link.latency_s,
+      "collectives_s": measured(apart),
+      "collectives_in_codec": len(compiled) - len(apart),
+      "collective_fits": {
+        f"{c.kind} {c.dtype}": fits[f"{c.kind} {c.dtype}"] for c in apart
+      },
+      "codec_s": cost(num_elements),
+      "codec_fit": cost.to_dict(),
+    }
   return out
 
 
-def check_arguments(sizes: Sequence[int], repeats: int,
-                    strategies: Sequence[str] | None) -> list[str]:
+def check_arguments(
+  sizes: Sequence[int], repeats: int, strategies: Sequence[str] | None
+) -> list[str]:
   """Validates the shared arguments; returns the strategy names to run."""
   names = list(STRATEGIES) if strategies is None else list(strategies)
   cli.check_names("strategy", names, STRATEGIES)
@@ -379,4 +439,3 @@ def check_arguments(sizes: Sequence[int], repeats: int,
   if repeats < 1:
     raise ValueError(f"repeats must be >= 1, got {repeats}")
   return names
-

@@ -11,11 +11,14 @@ the machine at hand.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import functools
-from typing import Any, Sequence
+from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from experiments.benches.compression_cases import all_reduce_fn
@@ -43,16 +46,26 @@ from qsync_jax.parallel import buckets
 #: speed XLA:CPU reads it (:func:`qsync_jax.parallel.buckets.bucket_absmax`);
 #: and ``2 x``, one read and one write of it, into a fresh buffer or
 #: (donating) in place, as the decode's output is.
-PARTS = ("allreduce_f32", "allreduce_int8", "gqsgd_passes", "bucket_absmax",
-         "scale_f32")
+PARTS = (
+  "allreduce_f32",
+  "allreduce_int8",
+  "gqsgd_passes",
+  "bucket_absmax",
+  "scale_f32",
+)
 
 
 def _psum_fn(mesh, donate: bool):
   """The jitted shard_map of a bare ``psum``: one (1, d) row per worker."""
-  return jax.jit(jax.shard_map(lambda x: jax.lax.psum(x[0], AXIS)[None],
-                               mesh=mesh, in_specs=P(AXIS),
-                               out_specs=P(AXIS)),
-                 donate_argnums=(0,) if donate else ())
+  return jax.jit(
+    jax.shard_map(
+      lambda x: jax.lax.psum(x[0], AXIS)[None],
+      mesh=mesh,
+      in_specs=P(AXIS),
+      out_specs=P(AXIS),
+    ),
+    donate_argnums=(0,) if donate else (),
+  )
 
 
 def _codes(rows: np.ndarray, levels: int) -> np.ndarray:
@@ -61,15 +74,22 @@ def _codes(rows: np.ndarray, levels: int) -> np.ndarray:
   return np.clip(np.round(rows / scale), -levels, levels).astype(np.int8)
 
 
-def _part_args(data: jax.Array, rest: tuple, donate: bool,
-               k: int) -> list[tuple]:
+def _part_args(
+  data: jax.Array, rest: tuple, donate: bool, k: int
+) -> list[tuple]:
   """The arguments of ``k`` calls: ``(data copy, *rest)`` each."""
   return [(a, *rest) for a in copies(data, k, donate)]
 
 
-def bench_parts(sizes: Sequence[int], repeats: int, *, seed: int = 0,
-                donate: bool = False, report: bool = True,
-                on_size=None) -> list[dict[str, Any]]:
+def bench_parts(
+  sizes: Sequence[int],
+  repeats: int,
+  *,
+  seed: int = 0,
+  donate: bool = False,
+  report: bool = True,
+  on_size=None,
+) -> list[dict[str, Any]]:
   """Times the :data:`PARTS` of the headline strategy's all-reduce.
 
   Every process of a multi-process run calls this with the same arguments.
@@ -101,8 +121,11 @@ def bench_parts(sizes: Sequence[int], repeats: int, *, seed: int = 0,
   n = len(devices)
   mesh = Mesh(np.array(devices), (AXIS,))
   sharding = NamedSharding(mesh, P(AXIS))
-  local = [i for i, dev in enumerate(devices)
-           if dev.process_index == jax.process_index()]
+  local = [
+    i
+    for i, dev in enumerate(devices)
+    if dev.process_index == jax.process_index()
+  ]
   local_mesh = Mesh(np.array([devices[i] for i in local]), (AXIS,))
   local_sharding = NamedSharding(local_mesh, P(AXIS))
   factory, kwargs = STRATEGIES[HEADLINE_STRATEGY]
@@ -110,47 +133,60 @@ def bench_parts(sizes: Sequence[int], repeats: int, *, seed: int = 0,
   say = report and jax.process_index() == 0
   psum = _psum_fn(mesh, donate)
   programs = {
-      "allreduce_f32": psum,
-      "allreduce_int8": psum,
-      "gqsgd_passes": all_reduce_fn(gqsgd, local_mesh, donate),
-      # As Global-QSGD reads its bucket maxima.
-      "bucket_absmax": jax.jit(lambda x: buckets.absmax(x[0],
-                                                        gqsgd.bucket_size)),
-      "scale_f32": jax.jit(lambda x: 2 * x,
-                           donate_argnums=(0,) if donate else ()),
+    "allreduce_f32": psum,
+    "allreduce_int8": psum,
+    "gqsgd_passes": all_reduce_fn(gqsgd, local_mesh, donate),
+    # As Global-QSGD reads its bucket maxima.
+    "bucket_absmax": jax.jit(lambda x: buckets.absmax(x[0], gqsgd.bucket_size)),
+    "scale_f32": jax.jit(
+      lambda x: 2 * x, donate_argnums=(0,) if donate else ()
+    ),
   }
   rows_out = []
   for d in map(int, sizes):
     rows = np.stack([worker_data(d, i, seed) for i in local])
     x = jax.make_array_from_process_local_data(sharding, rows, (n, d))
     codes = jax.make_array_from_process_local_data(
-        sharding, _codes(rows, gqsgd.levels(n)), (n, d))
+      sharding, _codes(rows, gqsgd.levels(n)), (n, d)
+    )
     x_local = jax.device_put(rows, local_sharding)
-    w_local = jax.device_put(np.full(len(local), 1.0 / n, np.float32),
-                             local_sharding)
+    w_local = jax.device_put(
+      np.full(len(local), 1.0 / n, np.float32), local_sharding
+    )
     del rows
     # Each call's arguments: (copies of) the float32 rows or the int8
     # codes of all workers, or this process's own rows.
     args = {
-        "allreduce_f32": functools.partial(_part_args, x, (), donate),
-        "allreduce_int8": functools.partial(_part_args, codes, (), donate),
-        "gqsgd_passes": functools.partial(_part_args, x_local, (w_local,),
-                                          donate),
-        "bucket_absmax": functools.partial(_part_args, x_local, (), False),
-        "scale_f32": functools.partial(_part_args, x_local, (), donate),
+      "allreduce_f32": functools.partial(_part_args, x, (), donate),
+      "allreduce_int8": functools.partial(_part_args, codes, (), donate),
+      "gqsgd_passes": functools.partial(
+        _part_args, x_local, (w_local,), donate
+      ),
+      "bucket_absmax": functools.partial(_part_args, x_local, (), False),
+      "scale_f32": functools.partial(_part_args, x_local, (), donate),
     }
     calls = calls_per_round(d)
     cases = []
     for name in PARTS:
-      case = Case(name, fn=programs[name], args=args[name],
-                  barrier=not name.startswith("allreduce"))
+      case = Case(
+        name,
+        fn=programs[name],
+        args=args[name],
+        barrier=not name.startswith("allreduce"),
+      )
       cases.append(case)
       warm_up(case)
     time_rounds(cases, repeats, calls)
     for case in cases:
-      row = result_row(case, calls, setting="multiprocess",
-                       strategy=case.name, part=True, num_elements=d,
-                       num_workers=n)
+      row = result_row(
+        case,
+        calls,
+        setting="multiprocess",
+        strategy=case.name,
+        part=True,
+        num_elements=d,
+        num_workers=n,
+      )
       if say:
         print_row("part", row)
       rows_out.append(row)
@@ -160,8 +196,9 @@ def bench_parts(sizes: Sequence[int], repeats: int, *, seed: int = 0,
   return rows_out
 
 
-def floor_analysis(results: Sequence[dict[str, Any]],
-                   num_elements: int = HEADLINE_SIZE) -> dict[str, Any] | None:
+def floor_analysis(
+  results: Sequence[dict[str, Any]], num_elements: int = HEADLINE_SIZE
+) -> dict[str, Any] | None:
   """What the parts say about the headline strategy at one size.
 
   ``passes_s`` is Global-QSGD's passes without collectives and
@@ -183,9 +220,11 @@ def floor_analysis(results: Sequence[dict[str, Any]],
     cpu_floor_vs_fp32}, or None if a needed multiprocess row is missing or
     failed.
   """
-  rows = {r["strategy"]: r for r in results
-          if r["setting"] == "multiprocess"
-          and r["num_elements"] == num_elements}
+  rows = {
+    r["strategy"]: r
+    for r in results
+    if r["setting"] == "multiprocess" and r["num_elements"] == num_elements
+  }
   need = (*PARTS, HEADLINE_STRATEGY, "none")
   if any("time_s" not in rows.get(name, {}) for name in need):
     return None
@@ -196,12 +235,16 @@ def floor_analysis(results: Sequence[dict[str, Any]],
     return v["allreduce_int8"] + 2 * v["bucket_absmax"] + v["scale_f32"]
 
   parts_sum = t["gqsgd_passes"] + t["allreduce_int8"]
-  return {"num_elements": num_elements, "passes_s": t["gqsgd_passes"],
-          "allreduce_int8_s": t["allreduce_int8"],
-          "allreduce_f32_s": t["allreduce_f32"],
-          "read_s": t["bucket_absmax"], "write_s": t["scale_f32"],
-          "parts_sum_s": parts_sum,
-          "parts_sum_vs_whole": parts_sum / t[HEADLINE_STRATEGY],
-          "floor_s": floor(t), "floor_vs_fp32": floor(t) / t["none"],
-          "cpu_floor_vs_fp32": floor(cpu) / cpu["none"]}
-
+  return {
+    "num_elements": num_elements,
+    "passes_s": t["gqsgd_passes"],
+    "allreduce_int8_s": t["allreduce_int8"],
+    "allreduce_f32_s": t["allreduce_f32"],
+    "read_s": t["bucket_absmax"],
+    "write_s": t["scale_f32"],
+    "parts_sum_s": parts_sum,
+    "parts_sum_vs_whole": parts_sum / t[HEADLINE_STRATEGY],
+    "floor_s": floor(t),
+    "floor_vs_fp32": floor(t) / t["none"],
+    "cpu_floor_vs_fp32": floor(cpu) / cpu["none"],
+  }

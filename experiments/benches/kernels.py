@@ -23,9 +23,10 @@ rounds, the statistic the compression bench reports too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import functools
 import statistics
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +34,11 @@ import numpy as np
 
 from pallas_kernels import _common
 from pallas_kernels.fp8_matmul import fp8_matmul
-from pallas_kernels.gqsgd_encode import gqsgd_encode, gqsgd_encode_reference
+from pallas_kernels.gqsgd_encode import gqsgd_encode
+from pallas_kernels.gqsgd_encode import gqsgd_encode_reference
 from pallas_kernels.int8_matmul import int8_matmul
-from pallas_kernels.quantize import quantize, quantize_reference
+from pallas_kernels.quantize import quantize
+from pallas_kernels.quantize import quantize_reference
 from qsync_jax.predictor.timing import seconds_per_call
 
 GPU_SIZES = (1024, 2048, 4096, 8192)
@@ -58,8 +61,9 @@ def _gemm_params(kernel: str) -> dict[str, int]:
   if not _common.on_gpu():
     return dict(block_m=128, block_n=128, block_k=128)  # few interpreter steps
   if kernel == "int8":
-    return dict(block_m=256, block_n=128, block_k=128, num_warps=8,
-                num_stages=4)
+    return dict(
+      block_m=256, block_n=128, block_k=128, num_warps=8, num_stages=4
+    )
   return dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4)
 
 
@@ -74,12 +78,12 @@ def _time(fn: Callable, args, repeats: int, steps: int) -> float:
       out = f(*args)
     jax.block_until_ready(out)
 
-  return statistics.median(seconds_per_call(run_block, steps)
-                           for _ in range(repeats))
+  return statistics.median(
+    seconds_per_call(run_block, steps) for _ in range(repeats)
+  )
 
 
-def _cases(n: int, seed: int) -> dict[str, tuple[Callable, tuple, str,
-                                                 float]]:
+def _cases(n: int, seed: int) -> dict[str, tuple[Callable, tuple, str, float]]:
   """name -> (fn, args, unit, work): work in flops or bytes."""
   rng = np.random.default_rng(seed)
   i8 = lambda: jnp.asarray(rng.integers(-127, 128, (n, n)), jnp.int8)
@@ -94,32 +98,59 @@ def _cases(n: int, seed: int) -> dict[str, tuple[Callable, tuple, str,
   flops = 2.0 * n**3
   elem_bytes = n * n * (4 + 1) + 4 * n  # f32 in, int8 out, one scale a row
   return {
-      "int8_pallas": (functools.partial(int8_matmul, **_gemm_params("int8")),
-                      (x8, w8, sx, sw), "tflops", flops),
-      "fp8_pallas": (functools.partial(fp8_matmul, **_gemm_params("fp8")),
-                     (e4x, e4w, sx, sw), "tflops", flops),
-      "int8_xla": (lambda a, b: jnp.dot(a, b,
-                                        preferred_element_type=jnp.int32),
-                   (x8, w8), "tflops", flops),
-      "bf16_xla": (jnp.dot, (bx, bw), "tflops", flops),
-      "fp32_xla": (functools.partial(jnp.dot,
-                                     precision=jax.lax.Precision.HIGHEST),
-                   (xf, wf), "tflops", flops),
-      "quantize_pallas": (
-          lambda x, s: quantize(x, s, rounding="stochastic", salt=1,
-                                block_rows=32, block_cols=256),
-          (xf, sx), "gbps", elem_bytes),
-      "quantize_xla": (
-          lambda x, s: quantize_reference(x, s, rounding="stochastic",
-                                          salt=1),
-          (xf, sx), "gbps", elem_bytes),
-      "gqsgd_encode_pallas": (
-          lambda y, m: gqsgd_encode(y, m, _LEVELS, seed=1, block_rows=8,
-                                    block_cols=512),
-          (xf, m), "gbps", elem_bytes),
-      "gqsgd_encode_xla": (
-          lambda y, m: gqsgd_encode_reference(y, m, _LEVELS, seed=1),
-          (xf, m), "gbps", elem_bytes),
+    "int8_pallas": (
+      functools.partial(int8_matmul, **_gemm_params("int8")),
+      (x8, w8, sx, sw),
+      "tflops",
+      flops,
+    ),
+    "fp8_pallas": (
+      functools.partial(fp8_matmul, **_gemm_params("fp8")),
+      (e4x, e4w, sx, sw),
+      "tflops",
+      flops,
+    ),
+    "int8_xla": (
+      lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.int32),
+      (x8, w8),
+      "tflops",
+      flops,
+    ),
+    "bf16_xla": (jnp.dot, (bx, bw), "tflops", flops),
+    "fp32_xla": (
+      functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST),
+      (xf, wf),
+      "tflops",
+      flops,
+    ),
+    "quantize_pallas": (
+      lambda x, s: quantize(
+        x, s, rounding="stochastic", salt=1, block_rows=32, block_cols=256
+      ),
+      (xf, sx),
+      "gbps",
+      elem_bytes,
+    ),
+    "quantize_xla": (
+      lambda x, s: quantize_reference(x, s, rounding="stochastic", salt=1),
+      (xf, sx),
+      "gbps",
+      elem_bytes,
+    ),
+    "gqsgd_encode_pallas": (
+      lambda y, m: gqsgd_encode(
+        y, m, _LEVELS, seed=1, block_rows=8, block_cols=512
+      ),
+      (xf, m),
+      "gbps",
+      elem_bytes,
+    ),
+    "gqsgd_encode_xla": (
+      lambda y, m: gqsgd_encode_reference(y, m, _LEVELS, seed=1),
+      (xf, m),
+      "gbps",
+      elem_bytes,
+    ),
   }
 
 
@@ -128,8 +159,13 @@ def _ratio(kernels: dict, a: str, b: str) -> float | None:
   return None if ta is None or tb is None else tb / ta
 
 
-def run(sizes=None, repeats: int = 5, steps: int = 3, seed: int = 0,
-        log: Callable[[str], None] | None = print) -> dict[str, Any]:
+def run(
+  sizes=None,
+  repeats: int = 5,
+  steps: int = 3,
+  seed: int = 0,
+  log: Callable[[str], None] | None = print,
+) -> dict[str, Any]:
   """Times every kernel and XLA dot at each size.
 
   Args:
@@ -150,14 +186,21 @@ def run(sizes=None, repeats: int = 5, steps: int = 3, seed: int = 0,
   """
   sizes = tuple(default_sizes() if sizes is None else sizes)
   if not sizes or min(sizes) < 1 or repeats < 1 or steps < 1:
-    raise ValueError(f"sizes, repeats and steps must be positive, got "
-                     f"{sizes}, {repeats}, {steps}")
+    raise ValueError(
+      f"sizes, repeats and steps must be positive, got "
+      f"{sizes}, {repeats}, {steps}"
+    )
   interpret = _common.resolve_interpret(None)
   out: dict[str, Any] = {
-      "device_kind": jax.devices()[0].device_kind,
-      "backend": jax.default_backend(), "jax_version": jax.__version__,
-      "interpret_mode": interpret, "sizes": list(sizes), "repeats": repeats,
-      "steps": steps, "results": []}
+    "device_kind": jax.devices()[0].device_kind,
+    "backend": jax.default_backend(),
+    "jax_version": jax.__version__,
+    "interpret_mode": interpret,
+    "sizes": list(sizes),
+    "repeats": repeats,
+    "steps": steps,
+    "results": [],
+  }
   if interpret:
     out["note"] = INTERPRET_NOTE
   for n in sizes:
@@ -170,20 +213,18 @@ def run(sizes=None, repeats: int = 5, steps: int = 3, seed: int = 0,
         continue
       scale = 1e12 if unit == "tflops" else 1e9
       kernels[name] = {"seconds": t, unit: work / t / scale}
-    ratios = {"int8_pallas_over_bf16_xla": _ratio(kernels, "int8_pallas",
-                                                  "bf16_xla"),
-              "fp8_pallas_over_bf16_xla": _ratio(kernels, "fp8_pallas",
-                                                 "bf16_xla"),
-              "int8_pallas_over_int8_xla": _ratio(kernels, "int8_pallas",
-                                                  "int8_xla")}
+    ratios = {
+      "int8_pallas_over_bf16_xla": _ratio(kernels, "int8_pallas", "bf16_xla"),
+      "fp8_pallas_over_bf16_xla": _ratio(kernels, "fp8_pallas", "bf16_xla"),
+      "int8_pallas_over_int8_xla": _ratio(kernels, "int8_pallas", "int8_xla"),
+    }
     out["results"].append({"size": n, "kernels": kernels, "ratios": ratios})
     if log is not None:
       log(_summary_line(n, kernels, ratios, interpret))
   return out
 
 
-def _summary_line(n: int, kernels: dict, ratios: dict,
-                  interpret: bool) -> str:
+def _summary_line(n: int, kernels: dict, ratios: dict, interpret: bool) -> str:
   parts = []
   for name, r in kernels.items():
     if "error" in r:

@@ -21,7 +21,9 @@ from typing import Any
 
 from flax import nnx
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
@@ -29,7 +31,8 @@ from qsync_jax import models as models_lib
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor.timing import seconds_per_call
 from qsync_jax.task import losses
-from qsync_jax.train.trainer import HybridTrainer, Worker
+from qsync_jax.train.trainer import HybridTrainer
+from qsync_jax.train.trainer import Worker
 
 
 def _spmd_step_fn(model: nnx.Module, tx: optax.GradientTransformation):
@@ -41,6 +44,7 @@ def _spmd_step_fn(model: nnx.Module, tx: optax.GradientTransformation):
   def step(params, opt_state, x, y):
     def loss(p):
       return losses.cross_entropy(nnx.merge(graphdef, p, rest)(x), y)
+
     grads = jax.grad(loss)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
@@ -48,11 +52,16 @@ def _spmd_step_fn(model: nnx.Module, tx: optax.GradientTransformation):
   return step, params
 
 
-def trainer_overhead(model_name: str, batch_per_worker: int, *,
-                     num_workers: int = 4, rounds: int = 7,
-                     steps_per_round: int = 10,
-                     model_kwargs: dict[str, Any] | None = None,
-                     seed: int = 0) -> dict[str, Any]:
+def trainer_overhead(
+  model_name: str,
+  batch_per_worker: int,
+  *,
+  num_workers: int = 4,
+  rounds: int = 7,
+  steps_per_round: int = 10,
+  model_kwargs: dict[str, Any] | None = None,
+  seed: int = 0,
+) -> dict[str, Any]:
   """Returns median step times of the hybrid trainer and a plain SPMD step.
 
   Args:
@@ -75,8 +84,9 @@ def trainer_overhead(model_name: str, batch_per_worker: int, *,
   if len(devices) < num_workers:
     raise ValueError(f"need {num_workers} devices, have {len(devices)}")
   tx = optax.adam(1e-3)
-  make = lambda: models_lib.create_model(model_name, rngs=nnx.Rngs(seed),
-                                         **(model_kwargs or {}))
+  make = lambda: models_lib.create_model(
+    model_name, rngs=nnx.Rngs(seed), **(model_kwargs or {})
+  )
   model = make()
   spec = model.input_spec(batch_per_worker * num_workers)
   rng = np.random.default_rng(seed)
@@ -88,13 +98,19 @@ def trainer_overhead(model_name: str, batch_per_worker: int, *,
   y = rng.integers(0, out_shape[-1], size=out_shape[:-1]).astype(np.int32)
 
   trainer = HybridTrainer(
-      make(), [Worker(d, "cpu", PrecisionPlan(), batch_per_worker)
-               for d in devices], tx)
+    make(),
+    [Worker(d, "cpu", PrecisionPlan(), batch_per_worker) for d in devices],
+    tx,
+  )
   b = batch_per_worker
   # Both sides get their batches already on the devices: the comparison is
   # of the step, not of host-to-device copies.
-  batches = {i: jax.device_put((x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]),
-                               devices[i]) for i in range(num_workers)}
+  batches = {
+    i: jax.device_put(
+      (x[i * b : (i + 1) * b], y[i * b : (i + 1) * b]), devices[i]
+    )
+    for i in range(num_workers)
+  }
 
   mesh = Mesh(np.array(devices), ("workers",))
   step, params = _spmd_step_fn(make(), tx)
@@ -110,8 +126,9 @@ def trainer_overhead(model_name: str, batch_per_worker: int, *,
 
   def run_spmd(k):
     for _ in range(k):
-      state["params"], state["opt"] = step(state["params"], state["opt"], xs,
-                                           ys)
+      state["params"], state["opt"] = step(
+        state["params"], state["opt"], xs, ys
+      )
     jax.block_until_ready(state["params"])
 
   run_hybrid(2)  # compile and warm up both
@@ -121,7 +138,13 @@ def trainer_overhead(model_name: str, batch_per_worker: int, *,
     hybrid.append(seconds_per_call(run_hybrid, steps_per_round))
     spmd.append(seconds_per_call(run_spmd, steps_per_round))
   h, s = statistics.median(hybrid), statistics.median(spmd)
-  return {"model": model_name, "num_workers": num_workers,
-          "batch_per_worker": batch_per_worker, "hybrid_step_s": h,
-          "spmd_step_s": s, "ratio": h / s, "rounds": rounds,
-          "steps_per_round": steps_per_round}
+  return {
+    "model": model_name,
+    "num_workers": num_workers,
+    "batch_per_worker": batch_per_worker,
+    "hybrid_step_s": h,
+    "spmd_step_s": s,
+    "ratio": h / s,
+    "rounds": rounds,
+    "steps_per_round": steps_per_round,
+  }

@@ -14,7 +14,7 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   """Returns the default main-job config."""
   config = ml_collections.ConfigDict()
-  config.model = "cnn"            # built-in name or package.module:factory
+  config.model = "cnn"  # built-in name or package.module:factory
   config.model_kwargs = ml_collections.ConfigDict()
   # The objective: "" (classification / language modelling on (inputs,
   # labels)) or "package.module:loss_fn", a loss_fn(model, batch, rngs) ->
@@ -33,15 +33,16 @@ def get_config() -> ml_collections.ConfigDict:
   config.plans = ml_collections.ConfigDict()
   config.allocator = ml_collections.ConfigDict()
   config.allocator.indicator = "qsync"
-  config.allocator.method = "greedy"   # or "memory", "ilp"
+  config.allocator.method = "greedy"  # or "memory", "ilp"
   config.allocator.num_batches = 4
   config.allocator.compression = ml_collections.config_dict.placeholder(float)
   config.allocator.candidates = ("int8", "fp16", "fp32")
   # The step is predicted for the CNN as it would be deployed on the real
   # GPUs (CIFAR-size images, wider layers, batch 128 per worker); the
   # digits-size twin trained here has the same layers and takes its plan.
-  config.allocator.timing_model_kwargs = ml_collections.ConfigDict(dict(
-      image_size=32, in_channels=3, widths=(128, 256), hidden=1024))
+  config.allocator.timing_model_kwargs = ml_collections.ConfigDict(
+    dict(image_size=32, in_channels=3, widths=(128, 256), hidden=1024)
+  )
   config.allocator.timing_batch_size = 128  # 0: config.batch_size
   # Where each kind's profile comes from. "auto": measured on the first
   # device of that kind in the run (by its process; the profiles are then
@@ -52,11 +53,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.allocator.profiles = "auto"
   config.allocator.profile_repeats = 5
   config.allocator.profile_cache_dir = ""
-  config.batch_size = 32          # per worker; global = batch_size * workers
-  config.batch_mode = "equal"     # or "dynamic": QSync's DB baseline
+  config.batch_size = 32  # per worker; global = batch_size * workers
+  config.batch_mode = "equal"  # or "dynamic": QSync's DB baseline
   config.speeds = "v100:1.3,t4:1.0"  # relative throughput, batch_mode=dynamic
   config.steps = 400
-  config.optimizer = "adam"       # or "sgd" (with config.momentum)
+  config.optimizer = "adam"  # or "sgd" (with config.momentum)
   config.momentum = 0.0
   config.learning_rate = 3e-3
   # The learning rate: the official QSR code's schedules. "constant";
@@ -92,7 +93,8 @@ def get_config() -> ml_collections.ConfigDict:
   # known ones are declared unset (the strategy's default) so that the
   # locked config takes them from the command line.
   config.compress = "none"
-  config.compress_kwargs = ml_collections.ConfigDict(dict(
+  config.compress_kwargs = ml_collections.ConfigDict(
+    dict(
       wire=ml_collections.config_dict.placeholder(str),
       bucket_size=ml_collections.config_dict.placeholder(int),
       levels=ml_collections.config_dict.placeholder(int),
@@ -100,7 +102,9 @@ def get_config() -> ml_collections.ConfigDict:
       noise=ml_collections.config_dict.placeholder(str),
       rank=ml_collections.config_dict.placeholder(int),
       cols=ml_collections.config_dict.placeholder(int),
-      warm_start=ml_collections.config_dict.placeholder(bool)))
+      warm_start=ml_collections.config_dict.placeholder(bool),
+    )
+  )
   config.error_feedback = False
   config.seed = 0
   config.log_every = 50
@@ -131,9 +135,14 @@ def get_config() -> ml_collections.ConfigDict:
   # (planning_timeout_s) for another process's profile or plans;
   # local_devices "auto" (every device of a node that runs one process, else
   # one device per process), "one" or "all". Not part of the agreement check.
-  config.distributed = ml_collections.ConfigDict(dict(
-      initialization_timeout_s=300, heartbeat_timeout_s=100,
-      shutdown_timeout_s=300, local_devices="auto",
+  config.distributed = ml_collections.ConfigDict(
+    dict(
+      initialization_timeout_s=300,
+      heartbeat_timeout_s=100,
+      shutdown_timeout_s=300,
+      local_devices="auto",
       # The longest wait for another process's profile or process 0's plans.
-      planning_timeout_s=900))
+      planning_timeout_s=900,
+    )
+  )
   return config

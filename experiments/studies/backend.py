@@ -5,8 +5,8 @@ They are applied before the backend starts.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 import os
-from typing import Iterable, Sequence
 
 import jax
 
@@ -23,13 +23,19 @@ def start_backend(out_dir: str, num_devices: int) -> None:
   """
   jax.config.update("jax_num_cpu_devices", num_devices)
   if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    jax.config.update("jax_compilation_cache_dir",
-                      os.path.join(out_dir, "jax_cache"))
+    jax.config.update(
+      "jax_compilation_cache_dir", os.path.join(out_dir, "jax_cache")
+    )
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
-def check_runs(tasks: Sequence[str], configs: Sequence[str], seeds: int,
-               all_tasks: Iterable[str], all_configs: Iterable[str]) -> None:
+def check_runs(
+  tasks: Sequence[str],
+  configs: Sequence[str],
+  seeds: int,
+  all_tasks: Iterable[str],
+  all_configs: Iterable[str],
+) -> None:
   """Checks a study's tasks, configurations and seed count.
 
   Raises:
@@ -39,6 +45,8 @@ def check_runs(tasks: Sequence[str], configs: Sequence[str], seeds: int,
   cli.check_names("task", tasks, all_tasks)
   cli.check_names("configuration", configs, all_configs)
   if not tasks or not configs or seeds < 1:
-    raise ValueError(f"a study needs a task, a configuration and a seed, got "
-                     f"{len(tasks)} tasks, {len(configs)} configurations "
-                     f"and {seeds} seeds")
+    raise ValueError(
+      f"a study needs a task, a configuration and a seed, got "
+      f"{len(tasks)} tasks, {len(configs)} configurations "
+      f"and {seeds} seeds"
+    )

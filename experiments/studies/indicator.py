@@ -10,11 +10,12 @@ cost, as context.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from flax import nnx
-from jax.flatten_util import ravel_pytree
 import jax
+from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 import numpy as np
 from scipy import stats as scipy_stats
@@ -26,8 +27,9 @@ from qsync_jax.predictor import timing
 from qsync_jax.train import step as step_lib
 
 
-def train_step_time(model: nnx.Module, loss_fn, batch, repeats: int = 5
-                    ) -> float:
+def train_step_time(
+  model: nnx.Module, loss_fn, batch, repeats: int = 5
+) -> float:
   """Median seconds of the trainer's gradient step on ``batch`` (compiled).
 
   The step is :func:`qsync_jax.train.step.grad_function`, what a worker runs
@@ -38,16 +40,26 @@ def train_step_time(model: nnx.Module, loss_fn, batch, repeats: int = 5
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   flat, unravel = ravel_pytree(params)
   grad_fn = step_lib.grad_function(graphdef, unravel, loss_fn)
-  args = (flat[None], rest, jnp.ones((1,), jnp.float32),
-          jax.tree.map(jnp.asarray, batch), np.zeros(2, np.uint32))
+  args = (
+    flat[None],
+    rest,
+    jnp.ones((1,), jnp.float32),
+    jax.tree.map(jnp.asarray, batch),
+    np.zeros(2, np.uint32),
+  )
   return timing.burst_median(lambda: grad_fn(*args), repeats)
 
 
-def study(model: nnx.Module, loss_fn, batches: Sequence[tuple[Any, Any]],
-          precisions: Sequence[Precision | str] = (
-              sensitivity.DEFAULT_PRECISIONS),
-          methods: Sequence[str] = sensitivity.METHODS, *, seed: int = 0,
-          quant: QuantConfig | None = None) -> dict[str, Any]:
+def study(
+  model: nnx.Module,
+  loss_fn,
+  batches: Sequence[tuple[Any, Any]],
+  precisions: Sequence[Precision | str] = (sensitivity.DEFAULT_PRECISIONS),
+  methods: Sequence[str] = sensitivity.METHODS,
+  *,
+  seed: int = 0,
+  quant: QuantConfig | None = None,
+) -> dict[str, Any]:
   """Scores every method and judges it against the measured ground truth.
 
   The primary ground truth is the relative error of the full gradient (what
@@ -72,24 +84,29 @@ def study(model: nnx.Module, loss_fn, batches: Sequence[tuple[Any, Any]],
     "spearman_vs_measured_loss", "time_s", "per_batch_s", "scores"}}}.
   """
   precisions = [Precision.parse(p) for p in precisions]
-  truth = sensitivity.measure(model, loss_fn, batches, precisions,
-                              quant=quant)
+  truth = sensitivity.measure(model, loss_fn, batches, precisions, quant=quant)
   pairs = truth["grad"].pairs()
-  out = {"layers": truth["grad"].layers,
-         "precisions": [p.value for p in precisions],
-         "num_batches": len(batches),
-         "train_step_s": train_step_time(model, loss_fn, batches[0]),
-         "measured": {k: v.to_dict() for k, v in truth.items()},
-         "methods": {}}
+  out = {
+    "layers": truth["grad"].layers,
+    "precisions": [p.value for p in precisions],
+    "num_batches": len(batches),
+    "train_step_s": train_step_time(model, loss_fn, batches[0]),
+    "measured": {k: v.to_dict() for k, v in truth.items()},
+    "methods": {},
+  }
   for method in methods:
-    scores = sensitivity.compute(model, loss_fn, batches, method, precisions,
-                                 quant=quant, seed=seed)
+    scores = sensitivity.compute(
+      model, loss_fn, batches, method, precisions, quant=quant, seed=seed
+    )
     vec = scores.vector(pairs)
-    rho = lambda t: float(scipy_stats.spearmanr(vec, t.vector(pairs)
-                                                ).statistic)
+    rho = lambda t, vec=vec: float(
+      scipy_stats.spearmanr(vec, t.vector(pairs)).statistic
+    )
     out["methods"][method] = {
-        "spearman_vs_measured": rho(truth["grad"]),
-        "spearman_vs_measured_loss": rho(truth["loss"]),
-        "time_s": scores.time_s, "per_batch_s": scores.per_batch_s,
-        "scores": scores.values}
+      "spearman_vs_measured": rho(truth["grad"]),
+      "spearman_vs_measured_loss": rho(truth["loss"]),
+      "time_s": scores.time_s,
+      "per_batch_s": scores.per_batch_s,
+      "scores": scores.values,
+    }
   return out

@@ -14,8 +14,9 @@ nothing of a real step's time enters a prediction. Memory is checked against
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from flax import nnx
 import jax
@@ -28,19 +29,28 @@ from qsync_jax import models as models_lib
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.plan import policy
 from qsync_jax.plan.precision import PrecisionPlan
-from qsync_jax.predictor import analytic, casting, graph as graph_lib, memory
+from qsync_jax.predictor import analytic
+from qsync_jax.predictor import casting
+from qsync_jax.predictor import graph as graph_lib
+from qsync_jax.predictor import memory
 from qsync_jax.predictor import profiling as profile_lib
-from qsync_jax.predictor import simulation, timing
+from qsync_jax.predictor import simulation
+from qsync_jax.predictor import timing
 from qsync_jax.task import losses
-from qsync_jax.train.trainer import HybridTrainer, Worker
+from qsync_jax.train.trainer import HybridTrainer
+from qsync_jax.train.trainer import Worker
 
 #: Built-in models of the check, sized so a step takes tens of milliseconds
 #: on a 2-core CPU.
 DEFAULT_MODEL_KWARGS: dict[str, dict[str, Any]] = {
-    "cnn": {"widths": (32, 64), "image_size": 16, "in_channels": 3,
-            "hidden": 128},
-    "bert": {"num_layers": 2, "max_len": 64, "vocab_size": 512},
-    "resnet18": {"width": 16, "image_size": 16},
+  "cnn": {
+    "widths": (32, 64),
+    "image_size": 16,
+    "in_channels": 3,
+    "hidden": 128,
+  },
+  "bert": {"num_layers": 2, "max_len": 64, "vocab_size": 512},
+  "resnet18": {"width": 16, "image_size": 16},
 }
 DEFAULT_BATCH = {"cnn": 32, "bert": 16, "resnet18": 16}
 
@@ -50,34 +60,54 @@ DEFAULT_BATCH = {"cnn": 32, "bert": 16, "resnet18": 16}
 #: the profile (:func:`.simulation.pass_factors`,
 #: :func:`.profiling.fit_step_overhead`), so the result also reports the
 #: error over the mixed plans alone, which nothing of theirs was fitted on.
-UNIFORM_PRECISIONS = (Precision.FP32, Precision.BF16, Precision.FP16,
-                      Precision.INT8)
+UNIFORM_PRECISIONS = (
+  Precision.FP32,
+  Precision.BF16,
+  Precision.FP16,
+  Precision.INT8,
+)
 UNIFORM_PLANS = tuple(p.value for p in UNIFORM_PRECISIONS)
 #: The names of :func:`plans_for`'s mixed plans.
-MIXED_PLANS = ("int8/fp16 alternating", "first half int8",
-               "second half fp16", "random")
+MIXED_PLANS = (
+  "int8/fp16 alternating",
+  "first half int8",
+  "second half fp16",
+  "random",
+)
 
 
 def plans_for(g: graph_lib.ModelGraph) -> dict[str, PrecisionPlan]:
   """The evaluated plans: four uniform ones and four mixed ones."""
   paths = [n.path for n in g.nodes if not n.floored]
-  low = {p: Precision.INT8 if i % 2 == 0 else Precision.FP16
-         for i, p in enumerate(paths)}
+  low = {
+    p: Precision.INT8 if i % 2 == 0 else Precision.FP16
+    for i, p in enumerate(paths)
+  }
   half = len(paths) // 2
   rng = np.random.default_rng(0)
   choices = UNIFORM_PRECISIONS
   mixed = (
-      PrecisionPlan.from_precisions(low),
-      PrecisionPlan.from_precisions(
-          {p: Precision.INT8 if i < half else Precision.FP32
-           for i, p in enumerate(paths)}),
-      PrecisionPlan.from_precisions(
-          {p: Precision.FP16 if i >= half else Precision.FP32
-           for i, p in enumerate(paths)}),
-      PrecisionPlan.from_precisions(
-          {p: choices[int(rng.integers(len(choices)))] for p in paths}))
-  return {**{p.value: PrecisionPlan.uniform(p) for p in UNIFORM_PRECISIONS},
-          **dict(zip(MIXED_PLANS, mixed, strict=True))}
+    PrecisionPlan.from_precisions(low),
+    PrecisionPlan.from_precisions(
+      {
+        p: Precision.INT8 if i < half else Precision.FP32
+        for i, p in enumerate(paths)
+      }
+    ),
+    PrecisionPlan.from_precisions(
+      {
+        p: Precision.FP16 if i >= half else Precision.FP32
+        for i, p in enumerate(paths)
+      }
+    ),
+    PrecisionPlan.from_precisions(
+      {p: choices[int(rng.integers(len(choices)))] for p in paths}
+    ),
+  )
+  return {
+    **{p.value: PrecisionPlan.uniform(p) for p in UNIFORM_PRECISIONS},
+    **dict(zip(MIXED_PLANS, mixed, strict=True)),
+  }
 
 
 def sample_batch(model: nnx.Module, batch_size: int, seed: int = 0):
@@ -91,36 +121,46 @@ def sample_batch(model: nnx.Module, batch_size: int, seed: int = 0):
     vocab = getattr(config, "vocab_size", 2)
     x = rng.integers(0, vocab, spec.shape).astype(spec.dtype)
   if getattr(model, "task", "classification") == "lm":
-    y = rng.integers(0, getattr(config, "vocab_size", 2),
-                     spec.shape).astype(np.int32)
+    y = rng.integers(0, getattr(config, "vocab_size", 2), spec.shape).astype(
+      np.int32
+    )
   else:
-    y = rng.integers(0, getattr(config, "num_classes", 2),
-                     (batch_size,)).astype(np.int32)
+    y = rng.integers(
+      0, getattr(config, "num_classes", 2), (batch_size,)
+    ).astype(np.int32)
   return x, y
 
 
-def _step_call(model, plan: PrecisionPlan, devices, batch, tx
-               ) -> Callable[[], Any]:
+def _step_call(
+  model, plan: PrecisionPlan, devices, batch, tx
+) -> Callable[[], Any]:
   workers = [Worker(d, "cpu", plan, batch[0].shape[0]) for d in devices]
   trainer = HybridTrainer(model, workers, tx)
-  batches = {i: (jax.device_put(batch[0], w.device),
-                 jax.device_put(batch[1], w.device))
-             for i, w in enumerate(workers)}
+  batches = {
+    i: (jax.device_put(batch[0], w.device), jax.device_put(batch[1], w.device))
+    for i, w in enumerate(workers)
+  }
 
   def step():
     trainer.train_step(batches)
     return trainer.params
+
   return step
 
 
-def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
-             | None = None, batch_sizes: Mapping[str, int] | None = None,
-             workers: Sequence[int] = (1, 4), rounds: int = 15,
-             burst: int = 5,
-             precisions: Sequence[str] = ("fp32", "bf16", "fp16", "int8"),
-             plan_names: Sequence[str] | None = None,
-             plans_per_phase: int = 4,
-             log: Callable[[str], None] = print) -> dict[str, Any]:
+def evaluate(
+  models: Sequence[str],
+  *,
+  model_kwargs: Mapping[str, Mapping] | None = None,
+  batch_sizes: Mapping[str, int] | None = None,
+  workers: Sequence[int] = (1, 4),
+  rounds: int = 15,
+  burst: int = 5,
+  precisions: Sequence[str] = ("fp32", "bf16", "fp16", "int8"),
+  plan_names: Sequence[str] | None = None,
+  plans_per_phase: int = 4,
+  log: Callable[[str], None] = print,
+) -> dict[str, Any]:
   """Predicted against measured step time and memory.
 
   Each model is checked in phases: one per worker count and group of at
@@ -166,25 +206,33 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
       ``plans_per_phase < 1``.
   """
   if not models or not workers:
-    raise ValueError(f"give at least one model and one worker count, got "
-                     f"models {list(models)} and workers {list(workers)}")
+    raise ValueError(
+      f"give at least one model and one worker count, got "
+      f"models {list(models)} and workers {list(workers)}"
+    )
   devices = jax.local_devices()
   if max(workers) > len(devices):
     raise ValueError(
-        f"{max(workers)} workers need as many devices, this host has "
-        f"{len(devices)} (set jax_num_cpu_devices)")
+      f"{max(workers)} workers need as many devices, this host has "
+      f"{len(devices)} (set jax_num_cpu_devices)"
+    )
   if plans_per_phase < 1:
-    raise ValueError(f"plans_per_phase must be at least 1, got "
-                     f"{plans_per_phase}")
+    raise ValueError(
+      f"plans_per_phase must be at least 1, got {plans_per_phase}"
+    )
   kwargs_of = dict(DEFAULT_MODEL_KWARGS)
   kwargs_of.update(model_kwargs or {})
   batch_of = dict(DEFAULT_BATCH)
   batch_of.update(batch_sizes or {})
   precisions = [Precision.parse(p) for p in precisions]
-  num_plans = len(dict.fromkeys(plan_names if plan_names is not None
-                                else UNIFORM_PLANS + MIXED_PLANS))
+  num_plans = len(
+    dict.fromkeys(
+      plan_names if plan_names is not None else UNIFORM_PLANS + MIXED_PLANS
+    )
+  )
   phases = progress.Progress(
-      len(models) * len(workers) * -(-num_plans // plans_per_phase), log)
+    len(models) * len(workers) * -(-num_plans // plans_per_phase), log
+  )
   tx = optax.adam(1e-3)
   cases: list[dict[str, Any]] = []
   profiles: dict[str, Any] = {}
@@ -204,113 +252,168 @@ def evaluate(models: Sequence[str], *, model_kwargs: Mapping[str, Mapping]
         raise ValueError(f"unknown plan(s) {unknown}; plans: {list(plans)}")
       plans = {p: plans[p] for p in plan_names}
     floored = {n.path for n in g.nodes if n.floored}
-    effective = {name: policy.resolve_with_forced(g.paths, floored, plan)
-                 for name, plan in plans.items()}
-    measured_mem = {name: memory.compiled_step_bytes(
-        model, eff, batch, losses.cross_entropy, tx)
-                    for name, eff in effective.items()}
+    effective = {
+      name: policy.resolve_with_forced(g.paths, floored, plan)
+      for name, plan in plans.items()
+    }
+    measured_mem = {
+      name: memory.compiled_step_bytes(
+        model, eff, batch, losses.cross_entropy, tx
+      )
+      for name, eff in effective.items()
+    }
     memory_model = memory.measure_memory_model(
-        model, g, batch, losses.cross_entropy, tx, precisions)
+      model, g, batch, losses.cross_entropy, tx, precisions
+    )
     log(f"{spec}: {len(g.nodes)} layers, {g.num_params} parameters")
     names = list(plans)
     model_cases: list[dict[str, Any]] = []
     for n in workers:
       for first in range(0, len(names), plans_per_phase):
-        group = names[first:first + plans_per_phase]
+        group = names[first : first + plans_per_phase]
         jax.clear_caches()  # free the previous phase's executables
         job = profile_lib.profile_job(
-            model, batch, g, key, device=devices[0], device_kind="cpu",
-            precisions=precisions, loss_fn=losses.cross_entropy, tx=tx,
-            host_devices=devices[:n], casts=casts,
-            memory_model=memory_model)
-        steps = {("step", name): _step_call(model, plans[name], devices[:n],
-                                            batch, tx) for name in group}
+          model,
+          batch,
+          g,
+          key,
+          device=devices[0],
+          device_kind="cpu",
+          precisions=precisions,
+          loss_fn=losses.cross_entropy,
+          tx=tx,
+          host_devices=devices[:n],
+          casts=casts,
+          memory_model=memory_model,
+        )
+        steps = {
+          ("step", name): _step_call(model, plans[name], devices[:n], batch, tx)
+          for name in group
+        }
         start = time.perf_counter()
         meter = timing.StealMeter()
-        raw = timing.interleaved({**job.calls, **steps}, rounds,
-                                 subtract_overhead=False, burst=burst,
-                                 meter=meter)
+        raw = timing.interleaved(
+          {**job.calls, **steps},
+          rounds,
+          subtract_overhead=False,
+          burst=burst,
+          meter=meter,
+        )
         steal = meter.overall_fraction
         all_steal.append((meter.total_stolen, meter.total_ticks))
         prof = job.finish(raw)
         profiles.setdefault(spec, {}).setdefault(str(n), prof.to_dict())
-        log(f"{spec} x{n}: timed {len(job.calls)} profile pieces and "
-            f"{len(steps)} steps in {rounds} rounds, "
-            f"{time.perf_counter() - start:.0f} s, {steal:.1%} of the CPU "
-            "stolen by the hypervisor")
+        log(
+          f"{spec} x{n}: timed {len(job.calls)} profile pieces and "
+          f"{len(steps)} steps in {rounds} rounds, "
+          f"{time.perf_counter() - start:.0f} s, {steal:.1%} of the CPU "
+          "stolen by the hypervisor"
+        )
         del job, steps
         for name in group:
-          sim_workers = [simulation.SimWorker(f"cpu[{i}]", prof,
-                                              effective[name])
-                         for i in range(n)]
+          sim_workers = [
+            simulation.SimWorker(f"cpu[{i}]", prof, effective[name])
+            for i in range(n)
+          ]
           t0 = time.perf_counter()
-          pred = simulation.simulate(g, sim_workers, bucket_bytes=None,
-                                     shared_host=True)
+          pred = simulation.simulate(
+            g, sim_workers, bucket_bytes=None, shared_host=True
+          )
           sim_ms.append((time.perf_counter() - t0) * 1e3)
           measured = raw[("step", name)]
           pm = pred.worker_memory_bytes[0]
           mm = measured_mem[name]
-          case = {"model": spec, "plan": name, "workers": n,
-                  "predicted_s": pred.step_time_s, "measured_s": measured,
-                  "rel_error": (pred.step_time_s - measured) / measured,
-                  "predicted_memory_bytes": pm,
-                  "measured_memory_bytes": mm,
-                  "memory_rel_error": (pm - mm) / mm,
-                  "uniform": name in UNIFORM_PLANS,
-                  # The profile times this step whole (its fixed part).
-                  "fitted": name in {p.value for p in precisions},
-                  "steal_fraction": steal}
+          case = {
+            "model": spec,
+            "plan": name,
+            "workers": n,
+            "predicted_s": pred.step_time_s,
+            "measured_s": measured,
+            "rel_error": (pred.step_time_s - measured) / measured,
+            "predicted_memory_bytes": pm,
+            "measured_memory_bytes": mm,
+            "memory_rel_error": (pm - mm) / mm,
+            "uniform": name in UNIFORM_PLANS,
+            # The profile times this step whole (its fixed part).
+            "fitted": name in {p.value for p in precisions},
+            "steal_fraction": steal,
+          }
           model_cases.append(case)
-          log(f"  {name:<22} x{n}: predicted "
-              f"{pred.step_time_s * 1e3:8.2f} ms  measured "
-              f"{measured * 1e3:8.2f} ms  error {case['rel_error']:+.3f}  "
-              f"memory error {case['memory_rel_error']:+.3f}")
-        phases.done(f"predictor {spec} x{n} plans {first + 1}-"
-                    f"{first + len(group)} of {len(names)}")
-    cases += sorted(model_cases, key=lambda c: (names.index(c["plan"]),
-                                                c["workers"]))
+          log(
+            f"  {name:<22} x{n}: predicted "
+            f"{pred.step_time_s * 1e3:8.2f} ms  measured "
+            f"{measured * 1e3:8.2f} ms  error {case['rel_error']:+.3f}  "
+            f"memory error {case['memory_rel_error']:+.3f}"
+          )
+        phases.done(
+          f"predictor {spec} x{n} plans {first + 1}-"
+          f"{first + len(group)} of {len(names)}"
+        )
+    cases += sorted(
+      model_cases, key=lambda c: (names.index(c["plan"]), c["workers"])
+    )
   errors = np.abs([c["rel_error"] for c in cases])
   unfitted = np.abs([c["rel_error"] for c in cases if not c["fitted"]])
-  return {"cases": cases,
-          "mean_abs_rel_error": float(errors.mean()),
-          "max_abs_rel_error": float(errors.max()),
-          "unfitted_mean_abs_rel_error": (float(unfitted.mean())
-                                          if unfitted.size else None),
-          "unfitted_max_abs_rel_error": (float(unfitted.max())
-                                         if unfitted.size else None),
-          "max_abs_memory_rel_error": float(np.max(np.abs(
-              [c["memory_rel_error"] for c in cases]))),
-          "simulate_ms": float(np.median(sim_ms)),
-          "steal_fraction": (sum(a for a, _ in all_steal)
-                             / max(sum(b for _, b in all_steal), 1)),
-          "rounds": rounds, "burst": burst, "profiles": profiles,
-          "device": str(devices[0].device_kind), "jax": jax.__version__}
+  return {
+    "cases": cases,
+    "mean_abs_rel_error": float(errors.mean()),
+    "max_abs_rel_error": float(errors.max()),
+    "unfitted_mean_abs_rel_error": (
+      float(unfitted.mean()) if unfitted.size else None
+    ),
+    "unfitted_max_abs_rel_error": (
+      float(unfitted.max()) if unfitted.size else None
+    ),
+    "max_abs_memory_rel_error": float(
+      np.max(np.abs([c["memory_rel_error"] for c in cases]))
+    ),
+    "simulate_ms": float(np.median(sim_ms)),
+    "steal_fraction": (
+      sum(a for a, _ in all_steal) / max(sum(b for _, b in all_steal), 1)
+    ),
+    "rounds": rounds,
+    "burst": burst,
+    "profiles": profiles,
+    "device": str(devices[0].device_kind),
+    "jax": jax.__version__,
+  }
 
 
 def plot(result: Mapping[str, Any], path: str) -> None:
   """Writes the predicted-vs-measured scatter to ``path`` (PNG)."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   fig, ax = plt.subplots(figsize=(5.5, 5))
   markers = {1: "o", 2: "s", 4: "^", 8: "D"}
   for model in sorted({c["model"] for c in result["cases"]}):
     for n in sorted({c["workers"] for c in result["cases"]}):
-      sel = [c for c in result["cases"] if c["model"] == model
-             and c["workers"] == n]
+      sel = [
+        c for c in result["cases"] if c["model"] == model and c["workers"] == n
+      ]
       if sel:
-        ax.scatter([c["measured_s"] * 1e3 for c in sel],
-                   [c["predicted_s"] * 1e3 for c in sel],
-                   marker=markers.get(n, "x"), label=f"{model} x{n}")
-  lim = [0, max(max(c["measured_s"], c["predicted_s"])
-                for c in result["cases"]) * 1.1e3]
+        ax.scatter(
+          [c["measured_s"] * 1e3 for c in sel],
+          [c["predicted_s"] * 1e3 for c in sel],
+          marker=markers.get(n, "x"),
+          label=f"{model} x{n}",
+        )
+  lim = [
+    0,
+    max(max(c["measured_s"], c["predicted_s"]) for c in result["cases"])
+    * 1.1e3,
+  ]
   ax.plot(lim, lim, "k-", lw=0.8)
   ax.plot(lim, [v * 1.1 for v in lim], "k:", lw=0.6)
   ax.plot(lim, [v * 0.9 for v in lim], "k:", lw=0.6)
   ax.set_xlabel("measured step (ms)")
   ax.set_ylabel("predicted step (ms)")
-  ax.set_title(f"mean |error| {result['mean_abs_rel_error']:.3f}, "
-               f"max {result['max_abs_rel_error']:.3f}")
+  ax.set_title(
+    f"mean |error| {result['mean_abs_rel_error']:.3f}, "
+    f"max {result['max_abs_rel_error']:.3f}"
+  )
   ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -321,17 +424,21 @@ def plot(result: Mapping[str, Any], path: str) -> None:
 PAPER_SIZE_KWARGS = models_lib.PAPER_SIZE_KWARGS
 
 
-def simulation_speed(model_name: str = "resnet50", batch_size: int = 32,
-                     cluster: str = "v100:8,t4:8", calls: int = 200
-                     ) -> dict[str, Any]:
+def simulation_speed(
+  model_name: str = "resnet50",
+  batch_size: int = 32,
+  cluster: str = "v100:8,t4:8",
+  calls: int = 200,
+) -> dict[str, Any]:
   """Milliseconds to simulate one plan of a paper-size model.
 
   Traces the model once, derives analytic profiles for the cluster's kinds
   and times :func:`.simulation.simulate` on fresh mixed plans (the allocator's
   inner loop): the median over ``calls``.
   """
-  model = models_lib.create_model(model_name, rngs=nnx.Rngs(0),
-                                  **PAPER_SIZE_KWARGS.get(model_name, {}))
+  model = models_lib.create_model(
+    model_name, rngs=nnx.Rngs(0), **PAPER_SIZE_KWARGS.get(model_name, {})
+  )
   g = graph_lib.trace_graph(model, model.input_spec(batch_size))
   spec = simulation.parse_cluster(cluster)
   profiles = {k: analytic.analytic_profile(g, k) for k in spec.groups()}
@@ -340,16 +447,30 @@ def simulation_speed(model_name: str = "resnet50", batch_size: int = 32,
   for _ in range(calls):
     workers = []
     for kind, count in spec.groups().items():
-      allowed = [p for p in profiles[kind].precisions
-                 if p in (Precision.FP32, Precision.FP16, Precision.INT8)]
-      eff = {n.path: (allowed[int(rng.integers(len(allowed)))]
-                      if not n.floored else Precision.FP16)
-             for n in g.nodes}
-      workers += [simulation.SimWorker(f"{kind}[{i}]", profiles[kind], eff)
-                  for i in range(count)]
+      allowed = [
+        p
+        for p in profiles[kind].precisions
+        if p in (Precision.FP32, Precision.FP16, Precision.INT8)
+      ]
+      eff = {
+        n.path: (
+          allowed[int(rng.integers(len(allowed)))]
+          if not n.floored
+          else Precision.FP16
+        )
+        for n in g.nodes
+      }
+      workers += [
+        simulation.SimWorker(f"{kind}[{i}]", profiles[kind], eff)
+        for i in range(count)
+      ]
     start = time.perf_counter()
     simulation.simulate(g, workers)
     times.append(time.perf_counter() - start)
-  return {"model": model_name, "layers": len(g.nodes),
-          "parameters": g.num_params, "cluster": cluster,
-          "simulate_ms": float(np.median(times) * 1e3)}
+  return {
+    "model": model_name,
+    "layers": len(g.nodes),
+    "parameters": g.num_params,
+    "cluster": cluster,
+    "simulate_ms": float(np.median(times) * 1e3),
+  }

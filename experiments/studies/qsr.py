@@ -22,13 +22,14 @@ communication.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 import copy
 import json
 import math
 import os
 import time
 import types
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 from absl import logging
 import ml_collections
@@ -41,6 +42,7 @@ from experiments.studies import backend
 
 CLUSTER = "cpu:4"
 
+
 class StudyConfig(NamedTuple):
   """One configuration of the study.
 
@@ -51,6 +53,7 @@ class StudyConfig(NamedTuple):
     description: one line for the report.
     compress_kwargs: the strategy's fields (``config.compress_kwargs``).
   """
+
   sync: str
   gamma: float | None
   compress: str
@@ -59,50 +62,67 @@ class StudyConfig(NamedTuple):
 
 
 CONFIGS: dict[str, StudyConfig] = {
-    "dp": StudyConfig("dp", None, "none",
-                      "data parallel, float32 gradient mean"),
-    "local": StudyConfig("local", None, "none",
-                         "local SGD, constant H = h_base"),
-    "local_matched": StudyConfig(
-        "local", None, "none", "local SGD, constant H with QSR's sync rounds"),
-    "qsr": StudyConfig("qsr", 2.0, "none",
-                       "QSR, H = max(h_base, (alpha/lr)^2)"),
-    "qsr_linear": StudyConfig("qsr", 1.0, "none",
-                              "linear rule, H ~ 1/lr, QSR's rounds"),
-    "qsr_cubic": StudyConfig("qsr", 3.0, "none",
-                             "cubic rule, H ~ 1/lr^3, QSR's rounds"),
-    "dp_gqsgd": StudyConfig(
-        "dp", None, "gqsgd",
-        "data parallel, Global-QSGD standard dithering (int8)"),
-    "dp_gqsgd_int16": StudyConfig(
-        "dp", None, "gqsgd",
-        "data parallel, Global-QSGD standard dithering (int16 wire)",
-        {"wire": "int16"}),
-    "dp_gqsgd_exp": StudyConfig(
-        "dp", None, "gqsgd_exp",
-        "data parallel, Global-QSGD exponential dithering"),
-    "qsr_gqsgd": StudyConfig("qsr", 2.0, "gqsgd",
-                             "QSR with Global-QSGD on the parameter averages"),
+  "dp": StudyConfig("dp", None, "none", "data parallel, float32 gradient mean"),
+  "local": StudyConfig("local", None, "none", "local SGD, constant H = h_base"),
+  "local_matched": StudyConfig(
+    "local", None, "none", "local SGD, constant H with QSR's sync rounds"
+  ),
+  "qsr": StudyConfig("qsr", 2.0, "none", "QSR, H = max(h_base, (alpha/lr)^2)"),
+  "qsr_linear": StudyConfig(
+    "qsr", 1.0, "none", "linear rule, H ~ 1/lr, QSR's rounds"
+  ),
+  "qsr_cubic": StudyConfig(
+    "qsr", 3.0, "none", "cubic rule, H ~ 1/lr^3, QSR's rounds"
+  ),
+  "dp_gqsgd": StudyConfig(
+    "dp", None, "gqsgd", "data parallel, Global-QSGD standard dithering (int8)"
+  ),
+  "dp_gqsgd_int16": StudyConfig(
+    "dp",
+    None,
+    "gqsgd",
+    "data parallel, Global-QSGD standard dithering (int16 wire)",
+    {"wire": "int16"},
+  ),
+  "dp_gqsgd_exp": StudyConfig(
+    "dp", None, "gqsgd_exp", "data parallel, Global-QSGD exponential dithering"
+  ),
+  "qsr_gqsgd": StudyConfig(
+    "qsr", 2.0, "gqsgd", "QSR with Global-QSGD on the parameter averages"
+  ),
 }
 
 #: The two tasks: main-job config fields, plus ``h_base`` and
 #: ``rounds_fraction`` (QSR's sync-round budget relative to dp).
 TASKS: dict[str, dict[str, Any]] = {
-    "cnn": {
-        "model": "cnn", "model_kwargs": {},
-        "dataset": "digits", "dataset_kwargs": {},
-        "steps": 600, "batch_size": 32, "learning_rate": 3e-3,
-        "h_base": 4, "rounds_fraction": 0.15,
+  "cnn": {
+    "model": "cnn",
+    "model_kwargs": {},
+    "dataset": "digits",
+    "dataset_kwargs": {},
+    "steps": 600,
+    "batch_size": 32,
+    "learning_rate": 3e-3,
+    "h_base": 4,
+    "rounds_fraction": 0.15,
+  },
+  "lm": {
+    "model": "lm",
+    "model_kwargs": {
+      "num_layers": 2,
+      "num_heads": 4,
+      "hidden": 64,
+      "mlp_dim": 256,
+      "max_len": 64,
     },
-    "lm": {
-        "model": "lm",
-        "model_kwargs": {"num_layers": 2, "num_heads": 4, "hidden": 64,
-                         "mlp_dim": 256, "max_len": 64},
-        "dataset": "text",
-        "dataset_kwargs": {"seq_len": 64, "max_bytes": 1_000_000},
-        "steps": 400, "batch_size": 16, "learning_rate": 3e-3,
-        "h_base": 4, "rounds_fraction": 0.15,
-    },
+    "dataset": "text",
+    "dataset_kwargs": {"seq_len": 64, "max_bytes": 1_000_000},
+    "steps": 400,
+    "batch_size": 16,
+    "learning_rate": 3e-3,
+    "h_base": 4,
+    "rounds_fraction": 0.15,
+  },
 }
 
 
@@ -110,8 +130,9 @@ def _rounds(config: ml_collections.ConfigDict) -> int:
   return len(config_lib.make_schedule(config).sync_steps(config.steps))
 
 
-def alpha_for_rounds(config: ml_collections.ConfigDict, gamma: float,
-                     max_rounds: int) -> float:
+def alpha_for_rounds(
+  config: ml_collections.ConfigDict, gamma: float, max_rounds: int
+) -> float:
   """The smallest ``alpha`` whose QSR schedule has ``<= max_rounds`` rounds.
 
   Bisection in ``log(alpha)``: the number of rounds does not grow with
@@ -132,8 +153,9 @@ def alpha_for_rounds(config: ml_collections.ConfigDict, gamma: float,
   while rounds(hi) > max_rounds:
     hi *= 2
     if hi > 1e6 * config.learning_rate:
-      raise ValueError(f"no alpha gives <= {max_rounds} sync rounds over "
-                       f"{config.steps} steps")
+      raise ValueError(
+        f"no alpha gives <= {max_rounds} sync rounds over {config.steps} steps"
+      )
   for _ in range(80):
     mid = math.sqrt(lo * hi)
     if rounds(mid) <= max_rounds:
@@ -143,12 +165,19 @@ def alpha_for_rounds(config: ml_collections.ConfigDict, gamma: float,
   return hi
 
 
-def task_config(base: ml_collections.ConfigDict, task: Mapping[str, Any],
-                seed: int) -> ml_collections.ConfigDict:
+def task_config(
+  base: ml_collections.ConfigDict, task: Mapping[str, Any], seed: int
+) -> ml_collections.ConfigDict:
   """The main job's config of a task in data-parallel mode."""
   c = copy.deepcopy(base)
-  for field in ("model", "dataset", "steps", "batch_size", "learning_rate",
-                "h_base"):
+  for field in (
+    "model",
+    "dataset",
+    "steps",
+    "batch_size",
+    "learning_rate",
+    "h_base",
+  ):
     c[field] = task[field]
   c.model_kwargs = ml_collections.ConfigDict(task["model_kwargs"])
   c.dataset_kwargs = ml_collections.ConfigDict(task["dataset_kwargs"])
@@ -164,17 +193,21 @@ def task_config(base: ml_collections.ConfigDict, task: Mapping[str, Any],
   return c
 
 
-def configure(config: ml_collections.ConfigDict, name: str,
-              alphas: Mapping[float, float], matched_h: int
-              ) -> ml_collections.ConfigDict:
+def configure(
+  config: ml_collections.ConfigDict,
+  name: str,
+  alphas: Mapping[float, float],
+  matched_h: int,
+) -> ml_collections.ConfigDict:
   """Applies configuration ``name`` of :data:`CONFIGS` to a task config.
 
   Raises:
     ValueError: an unknown name.
   """
   if name not in CONFIGS:
-    raise ValueError(f"unknown configuration {name!r}; valid: "
-                     f"{', '.join(CONFIGS)}")
+    raise ValueError(
+      f"unknown configuration {name!r}; valid: {', '.join(CONFIGS)}"
+    )
   study = CONFIGS[name]
   c = copy.deepcopy(config)
   c.sync, c.compress = study.sync, study.compress
@@ -186,8 +219,9 @@ def configure(config: ml_collections.ConfigDict, name: str,
   return c
 
 
-def plan_alphas(config: ml_collections.ConfigDict, rounds_fraction: float
-                ) -> tuple[dict[float, float], int, int]:
+def plan_alphas(
+  config: ml_collections.ConfigDict, rounds_fraction: float
+) -> tuple[dict[float, float], int, int]:
   """QSR's ``alpha`` for the round budget, and the rules matched to it.
 
   Returns:
@@ -196,8 +230,7 @@ def plan_alphas(config: ml_collections.ConfigDict, rounds_fraction: float
     for QSR's count), QSR's number of rounds, and the constant period with
     as many rounds.
   """
-  qsr_alpha = alpha_for_rounds(config, 2.0,
-                               int(rounds_fraction * config.steps))
+  qsr_alpha = alpha_for_rounds(config, 2.0, int(rounds_fraction * config.steps))
   c = copy.deepcopy(config)
   c.sync, c.gamma, c.alpha = "qsr", 2.0, qsr_alpha
   qsr_rounds = _rounds(c)
@@ -217,8 +250,7 @@ def h_curve(config: ml_collections.ConfigDict) -> list[int]:
 def _eval_curve(run_dir: str) -> list[tuple[int, float]]:
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
-  return [(r["step"], r["eval_accuracy"]) for r in rows
-          if "eval_accuracy" in r]
+  return [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
 
 
 def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -229,27 +261,31 @@ def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     rs = [r for r in runs if r["name"] == name]
     acc = np.array([r["final_eval"] for r in rs])
     out[name] = {
-        "final_eval_mean": float(acc.mean()),
-        "final_eval_std": float(acc.std(ddof=1)) if len(acc) > 1 else 0.0,
-        "n": len(rs),
-        "sync_rounds": rs[0]["sync_rounds"],
-        "comm_bytes": rs[0]["comm_bytes"],
+      "final_eval_mean": float(acc.mean()),
+      "final_eval_std": float(acc.std(ddof=1)) if len(acc) > 1 else 0.0,
+      "n": len(rs),
+      "sync_rounds": rs[0]["sync_rounds"],
+      "comm_bytes": rs[0]["comm_bytes"],
     }
     if dp:
       out[name]["rounds_vs_dp"] = rs[0]["sync_rounds"] / dp[0]["sync_rounds"]
       out[name]["bytes_vs_dp"] = rs[0]["comm_bytes"] / dp[0]["comm_bytes"]
-      out[name]["eval_minus_dp"] = (
-          out[name]["final_eval_mean"]
-          - float(np.mean([r["final_eval"] for r in dp])))
+      out[name]["eval_minus_dp"] = out[name]["final_eval_mean"] - float(
+        np.mean([r["final_eval"] for r in dp])
+      )
   return out
 
 
-def run(out_dir: str, base: ml_collections.ConfigDict,
-        tasks: Sequence[str] = tuple(TASKS),
-        configs: Sequence[str] = tuple(CONFIGS), seeds: int = 3,
-        steps: int | None = None,
-        learning_rate: float | None = None,
-        h_base: int | None = None) -> dict[str, Any]:
+def run(
+  out_dir: str,
+  base: ml_collections.ConfigDict,
+  tasks: Sequence[str] = tuple(TASKS),
+  configs: Sequence[str] = tuple(CONFIGS),
+  seeds: int = 3,
+  steps: int | None = None,
+  learning_rate: float | None = None,
+  h_base: int | None = None,
+) -> dict[str, Any]:
   """Runs the study; writes ``study.json``, ``h.png`` and ``eval.png``.
 
   Args:
@@ -282,9 +318,12 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
   if h_base is not None and h_base < 1:
     raise ValueError(f"h_base must be >= 1, got {h_base}")
   os.makedirs(out_dir, exist_ok=True)
-  result = {"cluster": CLUSTER,
-            "configs": {c: CONFIGS[c].description for c in configs},
-            "runs": [], "tasks": {}}
+  result = {
+    "cluster": CLUSTER,
+    "configs": {c: CONFIGS[c].description for c in configs},
+    "runs": [],
+    "tasks": {},
+  }
   path = os.path.join(out_dir, "study.json")
   runs = progress.Progress(len(tasks) * len(configs) * seeds, logging.info)
   for tname in tasks:
@@ -296,48 +335,77 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
     if h_base is not None:
       task["h_base"] = h_base
     config0 = task_config(base, task, 0)
-    alphas, qsr_rounds, matched_h = plan_alphas(config0,
-                                                task["rounds_fraction"])
-    entry = {"model": task["model"], "dataset": task["dataset"],
-             "steps": task["steps"], "h_base": task["h_base"],
-             "learning_rate": task["learning_rate"],
-             "alphas": {f"gamma{g:g}": a for g, a in alphas.items()},
-             "qsr_rounds": qsr_rounds, "matched_h": matched_h,
-             "h_curves": {}, "eval_curves": {}}
+    alphas, qsr_rounds, matched_h = plan_alphas(
+      config0, task["rounds_fraction"]
+    )
+    entry = {
+      "model": task["model"],
+      "dataset": task["dataset"],
+      "steps": task["steps"],
+      "h_base": task["h_base"],
+      "learning_rate": task["learning_rate"],
+      "alphas": {f"gamma{g:g}": a for g, a in alphas.items()},
+      "qsr_rounds": qsr_rounds,
+      "matched_h": matched_h,
+      "h_curves": {},
+      "eval_curves": {},
+    }
     result["tasks"][tname] = entry
-    logging.info("%s: QSR alpha %.3g (%d rounds), linear %.3g, cubic %.3g, "
-                 "matched constant H %d", tname, alphas[2.0], qsr_rounds,
-                 alphas[1.0], alphas[3.0], matched_h)
+    logging.info(
+      "%s: QSR alpha %.3g (%d rounds), linear %.3g, cubic %.3g, "
+      "matched constant H %d",
+      tname,
+      alphas[2.0],
+      qsr_rounds,
+      alphas[1.0],
+      alphas[3.0],
+      matched_h,
+    )
     for name in configs:
       entry["h_curves"][name] = h_curve(
-          configure(config0, name, alphas, matched_h))
+        configure(config0, name, alphas, matched_h)
+      )
       curves = []
       for seed in range(seeds):
         c = configure(task_config(base, task, seed), name, alphas, matched_h)
         run_dir = os.path.join(out_dir, tname, name, f"seed{seed}")
         start = time.perf_counter()
         summary = train_lib.train_and_evaluate(c, run_dir)
-        row = {"task": tname, "name": name, "sync": summary["sync"],
-               "compress": summary["compress"], "seed": seed,
-               "h_base": c.h_base, "alpha": c.alpha if c.sync == "qsr" else
-               None, "gamma": c.gamma if c.sync == "qsr" else None,
-               "final_eval": summary["final_eval_accuracy"],
-               "final_eval_loss": summary["final_eval_loss"],
-               "sync_rounds": summary["sync_rounds"],
-               "comm_bytes": summary["comm_bytes"],
-               "wall_time_s": time.perf_counter() - start}
+        row = {
+          "task": tname,
+          "name": name,
+          "sync": summary["sync"],
+          "compress": summary["compress"],
+          "seed": seed,
+          "h_base": c.h_base,
+          "alpha": c.alpha if c.sync == "qsr" else None,
+          "gamma": c.gamma if c.sync == "qsr" else None,
+          "final_eval": summary["final_eval_accuracy"],
+          "final_eval_loss": summary["final_eval_loss"],
+          "sync_rounds": summary["sync_rounds"],
+          "comm_bytes": summary["comm_bytes"],
+          "wall_time_s": time.perf_counter() - start,
+        }
         result["runs"].append(row)
         curves.append(_eval_curve(run_dir))
-        logging.info("%s %s seed %d: eval %.4f, %d sync rounds", tname, name,
-                     seed, row["final_eval"], row["sync_rounds"])
+        logging.info(
+          "%s %s seed %d: eval %.4f, %d sync rounds",
+          tname,
+          name,
+          seed,
+          row["final_eval"],
+          row["sync_rounds"],
+        )
         runs.done(f"qsr {tname} {name} seed {seed}")
         entry["summary"] = summarize(
-            [r for r in result["runs"] if r["task"] == tname])
+          [r for r in result["runs"] if r["task"] == tname]
+        )
         with open(path, "w") as f:
           json.dump(result, f, indent=2)
       entry["eval_curves"][name] = {
-          "step": [s for s, _ in curves[0]],
-          "mean": np.mean([[v for _, v in cv] for cv in curves], 0).tolist()}
+        "step": [s for s, _ in curves[0]],
+        "mean": np.mean([[v for _, v in cv] for cv in curves], 0).tolist(),
+      }
     with open(path, "w") as f:
       json.dump(result, f, indent=2)
   plot(result, out_dir)
@@ -347,13 +415,18 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
 def plot(result: Mapping[str, Any], out_dir: str) -> None:
   """Writes ``h.png`` (H over training) and ``eval.png`` (eval metric)."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   tasks = list(result["tasks"])
-  for fname, key, ylabel in (("h.png", "h_curves", "H (steps per round)"),
-                             ("eval.png", "eval_curves", "eval accuracy")):
-    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4),
-                             squeeze=False)
+  for fname, key, ylabel in (
+    ("h.png", "h_curves", "H (steps per round)"),
+    ("eval.png", "eval_curves", "eval accuracy"),
+  ):
+    fig, axes = plt.subplots(
+      1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False
+    )
     for j, tname in enumerate(tasks):
       ax = axes[0, j]
       for name, curve in result["tasks"][tname][key].items():

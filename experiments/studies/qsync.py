@@ -17,11 +17,12 @@ with indicator scores from narrow copies of those (same layer paths).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 import copy
 import json
 import os
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from absl import logging
 from flax import nnx
@@ -43,58 +44,95 @@ PAPER_CLUSTER = "v100:8,t4:8"
 
 #: Each configuration: how the T4 workers get their plan (or batch).
 CONFIGS = {
-    "fp32": "every worker FP32 (the T4s straggle)",
-    "uniform_low": "T4 workers INT8 everywhere the policy allows",
-    "qsync": "the allocator's greedy plan, QSync indicator",
-    "dynamic_batch": "FP32, batches split by predicted FP32 speed",
-    "ilp_qsync": "ILP at 60% compression, INT8/FP16, QSync indicator",
-    "ilp_wvar": "ILP at 60% compression, INT8/FP16, weight-variance "
-                "indicator",
-    "ilp_random": "ILP at 60% compression, INT8/FP16, random indicator",
-    "ilp_qsync_var": "ILP at 60% compression, INT8/FP16, second-order "
-                     "variance indicator (qsync_var)",
+  "fp32": "every worker FP32 (the T4s straggle)",
+  "uniform_low": "T4 workers INT8 everywhere the policy allows",
+  "qsync": "the allocator's greedy plan, QSync indicator",
+  "dynamic_batch": "FP32, batches split by predicted FP32 speed",
+  "ilp_qsync": "ILP at 60% compression, INT8/FP16, QSync indicator",
+  "ilp_wvar": "ILP at 60% compression, INT8/FP16, weight-variance indicator",
+  "ilp_random": "ILP at 60% compression, INT8/FP16, random indicator",
+  "ilp_qsync_var": "ILP at 60% compression, INT8/FP16, second-order "
+  "variance indicator (qsync_var)",
 }
 
 #: The two tasks. ``twin``: config overrides for the deployment twin the
 #: plans are made for; ``paper``: the paper-size model and the narrow copy
 #: of it that the indicator scores.
 TASKS: dict[str, dict[str, Any]] = {
-    "cnn": {
-        "model": "resnet18",
-        "model_kwargs": {"width": 8, "image_size": 8, "in_channels": 1,
-                         "num_classes": 10},
-        "dataset": "digits", "dataset_kwargs": {},
-        "steps": 300, "batch_size": 32, "learning_rate": 3e-3,
-        "twin": {"width": 64, "image_size": 32, "in_channels": 3},
-        "twin_batch_size": 128,
-        "paper": {"model": "resnet50", "batch_size": 32,
-                  "score_kwargs": {"width": 8, "image_size": 8,
-                                   "in_channels": 1, "num_classes": 10}},
+  "cnn": {
+    "model": "resnet18",
+    "model_kwargs": {
+      "width": 8,
+      "image_size": 8,
+      "in_channels": 1,
+      "num_classes": 10,
     },
-    "encoder": {
-        "model": "bert",
-        "model_kwargs": {"num_layers": 4, "num_heads": 4, "hidden": 64,
-                         "mlp_dim": 256, "max_len": 32, "vocab_size": 256,
-                         "num_classes": 5},
-        "dataset": "text_classes",
-        "dataset_kwargs": {"seq_len": 32, "max_bytes": 2_000_000},
-        "steps": 400, "batch_size": 32, "learning_rate": 1e-3,
-        "twin": {"num_heads": 12, "hidden": 768, "mlp_dim": 3072,
-                 "max_len": 128, "vocab_size": 30522},
-        "twin_batch_size": 32,
-        "paper": {"model": "bert", "batch_size": 12,
-                  "score_kwargs": {"num_layers": 12, "num_heads": 4,
-                                   "hidden": 64, "mlp_dim": 256,
-                                   "max_len": 32, "vocab_size": 256,
-                                   "num_classes": 5}},
+    "dataset": "digits",
+    "dataset_kwargs": {},
+    "steps": 300,
+    "batch_size": 32,
+    "learning_rate": 3e-3,
+    "twin": {"width": 64, "image_size": 32, "in_channels": 3},
+    "twin_batch_size": 128,
+    "paper": {
+      "model": "resnet50",
+      "batch_size": 32,
+      "score_kwargs": {
+        "width": 8,
+        "image_size": 8,
+        "in_channels": 1,
+        "num_classes": 10,
+      },
     },
+  },
+  "encoder": {
+    "model": "bert",
+    "model_kwargs": {
+      "num_layers": 4,
+      "num_heads": 4,
+      "hidden": 64,
+      "mlp_dim": 256,
+      "max_len": 32,
+      "vocab_size": 256,
+      "num_classes": 5,
+    },
+    "dataset": "text_classes",
+    "dataset_kwargs": {"seq_len": 32, "max_bytes": 2_000_000},
+    "steps": 400,
+    "batch_size": 32,
+    "learning_rate": 1e-3,
+    "twin": {
+      "num_heads": 12,
+      "hidden": 768,
+      "mlp_dim": 3072,
+      "max_len": 128,
+      "vocab_size": 30522,
+    },
+    "twin_batch_size": 32,
+    "paper": {
+      "model": "bert",
+      "batch_size": 12,
+      "score_kwargs": {
+        "num_layers": 12,
+        "num_heads": 4,
+        "hidden": 64,
+        "mlp_dim": 256,
+        "max_len": 32,
+        "vocab_size": 256,
+        "num_classes": 5,
+      },
+    },
+  },
 }
 
 
-def task_config(base: ml_collections.ConfigDict, task: Mapping[str, Any],
-                name: str, seed: int,
-                speeds: Mapping[str, float] | None = None
-                ) -> ml_collections.ConfigDict:
+def task_config(
+  base: ml_collections.ConfigDict,
+  task: Mapping[str, Any],
+  name: str,
+  seed: int,
+  speeds: Mapping[str, float] | None = None,
+) -> ml_collections.ConfigDict:
   """The main job's config for one task, configuration and seed.
 
   Args:
@@ -108,8 +146,9 @@ def task_config(base: ml_collections.ConfigDict, task: Mapping[str, Any],
     ValueError: an unknown configuration name.
   """
   if name not in CONFIGS:
-    raise ValueError(f"unknown configuration {name!r}; valid: "
-                     f"{', '.join(CONFIGS)}")
+    raise ValueError(
+      f"unknown configuration {name!r}; valid: {', '.join(CONFIGS)}"
+    )
   c = copy.deepcopy(base)
   c.model = task["model"]
   c.model_kwargs = ml_collections.ConfigDict(task["model_kwargs"])
@@ -129,13 +168,14 @@ def task_config(base: ml_collections.ConfigDict, task: Mapping[str, Any],
     c.plan_mode = "manual"
     if name == "uniform_low":
       c.plans = ml_collections.ConfigDict(
-          {"t4": {"rules": [], "default": "int8"}})
+        {"t4": {"rules": [], "default": "int8"}}
+      )
     if name == "dynamic_batch":
       c.batch_mode = "dynamic"
       c.speeds = ",".join(f"{k}:{v:.6g}" for k, v in speeds.items())
   elif name.startswith("ilp_"):
     c.allocator.method = "ilp"
-    c.allocator.indicator = name[len("ilp_"):]
+    c.allocator.indicator = name[len("ilp_") :]
     c.allocator.compression = 0.6
     c.allocator.candidates = ("int8", "fp16")
   return c
@@ -158,33 +198,48 @@ def paper_prediction(task: Mapping[str, Any]) -> dict[str, Any]:
   scored = factory(rngs=nnx.Rngs(0), **paper["score_kwargs"])
   dataset = data_lib.load_dataset(task["dataset"], **task["dataset_kwargs"])
   scores = pipeline.compute_scores(scored, dataset, "qsync")
-  big = factory(rngs=nnx.Rngs(0),
-                **models_lib.PAPER_SIZE_KWARGS[paper["model"]])
-  result = pipeline.plan_cluster(big, PAPER_CLUSTER, scores.values,
-                                 paper["batch_size"])
-  return {"model": paper["model"],
-          "model_kwargs": models_lib.PAPER_SIZE_KWARGS[paper["model"]],
-          "batch_size": paper["batch_size"], **result.summary(),
-          "plans": {k: {p: v.value for p, v in ps.items()}
-                    for k, ps in result.allocation.precisions.items()}}
+  big = factory(
+    rngs=nnx.Rngs(0), **models_lib.PAPER_SIZE_KWARGS[paper["model"]]
+  )
+  result = pipeline.plan_cluster(
+    big, PAPER_CLUSTER, scores.values, paper["batch_size"]
+  )
+  return {
+    "model": paper["model"],
+    "model_kwargs": models_lib.PAPER_SIZE_KWARGS[paper["model"]],
+    "batch_size": paper["batch_size"],
+    **result.summary(),
+    "plans": {
+      k: {p: v.value for p, v in ps.items()}
+      for k, ps in result.allocation.precisions.items()
+    },
+  }
 
 
 def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
   """Mean and standard deviation of the final accuracy per configuration."""
   out = {}
   for name in dict.fromkeys(r["config"] for r in runs):
-    acc = np.array([r["final_eval_accuracy"] for r in runs
-                    if r["config"] == name])
-    out[name] = {"mean": float(acc.mean()),
-                 "std": float(acc.std(ddof=1)) if len(acc) > 1 else 0.0,
-                 "n": int(len(acc))}
+    acc = np.array(
+      [r["final_eval_accuracy"] for r in runs if r["config"] == name]
+    )
+    out[name] = {
+      "mean": float(acc.mean()),
+      "std": float(acc.std(ddof=1)) if len(acc) > 1 else 0.0,
+      "n": len(acc),
+    }
   return out
 
 
-def run(out_dir: str, base: ml_collections.ConfigDict,
-        tasks: Sequence[str] = tuple(TASKS),
-        configs: Sequence[str] = tuple(CONFIGS), seeds: int = 3,
-        steps: int | None = None, predict: bool = True) -> dict[str, Any]:
+def run(
+  out_dir: str,
+  base: ml_collections.ConfigDict,
+  tasks: Sequence[str] = tuple(TASKS),
+  configs: Sequence[str] = tuple(CONFIGS),
+  seeds: int = 3,
+  steps: int | None = None,
+  predict: bool = True,
+) -> dict[str, Any]:
   """Runs the study and writes ``study.json`` and ``study.png``.
 
   Args:
@@ -206,8 +261,12 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
   """
   backend.check_runs(tasks, configs, seeds, TASKS, CONFIGS)
   os.makedirs(out_dir, exist_ok=True)
-  result = {"cluster": CLUSTER, "paper_cluster": PAPER_CLUSTER,
-            "configs": {c: CONFIGS[c] for c in configs}, "tasks": {}}
+  result = {
+    "cluster": CLUSTER,
+    "paper_cluster": PAPER_CLUSTER,
+    "configs": {c: CONFIGS[c] for c in configs},
+    "tasks": {},
+  }
   path = os.path.join(out_dir, "study.json")
   runs = progress.Progress(len(tasks) * len(configs) * seeds, logging.info)
   for tname in tasks:
@@ -215,25 +274,39 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
     if steps is not None:
       task["steps"] = steps
     speeds = twin_speeds(task)
-    entry = {"model": task["model"], "model_kwargs": task["model_kwargs"],
-             "dataset": task["dataset"], "steps": task["steps"],
-             "twin_fp32_speeds": speeds, "runs": []}
+    entry = {
+      "model": task["model"],
+      "model_kwargs": task["model_kwargs"],
+      "dataset": task["dataset"],
+      "steps": task["steps"],
+      "twin_fp32_speeds": speeds,
+      "runs": [],
+    }
     result["tasks"][tname] = entry
     for name in configs:
       for seed in range(seeds):
         run_dir = os.path.join(out_dir, tname, name, f"seed{seed}")
         start = time.perf_counter()
         summary = train_lib.train_and_evaluate(
-            task_config(base, task, name, seed, speeds), run_dir)
-        row = {"config": name, "seed": seed,
-               "final_eval_accuracy": summary["final_eval_accuracy"],
-               "final_eval_loss": summary["final_eval_loss"],
-               "t4_precisions": summary["precisions"][-1],
-               "batch_sizes": [w["batch_size"] for w in summary["workers"]],
-               "wall_time_s": time.perf_counter() - start}
+          task_config(base, task, name, seed, speeds), run_dir
+        )
+        row = {
+          "config": name,
+          "seed": seed,
+          "final_eval_accuracy": summary["final_eval_accuracy"],
+          "final_eval_loss": summary["final_eval_loss"],
+          "t4_precisions": summary["precisions"][-1],
+          "batch_sizes": [w["batch_size"] for w in summary["workers"]],
+          "wall_time_s": time.perf_counter() - start,
+        }
         entry["runs"].append(row)
-        logging.info("%s %s seed %d: accuracy %.4f", tname, name, seed,
-                     row["final_eval_accuracy"])
+        logging.info(
+          "%s %s seed %d: accuracy %.4f",
+          tname,
+          name,
+          seed,
+          row["final_eval_accuracy"],
+        )
         runs.done(f"qsync {tname} {name} seed {seed}")
         entry["accuracy"] = summarize(entry["runs"])
         with open(path, "w") as f:
@@ -249,18 +322,25 @@ def run(out_dir: str, base: ml_collections.ConfigDict,
 def plot(result: Mapping[str, Any], png_path: str) -> None:
   """Accuracy (mean +- std) per configuration and paper-size step times."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   tasks = list(result["tasks"])
-  fig, axes = plt.subplots(2, len(tasks), figsize=(6 * len(tasks), 7),
-                           squeeze=False)
+  fig, axes = plt.subplots(
+    2, len(tasks), figsize=(6 * len(tasks), 7), squeeze=False
+  )
   for j, tname in enumerate(tasks):
     entry = result["tasks"][tname]
     acc = entry.get("accuracy", {})
     names = list(acc)
     ax = axes[0, j]
-    ax.bar(names, [acc[n]["mean"] for n in names],
-           yerr=[acc[n]["std"] for n in names], capsize=3)
+    ax.bar(
+      names,
+      [acc[n]["mean"] for n in names],
+      yerr=[acc[n]["std"] for n in names],
+      capsize=3,
+    )
     lo = min(acc[n]["mean"] - acc[n]["std"] for n in names) if names else 0
     ax.set_ylim(max(0.0, lo - 0.05), 1.0)
     ax.set_title(f"{tname}: final accuracy ({result['cluster']})")
@@ -271,8 +351,9 @@ def plot(result: Mapping[str, Any], png_path: str) -> None:
       steps = paper["predicted_step_time_s"]
       ax.bar(list(steps), [v * 1e3 for v in steps.values()])
       ax.set_ylabel("ms")
-      ax.set_title(f"{paper['model']} predicted step "
-                   f"({result['paper_cluster']})")
+      ax.set_title(
+        f"{paper['model']} predicted step ({result['paper_cluster']})"
+      )
       ax.tick_params(axis="x", rotation=45, labelsize=8)
   fig.tight_layout()
   fig.savefig(png_path, dpi=90)

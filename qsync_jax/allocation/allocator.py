@@ -32,21 +32,24 @@ per-block search with the budget split in proportion.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 import dataclasses
 import heapq
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 from qsync_jax.allocation import search
 from qsync_jax.allocation.search import AllocationError
 from qsync_jax.allocation.search import DEFAULT_CANDIDATES
 from qsync_jax.numerics.precision import Precision
-from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
+from qsync_jax.parallel.cluster import ClusterSpec
+from qsync_jax.parallel.cluster import parse_cluster
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor import simulation
 from qsync_jax.predictor.profiling import Profile
-from qsync_jax.predictor.simulation import Prediction, SimWorker
+from qsync_jax.predictor.simulation import Prediction
+from qsync_jax.predictor.simulation import SimWorker
 
 METHODS = ("greedy", "memory", "ilp")
 
@@ -73,6 +76,7 @@ class Allocation(Mapping[str, PrecisionPlan]):
     trials: recovery or lowering steps tried.
     method: the search used.
   """
+
   plans: dict[str, PrecisionPlan]
   precisions: dict[str, dict[str, Precision]]
   prediction: Prediction
@@ -99,15 +103,20 @@ class Allocation(Mapping[str, PrecisionPlan]):
 
   def summary(self) -> dict[str, Any]:
     """A JSON-ready summary (no per-layer data)."""
-    return {"method": self.method, "search_time_s": self.search_time_s,
-            "trials": self.trials, "training_kinds": list(self.training_kinds),
-            "straggling": self.straggling, "target_s": self.target_s,
-            "training_pace_s": self.training_pace_s,
-            "step_time_s": self.prediction.step_time_s,
-            "quantized_layers": dict(self.quantized_layers),
-            "indicator_sum": dict(self.indicator_sum),
-            "memory_bytes": dict(self.memory_bytes),
-            "memory_limits": dict(self.memory_limits)}
+    return {
+      "method": self.method,
+      "search_time_s": self.search_time_s,
+      "trials": self.trials,
+      "training_kinds": list(self.training_kinds),
+      "straggling": self.straggling,
+      "target_s": self.target_s,
+      "training_pace_s": self.training_pace_s,
+      "step_time_s": self.prediction.step_time_s,
+      "quantized_layers": dict(self.quantized_layers),
+      "indicator_sum": dict(self.indicator_sum),
+      "memory_bytes": dict(self.memory_bytes),
+      "memory_limits": dict(self.memory_limits),
+    }
 
 
 # --------------------------------------------------------------------------
@@ -120,31 +129,41 @@ def _fp32_compute_s(g, profile) -> float:
   return float(c.fwd.sum() + c.bwd.sum())
 
 
-def fp32_speeds(g: graph_lib.ModelGraph, spec: ClusterSpec | str,
-                profiles: Mapping[str, Profile]) -> dict[str, float]:
+def fp32_speeds(
+  g: graph_lib.ModelGraph,
+  spec: ClusterSpec | str,
+  profiles: Mapping[str, Profile],
+) -> dict[str, float]:
   """``{kind: examples per second}`` of each kind's FP32 forward + backward
   (relative speeds for the dynamic-batch baseline)."""
   spec = parse_cluster(spec)
-  return {k: g.input_shape[0] / _fp32_compute_s(g, profiles[k])
-          for k in spec.groups()}
+  return {
+    k: g.input_shape[0] / _fp32_compute_s(g, profiles[k]) for k in spec.groups()
+  }
 
 
-def training_kinds_of(g: graph_lib.ModelGraph, spec: ClusterSpec,
-                      profiles: Mapping[str, Profile]) -> tuple[str, ...]:
+def training_kinds_of(
+  g: graph_lib.ModelGraph, spec: ClusterSpec, profiles: Mapping[str, Profile]
+) -> tuple[str, ...]:
   """The kinds with the fastest FP32 forward + backward (they keep FP32)."""
   times = {k: _fp32_compute_s(g, profiles[k]) for k in spec.groups()}
   best = min(times.values())
   return tuple(k for k, t in times.items() if t <= best * (1 + 1e-9))
 
 
-def allocate(g: graph_lib.ModelGraph, cluster: ClusterSpec | str,
-             scores: Any, profiles: Mapping[str, Profile], *,
-             memory_limits: Mapping[str, float] | None = None,
-             method: str = "greedy",
-             candidates: Sequence[Precision | str] = DEFAULT_CANDIDATES,
-             training_kinds: Sequence[str] | None = None,
-             bucket_bytes: float | None = simulation.DEFAULT_BUCKET_BYTES,
-             link: tuple[float, float] | None = None) -> Allocation:
+def allocate(
+  g: graph_lib.ModelGraph,
+  cluster: ClusterSpec | str,
+  scores: Any,
+  profiles: Mapping[str, Profile],
+  *,
+  memory_limits: Mapping[str, float] | None = None,
+  method: str = "greedy",
+  candidates: Sequence[Precision | str] = DEFAULT_CANDIDATES,
+  training_kinds: Sequence[str] | None = None,
+  bucket_bytes: float | None = simulation.DEFAULT_BUCKET_BYTES,
+  link: tuple[float, float] | None = None,
+) -> Allocation:
   """Per-device-kind precision plans for a hybrid cluster.
 
   Args:
@@ -177,8 +196,9 @@ def allocate(g: graph_lib.ModelGraph, cluster: ClusterSpec | str,
   """
   start = time.perf_counter()
   if method not in METHODS:
-    raise ValueError(f"unknown allocation method {method!r}; valid: "
-                     f"{', '.join(METHODS)}")
+    raise ValueError(
+      f"unknown allocation method {method!r}; valid: {', '.join(METHODS)}"
+    )
   spec = parse_cluster(cluster)
   kinds = list(spec.groups())
   missing = [k for k in kinds if k not in profiles]
@@ -186,29 +206,36 @@ def allocate(g: graph_lib.ModelGraph, cluster: ClusterSpec | str,
     raise ValueError(f"no profile for device kind(s) {', '.join(missing)}")
   stray = [k for k in (memory_limits or {}) if k not in kinds]
   if stray:
-    raise ValueError(f"memory limits for {', '.join(stray)}, which the "
-                     f"cluster {spec} does not have")
-  limits = {k: (memory_limits or {}).get(k, profiles[k].memory.capacity_bytes)
-            for k in kinds}
+    raise ValueError(
+      f"memory limits for {', '.join(stray)}, which the "
+      f"cluster {spec} does not have"
+    )
+  limits = {
+    k: (memory_limits or {}).get(k, profiles[k].memory.capacity_bytes)
+    for k in kinds
+  }
   if training_kinds is None:
     training = training_kinds_of(g, spec, profiles)
   else:
     training = tuple(k.lower() for k in training_kinds)
     bad = [k for k in training if k not in kinds]
     if bad:
-      raise ValueError(f"training kind(s) {', '.join(bad)} are not in the "
-                       f"cluster {spec}")
+      raise ValueError(
+        f"training kind(s) {', '.join(bad)} are not in the cluster {spec}"
+      )
   weak = [k for k in kinds if k not in training]
   fp32 = [Precision.FP32] * len(g.nodes)
   for k in training:
     need = search.plan_memory(g, profiles[k], fp32)
     if limits[k] is not None and need > limits[k]:
       raise AllocationError(
-          f"training kind {k} needs {need / 2**30:.3f} GiB in FP32, over its "
-          f"limit of {limits[k] / 2**30:.3f} GiB; raise the limit or let the "
-          "allocator plan it (training_kinds)")
-  ladder = {k: search.ladders(g, k, profiles[k], scores, candidates)
-            for k in weak}
+        f"training kind {k} needs {need / 2**30:.3f} GiB in FP32, over its "
+        f"limit of {limits[k] / 2**30:.3f} GiB; raise the limit or let the "
+        "allocator plan it (training_kinds)"
+      )
+  ladder = {
+    k: search.ladders(g, k, profiles[k], scores, candidates) for k in weak
+  }
   if link is None:
     link = simulation.cluster_link(spec.kinds)
   cl = _Cluster(g, spec, profiles, bucket_bytes, link)
@@ -216,42 +243,55 @@ def allocate(g: graph_lib.ModelGraph, cluster: ClusterSpec | str,
   target, pace, straggling, trials = None, None, False, 0
   if weak:
     # Every worker as fast as a training device (same link, same ring).
-    as_training = {k: profiles[training[0]] for k in kinds}
+    as_training = dict.fromkeys(kinds, profiles[training[0]])
     pace = cl.simulate(_with_training(cl, {}), as_training).step_time_s
   weak_precs: dict[str, list[Precision]] = {}
   if method == "greedy":
     for k in weak:
-      weak_precs[k] = search.fastest_plan(g, profiles[k], ladder[k],
-                                          limits[k], kind=k)
+      weak_precs[k] = search.fastest_plan(
+        g, profiles[k], ladder[k], limits[k], kind=k
+      )
     if weak:
       fastest = cl.simulate(_with_training(cl, weak_precs)).step_time_s
       target = max(pace, fastest)
       straggling = fastest > pace * (1 + 1e-9)
-      weak_precs, trials = _greedy_recovery(cl, weak_precs, ladder, scores,
-                                            target, limits)
+      weak_precs, trials = _greedy_recovery(
+        cl, weak_precs, ladder, scores, target, limits
+      )
   else:
     for k in weak:
       if limits[k] is None:
-        raise AllocationError(f"method {method!r} needs a memory limit for "
-                              f"{k} and its profile has no capacity")
+        raise AllocationError(
+          f"method {method!r} needs a memory limit for "
+          f"{k} and its profile has no capacity"
+        )
       if method == "memory":
         weak_precs[k], steps = search.lower_to_fit(
-            g, profiles[k], ladder[k], scores, limits[k], kind=k)
+          g, profiles[k], ladder[k], scores, limits[k], kind=k
+        )
         trials += steps
       else:
         weak_precs[k] = search.min_indicator_plan(
-            g, profiles[k], ladder[k], scores, limits[k], kind=k)
+          g, profiles[k], ladder[k], scores, limits[k], kind=k
+        )
   final = _with_training(cl, weak_precs)
   prediction = cl.simulate(final)
   precisions = {k: dict(zip(g.paths, final[k])) for k in kinds}
   plans = {k: PrecisionPlan.from_precisions(precisions[k]) for k in kinds}
   return Allocation(
-      plans=plans, precisions=precisions, prediction=prediction,
-      target_s=target, training_pace_s=pace, straggling=straggling,
-      training_kinds=tuple(training),
-      **search.plan_stats(g, scores, precisions, profiles),
-      memory_limits=limits, search_time_s=time.perf_counter() - start,
-      trials=trials, method=method)
+    plans=plans,
+    precisions=precisions,
+    prediction=prediction,
+    target_s=target,
+    training_pace_s=pace,
+    straggling=straggling,
+    training_kinds=tuple(training),
+    **search.plan_stats(g, scores, precisions, profiles),
+    memory_limits=limits,
+    search_time_s=time.perf_counter() - start,
+    trials=trials,
+    method=method,
+  )
 
 
 # --------------------------------------------------------------------------
@@ -262,6 +302,7 @@ def allocate(g: graph_lib.ModelGraph, cluster: ClusterSpec | str,
 @dataclasses.dataclass
 class _Cluster:
   """What the searches need about the cluster, built once."""
+
   g: graph_lib.ModelGraph
   spec: ClusterSpec
   profiles: Mapping[str, Profile]
@@ -269,22 +310,33 @@ class _Cluster:
   link: tuple[float, float]
   cache: dict = dataclasses.field(default_factory=dict)
 
-  def simulate(self, precisions: Mapping[str, Sequence[Precision]],
-               profile_of: Mapping[str, Profile] | None = None) -> Prediction:
+  def simulate(
+    self,
+    precisions: Mapping[str, Sequence[Precision]],
+    profile_of: Mapping[str, Profile] | None = None,
+  ) -> Prediction:
     workers = []
     for kind, count in self.spec.groups().items():
       prof = (profile_of or self.profiles)[kind]
       eff = dict(zip(self.g.paths, precisions[kind]))
       workers += [SimWorker(f"{kind}[{i}]", prof, eff) for i in range(count)]
-    return simulation.simulate(self.g, workers, bucket_bytes=self.bucket_bytes,
-                               link=self.link, costs_cache=self.cache)
+    return simulation.simulate(
+      self.g,
+      workers,
+      bucket_bytes=self.bucket_bytes,
+      link=self.link,
+      costs_cache=self.cache,
+    )
 
 
-def _greedy_recovery(cl: _Cluster, start: Mapping[str, list[Precision]],
-                    ladder: Mapping[str, Sequence[Sequence[Precision]]],
-                    scores: Any, target_s: float,
-                    memory_limits: Mapping[str, float | None]
-                    ) -> tuple[dict[str, list[Precision]], int]:
+def _greedy_recovery(
+  cl: _Cluster,
+  start: Mapping[str, list[Precision]],
+  ladder: Mapping[str, Sequence[Sequence[Precision]]],
+  scores: Any,
+  target_s: float,
+  memory_limits: Mapping[str, float | None],
+) -> tuple[dict[str, list[Precision]], int]:
   """Raises precision where it removes the most indicator, while it keeps up.
 
   QSync's greedy (qsync.md section 5.3) with the intended gain: a max-heap
@@ -298,10 +350,11 @@ def _greedy_recovery(cl: _Cluster, start: Mapping[str, list[Precision]],
   """
   g = cl.g
   state = {k: list(v) for k, v in start.items()}
-  level = {k: [ladder[k][i].index(p) for i, p in enumerate(v)]
-           for k, v in state.items()}
-  mem = {k: search.plan_memory(g, cl.profiles[k], v)
-         for k, v in state.items()}
+  level = {
+    k: [ladder[k][i].index(p) for i, p in enumerate(v)]
+    for k, v in state.items()
+  }
+  mem = {k: search.plan_memory(g, cl.profiles[k], v) for k, v in state.items()}
   heap = []
 
   def push(kind, i):
@@ -309,8 +362,9 @@ def _greedy_recovery(cl: _Cluster, start: Mapping[str, list[Precision]],
     lv = level[kind][i]
     if lv + 1 < len(rungs):
       path = g.nodes[i].path
-      gain = (search.indicator_of(scores, path, rungs[lv])
-              - search.indicator_of(scores, path, rungs[lv + 1]))
+      gain = search.indicator_of(scores, path, rungs[lv]) - search.indicator_of(
+        scores, path, rungs[lv + 1]
+      )
       heapq.heappush(heap, (-gain, i, kind))
 
   for kind in state:
@@ -325,8 +379,11 @@ def _greedy_recovery(cl: _Cluster, start: Mapping[str, list[Precision]],
     new = ladder[kind][i][level[kind][i] + 1]
     trials += 1
     prof = cl.profiles[kind]
-    new_mem = mem[kind] + search.layer_bytes(prof, path, new) - (
-        search.layer_bytes(prof, path, old))
+    new_mem = (
+      mem[kind]
+      + search.layer_bytes(prof, path, new)
+      - (search.layer_bytes(prof, path, old))
+    )
     limit = memory_limits.get(kind)
     if limit is not None and new_mem > limit:
       continue
@@ -340,7 +397,8 @@ def _greedy_recovery(cl: _Cluster, start: Mapping[str, list[Precision]],
   return state, trials
 
 
-def _with_training(cl: _Cluster, weak: Mapping[str, Sequence[Precision]]
-                   ) -> dict[str, Sequence[Precision]]:
+def _with_training(
+  cl: _Cluster, weak: Mapping[str, Sequence[Precision]]
+) -> dict[str, Sequence[Precision]]:
   fp32 = [Precision.FP32] * len(cl.g.nodes)
   return {k: weak.get(k, fp32) for k in cl.spec.groups()}

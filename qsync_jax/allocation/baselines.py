@@ -13,7 +13,8 @@ This module owns the plans and predictions QSync's evaluation sets against
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -21,13 +22,15 @@ from qsync_jax.allocation import allocator
 from qsync_jax.allocation import search
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.parallel import cluster as cluster_lib
-from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
+from qsync_jax.parallel.cluster import ClusterSpec
+from qsync_jax.parallel.cluster import parse_cluster
 from qsync_jax.plan.devices import supported_precisions
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor import simulation
 from qsync_jax.predictor.profiling import Profile
-from qsync_jax.predictor.simulation import Prediction, SimWorker
+from qsync_jax.predictor.simulation import Prediction
+from qsync_jax.predictor.simulation import SimWorker
 
 
 def shuffled_scores(scores: Any, seed: int = 0) -> dict[str, dict[str, float]]:
@@ -50,8 +53,9 @@ def shuffled_scores(scores: Any, seed: int = 0) -> dict[str, dict[str, float]]:
   return out
 
 
-def uniform_low_plans(spec: ClusterSpec | str, training_kinds: Sequence[str]
-                      ) -> dict[str, PrecisionPlan]:
+def uniform_low_plans(
+  spec: ClusterSpec | str, training_kinds: Sequence[str]
+) -> dict[str, PrecisionPlan]:
   """Uniform low precision on every non-training kind: INT8 where the kind
   has it, else FP16 (embeddings and attention matmuls stay 16-bit and the
   head FP32, as the policy forces)."""
@@ -60,14 +64,20 @@ def uniform_low_plans(spec: ClusterSpec | str, training_kinds: Sequence[str]
   for k in spec.groups():
     if k in training_kinds:
       continue
-    low = (Precision.INT8 if Precision.INT8 in supported_precisions(k)
-           else Precision.FP16)
+    low = (
+      Precision.INT8
+      if Precision.INT8 in supported_precisions(k)
+      else Precision.FP16
+    )
     out[k] = PrecisionPlan.uniform(low)
   return out
 
 
-def dynamic_batch_split(g: graph_lib.ModelGraph, spec: ClusterSpec | str,
-                        profiles: Mapping[str, Profile]) -> list[int]:
+def dynamic_batch_split(
+  g: graph_lib.ModelGraph,
+  spec: ClusterSpec | str,
+  profiles: Mapping[str, Profile],
+) -> list[int]:
   """Per-worker batch sizes of the dynamic-batch baseline (all FP32).
 
   The global batch (``g``'s batch times the workers) is split in proportion
@@ -77,14 +87,18 @@ def dynamic_batch_split(g: graph_lib.ModelGraph, spec: ClusterSpec | str,
   spec = parse_cluster(spec)
   speed = allocator.fp32_speeds(g, spec, profiles)
   return cluster_lib.dynamic_batch_sizes(
-      g.input_shape[0] * spec.num_workers, [speed[k] for k in spec.kinds])
+    g.input_shape[0] * spec.num_workers, [speed[k] for k in spec.kinds]
+  )
 
 
-def predict_dynamic_batch(graph_at, spec: ClusterSpec | str, batch_size: int,
-                          profile_for, *,
-                          bucket_bytes: float | None =
-                          simulation.DEFAULT_BUCKET_BYTES
-                          ) -> tuple[Prediction, list[int]]:
+def predict_dynamic_batch(
+  graph_at,
+  spec: ClusterSpec | str,
+  batch_size: int,
+  profile_for,
+  *,
+  bucket_bytes: float | None = simulation.DEFAULT_BUCKET_BYTES,
+) -> tuple[Prediction, list[int]]:
   """Predicts the dynamic-batch baseline: FP32, batches by device speed.
 
   Args:
@@ -103,17 +117,23 @@ def predict_dynamic_batch(graph_at, spec: ClusterSpec | str, batch_size: int,
   graphs = {batch_size: graph_at(batch_size)}
   nominal = graphs[batch_size]
   sizes = dynamic_batch_split(
-      nominal, spec, {k: profile_for(nominal, k) for k in spec.groups()})
+    nominal, spec, {k: profile_for(nominal, k) for k in spec.groups()}
+  )
   profs: dict[tuple[int, str], Profile] = {}
   workers = []
-  fp32 = {p: Precision.FP32 for p in nominal.paths}
+  fp32 = dict.fromkeys(nominal.paths, Precision.FP32)
   for i, (kind, b) in enumerate(zip(spec.kinds, sizes)):
     if b not in graphs:
       graphs[b] = graph_at(b)
     if (b, kind) not in profs:
       profs[(b, kind)] = profile_for(graphs[b], kind)
-    workers.append(SimWorker(f"{kind}[{i}]", profs[(b, kind)], fp32,
-                             graph=graphs[b]))
-  prediction = simulation.simulate(nominal, workers, bucket_bytes=bucket_bytes,
-                                   link=simulation.cluster_link(spec.kinds))
+    workers.append(
+      SimWorker(f"{kind}[{i}]", profs[(b, kind)], fp32, graph=graphs[b])
+    )
+  prediction = simulation.simulate(
+    nominal,
+    workers,
+    bucket_bytes=bucket_bytes,
+    link=simulation.cluster_link(spec.kinds),
+  )
   return prediction, sizes

@@ -21,11 +21,12 @@ ResNet-50 on digits with that plan.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 import dataclasses
 import functools
 import json
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -37,7 +38,8 @@ from qsync_jax.allocation import baselines as baselines_lib
 from qsync_jax.allocation import search
 from qsync_jax.data.base import Dataset
 from qsync_jax.numerics.precision import Precision
-from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
+from qsync_jax.parallel.cluster import ClusterSpec
+from qsync_jax.parallel.cluster import parse_cluster
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor import profiling
@@ -45,8 +47,9 @@ from qsync_jax.predictor import simulation
 from qsync_jax.task import calling
 
 
-def indicator_batches(dataset: Dataset, num_batches: int, batch_size: int
-                      ) -> list[tuple[np.ndarray, np.ndarray]]:
+def indicator_batches(
+  dataset: Dataset, num_batches: int, batch_size: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
   """The first ``num_batches`` training batches of ``dataset``.
 
   Raises:
@@ -54,29 +57,46 @@ def indicator_batches(dataset: Dataset, num_batches: int, batch_size: int
   """
   need = num_batches * batch_size
   if len(dataset.x_train) < need:
-    raise ValueError(f"dataset {dataset.name!r} has {len(dataset.x_train)} "
-                     f"training examples; {num_batches} batches of "
-                     f"{batch_size} need {need}")
-  return [(dataset.x_train[i * batch_size:(i + 1) * batch_size],
-           dataset.y_train[i * batch_size:(i + 1) * batch_size])
-          for i in range(num_batches)]
+    raise ValueError(
+      f"dataset {dataset.name!r} has {len(dataset.x_train)} "
+      f"training examples; {num_batches} batches of "
+      f"{batch_size} need {need}"
+    )
+  return [
+    (
+      dataset.x_train[i * batch_size : (i + 1) * batch_size],
+      dataset.y_train[i * batch_size : (i + 1) * batch_size],
+    )
+    for i in range(num_batches)
+  ]
 
 
-def compute_scores(model, dataset: Dataset, method: str = "qsync", *,
-                   num_batches: int = 4, batch_size: int = 32,
-                   precisions: Sequence[Precision | str] = ("int8", "fp16",
-                                                            "bf16"),
-                   seed: int = 0, loss_fn: Any = None,
-                   call: calling.CallFn | None = None) -> sensitivity.Scores:
+def compute_scores(
+  model,
+  dataset: Dataset,
+  method: str = "qsync",
+  *,
+  num_batches: int = 4,
+  batch_size: int = 32,
+  precisions: Sequence[Precision | str] = ("int8", "fp16", "bf16"),
+  seed: int = 0,
+  loss_fn: Any = None,
+  call: calling.CallFn | None = None,
+) -> sensitivity.Scores:
   """Indicator scores of ``model`` on the first training batches.
 
   ``loss_fn`` and ``call`` are as in :func:`qsync_jax.sensitivity.compute`
   (default: classification on ``(inputs, labels)``).
   """
-  return sensitivity.compute(model, loss_fn,
-                             indicator_batches(dataset, num_batches,
-                                               batch_size),
-                             method, precisions, seed=seed, call=call)
+  return sensitivity.compute(
+    model,
+    loss_fn,
+    indicator_batches(dataset, num_batches, batch_size),
+    method,
+    precisions,
+    seed=seed,
+    call=call,
+  )
 
 
 def sample_at(model: Any, sample_input: Any, batch_size: int) -> Any:
@@ -99,19 +119,23 @@ def sample_at(model: Any, sample_input: Any, batch_size: int) -> Any:
     spec = getattr(model, "input_spec", None)
     if not callable(spec):
       raise ValueError(
-          f"{type(model).__name__} has no input_spec(batch_size): pass "
-          "sample_input (the model's inputs, any batch size) to plan it")
+        f"{type(model).__name__} has no input_spec(batch_size): pass "
+        "sample_input (the model's inputs, any batch size) to plan it"
+      )
     return spec(batch_size)
 
   def resize(a):
     if not getattr(a, "shape", None):
-      raise ValueError("every array of the sample input needs a leading "
-                       f"batch axis, got shape {getattr(a, 'shape', ())}")
+      raise ValueError(
+        "every array of the sample input needs a leading "
+        f"batch axis, got shape {getattr(a, 'shape', ())}"
+      )
     return jax.ShapeDtypeStruct((batch_size, *a.shape[1:]), a.dtype)
 
   if isinstance(sample_input, calling.Probe):
-    return calling.Probe(sample_input.fn,
-                         jax.tree.map(resize, sample_input.data))
+    return calling.Probe(
+      sample_input.fn, jax.tree.map(resize, sample_input.data)
+    )
   return jax.tree.map(resize, calling.abstract(sample_input))
 
 
@@ -134,6 +158,7 @@ class PlanningResult:
       ``qsync_shuffled`` (the same search with the scores shuffled among the
       layers).
   """
+
   allocation: allocator_lib.Allocation
   graph: graph_lib.ModelGraph
   profiles: dict[str, profiling.Profile]
@@ -145,34 +170,50 @@ class PlanningResult:
   def summary(self) -> dict[str, Any]:
     """``summary.json`` of ``experiments/allocate.py``."""
     a = self.allocation
-    steps = {"qsync": a.prediction.step_time_s,
-             **{k: v["step_time_s"] for k, v in self.baselines.items()}}
-    memory = {"qsync": dict(a.memory_bytes),
-              **{k: v["memory_bytes"] for k, v in self.baselines.items()}}
+    steps = {
+      "qsync": a.prediction.step_time_s,
+      **{k: v["step_time_s"] for k, v in self.baselines.items()},
+    }
+    memory = {
+      "qsync": dict(a.memory_bytes),
+      **{k: v["memory_bytes"] for k, v in self.baselines.items()},
+    }
     out = a.summary()
     out.pop("step_time_s")
     out.pop("memory_bytes")
-    return {"cluster": str(self.cluster), "indicator": self.indicator,
-            **out, "predicted_step_time_s": steps,
-            "predicted_memory_bytes": memory,
-            "baselines": {k: {kk: vv for kk, vv in v.items()
-                              if kk not in ("step_time_s", "memory_bytes")}
-                          for k, v in self.baselines.items()},
-            "optimizer_update_s": {k: prof.optimizer_s
-                                   for k, prof in self.profiles.items()},
-            "profile_sources": {k: prof.source
-                                for k, prof in self.profiles.items()},
-            "layers": len(self.graph.nodes),
-            "batch_shape": list(self.graph.input_shape)}
+    return {
+      "cluster": str(self.cluster),
+      "indicator": self.indicator,
+      **out,
+      "predicted_step_time_s": steps,
+      "predicted_memory_bytes": memory,
+      "baselines": {
+        k: {
+          kk: vv
+          for kk, vv in v.items()
+          if kk not in ("step_time_s", "memory_bytes")
+        }
+        for k, v in self.baselines.items()
+      },
+      "optimizer_update_s": {
+        k: prof.optimizer_s for k, prof in self.profiles.items()
+      },
+      "profile_sources": {k: prof.source for k, prof in self.profiles.items()},
+      "layers": len(self.graph.nodes),
+      "batch_shape": list(self.graph.input_shape),
+    }
 
   def table(self) -> str:
     """One line per layer: shape, precision per kind, score, cost."""
     a = self.allocation
     kinds = list(a.precisions)
     weak = [k for k in kinds if k not in a.training_kinds]
-    rows = [["layer", "weight shape"] + kinds
-            + [f"score ({k})" for k in weak]
-            + [f"fwd+bwd ms ({k})" for k in weak]]
+    rows = [
+      ["layer", "weight shape"]
+      + kinds
+      + [f"score ({k})" for k in weak]
+      + [f"fwd+bwd ms ({k})" for k in weak]
+    ]
     for node in self.graph.nodes:
       row = [node.path, "x".join(map(str, node.weight_shape)) or "-"]
       row += [a.precisions[k][node.path].value for k in kinds]
@@ -185,23 +226,28 @@ class PlanningResult:
         row.append(f"{self.profiles[k].layer_cost(node.path, p)[1] * 1e3:.3f}")
       rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-                     for r in rows)
+    return "\n".join(
+      "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows
+    )
 
 
-def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
-                 batch_size: int, *, indicator_name: str = "qsync",
-                 method: str = "greedy",
-                 memory_limits: Mapping[str, float] | None = None,
-                 compression: float | None = None,
-                 candidates: Sequence[Precision | str] = (
-                     search.DEFAULT_CANDIDATES),
-                 baselines: bool = True,
-                 optimizer_state_copies: int = 2,
-                 sample_input: Any = None,
-                 profiles: Mapping[str, profiling.Profile] | None = None,
-                 graph: graph_lib.ModelGraph | None = None
-                 ) -> PlanningResult:
+def plan_cluster(
+  timing_model,
+  cluster: ClusterSpec | str,
+  scores: Any,
+  batch_size: int,
+  *,
+  indicator_name: str = "qsync",
+  method: str = "greedy",
+  memory_limits: Mapping[str, float] | None = None,
+  compression: float | None = None,
+  candidates: Sequence[Precision | str] = (search.DEFAULT_CANDIDATES),
+  baselines: bool = True,
+  optimizer_state_copies: int = 2,
+  sample_input: Any = None,
+  profiles: Mapping[str, profiling.Profile] | None = None,
+  graph: graph_lib.ModelGraph | None = None,
+) -> PlanningResult:
   """Allocates plans for ``cluster`` and predicts the baselines.
 
   Args:
@@ -240,58 +286,82 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
     qsync_jax.allocation.AllocationError: no plan fits.
   """
   if optimizer_state_copies < 0:
-    raise ValueError("optimizer_state_copies must be >= 0, got "
-                     f"{optimizer_state_copies}")
-  analytic = functools.partial(predictor.analytic_profile,
-                               optimizer_state_copies=optimizer_state_copies)
+    raise ValueError(
+      f"optimizer_state_copies must be >= 0, got {optimizer_state_copies}"
+    )
+  analytic = functools.partial(
+    predictor.analytic_profile, optimizer_state_copies=optimizer_state_copies
+  )
   spec = parse_cluster(cluster)
   g = graph or predictor.trace_graph(
-      timing_model, sample_at(timing_model, sample_input, batch_size))
+    timing_model, sample_at(timing_model, sample_input, batch_size)
+  )
   table = search.score_table(scores)
   if set(table) != set(g.paths):
     extra = sorted(set(table) - set(g.paths))
     lack = sorted(set(g.paths) - set(table))
-    raise ValueError("the indicator scores and the timing model have "
-                     f"different layers (scores only: {extra[:5]}, timing "
-                     f"model only: {lack[:5]}); score a model with the same "
-                     "layer paths")
+    raise ValueError(
+      "the indicator scores and the timing model have "
+      f"different layers (scores only: {extra[:5]}, timing "
+      f"model only: {lack[:5]}); score a model with the same "
+      "layer paths"
+    )
   given = dict(profiles or {})
-  profiles = {k: given[k] if k in given else analytic(g, k)
-              for k in spec.groups()}
+  profiles = {
+    k: given[k] if k in given else analytic(g, k) for k in spec.groups()
+  }
   training = allocator_lib.training_kinds_of(g, spec, profiles)
   if compression is not None:
     if memory_limits:
       raise ValueError("give memory_limits or compression, not both")
-    memory_limits = {k: search.compression_budget(g, profiles[k], compression)
-                     for k in spec.groups() if k not in training}
+    memory_limits = {
+      k: search.compression_budget(g, profiles[k], compression)
+      for k in spec.groups()
+      if k not in training
+    }
 
   def run_allocator(table):
-    return allocator_lib.allocate(g, spec, table, profiles,
-                                  memory_limits=memory_limits, method=method,
-                                  candidates=candidates,
-                                  training_kinds=training)
+    return allocator_lib.allocate(
+      g,
+      spec,
+      table,
+      profiles,
+      memory_limits=memory_limits,
+      method=method,
+      candidates=candidates,
+      training_kinds=training,
+    )
 
   alloc = run_allocator(table)
   out: dict[str, dict[str, Any]] = {}
   if baselines:
     stats = functools.partial(search.plan_stats, g, table, profiles=profiles)
     link = simulation.cluster_link(spec.kinds)
-    fp32 = {k: {p: Precision.FP32 for p in g.paths} for k in spec.groups()}
-    out["fp32"] = {"step_time_s": predictor.predict(
-        g, spec, {}, profiles, link=link).step_time_s,
-                   **stats(fp32)}
+    fp32 = {k: dict.fromkeys(g.paths, Precision.FP32) for k in spec.groups()}
+    out["fp32"] = {
+      "step_time_s": predictor.predict(
+        g, spec, {}, profiles, link=link
+      ).step_time_s,
+      **stats(fp32),
+    }
     low_plans = baselines_lib.uniform_low_plans(spec, training)
-    low = {k: predictor.resolve_plan(g, low_plans.get(k, PrecisionPlan()), k)
-           for k in spec.groups()}
-    out["uniform_low"] = {"step_time_s": predictor.predict(
-        g, spec, low_plans, profiles, link=link).step_time_s,
-                          **stats(low)}
+    low = {
+      k: predictor.resolve_plan(g, low_plans.get(k, PrecisionPlan()), k)
+      for k in spec.groups()
+    }
+    out["uniform_low"] = {
+      "step_time_s": predictor.predict(
+        g, spec, low_plans, profiles, link=link
+      ).step_time_s,
+      **stats(low),
+    }
     graphs = {batch_size: g}
 
     def graph_at(b):
       if b not in graphs:
         graphs[b] = predictor.trace_graph(
-            timing_model, sample_at(timing_model, sample_input, b))
+          timing_model, sample_at(timing_model, sample_input, b)
+        )
       return graphs[b]
 
     profile_cache = {(id(g), k): v for k, v in profiles.items()}
@@ -302,28 +372,40 @@ def plan_cluster(timing_model, cluster: ClusterSpec | str, scores: Any,
         profile_cache[key] = analytic(graph, kind)
       return profile_cache[key]
 
-    db, sizes = baselines_lib.predict_dynamic_batch(graph_at, spec,
-                                                    batch_size, profile_for)
+    db, sizes = baselines_lib.predict_dynamic_batch(
+      graph_at, spec, batch_size, profile_for
+    )
     out["dynamic_batch"] = {
-        "step_time_s": db.step_time_s,
-        "memory_bytes": {k: max(m for m, kk in zip(db.worker_memory_bytes,
-                                                   spec.kinds) if kk == k)
-                         for k in spec.groups()},
-        "quantized_layers": {k: 0 for k in spec.groups()},
-        "indicator_sum": {k: 0.0 for k in spec.groups()},
-        "batch_sizes": {k: max(b for b, kk in zip(sizes, spec.kinds)
-                               if kk == k) for k in spec.groups()}}
+      "step_time_s": db.step_time_s,
+      "memory_bytes": {
+        k: max(
+          m for m, kk in zip(db.worker_memory_bytes, spec.kinds) if kk == k
+        )
+        for k in spec.groups()
+      },
+      "quantized_layers": dict.fromkeys(spec.groups(), 0),
+      "indicator_sum": dict.fromkeys(spec.groups(), 0.0),
+      "batch_sizes": {
+        k: max(b for b, kk in zip(sizes, spec.kinds) if kk == k)
+        for k in spec.groups()
+      },
+    }
     alone = ClusterSpec(tuple(k for k in spec.kinds if k in training))
     out["training_only"] = {
-        "step_time_s": predictor.predict(g, alone, {}, profiles).step_time_s,
-        **stats({k: fp32[k] for k in training}), "cluster": str(alone)}
+      "step_time_s": predictor.predict(g, alone, {}, profiles).step_time_s,
+      **stats({k: fp32[k] for k in training}),
+      "cluster": str(alone),
+    }
     # QSync's indicator ablation: the same search with the scores shuffled
     # among the layers (judged by the true scores).
     shuffled = run_allocator(baselines_lib.shuffled_scores(table))
-    out["qsync_shuffled"] = {"step_time_s": shuffled.prediction.step_time_s,
-                             **stats(shuffled.precisions)}
-  return PlanningResult(alloc, g, profiles, dict(table), indicator_name, spec,
-                        out)
+    out["qsync_shuffled"] = {
+      "step_time_s": shuffled.prediction.step_time_s,
+      **stats(shuffled.precisions),
+    }
+  return PlanningResult(
+    alloc, g, profiles, dict(table), indicator_name, spec, out
+  )
 
 
 def write(result: PlanningResult, out_dir: str) -> dict[str, Any]:
@@ -337,6 +419,7 @@ def write(result: PlanningResult, out_dir: str) -> dict[str, Any]:
   with open(os.path.join(out_dir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   with open(os.path.join(out_dir, "scores.json"), "w") as f:
-    json.dump({"method": result.indicator, "values": result.scores}, f,
-              indent=2)
+    json.dump(
+      {"method": result.indicator, "values": result.scores}, f, indent=2
+    )
   return summary

@@ -22,15 +22,15 @@ defined here for that reason; callers reach it as
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 import heapq
 import itertools
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from scipy import optimize
 
 from qsync_jax.numerics.precision import Precision
-
 from qsync_jax.plan.devices import supported_precisions
 from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor import memory
@@ -55,11 +55,14 @@ class AllocationError(ValueError):
 
 def score_table(scores: Any) -> Mapping[str, Mapping[str, float]]:
   """``{layer: {precision: score}}`` of a sensitivity.Scores or a mapping."""
-  values = scores if isinstance(scores, Mapping) else getattr(
-      scores, "values", None)
+  values = (
+    scores if isinstance(scores, Mapping) else getattr(scores, "values", None)
+  )
   if not isinstance(values, Mapping):
-    raise TypeError("scores must be a sensitivity.Scores or a mapping "
-                    "{layer: {precision: score}}")
+    raise TypeError(
+      "scores must be a sensitivity.Scores or a mapping "
+      "{layer: {precision: score}}"
+    )
   return values
 
 
@@ -70,9 +73,13 @@ def indicator_of(scores: Any, path: str, precision: Precision) -> float:
   return float(score_table(scores)[path][precision.value])
 
 
-def ladders(g: graph_lib.ModelGraph, kind: str, profile: Profile, scores: Any,
-            candidates: Sequence[Precision | str] = DEFAULT_CANDIDATES
-            ) -> list[list[Precision]]:
+def ladders(
+  g: graph_lib.ModelGraph,
+  kind: str,
+  profile: Profile,
+  scores: Any,
+  candidates: Sequence[Precision | str] = DEFAULT_CANDIDATES,
+) -> list[list[Precision]]:
   """Each layer's precisions on ``kind``, from fewest bits to most.
 
   A candidate is dropped for a layer when the kind cannot compute it, the
@@ -88,8 +95,9 @@ def ladders(g: graph_lib.ModelGraph, kind: str, profile: Profile, scores: Any,
   table = score_table(scores)
   missing = [p for p in g.paths if p not in table]
   if missing:
-    raise AllocationError(f"the indicator scores have no entry for layer(s) "
-                          f"{', '.join(missing)}")
+    raise AllocationError(
+      f"the indicator scores have no entry for layer(s) {', '.join(missing)}"
+    )
   supported = supported_precisions(kind)
   cands = [Precision.parse(c) for c in candidates]
   out = []
@@ -105,12 +113,15 @@ def ladders(g: graph_lib.ModelGraph, kind: str, profile: Profile, scores: Any,
     rungs = [by_bits[b] for b in sorted(by_bits)]
     for p in rungs:
       if p.value not in table[node.path]:
-        raise AllocationError(f"the indicator scores have no {p.value} score "
-                              f"for layer {node.path!r}")
+        raise AllocationError(
+          f"the indicator scores have no {p.value} score "
+          f"for layer {node.path!r}"
+        )
     if Precision.FP32 in cands or not rungs:
       if Precision.FP32.value not in costed:
-        raise AllocationError(f"the {kind} profile has no FP32 cost for "
-                              f"layer {node.path!r}")
+        raise AllocationError(
+          f"the {kind} profile has no FP32 cost for layer {node.path!r}"
+        )
       rungs.append(Precision.FP32)
     out.append(rungs)
   return out
@@ -118,35 +129,47 @@ def ladders(g: graph_lib.ModelGraph, kind: str, profile: Profile, scores: Any,
 
 def layer_bytes(profile: Profile, path: str, p: Precision) -> float:
   """Bytes ``path`` at ``p`` adds to the step over FP32 (negative: saves)."""
-  return (0.0 if p is Precision.FP32
-          else float(profile.memory.deltas[path].get(p.value, 0.0)))
+  return (
+    0.0
+    if p is Precision.FP32
+    else float(profile.memory.deltas[path].get(p.value, 0.0))
+  )
 
 
-def plan_memory(g: graph_lib.ModelGraph, profile: Profile,
-                precisions: Sequence[Precision]) -> float:
+def plan_memory(
+  g: graph_lib.ModelGraph, profile: Profile, precisions: Sequence[Precision]
+) -> float:
   """Predicted step bytes of one worker (``precisions`` in node order)."""
   return profile.memory.predict(g.paths, precisions)
 
 
-def plan_stats(g: graph_lib.ModelGraph, scores: Any,
-               precisions: Mapping[str, Mapping[str, Precision]],
-               profiles: Mapping[str, Profile]) -> dict[str, dict]:
+def plan_stats(
+  g: graph_lib.ModelGraph,
+  scores: Any,
+  precisions: Mapping[str, Mapping[str, Precision]],
+  profiles: Mapping[str, Profile],
+) -> dict[str, dict]:
   """Per kind of ``precisions`` (``{kind: {layer: precision}}``): the plan's
   ``indicator_sum``, ``quantized_layers`` (below FP32) and ``memory_bytes``.
   """
   return {
-      "indicator_sum": {k: float(sum(indicator_of(scores, path, v)
-                                     for path, v in p.items()))
-                        for k, p in precisions.items()},
-      "quantized_layers": {k: sum(v not in _ZERO for v in p.values())
-                           for k, p in precisions.items()},
-      "memory_bytes": {k: plan_memory(g, profiles[k],
-                                      [p[path] for path in g.paths])
-                       for k, p in precisions.items()}}
+    "indicator_sum": {
+      k: float(sum(indicator_of(scores, path, v) for path, v in p.items()))
+      for k, p in precisions.items()
+    },
+    "quantized_layers": {
+      k: sum(v not in _ZERO for v in p.values()) for k, p in precisions.items()
+    },
+    "memory_bytes": {
+      k: plan_memory(g, profiles[k], [p[path] for path in g.paths])
+      for k, p in precisions.items()
+    },
+  }
 
 
-def compression_budget(g: graph_lib.ModelGraph, profile: Profile,
-                       compression: float) -> float:
+def compression_budget(
+  g: graph_lib.ModelGraph, profile: Profile, compression: float
+) -> float:
   """A memory limit that saves ``compression`` of the FP32 residual bytes.
 
   QSync's indicator ablation fixes ``M_B = (1 - 0.6) sum_l M_l`` over the
@@ -161,16 +184,18 @@ def compression_budget(g: graph_lib.ModelGraph, profile: Profile,
 
 def _min_memory(g, profile, ladder) -> float:
   return profile.memory.base_bytes + sum(
-      min(layer_bytes(profile, n.path, p) for p in rungs)
-      for n, rungs in zip(g.nodes, ladder))
+    min(layer_bytes(profile, n.path, p) for p in rungs)
+    for n, rungs in zip(g.nodes, ladder)
+  )
 
 
 def _infeasible(kind, limit, g, profile, ladder) -> AllocationError:
   low = _min_memory(g, profile, ladder)
   return AllocationError(
-      f"memory limit {limit / 2**30:.3f} GiB for {kind} is below the smallest "
-      f"memory any plan reaches, {low / 2**30:.3f} GiB ({low:.0f} bytes, "
-      "every layer at its lowest precision)")
+    f"memory limit {limit / 2**30:.3f} GiB for {kind} is below the smallest "
+    f"memory any plan reaches, {low / 2**30:.3f} GiB ({low:.0f} bytes, "
+    "every layer at its lowest precision)"
+  )
 
 
 # --------------------------------------------------------------------------
@@ -178,8 +203,11 @@ def _infeasible(kind, limit, g, profile, ladder) -> AllocationError:
 # --------------------------------------------------------------------------
 
 
-def _choose(values: Sequence[np.ndarray], weights: Sequence[np.ndarray],
-            capacity: float | None) -> list[int] | None:
+def _choose(
+  values: Sequence[np.ndarray],
+  weights: Sequence[np.ndarray],
+  capacity: float | None,
+) -> list[int] | None:
   """The option per group minimizing total value with total weight <= cap.
 
   Returns None when no choice fits. Exact (``scipy.optimize.milp``) when the
@@ -195,26 +223,34 @@ def _choose(values: Sequence[np.ndarray], weights: Sequence[np.ndarray],
   c = np.concatenate(values).astype(np.float64)
   w = np.concatenate(weights).astype(np.float64)
   # Shift weights by each group's smallest so the constraint is well scaled.
-  shift = np.concatenate([np.full(s, np.min(wg)) for s, wg in
-                          zip(sizes, weights)])
+  shift = np.concatenate(
+    [np.full(s, np.min(wg)) for s, wg in zip(sizes, weights)]
+  )
   scale = max(float(np.max(np.abs(w - shift))), 1.0)
   rows = np.zeros((len(sizes), n))
   start = 0
   for gi, s in enumerate(sizes):
-    rows[gi, start:start + s] = 1.0
+    rows[gi, start : start + s] = 1.0
     start += s
   cap = (capacity - float(sum(np.min(wg) for wg in weights))) / scale
-  constraints = [optimize.LinearConstraint(rows, 1.0, 1.0),
-                 optimize.LinearConstraint(((w - shift) / scale)[None, :],
-                                           -np.inf, cap + 1e-9)]
+  constraints = [
+    optimize.LinearConstraint(rows, 1.0, 1.0),
+    optimize.LinearConstraint(
+      ((w - shift) / scale)[None, :], -np.inf, cap + 1e-9
+    ),
+  ]
   cscale = max(float(np.max(np.abs(c))), 1e-30)
-  res = optimize.milp(c / cscale, constraints=constraints,
-                      integrality=np.ones(n), bounds=optimize.Bounds(0, 1))
+  res = optimize.milp(
+    c / cscale,
+    constraints=constraints,
+    integrality=np.ones(n),
+    bounds=optimize.Bounds(0, 1),
+  )
   if res.x is None:
     return None
   out, start = [], 0
   for s in sizes:
-    out.append(int(np.argmax(res.x[start:start + s])))
+    out.append(int(np.argmax(res.x[start : start + s])))
     start += s
   return out
 
@@ -251,10 +287,14 @@ def cast_groups(g: graph_lib.ModelGraph) -> list[list[int]]:
   return sorted(groups.values(), key=lambda m: m[0])
 
 
-def fastest_plan(g: graph_lib.ModelGraph, profile: Profile,
-                 ladder: Sequence[Sequence[Precision]],
-                 memory_limit: float | None = None, *,
-                 kind: str | None = None) -> list[Precision]:
+def fastest_plan(
+  g: graph_lib.ModelGraph,
+  profile: Profile,
+  ladder: Sequence[Sequence[Precision]],
+  memory_limit: float | None = None,
+  *,
+  kind: str | None = None,
+) -> list[Precision]:
   """The plan with the least forward + backward time that fits in memory.
 
   Exhaustive within each :func:`cast_groups` group (QSync's per-block
@@ -285,9 +325,10 @@ def fastest_plan(g: graph_lib.ModelGraph, profile: Profile,
     if count > MAX_GROUP_OPTIONS:
       names = ", ".join(g.nodes[i].path for i in members[:4])
       raise AllocationError(
-          f"{len(members)} layers ({names}, ...) exchange dtypes with each "
-          f"other: {count} precision combinations exceed "
-          f"{MAX_GROUP_OPTIONS}; restrict the candidate precisions")
+        f"{len(members)} layers ({names}, ...) exchange dtypes with each "
+        f"other: {count} precision combinations exceed "
+        f"{MAX_GROUP_OPTIONS}; restrict the candidate precisions"
+      )
     options.append(list(itertools.product(*[ladder[i] for i in members])))
   times = [np.zeros(len(o)) for o in options]
   mems = [np.zeros(len(o)) for o in options]
@@ -301,14 +342,18 @@ def fastest_plan(g: graph_lib.ModelGraph, profile: Profile,
     for gi, (members, opts) in enumerate(zip(groups, options)):
       if j < len(opts):
         times[gi][j] = per_layer[members].sum()
-        mems[gi][j] = sum(layer_bytes(profile, g.nodes[i].path, p)
-                          for i, p in zip(members, opts[j]))
-  capacity = (None if memory_limit is None
-              else memory_limit - profile.memory.base_bytes)
+        mems[gi][j] = sum(
+          layer_bytes(profile, g.nodes[i].path, p)
+          for i, p in zip(members, opts[j])
+        )
+  capacity = (
+    None if memory_limit is None else memory_limit - profile.memory.base_bytes
+  )
   pick = _choose(times, mems, capacity)
   if pick is None:
-    raise _infeasible(kind or profile.device_kind, memory_limit, g, profile,
-                      ladder)
+    raise _infeasible(
+      kind or profile.device_kind, memory_limit, g, profile, ladder
+    )
   out = [Precision.FP32] * len(g.nodes)
   for members, opts, j in zip(groups, options, pick):
     for i, p in zip(members, opts[j]):
@@ -321,10 +366,15 @@ def fastest_plan(g: graph_lib.ModelGraph, profile: Profile,
 # --------------------------------------------------------------------------
 
 
-def lower_to_fit(g: graph_lib.ModelGraph, profile: Profile,
-                 ladder: Sequence[Sequence[Precision]], scores: Any,
-                 memory_limit: float, *, kind: str | None = None
-                 ) -> tuple[list[Precision], int]:
+def lower_to_fit(
+  g: graph_lib.ModelGraph,
+  profile: Profile,
+  ladder: Sequence[Sequence[Precision]],
+  scores: Any,
+  memory_limit: float,
+  *,
+  kind: str | None = None,
+) -> tuple[list[Precision], int]:
   """The memory-scarce variant: lower layers until the plan fits.
 
   From every layer at its top rung, repeatedly lowers the layer whose
@@ -338,8 +388,9 @@ def lower_to_fit(g: graph_lib.ModelGraph, profile: Profile,
     AllocationError: even every layer at its lowest rung does not fit.
   """
   if _min_memory(g, profile, ladder) > memory_limit:
-    raise _infeasible(kind or profile.device_kind, memory_limit, g, profile,
-                      ladder)
+    raise _infeasible(
+      kind or profile.device_kind, memory_limit, g, profile, ladder
+    )
   level = [len(r) - 1 for r in ladder]
   precs = [r[-1] for r in ladder]
   total = plan_memory(g, profile, precs)
@@ -363,7 +414,8 @@ def lower_to_fit(g: graph_lib.ModelGraph, profile: Profile,
     path = g.nodes[i].path
     low = ladder[i][level[i] - 1]
     total += layer_bytes(profile, path, low) - layer_bytes(
-        profile, path, precs[i])
+      profile, path, precs[i]
+    )
     precs[i] = low
     level[i] -= 1
     steps += 1
@@ -371,10 +423,15 @@ def lower_to_fit(g: graph_lib.ModelGraph, profile: Profile,
   return precs, steps
 
 
-def min_indicator_plan(g: graph_lib.ModelGraph, profile: Profile,
-                       ladder: Sequence[Sequence[Precision]], scores: Any,
-                       memory_limit: float, *, kind: str | None = None
-                       ) -> list[Precision]:
+def min_indicator_plan(
+  g: graph_lib.ModelGraph,
+  profile: Profile,
+  ladder: Sequence[Sequence[Precision]],
+  scores: Any,
+  memory_limit: float,
+  *,
+  kind: str | None = None,
+) -> list[Precision]:
   """The plan with the least total indicator under ``memory_limit`` (ILP).
 
   ``min sum_l sum_b x_lb score_l(b)`` subject to one precision per layer
@@ -384,15 +441,22 @@ def min_indicator_plan(g: graph_lib.ModelGraph, profile: Profile,
   Raises:
     AllocationError: no plan fits.
   """
-  values = [np.array([indicator_of(scores, n.path, p) for p in rungs])
-            for n, rungs in zip(g.nodes, ladder)]
-  weights = [np.array([layer_bytes(profile, n.path, p) for p in rungs])
-             for n, rungs in zip(g.nodes, ladder)]
+  values = [
+    np.array([indicator_of(scores, n.path, p) for p in rungs])
+    for n, rungs in zip(g.nodes, ladder)
+  ]
+  weights = [
+    np.array([layer_bytes(profile, n.path, p) for p in rungs])
+    for n, rungs in zip(g.nodes, ladder)
+  ]
   # Among equal indicators prefer more bits: a tiny tie-break toward the top.
-  values = [v - 1e-12 * np.arange(len(v)) * max(1.0, float(np.abs(v).max()))
-            for v in values]
+  values = [
+    v - 1e-12 * np.arange(len(v)) * max(1.0, float(np.abs(v).max()))
+    for v in values
+  ]
   pick = _choose(values, weights, memory_limit - profile.memory.base_bytes)
   if pick is None:
-    raise _infeasible(kind or profile.device_kind, memory_limit, g, profile,
-                      ladder)
+    raise _infeasible(
+      kind or profile.device_kind, memory_limit, g, profile, ladder
+    )
   return [rungs[j] for rungs, j in zip(ladder, pick)]

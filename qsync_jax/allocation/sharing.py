@@ -23,7 +23,8 @@ In a single process the same calls run with no store: every site is local.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from qsync_jax.parallel import agreement
 from qsync_jax.parallel import coordination
@@ -46,8 +47,9 @@ SOURCES = ("auto", "measured", "analytic")
 MeasureFn = Callable[[str, Any, Sequence[Any]], Profile]
 
 
-def profile_sites(cluster: ClusterSpec, devices: Sequence[Any],
-                  source: str = "auto") -> dict[str, Any]:
+def profile_sites(
+  cluster: ClusterSpec, devices: Sequence[Any], source: str = "auto"
+) -> dict[str, Any]:
   """The device that measures each kind's profile, or None (analytic).
 
   Args:
@@ -64,51 +66,74 @@ def profile_sites(cluster: ClusterSpec, devices: Sequence[Any],
       left to the catalog that the catalog lacks.
   """
   if source not in SOURCES:
-    raise ValueError(f"unknown profile source {source!r}; valid: "
-                     f"{', '.join(SOURCES)}")
+    raise ValueError(
+      f"unknown profile source {source!r}; valid: {', '.join(SOURCES)}"
+    )
   if len(devices) < cluster.num_workers:
-    raise ValueError(f"cluster {cluster} has {cluster.num_workers} workers "
-                     f"but {len(devices)} devices were given")
-  sites: dict[str, Any] = {k: None for k in cluster.groups()}
+    raise ValueError(
+      f"cluster {cluster} has {cluster.num_workers} workers "
+      f"but {len(devices)} devices were given"
+    )
+  sites: dict[str, Any] = dict.fromkeys(cluster.groups())
   seen = set()
   for kind, device in zip(cluster.kinds, devices):
     if kind in seen:
       continue
     seen.add(kind)
     if source == "measured" or (
-        source == "auto" and devices_lib.device_kind_of(device) == kind):
+      source == "auto" and devices_lib.device_kind_of(device) == kind
+    ):
       sites[kind] = device
-  outside = [k for k, d in sites.items()
-             if d is None and k not in devices_lib.DEVICES]
+  outside = [
+    k for k, d in sites.items() if d is None and k not in devices_lib.DEVICES
+  ]
   if outside:
-    why = ("analytic profiles were asked for" if source == "analytic" else
-           "no device of that kind runs in this job")
+    why = (
+      "analytic profiles were asked for"
+      if source == "analytic"
+      else "no device of that kind runs in this job"
+    )
     raise ValueError(
-        f"cannot profile {', '.join(outside)}: {why}, and the GPU catalog "
-        f"({', '.join(sorted(devices_lib.DEVICES))}) has no figures for it; "
-        "run it on such a device, set the profile source to 'measured', or "
-        "give plans by hand")
+      f"cannot profile {', '.join(outside)}: {why}, and the GPU catalog "
+      f"({', '.join(sorted(devices_lib.DEVICES))}) has no figures for it; "
+      "run it on such a device, set the profile source to 'measured', or "
+      "give plans by hand"
+    )
   return sites
 
 
 def describe_sites(sites: Mapping[str, Any]) -> dict[str, str]:
   """``{kind: "measured on process P (device)" or "analytic"}``."""
-  return {k: "analytic" if d is None else
-          f"measured on process {getattr(d, 'process_index', 0)} ({d})"
-          for k, d in sites.items()}
+  return {
+    k: "analytic"
+    if d is None
+    else f"measured on process {getattr(d, 'process_index', 0)} ({d})"
+    for k, d in sites.items()
+  }
 
 
-def _local_devices(cluster: ClusterSpec, devices: Sequence[Any], kind: str,
-                   process_index: int) -> list[Any]:
-  return [d for k, d in zip(cluster.kinds, devices)
-          if k == kind and getattr(d, "process_index", 0) == process_index]
+def _local_devices(
+  cluster: ClusterSpec, devices: Sequence[Any], kind: str, process_index: int
+) -> list[Any]:
+  return [
+    d
+    for k, d in zip(cluster.kinds, devices)
+    if k == kind and getattr(d, "process_index", 0) == process_index
+  ]
 
 
-def gather_profiles(graph: graph_lib.ModelGraph, cluster: ClusterSpec,
-                    devices: Sequence[Any], sites: Mapping[str, Any],
-                    measure: MeasureFn, *, store: Any = None,
-                    process_index: int = 0, timeout_s: float = 900,
-                    optimizer_state_copies: int = 2) -> dict[str, Profile]:
+def gather_profiles(
+  graph: graph_lib.ModelGraph,
+  cluster: ClusterSpec,
+  devices: Sequence[Any],
+  sites: Mapping[str, Any],
+  measure: MeasureFn,
+  *,
+  store: Any = None,
+  process_index: int = 0,
+  timeout_s: float = 900,
+  optimizer_state_copies: int = 2,
+) -> dict[str, Profile]:
   """Every kind's profile, measured where its site is, on every process.
 
   Args:
@@ -150,32 +175,50 @@ def gather_profiles(graph: graph_lib.ModelGraph, cluster: ClusterSpec,
       prof = measure(kind, device, local)
     except Exception as e:  # pylint: disable=broad-except
       coordination.share(
-          store, f"qsync_profiles/{kind}", source=process_index,
-          process_index=process_index,
-          error=f"process {process_index} could not profile {kind} on "
-          f"{device}: {type(e).__name__}: {e}")
-    coordination.share(store, f"qsync_profiles/{kind}", prof.to_dict(),
-                       source=process_index, process_index=process_index)
+        store,
+        f"qsync_profiles/{kind}",
+        source=process_index,
+        process_index=process_index,
+        error=f"process {process_index} could not profile {kind} on "
+        f"{device}: {type(e).__name__}: {e}",
+      )
+    coordination.share(
+      store,
+      f"qsync_profiles/{kind}",
+      prof.to_dict(),
+      source=process_index,
+      process_index=process_index,
+    )
     measured[kind] = prof
   out = {}
   for kind, device in sites.items():
     if device is None:
       out[kind] = analytic.analytic_profile(
-          graph, kind, optimizer_state_copies=optimizer_state_copies)
+        graph, kind, optimizer_state_copies=optimizer_state_copies
+      )
     elif kind in measured:
       out[kind] = measured[kind]
     else:
-      out[kind] = Profile.from_dict(coordination.share(
-          store, f"qsync_profiles/{kind}",
+      out[kind] = Profile.from_dict(
+        coordination.share(
+          store,
+          f"qsync_profiles/{kind}",
           source=getattr(device, "process_index", 0),
-          process_index=process_index, timeout_s=timeout_s,
-          what=f"the {kind} profile"))
+          process_index=process_index,
+          timeout_s=timeout_s,
+          what=f"the {kind} profile",
+        )
+      )
   return out
 
 
-def plan_once(allocate: Callable[[], Mapping[str, PrecisionPlan]], *,
-              store: Any = None, process_index: int = 0,
-              timeout_s: float = 900) -> dict[str, PrecisionPlan]:
+def plan_once(
+  allocate: Callable[[], Mapping[str, PrecisionPlan]],
+  *,
+  store: Any = None,
+  process_index: int = 0,
+  timeout_s: float = 900,
+) -> dict[str, PrecisionPlan]:
   """Process 0's plans, on every process; only process 0 calls ``allocate``.
 
   Args:
@@ -200,12 +243,22 @@ def plan_once(allocate: Callable[[], Mapping[str, PrecisionPlan]], *,
     try:
       text = {k: p.to_json() for k, p in allocate().items()}
     except Exception as e:  # pylint: disable=broad-except
-      coordination.share(store, "qsync_plans", source=0, process_index=0,
-                         error=f"process 0 could not allocate plans: "
-                         f"{type(e).__name__}: {e}")
-  text = coordination.share(store, "qsync_plans", text, source=0,
-                            process_index=process_index, timeout_s=timeout_s,
-                            what="its plans")
+      coordination.share(
+        store,
+        "qsync_plans",
+        source=0,
+        process_index=0,
+        error=f"process 0 could not allocate plans: {type(e).__name__}: {e}",
+      )
+  text = coordination.share(
+    store,
+    "qsync_plans",
+    text,
+    source=0,
+    process_index=process_index,
+    timeout_s=timeout_s,
+    what="its plans",
+  )
   return {k: PrecisionPlan.from_json(t) for k, t in text.items()}
 
 

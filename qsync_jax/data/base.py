@@ -44,12 +44,14 @@ class Dataset:
       raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
     if len(self.x_train) != len(self.y_train):
       raise ValueError(
-          f"{self.name}: x_train has {len(self.x_train)} examples but "
-          f"y_train has {len(self.y_train)}")
+        f"{self.name}: x_train has {len(self.x_train)} examples but "
+        f"y_train has {len(self.y_train)}"
+      )
     if len(self.x_test) != len(self.y_test):
       raise ValueError(
-          f"{self.name}: x_test has {len(self.x_test)} examples but "
-          f"y_test has {len(self.y_test)}")
+        f"{self.name}: x_test has {len(self.x_test)} examples but "
+        f"y_test has {len(self.y_test)}"
+      )
 
   @property
   def input_shape(self) -> tuple[int, ...]:
@@ -76,12 +78,15 @@ class Dataset:
       ``vocab_size`` (the largest token id plus one, train and test, and at
       least ``num_classes`` for language modelling).
     """
-    out: dict[str, object] = {"input_shape": self.input_shape,
-                              "num_classes": int(self.num_classes)}
+    out: dict[str, object] = {
+      "input_shape": self.input_shape,
+      "num_classes": int(self.num_classes),
+    }
     shape = self.input_shape
     if np.issubdtype(self.x_train.dtype, np.integer) and len(shape) == 1:
-      vocab = int(max(self.x_train.max(initial=0),
-                      self.x_test.max(initial=0))) + 1
+      vocab = (
+        int(max(self.x_train.max(initial=0), self.x_test.max(initial=0))) + 1
+      )
       if self.task == "lm":
         vocab = max(vocab, int(self.num_classes))
       out.update(max_len=shape[0], vocab_size=vocab)
@@ -90,4 +95,3 @@ class Dataset:
         out["image_size"] = shape[0]
       out["in_channels"] = shape[2]
     return out
-

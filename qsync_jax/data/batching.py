@@ -13,7 +13,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
-
 import numpy as np
 
 
@@ -31,8 +30,13 @@ class WorkerBatcher:
     seed: Seed of the per-epoch permutations.
   """
 
-  def __init__(self, x: np.ndarray, y: np.ndarray,
-               batch_sizes: Sequence[int], seed: int = 0):
+  def __init__(
+    self,
+    x: np.ndarray,
+    y: np.ndarray,
+    batch_sizes: Sequence[int],
+    seed: int = 0,
+  ):
     """Initializes the batcher.
 
     Args:
@@ -55,8 +59,9 @@ class WorkerBatcher:
       raise ValueError(f"every batch size must be positive, got {sizes}")
     if sum(sizes) > len(x):
       raise ValueError(
-          f"global batch size {sum(sizes)} (sum of {sizes}) exceeds the "
-          f"{len(x)} available examples")
+        f"global batch size {sum(sizes)} (sum of {sizes}) exceeds the "
+        f"{len(x)} available examples"
+      )
     self.x, self.y = x, y
     self.seed = seed
     self.batch_sizes = sizes
@@ -95,7 +100,7 @@ class WorkerBatcher:
       raise ValueError(f"step must be >= 0, got {step}")
     epoch, within = divmod(int(step), self.steps_per_epoch)
     start = within * self.global_batch_size
-    idx = self._permutation(epoch)[start:start + self.global_batch_size]
+    idx = self._permutation(epoch)[start : start + self.global_batch_size]
     return np.split(idx, self._offsets)
 
   def step_batches(self, step: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -132,12 +137,13 @@ def eval_batches(data: Any, batch_size: int) -> Iterator[Any]:
     raise ValueError(f"batch_size must be positive, got {batch_size}")
   lengths = {len(a) for a in jax.tree.leaves(data)}
   if len(lengths) != 1:
-    raise ValueError(f"the arrays of an eval set differ in length: "
-                     f"{sorted(lengths)}")
+    raise ValueError(
+      f"the arrays of an eval set differ in length: {sorted(lengths)}"
+    )
   n = lengths.pop()
 
   def gen():
     for i in range(0, n, batch_size):
-      yield jax.tree.map(lambda a, i=i: a[i:i + batch_size], data)
+      yield jax.tree.map(lambda a, i=i: a[i : i + batch_size], data)
 
   return gen()

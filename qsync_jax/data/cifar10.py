@@ -42,7 +42,8 @@ def _latin1_bytes(text: str, encoding: str) -> bytes:
   """
   if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
     raise pickle.UnpicklingError(
-        f"refused _codecs.encode({type(text).__name__}, {encoding!r})")
+      f"refused _codecs.encode({type(text).__name__}, {encoding!r})"
+    )
   return codecs.encode(text, encoding)
 
 
@@ -55,15 +56,15 @@ def _empty_bytes() -> bytes:
 # The official files (Python 2 cPickle) name the numpy 1 array constructors;
 # the others are what Python 3 and numpy 2 write for the same dict.
 _ALLOWED_GLOBALS = {
-    ("numpy", "ndarray"): np.ndarray,
-    ("numpy", "dtype"): np.dtype,
-    ("numpy.core.multiarray", "_reconstruct"): _RECONSTRUCT,
-    ("numpy._core.multiarray", "_reconstruct"): _RECONSTRUCT,
-    ("numpy.core.numeric", "_frombuffer"): _FROMBUFFER,
-    ("numpy._core.numeric", "_frombuffer"): _FROMBUFFER,
-    ("_codecs", "encode"): _latin1_bytes,
-    ("__builtin__", "bytes"): _empty_bytes,
-    ("builtins", "bytes"): _empty_bytes,
+  ("numpy", "ndarray"): np.ndarray,
+  ("numpy", "dtype"): np.dtype,
+  ("numpy.core.multiarray", "_reconstruct"): _RECONSTRUCT,
+  ("numpy._core.multiarray", "_reconstruct"): _RECONSTRUCT,
+  ("numpy.core.numeric", "_frombuffer"): _FROMBUFFER,
+  ("numpy._core.numeric", "_frombuffer"): _FROMBUFFER,
+  ("_codecs", "encode"): _latin1_bytes,
+  ("__builtin__", "bytes"): _empty_bytes,
+  ("builtins", "bytes"): _empty_bytes,
 }
 
 
@@ -84,8 +85,8 @@ class _BatchUnpickler(pickle.Unpickler):
       return _ALLOWED_GLOBALS[(module, name)]
     except KeyError:
       raise _RefusedGlobal(
-          f"{self._path}: refused to load global {module}.{name}: a CIFAR-10 "
-          "batch holds only a dict of bytes, lists and numpy arrays"
+        f"{self._path}: refused to load global {module}.{name}: a CIFAR-10 "
+        "batch holds only a dict of bytes, lists and numpy arrays"
       ) from None
 
 
@@ -108,13 +109,18 @@ def _unpickle(path: pathlib.Path) -> dict:
     except _RefusedGlobal:
       raise
     except Exception as e:  # The pickle module raises many kinds.
-      raise ValueError(f"{path}: not a CIFAR-10 batch pickle: "
-                       f"{type(e).__name__}: {e}") from None
+      raise ValueError(
+        f"{path}: not a CIFAR-10 batch pickle: {type(e).__name__}: {e}"
+      ) from None
   if not isinstance(batch, dict) or not {b"data", b"labels"} <= set(batch):
-    got = (f"keys {sorted(map(repr, batch))}" if isinstance(batch, dict)
-           else type(batch).__name__)
-    raise ValueError(f"{path}: expected a dict with keys b'data' and "
-                     f"b'labels', got {got}")
+    got = (
+      f"keys {sorted(map(repr, batch))}"
+      if isinstance(batch, dict)
+      else type(batch).__name__
+    )
+    raise ValueError(
+      f"{path}: expected a dict with keys b'data' and b'labels', got {got}"
+    )
   return batch
 
 
@@ -125,13 +131,13 @@ def _resolve_dir(data_dir: pathlib.Path) -> pathlib.Path:
   for cand in (data_dir, data_dir / SUBDIR):
     if all((cand / f).is_file() for f in EXPECTED_FILES):
       return cand
-  tried = data_dir if not (data_dir / SUBDIR).is_dir() else (
-      data_dir / SUBDIR)
+  tried = data_dir if not (data_dir / SUBDIR).is_dir() else (data_dir / SUBDIR)
   missing = [f for f in EXPECTED_FILES if not (tried / f).is_file()]
   raise FileNotFoundError(
-      f"CIFAR-10 not found at {tried}: expected files "
-      f"{', '.join(EXPECTED_FILES)} (python-pickle format) in {data_dir} or "
-      f"{data_dir / SUBDIR}; missing {', '.join(missing)}")
+    f"CIFAR-10 not found at {tried}: expected files "
+    f"{', '.join(EXPECTED_FILES)} (python-pickle format) in {data_dir} or "
+    f"{data_dir / SUBDIR}; missing {', '.join(missing)}"
+  )
 
 
 def _read_batch(path: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
@@ -139,17 +145,20 @@ def _read_batch(path: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
   batch = _unpickle(path)
   data = np.asarray(batch[b"data"], dtype=np.uint8)
   labels = np.asarray(batch[b"labels"], dtype=np.int32)
-  if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or (
-      len(data) != len(labels)):
+  if (
+    data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or (len(data) != len(labels))
+  ):
     raise ValueError(
-        f"{path}: expected data of shape (N, 3072) and N labels, got "
-        f"{data.shape} and {labels.shape}")
+      f"{path}: expected data of shape (N, 3072) and N labels, got "
+      f"{data.shape} and {labels.shape}"
+    )
   # Rows are channel-major (1024 R, then G, then B), each plane row-major.
   return data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), labels
 
 
-def load_cifar10(data_dir: str | os.PathLike,
-                 normalize: bool = False) -> Dataset:
+def load_cifar10(
+  data_dir: str | os.PathLike, normalize: bool = False
+) -> Dataset:
   """Loads CIFAR-10 from `data_dir`.
 
   Args:
@@ -178,5 +187,12 @@ def load_cifar10(data_dir: str | os.PathLike,
 
   x_train, y_train = read(TRAIN_FILES)
   x_test, y_test = read((TEST_FILE,))
-  return Dataset(x_train, y_train, x_test, y_test, num_classes=10,
-                 task="classification", name="cifar10")
+  return Dataset(
+    x_train,
+    y_train,
+    x_test,
+    y_test,
+    num_classes=10,
+    task="classification",
+    name="cifar10",
+  )

@@ -29,7 +29,8 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
     raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
   # Imported lazily: scikit-learn is slow to import and only this loader
   # needs it.
-  from sklearn import datasets, model_selection
+  from sklearn import datasets
+  from sklearn import model_selection
 
   raw = datasets.load_digits()
   # Pixel values are integers in [0, 16].
@@ -37,6 +38,8 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
   y = raw.target.astype(np.int32)
   # Stratified so every class keeps its share in both splits.
   x_tr, x_te, y_tr, y_te = model_selection.train_test_split(
-      x, y, test_size=test_fraction, random_state=seed, stratify=y)
-  return Dataset(x_tr, y_tr, x_te, y_te, num_classes=10,
-                 task="classification", name="digits")
+    x, y, test_size=test_fraction, random_state=seed, stratify=y
+  )
+  return Dataset(
+    x_tr, y_tr, x_te, y_te, num_classes=10, task="classification", name="digits"
+  )

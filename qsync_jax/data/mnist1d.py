@@ -26,8 +26,9 @@ CACHE_ENV_VAR = "QSYNC_JAX_CACHE"
 _NON_GENERATIVE_KEYS = ("url",)
 
 
-def default_cache_dir(cache_dir: str | os.PathLike | None = None
-                      ) -> pathlib.Path:
+def default_cache_dir(
+  cache_dir: str | os.PathLike | None = None,
+) -> pathlib.Path:
   """Resolves the cache directory.
 
   Args:
@@ -58,18 +59,20 @@ def _generate(args: Any) -> dict[str, np.ndarray]:
     np.random.set_state(np_state)
     random.setstate(py_state)
   return {
-      "x_train": raw["x"].astype(np.float32),
-      "y_train": raw["y"].astype(np.int32),
-      "x_test": raw["x_test"].astype(np.float32),
-      "y_test": raw["y_test"].astype(np.int32),
+    "x_train": raw["x"].astype(np.float32),
+    "y_train": raw["y"].astype(np.int32),
+    "x_test": raw["x_test"].astype(np.float32),
+    "y_test": raw["y_test"].astype(np.int32),
   }
 
 
-def load_mnist1d(num_samples: int | None = None,
-                 seed: int | None = None,
-                 cache_dir: str | os.PathLike | None = None,
-                 use_cache: bool = True,
-                 **overrides: Any) -> Dataset:
+def load_mnist1d(
+  num_samples: int | None = None,
+  seed: int | None = None,
+  cache_dir: str | os.PathLike | None = None,
+  use_cache: bool = True,
+  **overrides: Any,
+) -> Dataset:
   """Generates (or reads from cache) the MNIST-1D dataset.
 
   Inputs are returned as float32 arrays of shape (N, 40): one channel-less
@@ -102,21 +105,24 @@ def load_mnist1d(num_samples: int | None = None,
     overrides["seed"] = seed
   unknown = sorted(set(overrides) - set(arg_dict))
   if unknown:
-    raise ValueError(f"unknown mnist1d arguments {unknown}; valid: "
-                     f"{sorted(set(arg_dict) - set(_NON_GENERATIVE_KEYS))}")
+    raise ValueError(
+      f"unknown mnist1d arguments {unknown}; valid: "
+      f"{sorted(set(arg_dict) - set(_NON_GENERATIVE_KEYS))}"
+    )
   arg_dict.update(overrides)
   if arg_dict["num_samples"] < 10:
     raise ValueError(
-        f"num_samples must be >= 10 (one per class), got "
-        f"{arg_dict['num_samples']}")
+      f"num_samples must be >= 10 (one per class), got "
+      f"{arg_dict['num_samples']}"
+    )
 
   # The key covers every generative argument and the package version, since
   # a different mnist1d release may generate different arrays.
-  key_src = {k: v for k, v in arg_dict.items()
-             if k not in _NON_GENERATIVE_KEYS}
+  key_src = {k: v for k, v in arg_dict.items() if k not in _NON_GENERATIVE_KEYS}
   key_src["mnist1d_version"] = importlib.metadata.version("mnist1d")
   key = hashlib.sha256(
-      json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
+    json.dumps(key_src, sort_keys=True).encode()
+  ).hexdigest()[:16]
   path = default_cache_dir(cache_dir) / f"mnist1d_{key}.npz"
 
   if use_cache and path.exists():
@@ -124,6 +130,7 @@ def load_mnist1d(num_samples: int | None = None,
       arrays = {k: f[k] for k in f.files}
   else:
     from mnist1d.utils import ObjectView
+
     arrays = _generate(ObjectView(dict(arg_dict)))
     if use_cache:
       path.parent.mkdir(parents=True, exist_ok=True)
@@ -136,6 +143,12 @@ def load_mnist1d(num_samples: int | None = None,
       except BaseException:
         pathlib.Path(tmp).unlink(missing_ok=True)
         raise
-  return Dataset(arrays["x_train"], arrays["y_train"], arrays["x_test"],
-                 arrays["y_test"], num_classes=10, task="classification",
-                 name="mnist1d")
+  return Dataset(
+    arrays["x_train"],
+    arrays["y_train"],
+    arrays["x_test"],
+    arrays["y_test"],
+    num_classes=10,
+    task="classification",
+    name="mnist1d",
+  )

@@ -16,19 +16,23 @@ from qsync_jax.data.base import Dataset
 
 def _check_sizes(num_train: int, num_test: int, input_shape: Sequence[int]):
   if num_train <= 0 or num_test <= 0:
-    raise ValueError(f"num_train and num_test must be positive, got "
-                     f"{num_train}, {num_test}")
+    raise ValueError(
+      f"num_train and num_test must be positive, got {num_train}, {num_test}"
+    )
   if not input_shape or any(d <= 0 for d in input_shape):
-    raise ValueError(f"input_shape must be non-empty and positive, got "
-                     f"{tuple(input_shape)}")
+    raise ValueError(
+      f"input_shape must be non-empty and positive, got {tuple(input_shape)}"
+    )
 
 
-def load_synthetic(num_train: int = 2048,
-                   num_test: int = 512,
-                   input_shape: Sequence[int] = (8, 8, 1),
-                   num_classes: int = 10,
-                   class_sep: float = 3.0,
-                   seed: int = 0) -> Dataset:
+def load_synthetic(
+  num_train: int = 2048,
+  num_test: int = 512,
+  input_shape: Sequence[int] = (8, 8, 1),
+  num_classes: int = 10,
+  class_sep: float = 3.0,
+  seed: int = 0,
+) -> Dataset:
   """Gaussian-cluster classification.
 
   Each class has a random mean in the flattened input space; an example is
@@ -61,18 +65,26 @@ def load_synthetic(num_train: int = 2048,
   y = rng.integers(0, num_classes, size=n).astype(np.int32)
   x = means[y] + rng.normal(size=(n, dim))
   x = x.astype(np.float32).reshape(n, *input_shape)
-  return Dataset(x[:num_train], y[:num_train], x[num_train:], y[num_train:],
-                 num_classes=num_classes, task="classification",
-                 name="synthetic")
+  return Dataset(
+    x[:num_train],
+    y[:num_train],
+    x[num_train:],
+    y[num_train:],
+    num_classes=num_classes,
+    task="classification",
+    name="synthetic",
+  )
 
 
-def load_synthetic_regression(num_train: int = 2048,
-                              num_test: int = 512,
-                              input_shape: Sequence[int] = (16,),
-                              output_dim: int = 1,
-                              hidden: int = 32,
-                              noise: float = 0.1,
-                              seed: int = 0) -> Dataset:
+def load_synthetic_regression(
+  num_train: int = 2048,
+  num_test: int = 512,
+  input_shape: Sequence[int] = (16,),
+  output_dim: int = 1,
+  hidden: int = 32,
+  noise: float = 0.1,
+  seed: int = 0,
+) -> Dataset:
   """Regression onto a random one-hidden-layer tanh teacher.
 
   Targets are `tanh(x @ W1 / sqrt(D)) @ W2 / sqrt(hidden) + noise * eps`
@@ -97,8 +109,10 @@ def load_synthetic_regression(num_train: int = 2048,
   """
   _check_sizes(num_train, num_test, input_shape)
   if output_dim <= 0 or hidden <= 0 or noise < 0:
-    raise ValueError(f"need output_dim > 0, hidden > 0, noise >= 0; got "
-                     f"{output_dim}, {hidden}, {noise}")
+    raise ValueError(
+      f"need output_dim > 0, hidden > 0, noise >= 0; got "
+      f"{output_dim}, {hidden}, {noise}"
+    )
   rng = np.random.default_rng(seed)
   dim = int(np.prod(input_shape))
   n = num_train + num_test
@@ -109,6 +123,12 @@ def load_synthetic_regression(num_train: int = 2048,
   y = y + noise * rng.normal(size=y.shape)
   x = x.astype(np.float32).reshape(n, *input_shape)
   y = y.astype(np.float32)
-  return Dataset(x[:num_train], y[:num_train], x[num_train:], y[num_train:],
-                 num_classes=output_dim, task="regression",
-                 name="synthetic_regression")
+  return Dataset(
+    x[:num_train],
+    y[:num_train],
+    x[num_train:],
+    y[num_train:],
+    num_classes=output_dim,
+    task="regression",
+    name="synthetic_regression",
+  )

@@ -18,8 +18,9 @@ from qsync_jax.data.base import Dataset
 VOCAB_SIZE = 256
 
 
-def stdlib_files(stdlib_dir: str | os.PathLike | None = None
-                 ) -> list[pathlib.Path]:
+def stdlib_files(
+  stdlib_dir: str | os.PathLike | None = None,
+) -> list[pathlib.Path]:
   """Lists the corpus files in deterministic (sorted) order.
 
   Only the top level of the stdlib directory is used: recursing would pick up
@@ -39,15 +40,17 @@ def stdlib_files(stdlib_dir: str | os.PathLike | None = None
   files = sorted(p for p in root.glob("*.py") if p.is_file())
   if not files:
     raise FileNotFoundError(
-        f"no *.py files found in stdlib directory {root}; pass stdlib_dir= "
-        "pointing at a directory of Python sources")
+      f"no *.py files found in stdlib directory {root}; pass stdlib_dir= "
+      "pointing at a directory of Python sources"
+    )
   return files
 
 
-def load_stdlib_bytes(max_bytes: int = 2_000_000,
-                      test_fraction: float = 0.1,
-                      stdlib_dir: str | os.PathLike | None = None
-                      ) -> tuple[np.ndarray, np.ndarray]:
+def load_stdlib_bytes(
+  max_bytes: int = 2_000_000,
+  test_fraction: float = 0.1,
+  stdlib_dir: str | os.PathLike | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
   """Reads up to `max_bytes` of stdlib source and splits it by file.
 
   Files are taken in sorted order until the byte budget is spent (the last
@@ -86,12 +89,15 @@ def load_stdlib_bytes(max_bytes: int = 2_000_000,
     else:
       train.append(data)
       n_train += len(data)
-  return (np.frombuffer(b"".join(train), dtype=np.uint8),
-          np.frombuffer(b"".join(test), dtype=np.uint8))
+  return (
+    np.frombuffer(b"".join(train), dtype=np.uint8),
+    np.frombuffer(b"".join(test), dtype=np.uint8),
+  )
 
 
-def make_lm_windows(tokens: np.ndarray, seq_len: int,
-                    stride: int | None = None) -> np.ndarray:
+def make_lm_windows(
+  tokens: np.ndarray, seq_len: int, stride: int | None = None
+) -> np.ndarray:
   """Cuts a token stream into windows for next-token prediction.
 
   Args:
@@ -111,20 +117,25 @@ def make_lm_windows(tokens: np.ndarray, seq_len: int,
   stride = seq_len if stride is None else stride
   if seq_len <= 0 or stride <= 0:
     raise ValueError(
-        f"seq_len and stride must be positive, got {seq_len}, {stride}")
+      f"seq_len and stride must be positive, got {seq_len}, {stride}"
+    )
   tokens = np.asarray(tokens)
   if tokens.ndim != 1 or len(tokens) < seq_len + 1:
-    raise ValueError(f"need a 1-D stream of at least {seq_len + 1} tokens, "
-                     f"got shape {tokens.shape}")
+    raise ValueError(
+      f"need a 1-D stream of at least {seq_len + 1} tokens, "
+      f"got shape {tokens.shape}"
+    )
   windows = np.lib.stride_tricks.sliding_window_view(tokens, seq_len + 1)
   return windows[::stride].astype(np.int32)
 
 
-def load_text(seq_len: int = 128,
-              max_bytes: int = 2_000_000,
-              test_fraction: float = 0.1,
-              stride: int | None = None,
-              stdlib_dir: str | os.PathLike | None = None) -> Dataset:
+def load_text(
+  seq_len: int = 128,
+  max_bytes: int = 2_000_000,
+  test_fraction: float = 0.1,
+  stride: int | None = None,
+  stdlib_dir: str | os.PathLike | None = None,
+) -> Dataset:
   """Byte-level next-token dataset from the Python stdlib sources.
 
   Args:
@@ -143,17 +154,18 @@ def load_text(seq_len: int = 128,
       `max_bytes`), or on invalid arguments.
     FileNotFoundError: If the directory holds no *.py files.
   """
-  train_bytes, test_bytes = load_stdlib_bytes(max_bytes, test_fraction,
-                                              stdlib_dir)
+  train_bytes, test_bytes = load_stdlib_bytes(
+    max_bytes, test_fraction, stdlib_dir
+  )
   splits = []
   for split, stream in (("train", train_bytes), ("test", test_bytes)):
     if len(stream) < seq_len + 1:
       raise ValueError(
-          f"{split} split has {len(stream)} bytes, fewer than one window of "
-          f"{seq_len + 1}; increase max_bytes (now {max_bytes})")
+        f"{split} split has {len(stream)} bytes, fewer than one window of "
+        f"{seq_len + 1}; increase max_bytes (now {max_bytes})"
+      )
     w = make_lm_windows(stream, seq_len, stride)
-    splits += [np.ascontiguousarray(w[:, :-1]),
-               np.ascontiguousarray(w[:, 1:])]
+    splits += [np.ascontiguousarray(w[:, :-1]), np.ascontiguousarray(w[:, 1:])]
   return Dataset(*splits, num_classes=VOCAB_SIZE, task="lm", name="text")
 
 
@@ -170,12 +182,17 @@ def byte_category(b: np.ndarray) -> np.ndarray:
   space = np.isin(ch, [9, 10, 13, 32])
   punct = (ch >= 33) & (ch <= 126) & ~letter & ~digit
   return np.select([letter, digit, space, punct], [0, 1, 2, 3], 4).astype(
-      np.int32)
+    np.int32
+  )
 
 
-def load_text_classes(seq_len: int = 64, max_bytes: int = 400_000,
-                      test_fraction: float = 0.1, stride: int | None = None,
-                      stdlib_dir: str | os.PathLike | None = None) -> Dataset:
+def load_text_classes(
+  seq_len: int = 64,
+  max_bytes: int = 400_000,
+  test_fraction: float = 0.1,
+  stride: int | None = None,
+  stdlib_dir: str | os.PathLike | None = None,
+) -> Dataset:
   """Classify the byte that follows a window of stdlib source.
 
   The windows of :func:`load_text`, most recent byte first (reversed), so
@@ -189,9 +206,12 @@ def load_text_classes(seq_len: int = 64, max_bytes: int = 400_000,
     of shape (N,).
   """
   text = load_text(seq_len, max_bytes, test_fraction, stride, stdlib_dir)
-  return Dataset(np.ascontiguousarray(text.x_train[:, ::-1]),
-                 byte_category(text.y_train[:, -1]),
-                 np.ascontiguousarray(text.x_test[:, ::-1]),
-                 byte_category(text.y_test[:, -1]),
-                 num_classes=len(BYTE_CATEGORIES), task="classification",
-                 name="text_classes")
+  return Dataset(
+    np.ascontiguousarray(text.x_train[:, ::-1]),
+    byte_category(text.y_train[:, -1]),
+    np.ascontiguousarray(text.x_test[:, ::-1]),
+    byte_category(text.y_test[:, -1]),
+    num_classes=len(BYTE_CATEGORIES),
+    task="classification",
+    name="text_classes",
+  )

@@ -15,30 +15,39 @@ config (``cls.default_config`` when omitted) and exposes ``config``, ``task``
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from flax import nnx
 import jax
 
-from qsync_jax.models.bert import BertConfig, BertEncoderClassifier
-from qsync_jax.models.cnn import SmallCNN, SmallCNNConfig
-from qsync_jax.models.lm import DecoderLM, DecoderLMConfig
-from qsync_jax.models.resnet import ResNet, ResNet18, ResNet50, ResNetConfig
-from qsync_jax.models.vgg import VGG16BN, VGGConfig
-from qsync_jax.models.vit import ViTConfig, ViTTiny
+from qsync_jax.models.bert import BertConfig
+from qsync_jax.models.bert import BertEncoderClassifier
+from qsync_jax.models.cnn import SmallCNN
+from qsync_jax.models.cnn import SmallCNNConfig
+from qsync_jax.models.lm import DecoderLM
+from qsync_jax.models.lm import DecoderLMConfig
+from qsync_jax.models.resnet import ResNet
+from qsync_jax.models.resnet import ResNet18
+from qsync_jax.models.resnet import ResNet50
+from qsync_jax.models.resnet import ResNetConfig
+from qsync_jax.models.vgg import VGG16BN
+from qsync_jax.models.vgg import VGGConfig
+from qsync_jax.models.vit import ViTConfig
+from qsync_jax.models.vit import ViTTiny
 from qsync_jax.task import calling
 
 MODELS: dict[str, type[nnx.Module]] = {
-    'cnn': SmallCNN,
-    'resnet18': ResNet18,
-    'resnet50': ResNet50,
-    'vgg16_bn': VGG16BN,
-    'bert': BertEncoderClassifier,
-    'lm': DecoderLM,
-    'vit_tiny': ViTTiny,
+  "cnn": SmallCNN,
+  "resnet18": ResNet18,
+  "resnet50": ResNet50,
+  "vgg16_bn": VGG16BN,
+  "bert": BertEncoderClassifier,
+  "lm": DecoderLM,
+  "vit_tiny": ViTTiny,
 }
 
 
@@ -46,14 +55,20 @@ MODELS: dict[str, type[nnx.Module]] = {
 #: workloads, reference qsync.md section 7.1): ResNet-50 on 224 x 224 ImageNet
 #: and BERT-base on 384-token SQuAD windows.
 PAPER_SIZE_KWARGS: dict[str, dict[str, Any]] = {
-    'resnet50': {'image_size': 224, 'cifar_stem': False, 'num_classes': 1000},
-    'bert': {'num_layers': 12, 'num_heads': 12, 'hidden': 768,
-             'mlp_dim': 3072, 'max_len': 384, 'vocab_size': 30522},
+  "resnet50": {"image_size": 224, "cifar_stem": False, "num_classes": 1000},
+  "bert": {
+    "num_layers": 12,
+    "num_heads": 12,
+    "hidden": 768,
+    "mlp_dim": 3072,
+    "max_len": 384,
+    "vocab_size": 30522,
+  },
 }
 
 
 def _builtin_names() -> str:
-  return ', '.join(MODELS)
+  return ", ".join(MODELS)
 
 
 def create_model(name: str, *, rngs: nnx.Rngs, **overrides: Any) -> nnx.Module:
@@ -73,16 +88,18 @@ def create_model(name: str, *, rngs: nnx.Rngs, **overrides: Any) -> nnx.Module:
   """
   if name not in MODELS:
     raise ValueError(
-        f'unknown model {name!r}; built-in models: {_builtin_names()}')
+      f"unknown model {name!r}; built-in models: {_builtin_names()}"
+    )
   cls = MODELS[name]
   config = cls.default_config
   fields = [f.name for f in dataclasses.fields(config)]
   unknown = [key for key in overrides if key not in fields]
   if unknown:
     raise ValueError(
-        f'unknown config field(s) {", ".join(map(repr, unknown))} for model '
-        f'{name!r} ({type(config).__name__}); valid fields: '
-        f'{", ".join(fields)}')
+      f"unknown config field(s) {', '.join(map(repr, unknown))} for model "
+      f"{name!r} ({type(config).__name__}); valid fields: "
+      f"{', '.join(fields)}"
+    )
   return cls(dataclasses.replace(config, **overrides), rngs=rngs)
 
 
@@ -106,8 +123,11 @@ def load_model_factory(spec: str) -> Callable[..., nnx.Module]:
   if spec in MODELS:
     return functools.partial(create_model, spec)
   return calling.load_callable(
-      spec, 'model spec', f"expected a built-in model ({_builtin_names()}) "
-      "or 'package.module:factory'")
+    spec,
+    "model spec",
+    f"expected a built-in model ({_builtin_names()}) "
+    "or 'package.module:factory'",
+  )
 
 
 def _accepted_keywords(factory: Callable[..., Any]) -> tuple[list[str], bool]:
@@ -116,14 +136,17 @@ def _accepted_keywords(factory: Callable[..., Any]) -> tuple[list[str], bool]:
     params = inspect.signature(factory).parameters.values()
   except (TypeError, ValueError):
     return [], True
-  named = [p.name for p in params
-           if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-           and p.name != 'rngs']
+  named = [
+    p.name
+    for p in params
+    if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "rngs"
+  ]
   return named, any(p.kind == p.VAR_KEYWORD for p in params)
 
 
-def model_arguments(spec: str, data_kwargs: Mapping[str, Any] | None,
-                    kwargs: Mapping[str, Any]) -> dict[str, Any]:
+def model_arguments(
+  spec: str, data_kwargs: Mapping[str, Any] | None, kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
   """The keyword arguments :func:`build_model` calls the factory with.
 
   The dataset's facts (``data_kwargs``: ``num_classes``, ``input_shape``,
@@ -143,8 +166,9 @@ def model_arguments(spec: str, data_kwargs: Mapping[str, Any] | None,
   unknown = [k for k in kwargs if k not in accepted]
   if unknown and not open_ended:
     raise ValueError(
-        f'model {spec!r} takes no argument {", ".join(map(repr, unknown))}; '
-        f'it accepts: {", ".join(accepted) or "rngs only"}')
+      f"model {spec!r} takes no argument {', '.join(map(repr, unknown))}; "
+      f"it accepts: {', '.join(accepted) or 'rngs only'}"
+    )
   sized = {k: v for k, v in (data_kwargs or {}).items() if k in accepted}
   return {**sized, **kwargs}
 
@@ -160,16 +184,23 @@ def without_weights(build: Callable[[], nnx.Module]) -> nnx.Module:
   """
   try:
     return nnx.eval_shape(build)
-  except (jax.errors.ConcretizationTypeError,
-          jax.errors.TracerArrayConversionError,
-          jax.errors.TracerBoolConversionError,
-          jax.errors.TracerIntegerConversionError):
+  except (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+  ):
     return build()
 
 
-def build_model(spec: str, *, rngs: nnx.Rngs,
-                data_kwargs: Mapping[str, Any] | None = None,
-                sample_input: Any = None, **kwargs: Any) -> nnx.Module:
+def build_model(
+  spec: str,
+  *,
+  rngs: nnx.Rngs,
+  data_kwargs: Mapping[str, Any] | None = None,
+  sample_input: Any = None,
+  **kwargs: Any,
+) -> nnx.Module:
   """Builds the model of ``spec``, sized for the data.
 
   Args:
@@ -202,11 +233,13 @@ def build_model(spec: str, *, rngs: nnx.Rngs,
   except TypeError as err:
     # The call's signature does not fit: say which factory, not a traceback
     # from inside it.
-    args = ', '.join(['rngs', *arguments])
+    args = ", ".join(["rngs", *arguments])
     raise ValueError(
-        f'model spec {spec!r} is not a model factory: calling it with '
-        f'({args}) raised TypeError: {err}') from err
+      f"model spec {spec!r} is not a model factory: calling it with "
+      f"({args}) raised TypeError: {err}"
+    ) from err
   from qsync_jax.plan import bridge  # local: only Linen models need it
+
   if isinstance(model, nnx.bridge.ToNNX):
     # ToNNX hides the Linen layers from plans: wrap its module our way
     # (initialised afresh from the same rngs, as the factory did).
@@ -216,35 +249,37 @@ def build_model(spec: str, *, rngs: nnx.Rngs,
   if bridge.is_linen(model):
     if sample_input is None:
       raise ValueError(
-          f'model spec {spec!r} returned a Linen model: pass sample_input '
-          '(the model\'s inputs) to initialise it')
+        f"model spec {spec!r} returned a Linen model: pass sample_input "
+        "(the model's inputs) to initialise it"
+      )
     return bridge.from_linen(model, sample_input, rngs=rngs)
   raise ValueError(
-      f'model spec {spec!r} is not a model factory: it returned a '
-      f'{type(model).__name__}, not an nnx.Module, a Linen module or an '
-      '(init, apply) pair')
+    f"model spec {spec!r} is not a model factory: it returned a "
+    f"{type(model).__name__}, not an nnx.Module, a Linen module or an "
+    "(init, apply) pair"
+  )
 
 
 __all__ = [
-    "PAPER_SIZE_KWARGS",
-    'MODELS',
-    'BertConfig',
-    'BertEncoderClassifier',
-    'DecoderLM',
-    'DecoderLMConfig',
-    'ResNet',
-    'ResNet18',
-    'ResNet50',
-    'ResNetConfig',
-    'SmallCNN',
-    'SmallCNNConfig',
-    'VGG16BN',
-    'VGGConfig',
-    'ViTConfig',
-    'ViTTiny',
-    'build_model',
-    'create_model',
-    'load_model_factory',
-    'model_arguments',
-    'without_weights',
+  "PAPER_SIZE_KWARGS",
+  "MODELS",
+  "BertConfig",
+  "BertEncoderClassifier",
+  "DecoderLM",
+  "DecoderLMConfig",
+  "ResNet",
+  "ResNet18",
+  "ResNet50",
+  "ResNetConfig",
+  "SmallCNN",
+  "SmallCNNConfig",
+  "VGG16BN",
+  "VGGConfig",
+  "ViTConfig",
+  "ViTTiny",
+  "build_model",
+  "create_model",
+  "load_model_factory",
+  "model_arguments",
+  "without_weights",
 ]

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 
 class Model(nnx.Module):
@@ -25,7 +25,7 @@ class Model(nnx.Module):
   """
 
   #: ``"classification"`` (logits per example) or ``"lm"`` (per token).
-  task: ClassVar[str] = 'classification'
+  task: ClassVar[str] = "classification"
   #: The config used when ``__init__`` gets none.
   default_config: ClassVar[Any]
 
@@ -46,7 +46,8 @@ class ImageModel(Model):
     """Returns the NHWC float32 image batch that ``__call__`` takes."""
     c = self.config
     return jax.ShapeDtypeStruct(
-        (batch_size, c.image_size, c.image_size, c.in_channels), jnp.float32)
+      (batch_size, c.image_size, c.image_size, c.in_channels), jnp.float32
+    )
 
 
 class TokenModel(Model):

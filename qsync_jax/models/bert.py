@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from qsync_jax.models.base import TokenModel
 from qsync_jax.models.transformer import EncoderLayer
@@ -34,6 +34,7 @@ class BertConfig:
       otherwise.
     dropout_rate: dropout on each sub-block's output.
   """
+
   vocab_size: int = 30522
   max_len: int = 128
   num_layers: int = 4
@@ -63,20 +64,28 @@ class BertEncoderClassifier(TokenModel):
     # Post-LN BERT normalises the embeddings; pre-LN normalises the output of
     # the last layer instead. Either way there is exactly one extra norm.
     self.norm = nnx.LayerNorm(config.hidden, rngs=rngs)
-    self.layers = nnx.List([
-        EncoderLayer(config.hidden, config.num_heads, config.mlp_dim,
-                     pre_norm=config.pre_norm,
-                     dropout_rate=config.dropout_rate, rngs=rngs)
+    self.layers = nnx.List(
+      [
+        EncoderLayer(
+          config.hidden,
+          config.num_heads,
+          config.mlp_dim,
+          pre_norm=config.pre_norm,
+          dropout_rate=config.dropout_rate,
+          rngs=rngs,
+        )
         for _ in range(config.num_layers)
-    ])
+      ]
+    )
     self.head = nnx.Linear(config.hidden, config.num_classes, rngs=rngs)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """Maps (batch, seq) token ids to float32 (batch, num_classes) logits."""
     positions = jnp.arange(tokens.shape[1])
     # Embeddings may be lowered; the residual stream stays float32.
-    x = (self.token_embed(tokens).astype(jnp.float32) +
-         self.position_embed(positions).astype(jnp.float32))
+    x = self.token_embed(tokens).astype(jnp.float32) + self.position_embed(
+      positions
+    ).astype(jnp.float32)
     if not self.config.pre_norm:
       x = self.norm(x)
     for layer in self.layers:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from qsync_jax.models.base import ImageModel
 
@@ -28,22 +28,23 @@ class SmallCNNConfig:
     hidden: width of the hidden fully connected layer.
     pool: ``"avg"`` or ``"max"``, the 2x2 stride-2 pooling after the convs.
   """
+
   num_classes: int = 10
   in_channels: int = 1
   image_size: int = 8
   widths: tuple[int, int] = (16, 32)
   hidden: int = 64
-  pool: str = 'avg'
+  pool: str = "avg"
 
   def __post_init__(self):
     # Configs are static model attributes and must stay hashable for jit.
-    object.__setattr__(self, 'widths', tuple(self.widths))
+    object.__setattr__(self, "widths", tuple(self.widths))
     if len(self.widths) != 2:
-      raise ValueError(f'widths must have 2 entries, got {self.widths}')
-    if self.pool not in ('avg', 'max'):
+      raise ValueError(f"widths must have 2 entries, got {self.widths}")
+    if self.pool not in ("avg", "max"):
       raise ValueError(f"pool must be 'avg' or 'max', got {self.pool!r}")
     if self.image_size < 2:
-      raise ValueError(f'image_size must be >= 2, got {self.image_size}')
+      raise ValueError(f"image_size must be >= 2, got {self.image_size}")
 
 
 class SmallCNN(ImageModel):
@@ -51,8 +52,7 @@ class SmallCNN(ImageModel):
 
   default_config: ClassVar[SmallCNNConfig] = SmallCNNConfig()
 
-  def __init__(self, config: SmallCNNConfig | None = None, *,
-               rngs: nnx.Rngs):
+  def __init__(self, config: SmallCNNConfig | None = None, *, rngs: nnx.Rngs):
     """Builds the layers.
 
     Args:
@@ -71,7 +71,7 @@ class SmallCNN(ImageModel):
     """Maps (batch, H, W, C) images to float32 (batch, num_classes) logits."""
     x = nnx.relu(self.conv1(x))
     x = nnx.relu(self.conv2(x))
-    pool = nnx.avg_pool if self.config.pool == 'avg' else nnx.max_pool
+    pool = nnx.avg_pool if self.config.pool == "avg" else nnx.max_pool
     x = pool(x, (2, 2), strides=(2, 2))
     x = nnx.relu(self.fc(x.reshape(x.shape[0], -1)))
     return self.head(x).astype(jnp.float32)

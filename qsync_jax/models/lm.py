@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from qsync_jax.models.base import TokenModel
 from qsync_jax.models.transformer import EncoderLayer
@@ -32,6 +32,7 @@ class DecoderLMConfig:
     mlp_dim: MLP inner width.
     dropout_rate: dropout on each sub-block's output.
   """
+
   vocab_size: int = 256
   max_len: int = 256
   num_layers: int = 4
@@ -44,11 +45,10 @@ class DecoderLMConfig:
 class DecoderLM(TokenModel):
   """GPT-style decoder: predicts token t+1 from tokens <= t."""
 
-  task: ClassVar[str] = 'lm'
+  task: ClassVar[str] = "lm"
   default_config: ClassVar[DecoderLMConfig] = DecoderLMConfig()
 
-  def __init__(self, config: DecoderLMConfig | None = None, *,
-               rngs: nnx.Rngs):
+  def __init__(self, config: DecoderLMConfig | None = None, *, rngs: nnx.Rngs):
     """Builds the layers.
 
     Args:
@@ -58,12 +58,20 @@ class DecoderLM(TokenModel):
     config = self._set_config(config)
     self.token_embed = nnx.Embed(config.vocab_size, config.hidden, rngs=rngs)
     self.position_embed = nnx.Embed(config.max_len, config.hidden, rngs=rngs)
-    self.layers = nnx.List([
-        EncoderLayer(config.hidden, config.num_heads, config.mlp_dim,
-                     pre_norm=True, causal=True,
-                     dropout_rate=config.dropout_rate, rngs=rngs)
+    self.layers = nnx.List(
+      [
+        EncoderLayer(
+          config.hidden,
+          config.num_heads,
+          config.mlp_dim,
+          pre_norm=True,
+          causal=True,
+          dropout_rate=config.dropout_rate,
+          rngs=rngs,
+        )
         for _ in range(config.num_layers)
-    ])
+      ]
+    )
     self.final_norm = nnx.LayerNorm(config.hidden, rngs=rngs)
     self.head = nnx.Linear(config.hidden, config.vocab_size, rngs=rngs)
 
@@ -71,8 +79,9 @@ class DecoderLM(TokenModel):
     """Maps (batch, seq) token ids to float32 (batch, seq, vocab) logits."""
     positions = jnp.arange(tokens.shape[1])
     # Embeddings may be lowered; the residual stream stays float32.
-    x = (self.token_embed(tokens).astype(jnp.float32) +
-         self.position_embed(positions).astype(jnp.float32))
+    x = self.token_embed(tokens).astype(jnp.float32) + self.position_embed(
+      positions
+    ).astype(jnp.float32)
     for layer in self.layers:
       x = layer(x)
     return self.head(self.final_norm(x)).astype(jnp.float32)

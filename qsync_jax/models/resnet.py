@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from qsync_jax.models.base import ImageModel
 
@@ -36,28 +36,37 @@ class ResNetConfig:
       7x7 stride-2 stem with a 3x3 stride-2 max-pool.
     bn_momentum: BatchNorm running-statistics momentum.
   """
+
   num_classes: int = 10
   in_channels: int = 3
   image_size: int = 32
   width: int = 64
   stage_sizes: tuple[int, ...] = (2, 2, 2, 2)
-  block: str = 'basic'
+  block: str = "basic"
   cifar_stem: bool = True
   bn_momentum: float = 0.9
 
   def __post_init__(self):
     # Configs are static model attributes and must stay hashable for jit.
-    object.__setattr__(self, 'stage_sizes', tuple(self.stage_sizes))
-    if self.block not in ('basic', 'bottleneck'):
+    object.__setattr__(self, "stage_sizes", tuple(self.stage_sizes))
+    if self.block not in ("basic", "bottleneck"):
       raise ValueError(
-          f"block must be 'basic' or 'bottleneck', got {self.block!r}")
+        f"block must be 'basic' or 'bottleneck', got {self.block!r}"
+      )
 
 
-def _conv(in_features: int, features: int, kernel: int, strides: int,
-          rngs: nnx.Rngs) -> nnx.Conv:
+def _conv(
+  in_features: int, features: int, kernel: int, strides: int, rngs: nnx.Rngs
+) -> nnx.Conv:
   # No bias: the BatchNorm that follows every conv has its own.
-  return nnx.Conv(in_features, features, (kernel, kernel), (strides, strides),
-                  use_bias=False, rngs=rngs)
+  return nnx.Conv(
+    in_features,
+    features,
+    (kernel, kernel),
+    (strides, strides),
+    use_bias=False,
+    rngs=rngs,
+  )
 
 
 def _norm(features: int, config: ResNetConfig, rngs: nnx.Rngs) -> nnx.BatchNorm:
@@ -69,8 +78,14 @@ class _Block(nnx.Module):
 
   expansion: ClassVar[int] = 1
 
-  def _init_shortcut(self, in_features: int, out_features: int, strides: int,
-                     config: ResNetConfig, rngs: nnx.Rngs):
+  def _init_shortcut(
+    self,
+    in_features: int,
+    out_features: int,
+    strides: int,
+    config: ResNetConfig,
+    rngs: nnx.Rngs,
+  ):
     if strides != 1 or in_features != out_features:
       self.proj = _conv(in_features, out_features, 1, strides, rngs)
       self.proj_norm = _norm(out_features, config, rngs)
@@ -88,8 +103,15 @@ class BasicBlock(_Block):
 
   expansion: ClassVar[int] = 1
 
-  def __init__(self, in_features: int, features: int, strides: int,
-               config: ResNetConfig, *, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    in_features: int,
+    features: int,
+    strides: int,
+    config: ResNetConfig,
+    *,
+    rngs: nnx.Rngs,
+  ):
     """Builds the block.
 
     Args:
@@ -117,8 +139,15 @@ class Bottleneck(_Block):
 
   expansion: ClassVar[int] = 4
 
-  def __init__(self, in_features: int, features: int, strides: int,
-               config: ResNetConfig, *, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    in_features: int,
+    features: int,
+    strides: int,
+    config: ResNetConfig,
+    *,
+    rngs: nnx.Rngs,
+  ):
     """Builds the block.
 
     Args:
@@ -145,7 +174,7 @@ class Bottleneck(_Block):
     return self._residual(x, y)
 
 
-_BLOCKS = {'basic': BasicBlock, 'bottleneck': Bottleneck}
+_BLOCKS = {"basic": BasicBlock, "bottleneck": Bottleneck}
 
 
 class ResNet(ImageModel):
@@ -174,7 +203,8 @@ class ResNet(ImageModel):
       for index in range(num_blocks):
         strides = 2 if stage > 0 and index == 0 else 1
         blocks.append(
-            block_cls(in_features, features, strides, config, rngs=rngs))
+          block_cls(in_features, features, strides, config, rngs=rngs)
+        )
         in_features = features * block_cls.expansion
     self.blocks = nnx.List(blocks)
     self.head = nnx.Linear(in_features, config.num_classes, rngs=rngs)
@@ -183,7 +213,7 @@ class ResNet(ImageModel):
     """Maps (batch, H, W, C) images to float32 (batch, num_classes) logits."""
     x = nnx.relu(self.stem_norm(self.stem(x)))
     if not self.config.cifar_stem:
-      x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding='SAME')
+      x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
     for block in self.blocks:
       x = block(x)
     x = x.astype(jnp.float32).mean(axis=(1, 2))
@@ -194,11 +224,13 @@ class ResNet18(ResNet):
   """ResNet-18: BasicBlock, stages [2, 2, 2, 2], CIFAR stem by default."""
 
   default_config: ClassVar[ResNetConfig] = ResNetConfig(
-      block='basic', stage_sizes=(2, 2, 2, 2))
+    block="basic", stage_sizes=(2, 2, 2, 2)
+  )
 
 
 class ResNet50(ResNet):
   """ResNet-50: Bottleneck, stages [3, 4, 6, 3], CIFAR stem by default."""
 
   default_config: ClassVar[ResNetConfig] = ResNetConfig(
-      block='bottleneck', stage_sizes=(3, 4, 6, 3))
+    block="bottleneck", stage_sizes=(3, 4, 6, 3)
+  )

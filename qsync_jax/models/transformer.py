@@ -12,9 +12,9 @@ kept in float32.
 
 from __future__ import annotations
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from qsync_jax.plan.layers import MatMul
 
@@ -42,8 +42,9 @@ class SelfAttention(nnx.Module):
   (``scores`` and ``context``) so a precision plan can lower them.
   """
 
-  def __init__(self, hidden: int, num_heads: int, *, causal: bool = False,
-               rngs: nnx.Rngs):
+  def __init__(
+    self, hidden: int, num_heads: int, *, causal: bool = False, rngs: nnx.Rngs
+  ):
     """Builds the projections.
 
     Args:
@@ -54,7 +55,8 @@ class SelfAttention(nnx.Module):
     """
     if hidden % num_heads:
       raise ValueError(
-          f'hidden={hidden} is not divisible by num_heads={num_heads}')
+        f"hidden={hidden} is not divisible by num_heads={num_heads}"
+      )
     self.num_heads = num_heads
     self.head_dim = hidden // num_heads
     self.causal = causal
@@ -78,18 +80,19 @@ class SelfAttention(nnx.Module):
 
     def split_heads(y):
       return y.reshape(batch, seq, self.num_heads, self.head_dim).transpose(
-          0, 2, 1, 3)
+        0, 2, 1, 3
+      )
 
     # Scale q before the product so low-precision scores stay in range.
-    q = split_heads(self.query(x)) * (self.head_dim ** -0.5)
+    q = split_heads(self.query(x)) * (self.head_dim**-0.5)
     k = split_heads(self.key(x))
     v = split_heads(self.value(x))
-    scores = self.scores('bhqd,bhkd->bhqk', q, k).astype(jnp.float32)
+    scores = self.scores("bhqd,bhkd->bhqk", q, k).astype(jnp.float32)
     if self.causal:
       mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))
       scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
-    context = self.context('bhqk,bhkd->bhqd', probs, v)
+    context = self.context("bhqk,bhkd->bhqd", probs, v)
     context = context.transpose(0, 2, 1, 3).reshape(batch, seq, -1)
     return self.out(context)
 
@@ -117,9 +120,17 @@ class Mlp(nnx.Module):
 class EncoderLayer(nnx.Module):
   """Self-attention + MLP with residuals, in pre- or post-LayerNorm order."""
 
-  def __init__(self, hidden: int, num_heads: int, mlp_dim: int, *,
-               pre_norm: bool = True, causal: bool = False,
-               dropout_rate: float = 0.0, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    hidden: int,
+    num_heads: int,
+    mlp_dim: int,
+    *,
+    pre_norm: bool = True,
+    causal: bool = False,
+    dropout_rate: float = 0.0,
+    rngs: nnx.Rngs,
+  ):
     """Builds the sub-blocks.
 
     Args:
@@ -144,10 +155,12 @@ class EncoderLayer(nnx.Module):
     x = x.astype(jnp.float32)
     if self.pre_norm:
       x = x + self.dropout(self.attention(self.attention_norm(x))).astype(
-          jnp.float32)
+        jnp.float32
+      )
       x = x + self.dropout(self.mlp(self.mlp_norm(x))).astype(jnp.float32)
     else:
       x = self.attention_norm(
-          x + self.dropout(self.attention(x)).astype(jnp.float32))
+        x + self.dropout(self.attention(x)).astype(jnp.float32)
+      )
       x = self.mlp_norm(x + self.dropout(self.mlp(x)).astype(jnp.float32))
     return x

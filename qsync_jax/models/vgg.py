@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from qsync_jax.models.base import ImageModel
 
@@ -34,6 +34,7 @@ class VGGConfig:
     dropout_rate: dropout after each hidden classifier layer.
     bn_momentum: BatchNorm running-statistics momentum.
   """
+
   num_classes: int = 10
   in_channels: int = 3
   image_size: int = 32
@@ -45,14 +46,16 @@ class VGGConfig:
   def __post_init__(self):
     if self.image_size < 32:
       raise ValueError(
-          f'image_size must be >= 32 for five 2x2 pools, got {self.image_size}')
+        f"image_size must be >= 32 for five 2x2 pools, got {self.image_size}"
+      )
 
 
 class ConvBN(nnx.Module):
   """3x3 conv -> BatchNorm -> ReLU."""
 
-  def __init__(self, in_features: int, features: int, config: VGGConfig, *,
-               rngs: nnx.Rngs):
+  def __init__(
+    self, in_features: int, features: int, config: VGGConfig, *, rngs: nnx.Rngs
+  ):
     """Builds the layer.
 
     Args:
@@ -62,8 +65,9 @@ class ConvBN(nnx.Module):
       rngs: RNG streams for parameter initialisation.
     """
     # No conv bias: BatchNorm has its own.
-    self.conv = nnx.Conv(in_features, features, (3, 3), use_bias=False,
-                         rngs=rngs)
+    self.conv = nnx.Conv(
+      in_features, features, (3, 3), use_bias=False, rngs=rngs
+    )
     self.norm = nnx.BatchNorm(features, momentum=config.bn_momentum, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -94,14 +98,15 @@ class VGG16BN(ImageModel):
         in_features = features
       stages.append(nnx.List(layers))
     self.stages = nnx.List(stages)
-    spatial = config.image_size // 2**len(_VGG16_STAGES)
+    spatial = config.image_size // 2 ** len(_VGG16_STAGES)
     hidden = config.classifier_hidden
     self.fc1 = nnx.Linear(spatial * spatial * in_features, hidden, rngs=rngs)
     self.fc2 = nnx.Linear(hidden, hidden, rngs=rngs)
     self.head = nnx.Linear(hidden, config.num_classes, rngs=rngs)
     # Only an active dropout owns an RNG stream, so rate 0 adds no RNG state.
     self.dropout = nnx.Dropout(
-        config.dropout_rate, rngs=rngs if config.dropout_rate > 0 else None)
+      config.dropout_rate, rngs=rngs if config.dropout_rate > 0 else None
+    )
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """Maps (batch, H, W, C) images to float32 (batch, num_classes) logits."""

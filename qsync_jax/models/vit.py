@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from qsync_jax.models.base import ImageModel
 from qsync_jax.models.transformer import EncoderLayer
@@ -34,6 +34,7 @@ class ViTConfig:
     mlp_dim: MLP inner width.
     dropout_rate: dropout on each sub-block's output.
   """
+
   image_size: int = 32
   patch_size: int = 4
   in_channels: int = 3
@@ -46,8 +47,10 @@ class ViTConfig:
 
   def __post_init__(self):
     if self.image_size % self.patch_size:
-      raise ValueError(f'patch_size={self.patch_size} does not divide '
-                       f'image_size={self.image_size}')
+      raise ValueError(
+        f"patch_size={self.patch_size} does not divide "
+        f"image_size={self.image_size}"
+      )
 
 
 class ViTTiny(ImageModel):
@@ -64,19 +67,34 @@ class ViTTiny(ImageModel):
     """
     config = self._set_config(config)
     patch = (config.patch_size, config.patch_size)
-    self.patch_embed = nnx.Conv(config.in_channels, config.hidden, patch,
-                                strides=patch, padding='VALID', rngs=rngs)
-    num_tokens = (config.image_size // config.patch_size)**2 + 1
+    self.patch_embed = nnx.Conv(
+      config.in_channels,
+      config.hidden,
+      patch,
+      strides=patch,
+      padding="VALID",
+      rngs=rngs,
+    )
+    num_tokens = (config.image_size // config.patch_size) ** 2 + 1
     self.cls_token = nnx.Param(jnp.zeros((1, 1, config.hidden)))
     self.position_embed = nnx.Param(
-        nnx.initializers.normal(0.02)(rngs.params(),
-                                      (1, num_tokens, config.hidden)))
-    self.layers = nnx.List([
-        EncoderLayer(config.hidden, config.num_heads, config.mlp_dim,
-                     pre_norm=True, dropout_rate=config.dropout_rate,
-                     rngs=rngs)
+      nnx.initializers.normal(0.02)(
+        rngs.params(), (1, num_tokens, config.hidden)
+      )
+    )
+    self.layers = nnx.List(
+      [
+        EncoderLayer(
+          config.hidden,
+          config.num_heads,
+          config.mlp_dim,
+          pre_norm=True,
+          dropout_rate=config.dropout_rate,
+          rngs=rngs,
+        )
         for _ in range(config.num_layers)
-    ])
+      ]
+    )
     self.final_norm = nnx.LayerNorm(config.hidden, rngs=rngs)
     self.head = nnx.Linear(config.hidden, config.num_classes, rngs=rngs)
 

@@ -62,18 +62,24 @@ def _block_cols(cols: int) -> int | None:
 def _why_not(noise: str, shape: tuple[int, int]) -> str | None:
   """Why the kernel cannot encode buckets of ``shape``; None if it can."""
   if noise != "hash":
-    return (f"the Global-QSGD kernel draws only hash noise, the averager "
-            f"has noise={noise!r}")
+    return (
+      f"the Global-QSGD kernel draws only hash noise, the averager "
+      f"has noise={noise!r}"
+    )
   if _block_cols(shape[1]) is None:
-    return (f"a bucket of {shape[1]} elements needs more than "
-            f"{_MAX_COL_TILES} tiles of {_MAX_BLOCK_COLS}; set a "
-            "bucket_size")
+    return (
+      f"a bucket of {shape[1]} elements needs more than "
+      f"{_MAX_COL_TILES} tiles of {_MAX_BLOCK_COLS}; set a "
+      "bucket_size"
+    )
   if jax.default_backend() == "gpu":
     cc = ops._gpu_capability()  # pylint: disable=protected-access
     if cc is None or cc < _MIN_CAPABILITY:
-      return (f"the Triton kernel needs a CUDA GPU of capability "
-              f"sm_{_MIN_CAPABILITY[0]}{_MIN_CAPABILITY[1]}+, this device "
-              f"has {cc}")
+      return (
+        f"the Triton kernel needs a CUDA GPU of capability "
+        f"sm_{_MIN_CAPABILITY[0]}{_MIN_CAPABILITY[1]}+, this device "
+        f"has {cc}"
+      )
   return None
 
 
@@ -102,8 +108,9 @@ def use_kernel(noise: str, shape: tuple[int, int]) -> bool:
   return why is None and jax.default_backend() == "gpu"
 
 
-def encode(yb: jax.Array, global_max: jax.Array, levels: int,
-           salt: jax.Array, wire: str) -> jax.Array:
+def encode(
+  yb: jax.Array, global_max: jax.Array, levels: int, salt: jax.Array, wire: str
+) -> jax.Array:
   """This worker's codes of ``yb`` from ``pallas_kernels.gqsgd_encode``.
 
   Args:
@@ -124,11 +131,18 @@ def encode(yb: jax.Array, global_max: jax.Array, levels: int,
   block_cols = _block_cols(cols)
   if block_cols is None:
     raise ValueError(_why_not("hash", yb.shape))
+
   def kernel(yb, global_max, salt):
     return gqsgd_encode(
-        yb, global_max, levels, seed=salt, out_dtype=wire,
-        block_rows=kernel_common.pick_block(rows, 1, _MAX_BLOCK_ROWS),
-        block_cols=block_cols)
+      yb,
+      global_max,
+      levels,
+      seed=salt,
+      out_dtype=wire,
+      block_rows=kernel_common.pick_block(rows, 1, _MAX_BLOCK_ROWS),
+      block_cols=block_cols,
+    )
+
   # Under shard_map's check_vma the kernel runs unchecked, its codes typed
   # back as varying over the workers' axis, so the psum that follows sums them.
   return ops.outside_vma_check(kernel, yb, global_max, salt)

@@ -62,15 +62,16 @@ read when an op is traced: functions already jitted keep their choice.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 import contextlib
 import dataclasses
 import math
 import os
-from typing import Any, Iterator
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import _common as kernel_common
@@ -78,11 +79,14 @@ from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.int8_matmul import int8_matmul
 from qsync_jax.numerics import quant as q
 from qsync_jax.numerics.precision import Precision
-from qsync_jax.numerics.quant import Granularity, QuantConfig
+from qsync_jax.numerics.quant import Granularity
+from qsync_jax.numerics.quant import QuantConfig
 
 _LOW_FLOAT = {Precision.FP16: jnp.float16, Precision.BF16: jnp.bfloat16}
-_LAX_PRECISION = {Precision.FP32: lax.Precision.HIGHEST,
-                  Precision.TF32: lax.Precision.DEFAULT}
+_LAX_PRECISION = {
+  Precision.FP32: lax.Precision.HIGHEST,
+  Precision.TF32: lax.Precision.DEFAULT,
+}
 
 
 # --------------------------------------------------------------------------
@@ -97,8 +101,12 @@ class _DotSpec:
   dimension_numbers: Any
 
   def apply(self, lhs, rhs, preferred_element_type=None):
-    return lax.dot_general(lhs, rhs, self.dimension_numbers,
-                           preferred_element_type=preferred_element_type)
+    return lax.dot_general(
+      lhs,
+      rhs,
+      self.dimension_numbers,
+      preferred_element_type=preferred_element_type,
+    )
 
   def reduce_axes(self, ndim_lhs: int, ndim_rhs: int):
     (lc, rc), _ = self.dimension_numbers
@@ -112,10 +120,11 @@ class _DotSpec:
     lfree = [d for d in range(ndim_lhs) if d not in lc and d not in lb]
     rfree = [d for d in range(ndim_rhs) if d not in rc and d not in rb]
     sl = jnp.transpose(s_lhs, (*lb, *lfree, *lc))
-    sl = sl.reshape(sl.shape[:len(lb) + len(lfree)] + (1,) * len(rfree))
+    sl = sl.reshape(sl.shape[: len(lb) + len(lfree)] + (1,) * len(rfree))
     sr = jnp.transpose(s_rhs, (*rb, *rc, *rfree))
-    sr = sr.reshape(sr.shape[:len(rb)] + (1,) * len(lfree)
-                    + sr.shape[len(rb) + len(rc):])
+    sr = sr.reshape(
+      sr.shape[: len(rb)] + (1,) * len(lfree) + sr.shape[len(rb) + len(rc) :]
+    )
     return sl * sr
 
 
@@ -131,18 +140,25 @@ class _ConvSpec:
 
   def apply(self, lhs, rhs, preferred_element_type=None):
     return lax.conv_general_dilated(
-        lhs, rhs, self.window_strides, self.padding,
-        lhs_dilation=self.lhs_dilation, rhs_dilation=self.rhs_dilation,
-        dimension_numbers=self.dimension_numbers,
-        feature_group_count=self.feature_group_count,
-        batch_group_count=self.batch_group_count,
-        preferred_element_type=preferred_element_type)
+      lhs,
+      rhs,
+      self.window_strides,
+      self.padding,
+      lhs_dilation=self.lhs_dilation,
+      rhs_dilation=self.rhs_dilation,
+      dimension_numbers=self.dimension_numbers,
+      feature_group_count=self.feature_group_count,
+      batch_group_count=self.batch_group_count,
+      preferred_element_type=preferred_element_type,
+    )
 
   def reduce_axes(self, ndim_lhs: int, ndim_rhs: int):
     # One scale per example of the input and per output channel of the kernel.
     lhs_spec, rhs_spec, _ = self.dimension_numbers
-    return (tuple(d for d in range(ndim_lhs) if d != lhs_spec[0]),
-            tuple(d for d in range(ndim_rhs) if d != rhs_spec[0]))
+    return (
+      tuple(d for d in range(ndim_lhs) if d != lhs_spec[0]),
+      tuple(d for d in range(ndim_rhs) if d != rhs_spec[0]),
+    )
 
   def out_scale(self, s_lhs, s_rhs, ndim_lhs: int, ndim_rhs: int):
     if s_lhs.ndim == 0:
@@ -178,8 +194,9 @@ _XLA_FASTER_FROM = (9, 0)
 
 def _check_backend(name: str, source: str) -> str:
   if name not in KERNEL_BACKENDS:
-    raise ValueError(f"{source} must be one of {', '.join(KERNEL_BACKENDS)}, "
-                     f"got {name!r}")
+    raise ValueError(
+      f"{source} must be one of {', '.join(KERNEL_BACKENDS)}, got {name!r}"
+    )
   return name
 
 
@@ -198,8 +215,9 @@ def set_kernel_backend(name: str | None) -> None:
     ValueError: an unknown name.
   """
   global _kernel_backend
-  _kernel_backend = None if name is None else _check_backend(
-      name, "kernel backend")
+  _kernel_backend = (
+    None if name is None else _check_backend(name, "kernel backend")
+  )
 
 
 @contextlib.contextmanager
@@ -244,9 +262,10 @@ def _use_kernel(spec, compute: Precision, ql, qr) -> bool:
   if backend == "pallas":
     if jax.default_backend() == "gpu" and (cc is None or cc < floor):
       raise ValueError(
-          f"QSYNC_KERNELS=pallas: the Triton {compute.value} kernel needs a "
-          f"CUDA GPU of capability sm_{floor[0]}{floor[1]}+, this device has "
-          f"{cc}; use 'auto' or 'xla'")
+        f"QSYNC_KERNELS=pallas: the Triton {compute.value} kernel needs a "
+        f"CUDA GPU of capability sm_{floor[0]}{floor[1]}+, this device has "
+        f"{cc}; use 'auto' or 'xla'"
+      )
     return True
   if cc is None or cc < floor or cc >= _XLA_FASTER_FROM:
     return False
@@ -311,8 +330,9 @@ def outside_vma_check(fn, *args):
   if not jax.sharding.get_abstract_mesh().manual_axes:
     return fn(*args)
   axes = frozenset().union(*(varying_axes(a) for a in args))
-  out = jax.shard_map(fn, in_specs=P(), out_specs=P(),
-                      axis_names=frozenset(), check_vma=False)(*args)
+  out = jax.shard_map(
+    fn, in_specs=P(), out_specs=P(), axis_names=frozenset(), check_vma=False
+  )(*args)
   return jax.tree.map(lambda o: pvary_to(o, axes), out)
 
 
@@ -335,18 +355,22 @@ def _kernel_contract(spec, compute: Precision, ql, sl, qr, sr):
     sx = jnp.transpose(sl, (*lb, *lfree, *lc)).reshape(b, m)
     sw = jnp.transpose(sr, (*rb, *rc, *rfree)).reshape(b, n)
   kernel = int8_matmul if compute is Precision.INT8 else fp8_matmul
-  blocks = dict(block_m=kernel_common.pick_block(m),
-                block_n=kernel_common.pick_block(n),
-                block_k=kernel_common.pick_block(k))
+  blocks = dict(
+    block_m=kernel_common.pick_block(m),
+    block_n=kernel_common.pick_block(n),
+    block_k=kernel_common.pick_block(k),
+  )
   gemm = lambda x, w, sx, sw: kernel(x, w, sx, sw, **blocks)
   if not lb:
-    y = gemm(x[0], w[0], sx if per_tensor else sx[0],
-             sw if per_tensor else sw[0])
+    y = gemm(
+      x[0], w[0], sx if per_tensor else sx[0], sw if per_tensor else sw[0]
+    )
   else:
     scale_axis = None if per_tensor else 0
     y = jax.vmap(gemm, in_axes=(0, 0, scale_axis, scale_axis))(x, w, sx, sw)
-  return y.reshape(*bshape, *(ql.shape[d] for d in lfree),
-                   *(qr.shape[d] for d in rfree))
+  return y.reshape(
+    *bshape, *(ql.shape[d] for d in lfree), *(qr.shape[d] for d in rfree)
+  )
 
 
 # --------------------------------------------------------------------------
@@ -354,8 +378,7 @@ def _kernel_contract(spec, compute: Precision, ql, sl, qr, sr):
 # --------------------------------------------------------------------------
 
 
-def _quantize_operands(spec, compute: Precision, config: QuantConfig,
-                       lhs, rhs):
+def _quantize_operands(spec, compute: Precision, config: QuantConfig, lhs, rhs):
   """Returns (lhs_q, lhs_scale, rhs_q, rhs_scale) for int8 / fp8."""
   if config.granularity is Granularity.CHANNEL:
     axes_l, axes_r = spec.reduce_axes(lhs.ndim, rhs.ndim)
@@ -379,7 +402,8 @@ def _forward(spec, compute, config, lhs, rhs):
   ql, sl, qr, sr = _quantize_operands(spec, compute, config, lhs, rhs)
   if _use_kernel(spec, compute, ql, qr):
     y = outside_vma_check(
-        lambda *a: _kernel_contract(spec, compute, *a), ql, sl, qr, sr)
+      lambda *a: _kernel_contract(spec, compute, *a), ql, sl, qr, sr
+    )
     return y, (ql, sl, qr, sr)
   acc_type = jnp.int32 if compute is Precision.INT8 else jnp.float32
   acc = spec.apply(ql, qr, preferred_element_type=acc_type)
@@ -406,8 +430,8 @@ def _transposes(spec, l, r, g):
   d_lhs = jax.linear_transpose(lambda a: spec.apply(a, r), jax.typeof(l))(g)[0]
   l32 = l.astype(jnp.float32)
   d_rhs = jax.linear_transpose(
-      lambda b: spec.apply(l32, b),
-      jax.typeof(r).update(dtype=jnp.float32))(g.astype(jnp.float32))[0]
+    lambda b: spec.apply(l32, b), jax.typeof(r).update(dtype=jnp.float32)
+  )(g.astype(jnp.float32))[0]
   return d_lhs, d_rhs
 
 
@@ -462,8 +486,10 @@ def _lowp_contract(spec, compute: Precision, config: QuantConfig, lhs, rhs):
 
   def bwd(res, g):
     d_lhs, d_rhs = _backward(spec, compute, config, res, g)
-    return (_as_primal_type(d_lhs, *lhs_type),
-            _as_primal_type(d_rhs, *rhs_type))
+    return (
+      _as_primal_type(d_lhs, *lhs_type),
+      _as_primal_type(d_rhs, *rhs_type),
+    )
 
   f.defvjp(fwd, bwd)
   return f(lhs, rhs)
@@ -482,17 +508,29 @@ class DotGeneral:
     compute: the layer's precision.
     quant: operand quantization for INT8 / FP8.
   """
+
   compute: Precision = Precision.FP32
   quant: QuantConfig = QuantConfig()
 
-  def __call__(self, lhs, rhs, dimension_numbers, precision=None,
-               preferred_element_type=None, **unused_kwargs):
+  def __call__(
+    self,
+    lhs,
+    rhs,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    **unused_kwargs,
+  ):
     del unused_kwargs  # e.g. out_sharding from NNX layers
     dn = _hashable(dimension_numbers)
     if self.compute in _LAX_PRECISION:
-      return lax.dot_general(lhs, rhs, dn,
-                             precision=_LAX_PRECISION[self.compute],
-                             preferred_element_type=preferred_element_type)
+      return lax.dot_general(
+        lhs,
+        rhs,
+        dn,
+        precision=_LAX_PRECISION[self.compute],
+        preferred_element_type=preferred_element_type,
+      )
     y = _lowp_contract(_DotSpec(dn), self.compute, self.quant, lhs, rhs)
     return _cast_output(y, preferred_element_type)
 
@@ -505,31 +543,51 @@ class ConvGeneralDilated:
     compute: the layer's precision.
     quant: operand quantization for INT8 / FP8.
   """
+
   compute: Precision = Precision.FP32
   quant: QuantConfig = QuantConfig()
 
-  def __call__(self, lhs, rhs, window_strides, padding, lhs_dilation=None,
-               rhs_dilation=None, dimension_numbers=None,
-               feature_group_count=1, batch_group_count=1, precision=None,
-               preferred_element_type=None, **unused_kwargs):
+  def __call__(
+    self,
+    lhs,
+    rhs,
+    window_strides,
+    padding,
+    lhs_dilation=None,
+    rhs_dilation=None,
+    dimension_numbers=None,
+    feature_group_count=1,
+    batch_group_count=1,
+    precision=None,
+    preferred_element_type=None,
+    **unused_kwargs,
+  ):
     del unused_kwargs, precision
     if self.compute in _LAX_PRECISION:
       return lax.conv_general_dilated(
-          lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
-          rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
-          feature_group_count=feature_group_count,
-          batch_group_count=batch_group_count,
-          precision=_LAX_PRECISION[self.compute],
-          preferred_element_type=preferred_element_type)
-    spec = _ConvSpec(
-        window_strides=_hashable(window_strides),
-        padding=_hashable(padding),
-        lhs_dilation=_hashable(lhs_dilation),
-        rhs_dilation=_hashable(rhs_dilation),
-        dimension_numbers=lax.conv_dimension_numbers(
-            lhs.shape, rhs.shape, dimension_numbers),
+        lhs,
+        rhs,
+        window_strides,
+        padding,
+        lhs_dilation=lhs_dilation,
+        rhs_dilation=rhs_dilation,
+        dimension_numbers=dimension_numbers,
         feature_group_count=feature_group_count,
-        batch_group_count=batch_group_count)
+        batch_group_count=batch_group_count,
+        precision=_LAX_PRECISION[self.compute],
+        preferred_element_type=preferred_element_type,
+      )
+    spec = _ConvSpec(
+      window_strides=_hashable(window_strides),
+      padding=_hashable(padding),
+      lhs_dilation=_hashable(lhs_dilation),
+      rhs_dilation=_hashable(rhs_dilation),
+      dimension_numbers=lax.conv_dimension_numbers(
+        lhs.shape, rhs.shape, dimension_numbers
+      ),
+      feature_group_count=feature_group_count,
+      batch_group_count=batch_group_count,
+    )
     y = _lowp_contract(spec, self.compute, self.quant, lhs, rhs)
     return _cast_output(y, preferred_element_type)
 
@@ -545,45 +603,76 @@ class Einsum:
     compute: the layer's precision.
     quant: operand quantization for INT8 / FP8.
   """
+
   compute: Precision = Precision.FP32
   quant: QuantConfig = QuantConfig()
 
-  def __call__(self, subscripts: str, *operands, precision=None,
-               preferred_element_type=None, **unused_kwargs):
+  def __call__(
+    self,
+    subscripts: str,
+    *operands,
+    precision=None,
+    preferred_element_type=None,
+    **unused_kwargs,
+  ):
     del unused_kwargs, precision
     if len(operands) != 2:
-      raise ValueError(f"qsync_jax.numerics.ops.Einsum takes two operands, got "
-                       f"{len(operands)} for {subscripts!r}")
-    return jnp.einsum(subscripts, *operands,
-                      preferred_element_type=preferred_element_type,
-                      _dot_general=DotGeneral(self.compute, self.quant))
+      raise ValueError(
+        f"qsync_jax.numerics.ops.Einsum takes two operands, got "
+        f"{len(operands)} for {subscripts!r}"
+      )
+    return jnp.einsum(
+      subscripts,
+      *operands,
+      preferred_element_type=preferred_element_type,
+      _dot_general=DotGeneral(self.compute, self.quant),
+    )
 
 
 def _cast_output(y, preferred_element_type):
-  return y if preferred_element_type is None else y.astype(
-      preferred_element_type)
+  return (
+    y if preferred_element_type is None else y.astype(preferred_element_type)
+  )
 
 
-def dot_general(lhs, rhs, dimension_numbers, *,
-                compute: Precision | str = Precision.FP32,
-                quant: QuantConfig | None = None, **kwargs) -> jax.Array:
+def dot_general(
+  lhs,
+  rhs,
+  dimension_numbers,
+  *,
+  compute: Precision | str = Precision.FP32,
+  quant: QuantConfig | None = None,
+  **kwargs,
+) -> jax.Array:
   """Functional form of :class:`DotGeneral`."""
   op = DotGeneral(Precision.parse(compute), quant or QuantConfig())
   return op(lhs, rhs, dimension_numbers, **kwargs)
 
 
-def conv_general_dilated(lhs, rhs, window_strides, padding, *,
-                         compute: Precision | str = Precision.FP32,
-                         quant: QuantConfig | None = None,
-                         **kwargs) -> jax.Array:
+def conv_general_dilated(
+  lhs,
+  rhs,
+  window_strides,
+  padding,
+  *,
+  compute: Precision | str = Precision.FP32,
+  quant: QuantConfig | None = None,
+  **kwargs,
+) -> jax.Array:
   """Functional form of :class:`ConvGeneralDilated`."""
   op = ConvGeneralDilated(Precision.parse(compute), quant or QuantConfig())
   return op(lhs, rhs, window_strides, padding, **kwargs)
 
 
-def einsum(subscripts: str, lhs, rhs, *,
-           compute: Precision | str = Precision.FP32,
-           quant: QuantConfig | None = None, **kwargs) -> jax.Array:
+def einsum(
+  subscripts: str,
+  lhs,
+  rhs,
+  *,
+  compute: Precision | str = Precision.FP32,
+  quant: QuantConfig | None = None,
+  **kwargs,
+) -> jax.Array:
   """Functional form of :class:`Einsum`."""
   op = Einsum(Precision.parse(compute), quant or QuantConfig())
   return op(subscripts, lhs, rhs, **kwargs)

@@ -35,7 +35,7 @@ class Precision(enum.Enum):
     return self is not Precision.INT8
 
   @classmethod
-  def parse(cls, value: "Precision | str") -> "Precision":
+  def parse(cls, value: Precision | str) -> Precision:
     """Returns the Precision named by ``value`` (case-insensitive).
 
     Raises:
@@ -49,12 +49,19 @@ class Precision(enum.Enum):
       except ValueError:
         pass
     raise ValueError(
-        f"unknown precision {value!r}; valid precisions: "
-        f"{', '.join(p.value for p in cls)}")
+      f"unknown precision {value!r}; valid precisions: "
+      f"{', '.join(p.value for p in cls)}"
+    )
 
   def __str__(self) -> str:
     return self.value
 
 
-_BITS = {Precision.FP8: 8, Precision.INT8: 8, Precision.FP16: 16,
-         Precision.BF16: 16, Precision.TF32: 19, Precision.FP32: 32}
+_BITS = {
+  Precision.FP8: 8,
+  Precision.INT8: 8,
+  Precision.FP16: 16,
+  Precision.BF16: 16,
+  Precision.TF32: 19,
+  Precision.FP32: 32,
+}

@@ -18,13 +18,13 @@ same function the Pallas quantize kernel computes (it lives in
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 import dataclasses
 import enum
-from typing import Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 
 # The hash lives with the kernels, which may import nothing from qsync_jax;
 # rounding here and in the kernels then draws the same noise bit for bit.
@@ -35,6 +35,7 @@ INT8_MAX = 127
 
 class Rounding(enum.Enum):
   """How a scaled value is rounded to an integer."""
+
   NEAREST = "nearest"
   STOCHASTIC = "stochastic"
   TRUNCATE = "truncate"
@@ -49,6 +50,7 @@ class Granularity(enum.Enum):
   ``CalibrationMode.CONTRACTING_AXIS``. Scales then factor out of the
   contraction, so the int32 accumulator is dequantized by an outer product.
   """
+
   TENSOR = "tensor"
   CHANNEL = "channel"
 
@@ -62,26 +64,32 @@ class QuantConfig:
     rounding: rounding of the forward operands (INT8 only; FP8 casts round to
       nearest).
   """
+
   granularity: Granularity = Granularity.TENSOR
   rounding: Rounding = Rounding.NEAREST
 
   def __post_init__(self):
-    object.__setattr__(self, "granularity", _parse(Granularity,
-                                                   self.granularity))
+    object.__setattr__(
+      self, "granularity", _parse(Granularity, self.granularity)
+    )
     object.__setattr__(self, "rounding", _parse(Rounding, self.rounding))
 
   def to_dict(self) -> dict:
-    return {"granularity": self.granularity.value,
-            "rounding": self.rounding.value}
+    return {
+      "granularity": self.granularity.value,
+      "rounding": self.rounding.value,
+    }
 
   @classmethod
-  def from_dict(cls, data: Mapping) -> "QuantConfig":
+  def from_dict(cls, data: Mapping) -> QuantConfig:
     if not isinstance(data, Mapping):
       raise ValueError(f"'quant' must be an object, got {data!r}")
     unknown = set(data) - {"granularity", "rounding"}
     if unknown:
-      raise ValueError(f"unknown quant keys {sorted(unknown)}; valid keys: "
-                       "granularity, rounding")
+      raise ValueError(
+        f"unknown quant keys {sorted(unknown)}; valid keys: "
+        "granularity, rounding"
+      )
     return cls(**data)
 
 
@@ -91,12 +99,15 @@ def _parse(enum_cls, value):
   try:
     return enum_cls(value)
   except ValueError:
-    raise ValueError(f"unknown {enum_cls.__name__.lower()} {value!r}; valid: "
-                     f"{', '.join(m.value for m in enum_cls)}") from None
+    raise ValueError(
+      f"unknown {enum_cls.__name__.lower()} {value!r}; valid: "
+      f"{', '.join(m.value for m in enum_cls)}"
+    ) from None
 
 
-def absmax_scale(x: jax.Array, qmax: float,
-                 reduce_axes: Sequence[int] | None = None) -> jax.Array:
+def absmax_scale(
+  x: jax.Array, qmax: float, reduce_axes: Sequence[int] | None = None
+) -> jax.Array:
   """Returns the symmetric scale ``amax(|x|) / qmax`` in float32.
 
   Args:
@@ -115,8 +126,9 @@ def absmax_scale(x: jax.Array, qmax: float,
   x = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
   # XLA:CPU's max-reduction can drop NaN (jax 0.10, large rows): test for it.
-  amax = jnp.where(jnp.any(jnp.isnan(x), axis=axes, keepdims=True), jnp.nan,
-                   amax)
+  amax = jnp.where(
+    jnp.any(jnp.isnan(x), axis=axes, keepdims=True), jnp.nan, amax
+  )
   if reduce_axes is None:
     amax = amax.reshape(())
   return jnp.where(amax == 0, 1.0, amax / qmax).astype(jnp.float32)
@@ -134,8 +146,13 @@ def hash_uniform(x: jax.Array, salt: int = 0) -> jax.Array:
   return hash_uniform_at(idx, x, jnp.uint32(salt & 0xFFFFFFFF))
 
 
-def round_values(v: jax.Array, rounding: Rounding | str, *, salt: int = 0,
-                 key: jax.Array | None = None) -> jax.Array:
+def round_values(
+  v: jax.Array,
+  rounding: Rounding | str,
+  *,
+  salt: int = 0,
+  key: jax.Array | None = None,
+) -> jax.Array:
   """Rounds float32 values to integers (still float32) by ``rounding``.
 
   Args:
@@ -150,14 +167,22 @@ def round_values(v: jax.Array, rounding: Rounding | str, *, salt: int = 0,
     return jnp.round(v)
   if rounding is Rounding.TRUNCATE:
     return jnp.trunc(v)
-  noise = (jax.random.uniform(key, v.shape, jnp.float32) if key is not None
-           else hash_uniform(v, salt))
+  noise = (
+    jax.random.uniform(key, v.shape, jnp.float32)
+    if key is not None
+    else hash_uniform(v, salt)
+  )
   return jnp.floor(v + noise)
 
 
-def quantize_int8(x: jax.Array, scale: jax.Array,
-                  rounding: Rounding | str = Rounding.NEAREST, *,
-                  salt: int = 0, key: jax.Array | None = None) -> jax.Array:
+def quantize_int8(
+  x: jax.Array,
+  scale: jax.Array,
+  rounding: Rounding | str = Rounding.NEAREST,
+  *,
+  salt: int = 0,
+  key: jax.Array | None = None,
+) -> jax.Array:
   """Quantizes ``x`` to int8 with a given scale: ``clip(round(x / scale))``.
 
   Returns:
@@ -168,9 +193,14 @@ def quantize_int8(x: jax.Array, scale: jax.Array,
   return jnp.clip(q, -INT8_MAX, INT8_MAX).astype(jnp.int8)
 
 
-def quantize(x: jax.Array, reduce_axes: Sequence[int] | None = None,
-             rounding: Rounding | str = Rounding.NEAREST, *, salt: int = 0,
-             key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def quantize(
+  x: jax.Array,
+  reduce_axes: Sequence[int] | None = None,
+  rounding: Rounding | str = Rounding.NEAREST,
+  *,
+  salt: int = 0,
+  key: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """Quantizes ``x`` to int8 with an absmax scale.
 
   Args:
@@ -187,8 +217,9 @@ def quantize(x: jax.Array, reduce_axes: Sequence[int] | None = None,
   return quantize_int8(x, scale, rounding, salt=salt, key=key), scale
 
 
-def dequantize(q: jax.Array, scale: jax.Array,
-               dtype: jnp.dtype = jnp.float32) -> jax.Array:
+def dequantize(
+  q: jax.Array, scale: jax.Array, dtype: jnp.dtype = jnp.float32
+) -> jax.Array:
   """Returns ``q * scale`` in ``dtype``."""
   return (q.astype(jnp.float32) * scale).astype(dtype)
 
@@ -197,9 +228,11 @@ FP8_FORWARD = jnp.float8_e4m3fn
 FP8_GRADIENT = jnp.float8_e5m2
 
 
-def quantize_fp8(x: jax.Array, dtype: jnp.dtype = FP8_FORWARD,
-                 reduce_axes: Sequence[int] | None = None
-                 ) -> tuple[jax.Array, jax.Array]:
+def quantize_fp8(
+  x: jax.Array,
+  dtype: jnp.dtype = FP8_FORWARD,
+  reduce_axes: Sequence[int] | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """Casts ``x`` to an fp8 type after scaling its amax to the type's maximum.
 
   As in ``flax.linen.fp8_ops`` (current scaling, no amax history): e4m3 for

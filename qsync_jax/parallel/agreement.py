@@ -13,11 +13,12 @@ process 0's.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 import hashlib
 import itertools
 import json
 import os
-from typing import Any, Mapping
+from typing import Any
 
 import flax
 import jax
@@ -27,8 +28,16 @@ import numpy as np
 from qsync_jax.parallel import coordination
 
 #: The compared fields, in the order a mismatch is reported.
-FIELDS = ("jax", "jaxlib", "flax", "XLA_FLAGS", "config", "param_count",
-          "params", "data_seed")
+FIELDS = (
+  "jax",
+  "jaxlib",
+  "flax",
+  "XLA_FLAGS",
+  "config",
+  "param_count",
+  "params",
+  "data_seed",
+)
 
 # A unique key prefix per check within one process (all processes call the
 # checks in the same order, so the n-th calls share their keys).
@@ -52,21 +61,26 @@ def tree_digest(tree: Any) -> str:
   h = hashlib.sha256()
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     data = np.ascontiguousarray(np.asarray(leaf))
-    h.update(f"{jax.tree_util.keystr(path)}:{data.dtype}:{data.shape};"
-             .encode())
+    h.update(
+      f"{jax.tree_util.keystr(path)}:{data.dtype}:{data.shape};".encode()
+    )
     h.update(data.tobytes())
   return h.hexdigest()
 
 
 def json_digest(value: Any) -> str:
-  """SHA-256 of ``value`` as JSON with sorted keys (non-JSON values by repr).
-  """
+  """SHA-256 of ``value`` as JSON with sorted keys (non-JSON values by repr)."""
   text = json.dumps(value, sort_keys=True, default=repr)
   return hashlib.sha256(text.encode()).hexdigest()
 
 
-def local_facts(*, config: Any, params: Any, data_seed: int,
-                environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def local_facts(
+  *,
+  config: Any,
+  params: Any,
+  data_seed: int,
+  environ: Mapping[str, str] | None = None,
+) -> dict[str, str]:
   """What this process compares with the others.
 
   Args:
@@ -82,19 +96,20 @@ def local_facts(*, config: Any, params: Any, data_seed: int,
   environ = os.environ if environ is None else environ
   leaves = jax.tree.leaves(params)
   return {
-      "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-      "flax": flax.__version__,
-      "XLA_FLAGS": environ.get("XLA_FLAGS", ""),
-      "config": json_digest(config),
-      "param_count": str(sum(int(np.size(x)) for x in leaves)),
-      "params": tree_digest(params),
-      "data_seed": str(data_seed),
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "flax": flax.__version__,
+    "XLA_FLAGS": environ.get("XLA_FLAGS", ""),
+    "config": json_digest(config),
+    "param_count": str(sum(int(np.size(x)) for x in leaves)),
+    "params": tree_digest(params),
+    "data_seed": str(data_seed),
   }
 
 
 def _short(value: str) -> str:
   value = repr(value)
-  return value if len(value) <= _SHOWN else value[:_SHOWN - 3] + "..."
+  return value if len(value) <= _SHOWN else value[: _SHOWN - 3] + "..."
 
 
 def first_mismatch(table: list[Mapping[str, str]]) -> str | None:
@@ -109,13 +124,16 @@ def first_mismatch(table: list[Mapping[str, str]]) -> str | None:
   reference = table[0]
   # FIELDS in their order, then any other field a caller compares.
   fields = [f for f in FIELDS if f in reference] + sorted(
-      set(reference) - set(FIELDS))
+    set(reference) - set(FIELDS)
+  )
   for k, facts in enumerate(table[1:], start=1):
     for field in fields:
       if facts.get(field) != reference.get(field):
-        return (f"process {k} disagrees with process 0 on {field}: "
-                f"{_short(facts.get(field, '<missing>'))} vs "
-                f"{_short(reference.get(field, '<missing>'))}")
+        return (
+          f"process {k} disagrees with process 0 on {field}: "
+          f"{_short(facts.get(field, '<missing>'))} vs "
+          f"{_short(reference.get(field, '<missing>'))}"
+        )
   return None
 
 
@@ -140,8 +158,13 @@ def check(facts: Mapping[str, str], *, timeout_s: float = 60) -> None:
     return
   try:
     table = coordination.gather(
-        coordination.client(), facts, jax.process_index(), n,
-        timeout_s=timeout_s, prefix=f"qsync_agreement/{next(_CALLS)}")
+      coordination.client(),
+      facts,
+      jax.process_index(),
+      n,
+      timeout_s=timeout_s,
+      prefix=f"qsync_agreement/{next(_CALLS)}",
+    )
   except coordination.CoordinationError as e:
     raise AgreementError(str(e)) from None
   problem = first_mismatch(table)

@@ -58,9 +58,10 @@ affected bucket to NaN.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import jax
 from jax import flatten_util
@@ -68,11 +69,15 @@ from jax import lax
 import jax.numpy as jnp
 
 from qsync_jax.parallel import buckets
+
 # Re-exported: callers know the whole family by this module's name.
-from qsync_jax.parallel.global_qsgd import GlobalQSGD, GlobalQSGDExp
+from qsync_jax.parallel.global_qsgd import GlobalQSGD
+from qsync_jax.parallel.global_qsgd import GlobalQSGDExp
 from qsync_jax.parallel.powersgd import PowerSGD
-from qsync_jax.parallel.wire import (Averager, Reducing, ring_allgather_bytes,
-                                     ring_allreduce_bytes)
+from qsync_jax.parallel.wire import Averager
+from qsync_jax.parallel.wire import Reducing
+from qsync_jax.parallel.wire import ring_allgather_bytes
+from qsync_jax.parallel.wire import ring_allreduce_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +86,13 @@ class MeanAverager(Reducing):
 
   name: str = "mean"
 
-  def reduce(self, x: jax.Array, weight: jax.Array, axis_name: str,
-             key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  def reduce(
+    self,
+    x: jax.Array,
+    weight: jax.Array,
+    axis_name: str,
+    key: jax.Array | None = None,
+  ) -> tuple[jax.Array, jax.Array]:
     """Returns ``(mean, w_i x_i)``; ``key`` is unused (exact arithmetic)."""
     del key
     y = x.astype(jnp.float32) * weight
@@ -124,18 +134,26 @@ class CastAverager(Reducing):
   def __post_init__(self):
     names = {"float16": "fp16", "bfloat16": "bf16"}
     if self.dtype not in names:
-      raise ValueError(f"CastAverager dtype must be one of {sorted(names)}, "
-                       f"got {self.dtype!r}")
+      raise ValueError(
+        f"CastAverager dtype must be one of {sorted(names)}, got {self.dtype!r}"
+      )
     if not self.name:
       object.__setattr__(self, "name", names[self.dtype])
 
-  def reduce(self, x: jax.Array, weight: jax.Array, axis_name: str,
-             key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  def reduce(
+    self,
+    x: jax.Array,
+    weight: jax.Array,
+    axis_name: str,
+    key: jax.Array | None = None,
+  ) -> tuple[jax.Array, jax.Array]:
     """Returns ``(mean, sent)``; ``key`` is unused (rounding to nearest)."""
     del key
     low = (x.astype(jnp.float32) * weight).astype(self.dtype)
-    return (lax.psum(low, axis_name).astype(jnp.float32),
-            low.astype(jnp.float32))
+    return (
+      lax.psum(low, axis_name).astype(jnp.float32),
+      low.astype(jnp.float32),
+    )
 
   def wire_bytes(self, num_elements: int, num_workers: int) -> float:
     """Ring all-reduce bytes at 2 bytes per element."""
@@ -180,15 +198,21 @@ class QSGD(Reducing):
 
   def __post_init__(self):
     if not 1 <= self.levels <= buckets.MAX_LEVELS:
-      raise ValueError(f"QSGD levels must be in [1, {buckets.MAX_LEVELS}], "
-                       f"got {self.levels}")
+      raise ValueError(
+        f"QSGD levels must be in [1, {buckets.MAX_LEVELS}], got {self.levels}"
+      )
     if self.norm not in ("l2", "linf"):
       raise ValueError(f"QSGD norm must be 'l2' or 'linf', got {self.norm!r}")
     buckets.check_bucket_size(self.bucket_size)
     buckets.check_noise(self.noise)
 
-  def reduce(self, x: jax.Array, weight: jax.Array, axis_name: str,
-             key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  def reduce(
+    self,
+    x: jax.Array,
+    weight: jax.Array,
+    axis_name: str,
+    key: jax.Array | None = None,
+  ) -> tuple[jax.Array, jax.Array]:
     """Returns ``(mean, sent)``, ``sent`` this worker's decoded codes.
 
     Arguments as for :meth:`qsync_jax.parallel.wire.Averager.reduce`.
@@ -208,8 +232,9 @@ class QSGD(Reducing):
     # No shared value exists before the gather: the local norms vary the
     # default key per step and fold_in(axis_index) separates the workers.
     v = yb / scale
-    u = buckets.worker_uniform(buckets.base_key(key, self.seed, norm),
-                               axis_name, yb.shape, self.noise, v)
+    u = buckets.worker_uniform(
+      buckets.base_key(key, self.seed, norm), axis_name, yb.shape, self.noise, v
+    )
     q = jnp.clip(jnp.floor(v + u), -self.levels, self.levels)
     codes = lax.all_gather(q.astype(_code_dtype(self.levels)), axis_name)
     scales = lax.all_gather(scale, axis_name)
@@ -219,8 +244,9 @@ class QSGD(Reducing):
   def wire_bytes(self, num_elements: int, num_workers: int) -> float:
     """All-gather of the codes and one float32 norm per bucket."""
     code_bytes = jnp.dtype(_code_dtype(self.levels)).itemsize
-    payload = (code_bytes * num_elements
-               + 4.0 * buckets.num_buckets(num_elements, self.bucket_size))
+    payload = code_bytes * num_elements + 4.0 * buckets.num_buckets(
+      num_elements, self.bucket_size
+    )
     return ring_allgather_bytes(payload, num_workers)
 
 
@@ -241,10 +267,15 @@ def init_state(averager: Averager, num_elements: int) -> Any:
   return None if init is None else init(num_elements)
 
 
-def average(averager: Averager, x: jax.Array, weight: jax.Array,
-            axis_name: str, key: jax.Array | None = None,
-            residual: jax.Array | None = None, state: Any = None
-            ) -> tuple[jax.Array, jax.Array | None, Any]:
+def average(
+  averager: Averager,
+  x: jax.Array,
+  weight: jax.Array,
+  axis_name: str,
+  key: jax.Array | None = None,
+  residual: jax.Array | None = None,
+  state: Any = None,
+) -> tuple[jax.Array, jax.Array | None, Any]:
   """One ``sum_i w_i x_i``, with error feedback and the averager's state.
 
   With a ``residual`` the worker sends ``p = w_i x_i + residual`` (with
@@ -275,15 +306,20 @@ def average(averager: Averager, x: jax.Array, weight: jax.Array,
   if state is None:
     mean, sent = averager.reduce(x, weight, axis_name, key)
   else:
-    mean, sent, state = averager.reduce_with_state(x, weight, axis_name, key,
-                                                   state)
+    mean, sent, state = averager.reduce_with_state(
+      x, weight, axis_name, key, state
+    )
   return mean, None if residual is None else x - sent, state
 
 
-def compress_with_feedback(averager: Averager, x: jax.Array,
-                           residual: jax.Array, weight: jax.Array,
-                           axis_name: str, key: jax.Array | None = None
-                           ) -> tuple[jax.Array, jax.Array]:
+def compress_with_feedback(
+  averager: Averager,
+  x: jax.Array,
+  residual: jax.Array,
+  weight: jax.Array,
+  axis_name: str,
+  key: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """Averages with error feedback: re-sends what compression dropped.
 
   The worker sends ``p = w_i x_i + residual`` (through ``averager`` with
@@ -316,15 +352,15 @@ def compress_with_feedback(averager: Averager, x: jax.Array,
 
 
 _FACTORIES: dict[str, Callable[..., Any]] = {
-    "none": MeanAverager,
-    "fp32": MeanAverager,
-    "mean": MeanAverager,
-    "fp16": functools.partial(CastAverager, "float16"),
-    "bf16": functools.partial(CastAverager, "bfloat16"),
-    "gqsgd": GlobalQSGD,
-    "gqsgd_exp": GlobalQSGDExp,
-    "qsgd": QSGD,
-    "powersgd": PowerSGD,
+  "none": MeanAverager,
+  "fp32": MeanAverager,
+  "mean": MeanAverager,
+  "fp16": functools.partial(CastAverager, "float16"),
+  "bf16": functools.partial(CastAverager, "bfloat16"),
+  "gqsgd": GlobalQSGD,
+  "gqsgd_exp": GlobalQSGDExp,
+  "qsgd": QSGD,
+  "powersgd": PowerSGD,
 }
 
 
@@ -344,8 +380,9 @@ def make_averager(name: str, **kwargs: Any) -> Averager:
     ValueError: an unknown name.
   """
   if name not in _FACTORIES:
-    raise ValueError(f"unknown averager {name!r}; valid: "
-                     f"{', '.join(_FACTORIES)}")
+    raise ValueError(
+      f"unknown averager {name!r}; valid: {', '.join(_FACTORIES)}"
+    )
   return _FACTORIES[name](**kwargs)
 
 
@@ -368,14 +405,20 @@ def ravel_floats(tree: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
     dtype = getattr(leaf, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
       raise ValueError(
-          "averaging needs floating-point leaves, got "
-          f"{dtype or type(leaf).__name__} at "
-          f"{jax.tree_util.keystr(path) or 'the root'}")
+        "averaging needs floating-point leaves, got "
+        f"{dtype or type(leaf).__name__} at "
+        f"{jax.tree_util.keystr(path) or 'the root'}"
+      )
   return flatten_util.ravel_pytree(tree)
 
 
-def average_tree(averager: Averager, tree: Any, weight: jax.Array,
-                 axis_name: str, key: jax.Array | None = None) -> Any:
+def average_tree(
+  averager: Averager,
+  tree: Any,
+  weight: jax.Array,
+  axis_name: str,
+  key: jax.Array | None = None,
+) -> Any:
   """``sum_i w_i x_i`` of a pytree: one averager call on its raveled leaves.
 
   The float leaves are raveled into one vector (so the averager's buckets

@@ -96,11 +96,10 @@ def to_buckets(y: jax.Array, bucket_size: int | None) -> jax.Array:
 
 def from_buckets(yb: jax.Array, like: jax.Array) -> jax.Array:
   """Undoes :func:`to_buckets`: drops the padding, takes ``like``'s shape."""
-  return yb.reshape(-1)[:like.size].reshape(like.shape)
+  return yb.reshape(-1)[: like.size].reshape(like.shape)
 
 
-def bucket_absmax(yb: jax.Array, weight: jax.Array | float = 1.0
-                  ) -> jax.Array:
+def bucket_absmax(yb: jax.Array, weight: jax.Array | float = 1.0) -> jax.Array:
   """Per-row max ``|weight * y|``, or inf where a row holds a non-finite
   value.
 
@@ -123,17 +122,20 @@ def bucket_absmax(yb: jax.Array, weight: jax.Array | float = 1.0
   Returns:
     One float per row.
   """
-  neg_inf, pos_inf = jnp.array(-jnp.inf, yb.dtype), jnp.array(jnp.inf,
-                                                              yb.dtype)
+  neg_inf, pos_inf = jnp.array(-jnp.inf, yb.dtype), jnp.array(jnp.inf, yb.dtype)
   hi, lo = lax.reduce(
-      (yb, yb), (neg_inf, pos_inf),
-      lambda a, b: (jnp.maximum(a[0], b[0]), jnp.minimum(a[1], b[1])), (1,))
+    (yb, yb),
+    (neg_inf, pos_inf),
+    lambda a, b: (jnp.maximum(a[0], b[0]), jnp.minimum(a[1], b[1])),
+    (1,),
+  )
   m = jnp.maximum(hi, -lo) * jnp.abs(weight)
   return jnp.where(jnp.isnan(m), jnp.inf, m)
 
 
-def absmax(y: jax.Array, bucket_size: int | None,
-           weight: jax.Array | float = 1.0) -> jax.Array:
+def absmax(
+  y: jax.Array, bucket_size: int | None, weight: jax.Array | float = 1.0
+) -> jax.Array:
   """:func:`bucket_absmax` of ``to_buckets(y, bucket_size)``, read from ``y``.
 
   The full rows are a reshape of ``y``'s prefix; only the last row is
@@ -147,10 +149,11 @@ def absmax(y: jax.Array, bucket_size: int | None,
   full = flat.size // width
   if full == nb:
     return bucket_absmax(flat.reshape(nb, width), weight)
-  head = flat[:full * width].reshape(full, width)
-  tail = jnp.pad(flat[full * width:], (0, nb * width - flat.size))[None]
-  return jnp.concatenate([bucket_absmax(head, weight),
-                          bucket_absmax(tail, weight)])
+  head = flat[: full * width].reshape(full, width)
+  tail = jnp.pad(flat[full * width :], (0, nb * width - flat.size))[None]
+  return jnp.concatenate(
+    [bucket_absmax(head, weight), bucket_absmax(tail, weight)]
+  )
 
 
 def nan_where(bad: jax.Array, values: jax.Array) -> jax.Array:
@@ -172,8 +175,12 @@ def base_key(key: jax.Array | None, seed: int, data: jax.Array) -> jax.Array:
   return jax.random.fold_in(jax.random.key(seed), checksum)
 
 
-def uniform(key: jax.Array, shape: tuple[int, ...], noise: str,
-            values: jax.Array | None = None) -> jax.Array:
+def uniform(
+  key: jax.Array,
+  shape: tuple[int, ...],
+  noise: str,
+  values: jax.Array | None = None,
+) -> jax.Array:
   """Uniform [0, 1) noise of ``shape`` from ``key``.
 
   Args:
@@ -190,7 +197,8 @@ def uniform(key: jax.Array, shape: tuple[int, ...], noise: str,
     return jax.random.uniform(key, shape, jnp.float32)
   idx = lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
   return quant.hash_uniform_at(
-      idx, jnp.float32(0) if values is None else values, hash_salt(key))
+    idx, jnp.float32(0) if values is None else values, hash_salt(key)
+  )
 
 
 def hash_salt(key: jax.Array) -> jax.Array:
@@ -203,7 +211,12 @@ def worker_key(key: jax.Array, axis_name: str) -> jax.Array:
   return jax.random.fold_in(key, lax.axis_index(axis_name))
 
 
-def worker_uniform(key: jax.Array, axis_name: str, shape: tuple[int, ...],
-                   noise: str, values: jax.Array | None = None) -> jax.Array:
+def worker_uniform(
+  key: jax.Array,
+  axis_name: str,
+  shape: tuple[int, ...],
+  noise: str,
+  values: jax.Array | None = None,
+) -> jax.Array:
   """Uniform [0, 1) noise, independent per worker (see :func:`uniform`)."""
   return uniform(worker_key(key, axis_name), shape, noise, values)

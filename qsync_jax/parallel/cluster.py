@@ -13,8 +13,8 @@ speed with the global batch fixed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 import dataclasses
-from typing import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -33,6 +33,7 @@ class ClusterSpec:
   Attributes:
     kinds: one device kind per worker, in worker order.
   """
+
   kinds: tuple[str, ...]
 
   @property
@@ -50,7 +51,7 @@ class ClusterSpec:
     return ",".join(f"{k}:{n}" for k, n in self.groups().items())
 
 
-def parse_cluster(spec: "str | ClusterSpec") -> ClusterSpec:
+def parse_cluster(spec: str | ClusterSpec) -> ClusterSpec:
   """Parses ``"kind:count,kind:count,..."`` into a :class:`ClusterSpec`.
 
   A :class:`ClusterSpec` is returned as it is.
@@ -67,24 +68,29 @@ def parse_cluster(spec: "str | ClusterSpec") -> ClusterSpec:
   for group in spec.split(","):
     parts = group.strip().split(":")
     if len(parts) != 2 or not parts[0].strip():
-      raise ValueError(f"malformed cluster group {group.strip()!r} in "
-                       f"{spec!r}; expected kind:count, e.g. 'v100:2,t4:2'")
+      raise ValueError(
+        f"malformed cluster group {group.strip()!r} in "
+        f"{spec!r}; expected kind:count, e.g. 'v100:2,t4:2'"
+      )
     kind, count = parts[0].strip().lower(), parts[1].strip()
     supported_precisions(kind)  # raises for an unknown kind
     try:
       n = int(count)
     except ValueError:
-      raise ValueError(f"cluster group {group.strip()!r}: count {count!r} "
-                       "is not an integer") from None
+      raise ValueError(
+        f"cluster group {group.strip()!r}: count {count!r} is not an integer"
+      ) from None
     if n <= 0:
-      raise ValueError(f"cluster group {group.strip()!r}: count must be "
-                       f"positive, got {n}")
+      raise ValueError(
+        f"cluster group {group.strip()!r}: count must be positive, got {n}"
+      )
     kinds.extend([kind] * n)
   return ClusterSpec(tuple(kinds))
 
 
-def cluster_from_devices(devices: Sequence[jax.Device] | None = None
-                         ) -> ClusterSpec:
+def cluster_from_devices(
+  devices: Sequence[jax.Device] | None = None,
+) -> ClusterSpec:
   """Builds the :class:`ClusterSpec` of ``devices``, one worker per device.
 
   ``jax.devices()`` is global in a multi-process run (``jax.distributed``):
@@ -109,9 +115,9 @@ def cluster_from_devices(devices: Sequence[jax.Device] | None = None
   return ClusterSpec(tuple(device_kind_of(d) for d in devices))
 
 
-def resolve_cluster(spec: "str | ClusterSpec",
-                    devices: Sequence[jax.Device] | None = None
-                    ) -> ClusterSpec:
+def resolve_cluster(
+  spec: str | ClusterSpec, devices: Sequence[jax.Device] | None = None
+) -> ClusterSpec:
   """Parses ``spec``; :data:`AUTO` means the spec of ``devices``.
 
   With ``"auto"`` the workers are all ``devices`` (default
@@ -156,9 +162,9 @@ def cluster_string(cluster: ClusterSpec) -> str:
   return ",".join(f"{kind}:{n}" for kind, n in runs)
 
 
-def assign_devices(cluster: ClusterSpec,
-                   devices: Sequence[jax.Device] | None = None
-                   ) -> list[jax.Device]:
+def assign_devices(
+  cluster: ClusterSpec, devices: Sequence[jax.Device] | None = None
+) -> list[jax.Device]:
   """Returns one distinct JAX device per worker, in worker order.
 
   Args:
@@ -172,15 +178,17 @@ def assign_devices(cluster: ClusterSpec,
   devices = list(jax.devices() if devices is None else devices)
   if cluster.num_workers > len(devices):
     raise ValueError(
-        f"cluster {cluster} needs {cluster.num_workers} devices but only "
-        f"{len(devices)} exist ({devices[0].platform if devices else 'none'});"
-        " on CPU, set jax_num_cpu_devices (or XLA_FLAGS="
-        "--xla_force_host_platform_device_count) before JAX starts")
-  return devices[:cluster.num_workers]
+      f"cluster {cluster} needs {cluster.num_workers} devices but only "
+      f"{len(devices)} exist ({devices[0].platform if devices else 'none'});"
+      " on CPU, set jax_num_cpu_devices (or XLA_FLAGS="
+      "--xla_force_host_platform_device_count) before JAX starts"
+    )
+  return devices[: cluster.num_workers]
 
 
-def dynamic_batch_sizes(global_batch: int, speeds: Sequence[float]
-                        ) -> list[int]:
+def dynamic_batch_sizes(
+  global_batch: int, speeds: Sequence[float]
+) -> list[int]:
   """Splits ``global_batch`` across workers in proportion to their speeds.
 
   Largest-remainder rounding keeps the sum exactly ``global_batch``; every
@@ -194,14 +202,15 @@ def dynamic_batch_sizes(global_batch: int, speeds: Sequence[float]
     ValueError: a non-positive speed, or fewer examples than workers.
   """
   speeds = np.asarray(speeds, dtype=np.float64)
-  if speeds.size == 0 or np.any(speeds <= 0) or not np.all(
-      np.isfinite(speeds)):
-    raise ValueError(f"speeds must be positive and finite, got "
-                     f"{speeds.tolist()}")
+  if speeds.size == 0 or np.any(speeds <= 0) or not np.all(np.isfinite(speeds)):
+    raise ValueError(
+      f"speeds must be positive and finite, got {speeds.tolist()}"
+    )
   n = speeds.size
   if global_batch < n:
-    raise ValueError(f"global batch {global_batch} is smaller than the "
-                     f"{n} workers")
+    raise ValueError(
+      f"global batch {global_batch} is smaller than the {n} workers"
+    )
   # Give each worker one example first so none is left empty.
   share = (global_batch - n) * speeds / speeds.sum()
   sizes = np.floor(share).astype(int)
@@ -224,8 +233,10 @@ def parse_speeds(spec: str | Mapping[str, float]) -> dict[str, float]:
     for group in spec.split(","):
       parts = group.strip().split(":")
       if len(parts) != 2:
-        raise ValueError(f"malformed speed {group.strip()!r}; expected "
-                         "kind:speed, e.g. 'v100:1.3,t4:1'")
+        raise ValueError(
+          f"malformed speed {group.strip()!r}; expected "
+          "kind:speed, e.g. 'v100:1.3,t4:1'"
+        )
       items.append((parts[0].strip().lower(), parts[1].strip()))
   speeds = {}
   for kind, value in items:
@@ -233,8 +244,9 @@ def parse_speeds(spec: str | Mapping[str, float]) -> dict[str, float]:
     try:
       speeds[kind] = float(value)
     except ValueError:
-      raise ValueError(f"speed of {kind!r} is not a number: {value!r}"
-                       ) from None
+      raise ValueError(
+        f"speed of {kind!r} is not a number: {value!r}"
+      ) from None
     if not speeds[kind] > 0:
       raise ValueError(f"speed of {kind!r} must be positive, got {value}")
   return speeds

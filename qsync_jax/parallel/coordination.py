@@ -12,8 +12,9 @@ ends with the same one line instead of waiting out a timeout.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 import json
-from typing import Any, Mapping
+from typing import Any
 
 
 class CoordinationError(RuntimeError):
@@ -28,22 +29,32 @@ def client() -> Any:
   """
   # Orbax's public accessor; jax itself exposes the client only privately.
   from orbax.checkpoint import multihost  # local: only multi-process runs
+
   return multihost.get_jax_distributed_client()
 
 
-def _get(store: Any, key: str, timeout_s: float, missing: str,
-         waiter: int) -> str:
+def _get(
+  store: Any, key: str, timeout_s: float, missing: str, waiter: int
+) -> str:
   try:
     return store.blocking_key_value_get(key, int(timeout_s * 1000))
   except Exception:  # pylint: disable=broad-except
     # The store raises a runtime error (DEADLINE_EXCEEDED) on timeout.
-    raise CoordinationError(f"{missing} within {timeout_s:g} s (process "
-                            f"{waiter} waited)") from None
+    raise CoordinationError(
+      f"{missing} within {timeout_s:g} s (process {waiter} waited)"
+    ) from None
 
 
-def gather(store: Any, value: Mapping[str, Any], process_index: int,
-           process_count: int, *, prefix: str, timeout_s: float = 60,
-           what: str = "its settings") -> list[dict[str, Any]]:
+def gather(
+  store: Any,
+  value: Mapping[str, Any],
+  process_index: int,
+  process_count: int,
+  *,
+  prefix: str,
+  timeout_s: float = 60,
+  what: str = "its settings",
+) -> list[dict[str, Any]]:
   """Every process's ``value`` through the key-value store ``store``.
 
   Every process calls it with the same ``prefix``.
@@ -69,15 +80,31 @@ def gather(store: Any, value: Mapping[str, Any], process_index: int,
     if k == process_index:
       table.append(dict(value))
       continue
-    table.append(json.loads(_get(store, f"{prefix}/{k}", timeout_s,
-                                 f"process {k} did not report {what}",
-                                 process_index)))
+    table.append(
+      json.loads(
+        _get(
+          store,
+          f"{prefix}/{k}",
+          timeout_s,
+          f"process {k} did not report {what}",
+          process_index,
+        )
+      )
+    )
   return table
 
 
-def share(store: Any, key: str, value: Any = None, *, source: int,
-          process_index: int, timeout_s: float = 60, what: str = "a value",
-          error: str | None = None) -> Any:
+def share(
+  store: Any,
+  key: str,
+  value: Any = None,
+  *,
+  source: int,
+  process_index: int,
+  timeout_s: float = 60,
+  what: str = "a value",
+  error: str | None = None,
+) -> Any:
   """Process ``source``'s ``value``, on every process.
 
   The source puts ``value`` (or ``error``) under ``key``; the others wait for
@@ -105,9 +132,15 @@ def share(store: Any, key: str, value: Any = None, *, source: int,
     if error is not None:
       raise CoordinationError(error)
     return value
-  got = json.loads(_get(store, key, timeout_s,
-                        f"process {source} did not share {what}",
-                        process_index))
+  got = json.loads(
+    _get(
+      store,
+      key,
+      timeout_s,
+      f"process {source} did not share {what}",
+      process_index,
+    )
+  )
   if got["error"] is not None:
     raise CoordinationError(got["error"])
   return got["value"]

@@ -24,6 +24,7 @@ a signal) when one fails, and with 124 when --timeout_s runs out.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 import ctypes
 import dataclasses
 import errno
@@ -34,13 +35,12 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Callable, Mapping, Sequence
+from typing import IO
 
 from absl import logging
 import jax
 
 from qsync_jax.parallel import launchers
-
 
 ENV_COORDINATOR_ADDRESS = launchers.ENV_COORDINATOR_ADDRESS
 ENV_NUM_PROCESSES = launchers.ENV_NUM_PROCESSES
@@ -64,13 +64,15 @@ class DistributedConfig:
     num_processes: Number of processes in the run.
     process_id: This process's index, in ``[0, num_processes)``.
   """
+
   coordinator_address: str
   num_processes: int
   process_id: int
 
 
 def config_from_env(
-    environ: Mapping[str, str] = os.environ) -> DistributedConfig | None:
+  environ: Mapping[str, str] = os.environ,
+) -> DistributedConfig | None:
   """Reads the ``QSYNC_*`` variables the launcher sets.
 
   Args:
@@ -87,17 +89,23 @@ def config_from_env(
   launch = launchers.from_qsync_env(environ)
   if launch is None:
     return None
-  return DistributedConfig(launch.coordinator_address, launch.num_processes,
-                           launch.process_id)
+  return DistributedConfig(
+    launch.coordinator_address, launch.num_processes, launch.process_id
+  )
 
 
-def initialize(config: DistributedConfig | None = None, *,
-               timeout_s: int = 60, heartbeat_timeout_s: int = 100,
-               shutdown_timeout_s: int = 300, local_devices: str = "auto",
-               coordinator_address: str | None = None,
-               num_processes: int | None = None,
-               process_id: int | None = None,
-               environ: Mapping[str, str] | None = None) -> bool:
+def initialize(
+  config: DistributedConfig | None = None,
+  *,
+  timeout_s: int = 60,
+  heartbeat_timeout_s: int = 100,
+  shutdown_timeout_s: int = 300,
+  local_devices: str = "auto",
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  environ: Mapping[str, str] | None = None,
+) -> bool:
   """Joins the multi-process run its launcher or its arguments describe.
 
   The run comes from ``config``, else from
@@ -132,30 +140,42 @@ def initialize(config: DistributedConfig | None = None, *,
   if jax.distributed.is_initialized():
     return True
   if config is not None:
-    launch = launchers.Launch("explicit", config.num_processes,
-                              config.process_id, config.coordinator_address)
+    launch = launchers.Launch(
+      "explicit",
+      config.num_processes,
+      config.process_id,
+      config.coordinator_address,
+    )
   else:
     launch = launchers.detect(
-        os.environ if environ is None else environ,
-        coordinator_address=coordinator_address, num_processes=num_processes,
-        process_id=process_id)
+      os.environ if environ is None else environ,
+      coordinator_address=coordinator_address,
+      num_processes=num_processes,
+      process_id=process_id,
+    )
   if launch is None or launch.num_processes == 1:
     return False
   every_device = launchers.wants_all_devices(launch, local_devices)
-  local_ids = (None if every_device or launch.local_rank is None
-               else [launch.local_rank])
-  known = None not in (launch.coordinator_address, launch.num_processes,
-                       launch.process_id)
+  local_ids = (
+    None if every_device or launch.local_rank is None else [launch.local_rank]
+  )
+  known = None not in (
+    launch.coordinator_address,
+    launch.num_processes,
+    launch.process_id,
+  )
   jax.distributed.initialize(
-      coordinator_address=launch.coordinator_address,
-      num_processes=launch.num_processes, process_id=launch.process_id,
-      local_device_ids=local_ids,
-      # Known values need no detection, which would also pick device ids;
-      # else the launcher found decides which of jax's detections runs.
-      cluster_detection_method="deactivate" if known else launch.detection,
-      initialization_timeout=timeout_s,
-      heartbeat_timeout_seconds=heartbeat_timeout_s,
-      shutdown_timeout_seconds=shutdown_timeout_s)
+    coordinator_address=launch.coordinator_address,
+    num_processes=launch.num_processes,
+    process_id=launch.process_id,
+    local_device_ids=local_ids,
+    # Known values need no detection, which would also pick device ids;
+    # else the launcher found decides which of jax's detections runs.
+    cluster_detection_method="deactivate" if known else launch.detection,
+    initialization_timeout=timeout_s,
+    heartbeat_timeout_seconds=heartbeat_timeout_s,
+    shutdown_timeout_seconds=shutdown_timeout_s,
+  )
   if every_device:
     # jax's detection restricts a process to its local rank's device; one
     # process per node of several GPUs uses them all.
@@ -165,9 +185,13 @@ def initialize(config: DistributedConfig | None = None, *,
   # collectives; more than one CPU device per process hangs the first one.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.config.update("jax_num_cpu_devices", 1)
-  logging.info("joined a %d-process run as process %d (launcher: %s, "
-               "coordinator: %s)", jax.process_count(), jax.process_index(),
-               launch.source, launch.coordinator_address or "detected by jax")
+  logging.info(
+    "joined a %d-process run as process %d (launcher: %s, coordinator: %s)",
+    jax.process_count(),
+    jax.process_index(),
+    launch.source,
+    launch.coordinator_address or "detected by jax",
+  )
   return True
 
 
@@ -202,11 +226,15 @@ def check_port_free(port: int) -> None:
     try:
       s.bind(("", port))
     except OSError as e:
-      reason = ("is already in use" if e.errno == errno.EADDRINUSE
-                else f"cannot be bound ({e.strerror})")
+      reason = (
+        "is already in use"
+        if e.errno == errno.EADDRINUSE
+        else f"cannot be bound ({e.strerror})"
+      )
       raise ValueError(
-          f"coordinator port {port} {reason}; pick another port or leave "
-          "it out to use a free one") from None
+        f"coordinator port {port} {reason}; pick another port or leave "
+        "it out to use a free one"
+      ) from None
 
 
 def _die_with_parent() -> Callable[[], None] | None:
@@ -234,8 +262,9 @@ def _die_with_parent() -> Callable[[], None] | None:
   return preexec
 
 
-def _relay(pipe: IO[bytes], out: str, prefix: str,
-           lock: threading.Lock) -> None:
+def _relay(
+  pipe: IO[bytes], out: str, prefix: str, lock: threading.Lock
+) -> None:
   """Copies ``pipe`` line by line to ``sys.<out>``, each line prefixed."""
   with pipe:
     for line in iter(pipe.readline, b""):
@@ -257,12 +286,17 @@ def _describe_exit(code: int) -> str:
   return f"exited with code {code}"
 
 
-def launch(command: Sequence[str], num_processes: int, *,
-           port: int | None = None, timeout_s: float | None = None,
-           dead_peer_timeout_s: float = 60,
-           env: Mapping[str, str] | None = None,
-           coordinator_host: str = "127.0.0.1",
-           wrap: Callable[[int, list[str]], list[str]] | None = None) -> int:
+def launch(
+  command: Sequence[str],
+  num_processes: int,
+  *,
+  port: int | None = None,
+  timeout_s: float | None = None,
+  dead_peer_timeout_s: float = 60,
+  env: Mapping[str, str] | None = None,
+  coordinator_host: str = "127.0.0.1",
+  wrap: Callable[[int, list[str]], list[str]] | None = None,
+) -> int:
   """Runs ``command`` as ``num_processes`` processes of one localhost run.
 
   Each process gets the ``QSYNC_*`` variables ``initialize()`` reads and
@@ -309,11 +343,13 @@ def launch(command: Sequence[str], num_processes: int, *,
   else:
     check_port_free(port)
   base_env = dict(os.environ if env is None else env)
-  base_env.update({
+  base_env.update(
+    {
       ENV_COORDINATOR_ADDRESS: f"{coordinator_host}:{port}",
       ENV_NUM_PROCESSES: str(num_processes),
       "JAX_NUM_CPU_DEVICES": "1",
-  })
+    }
+  )
   # Unbuffered children, so relayed lines arrive as they are printed.
   base_env.setdefault("PYTHONUNBUFFERED", "1")
 
@@ -347,8 +383,10 @@ def launch(command: Sequence[str], num_processes: int, *,
       try:
         p.wait(timeout=max(0.0, deadline - time.monotonic()))
       except subprocess.TimeoutExpired:
-        print(f"error: process {procs.index(p)} (pid {p.pid}) survived "
-              "SIGKILL", file=sys.stderr)
+        print(
+          f"error: process {procs.index(p)} (pid {p.pid}) survived SIGKILL",
+          file=sys.stderr,
+        )
     return len(running)
 
   preexec = _die_with_parent()
@@ -358,14 +396,19 @@ def launch(command: Sequence[str], num_processes: int, *,
       # Own process group (pgid = pid): a terminal's Ctrl-C reaches only
       # the launcher, which then kills each group as a whole.
       argv = list(command) if wrap is None else wrap(i, list(command))
-      p = subprocess.Popen(argv,
-                           env={**base_env, ENV_PROCESS_ID: str(i)},
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           process_group=0, preexec_fn=preexec)
+      p = subprocess.Popen(
+        argv,
+        env={**base_env, ENV_PROCESS_ID: str(i)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        process_group=0,
+        preexec_fn=preexec,
+      )
       procs.append(p)
       for pipe, out in ((p.stdout, "stdout"), (p.stderr, "stderr")):
-        t = threading.Thread(target=_relay, args=(pipe, out, f"[p{i}] ", lock),
-                             daemon=True)
+        t = threading.Thread(
+          target=_relay, args=(pipe, out, f"[p{i}] ", lock), daemon=True
+        )
         t.start()
         relays.append(t)
 
@@ -376,21 +419,25 @@ def launch(command: Sequence[str], num_processes: int, *,
         summary.append(f"error: launcher got {name}; killed {n} processes")
         return 128 + received[0]
       codes = [p.poll() for p in procs]
-      failed = next((i for i, c in enumerate(codes) if c not in (None, 0)),
-                    None)
+      failed = next(
+        (i for i, c in enumerate(codes) if c not in (None, 0)), None
+      )
       if failed is not None:
         code = codes[failed]
         n = kill_running()
-        summary.append(f"error: process {failed} (pid {procs[failed].pid}) "
-                       f"{_describe_exit(code)}; killed {n} other "
-                       f"process{'' if n == 1 else 'es'}")
+        summary.append(
+          f"error: process {failed} (pid {procs[failed].pid}) "
+          f"{_describe_exit(code)}; killed {n} other "
+          f"process{'' if n == 1 else 'es'}"
+        )
         return code if code > 0 else 1
       if all(c == 0 for c in codes):
         return 0
       if timeout_s is not None and time.monotonic() - start >= timeout_s:
         n = kill_running()
         summary.append(
-            f"error: timed out after {timeout_s:g} s; killed {n} processes")
+          f"error: timed out after {timeout_s:g} s; killed {n} processes"
+        )
         return TIMEOUT_EXIT_CODE
       time.sleep(_POLL_INTERVAL_S)
   finally:

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 
 from qsync_jax.numerics import gqsgd_encode as encode_lib
 from qsync_jax.parallel import buckets
-from qsync_jax.parallel.wire import Reducing, ring_allreduce_bytes
+from qsync_jax.parallel.wire import Reducing
+from qsync_jax.parallel.wire import ring_allreduce_bytes
 
 # Integer wire formats of the standard-dithering all-reduce: the largest code
 # magnitude the summed type holds.
@@ -33,8 +34,9 @@ _WIRE_MAX = {"int8": 127, "int16": 32767, "int32": 2**31 - 1}
 _EXP_MAX_K = 126
 
 
-def _global_max(x: jax.Array, weight: jax.Array, bucket_size: int | None,
-                axis_name: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _global_max(
+  x: jax.Array, weight: jax.Array, bucket_size: int | None, axis_name: str
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Buckets ``w_i x_i`` and finds every bucket's max over all workers.
 
   Returns:
@@ -98,8 +100,9 @@ class GlobalQSGD(Reducing):
 
   def __post_init__(self):
     if self.wire not in _WIRE_MAX:
-      raise ValueError(f"GlobalQSGD wire must be one of {sorted(_WIRE_MAX)}, "
-                       f"got {self.wire!r}")
+      raise ValueError(
+        f"GlobalQSGD wire must be one of {sorted(_WIRE_MAX)}, got {self.wire!r}"
+      )
     buckets.check_bucket_size(self.bucket_size)
     buckets.check_noise(self.noise)
 
@@ -112,13 +115,19 @@ class GlobalQSGD(Reducing):
     s = min(_WIRE_MAX[self.wire] // num_workers, buckets.MAX_LEVELS)
     if s < 1:
       raise ValueError(
-          f"a {self.wire} wire sums at most {_WIRE_MAX[self.wire]} workers' "
-          f"codes without overflow, got {num_workers} workers; use a wider "
-          "wire")
+        f"a {self.wire} wire sums at most {_WIRE_MAX[self.wire]} workers' "
+        f"codes without overflow, got {num_workers} workers; use a wider "
+        "wire"
+      )
     return s
 
-  def reduce(self, x: jax.Array, weight: jax.Array, axis_name: str,
-             key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  def reduce(
+    self,
+    x: jax.Array,
+    weight: jax.Array,
+    axis_name: str,
+    key: jax.Array | None = None,
+  ) -> tuple[jax.Array, jax.Array]:
     """Returns ``(mean, sent)``, ``sent`` this worker's decoded codes.
 
     Arguments as for :meth:`qsync_jax.parallel.wire.Averager.reduce`.
@@ -152,8 +161,9 @@ class GlobalQSGD(Reducing):
     """Ring all-reduce of the codes plus the float32 scale ``pmax``."""
     code_bytes = jnp.dtype(self.wire).itemsize
     scales = buckets.num_buckets(num_elements, self.bucket_size)
-    return (ring_allreduce_bytes(code_bytes * num_elements, num_workers)
-            + ring_allreduce_bytes(4.0 * scales, num_workers))
+    return ring_allreduce_bytes(
+      code_bytes * num_elements, num_workers
+    ) + ring_allreduce_bytes(4.0 * scales, num_workers)
 
 
 def _exp_compress(a: jax.Array, u: jax.Array) -> jax.Array:
@@ -175,7 +185,7 @@ def _exp_compress(a: jax.Array, u: jax.Array) -> jax.Array:
 
 def _exp_pack(k: jax.Array, negative: jax.Array) -> jax.Array:
   """uint8 codes of magnitudes ``2**-k`` (bits 0-6) and signs (bit 7)."""
-  return (k.astype(jnp.uint8) | (negative.astype(jnp.uint8) << 7))
+  return k.astype(jnp.uint8) | (negative.astype(jnp.uint8) << 7)
 
 
 def _exp_decode(code: jax.Array) -> jax.Array:
@@ -255,12 +265,19 @@ class GlobalQSGDExp(Reducing):
   @staticmethod
   def _stages(num_workers: int) -> int:
     if num_workers < 1 or num_workers & (num_workers - 1):
-      raise ValueError("exponential dithering merges pairwise and needs a "
-                       f"power-of-two number of workers, got {num_workers}")
+      raise ValueError(
+        "exponential dithering merges pairwise and needs a "
+        f"power-of-two number of workers, got {num_workers}"
+      )
     return num_workers.bit_length() - 1
 
-  def reduce(self, x: jax.Array, weight: jax.Array, axis_name: str,
-             key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  def reduce(
+    self,
+    x: jax.Array,
+    weight: jax.Array,
+    axis_name: str,
+    key: jax.Array | None = None,
+  ) -> tuple[jax.Array, jax.Array]:
     """Returns ``(mean, sent)``, ``sent`` this worker's decoded codes.
 
     Arguments as for :meth:`qsync_jax.parallel.wire.Averager.reduce`.
@@ -273,26 +290,33 @@ class GlobalQSGDExp(Reducing):
     yb, m, bad = _global_max(x, weight, self.bucket_size, axis_name)
     norm = jnp.where((m > 0) & ~bad, 2.0 * n * m, 1.0)[:, None]
     compress_key, merge_key = jax.random.split(
-        buckets.base_key(key, self.seed, m))
+      buckets.base_key(key, self.seed, m)
+    )
     a = yb / norm
-    sent = _exp_compress(a, buckets.worker_uniform(
-        compress_key, axis_name, yb.shape, self.noise, a))
+    sent = _exp_compress(
+      a,
+      buckets.worker_uniform(compress_key, axis_name, yb.shape, self.noise, a),
+    )
     code, worker = sent, lax.axis_index(axis_name)
     for t in range(stages):
-      partner = lax.ppermute(code, axis_name,
-                             [(i, i ^ (1 << t)) for i in range(n)])
-      block_key = jax.random.fold_in(jax.random.fold_in(merge_key, t),
-                                     worker >> (t + 1))
-      code = _exp_merge(code, partner,
-                        buckets.uniform(block_key, yb.shape, self.noise))
+      partner = lax.ppermute(
+        code, axis_name, [(i, i ^ (1 << t)) for i in range(n)]
+      )
+      block_key = jax.random.fold_in(
+        jax.random.fold_in(merge_key, t), worker >> (t + 1)
+      )
+      code = _exp_merge(
+        code, partner, buckets.uniform(block_key, yb.shape, self.noise)
+      )
     mean = buckets.nan_where(bad, _exp_decode(code) * norm)
-    return (buckets.from_buckets(mean, x),
-            buckets.from_buckets(_exp_decode(sent) * norm, x))
+    return (
+      buckets.from_buckets(mean, x),
+      buckets.from_buckets(_exp_decode(sent) * norm, x),
+    )
 
   def wire_bytes(self, num_elements: int, num_workers: int) -> float:
     """``log2 n`` uint8 vectors plus the float32 scale ``pmax``."""
     scales = buckets.num_buckets(num_elements, self.bucket_size)
-    return (self._stages(num_workers) * float(num_elements)
-            + ring_allreduce_bytes(4.0 * scales, num_workers))
-
-
+    return self._stages(num_workers) * float(
+      num_elements
+    ) + ring_allreduce_bytes(4.0 * scales, num_workers)

@@ -26,12 +26,12 @@ stands on jax's detection; elsewhere this module derives what jax cannot:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 import dataclasses
 import importlib.util
 import os
 import re
 import socket
-from typing import Mapping
 
 ENV_COORDINATOR_ADDRESS = "QSYNC_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "QSYNC_NUM_PROCESSES"
@@ -46,8 +46,13 @@ _PORT_BASE, _PORT_SPAN = 65535 - 2**12 + 1, 2**12
 # The Kubernetes coordinator port jax's K8sCluster uses; kept for parity.
 K8S_COORDINATOR_PORT = 55527
 
-_SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS",
-               "SLURM_PROCID", "SLURM_LOCALID")
+_SLURM_VARS = (
+  "SLURM_JOB_ID",
+  "SLURM_STEP_NODELIST",
+  "SLURM_NTASKS",
+  "SLURM_PROCID",
+  "SLURM_LOCALID",
+)
 _PMIX_NAMESPACE = re.compile(r"^prterun-(?P<host>.+)-(?P<pid>\d+)@\d+$")
 
 #: How many devices a process uses: its own one, all of its node's, or
@@ -71,6 +76,7 @@ class Launch:
     detection: The ``cluster_detection_method`` that makes jax detect the
       coordinator from this launcher (None: jax tries each it knows).
   """
+
   source: str
   num_processes: int | None
   process_id: int | None
@@ -85,7 +91,8 @@ def _int(environ: Mapping[str, str], name: str) -> int:
     return int(environ[name])
   except ValueError:
     raise ValueError(
-        f"{name} must be an integer, got {environ[name]!r}") from None
+      f"{name} must be an integer, got {environ[name]!r}"
+    ) from None
 
 
 def check_address(address: str, what: str) -> str:
@@ -105,8 +112,9 @@ def _check_rank(launch: Launch, count_name: str, rank_name: str) -> Launch:
   if n is not None and n < 1:
     raise ValueError(f"{count_name} must be >= 1, got {n}")
   if n is not None and i is not None and not 0 <= i < n:
-    raise ValueError(f"{rank_name} must be in [0, {n}) ({count_name}={n}), "
-                     f"got {i}")
+    raise ValueError(
+      f"{rank_name} must be in [0, {n}) ({count_name}={n}), got {i}"
+    )
   return launch
 
 
@@ -128,21 +136,34 @@ def from_qsync_env(environ: Mapping[str, str]) -> Launch | None:
     return None
   missing = [name for name in QSYNC_VARS if name not in present]
   if missing:
-    raise ValueError(f"{missing[0]} is not set but {present[0]} is; set all "
-                     f"of {', '.join(QSYNC_VARS)} or none")
-  address = check_address(environ[ENV_COORDINATOR_ADDRESS],
-                          ENV_COORDINATOR_ADDRESS)
+    raise ValueError(
+      f"{missing[0]} is not set but {present[0]} is; set all "
+      f"of {', '.join(QSYNC_VARS)} or none"
+    )
+  address = check_address(
+    environ[ENV_COORDINATOR_ADDRESS], ENV_COORDINATOR_ADDRESS
+  )
   n = _int(environ, ENV_NUM_PROCESSES)
   # The localhost launcher puts every process on this host, one device each.
-  return _check_rank(Launch("qsync", n, _int(environ, ENV_PROCESS_ID),
-                            address, _int(environ, ENV_PROCESS_ID), n),
-                     ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+  return _check_rank(
+    Launch(
+      "qsync",
+      n,
+      _int(environ, ENV_PROCESS_ID),
+      address,
+      _int(environ, ENV_PROCESS_ID),
+      n,
+    ),
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+  )
 
 
 def _slurm_tasks_on_node(environ: Mapping[str, str]) -> int | None:
   """Tasks on this node from SLURM_STEP_TASKS_PER_NODE, e.g. ``2(x3),1``."""
-  spec = environ.get("SLURM_STEP_TASKS_PER_NODE",
-                     environ.get("SLURM_TASKS_PER_NODE"))
+  spec = environ.get(
+    "SLURM_STEP_TASKS_PER_NODE", environ.get("SLURM_TASKS_PER_NODE")
+  )
   node = environ.get("SLURM_NODEID")
   if not spec or node is None or not node.isdigit():
     return None
@@ -159,32 +180,43 @@ def _from_slurm(environ: Mapping[str, str]) -> Launch | None:
   if not all(name in environ for name in _SLURM_VARS):
     return None
   # jax's SlurmCluster derives the coordinator from the job id and node list.
-  return _check_rank(Launch("slurm", _int(environ, "SLURM_NTASKS"),
-                            _int(environ, "SLURM_PROCID"), None,
-                            _int(environ, "SLURM_LOCALID"),
-                            _slurm_tasks_on_node(environ), "slurm"),
-                     "SLURM_NTASKS", "SLURM_PROCID")
+  return _check_rank(
+    Launch(
+      "slurm",
+      _int(environ, "SLURM_NTASKS"),
+      _int(environ, "SLURM_PROCID"),
+      None,
+      _int(environ, "SLURM_LOCALID"),
+      _slurm_tasks_on_node(environ),
+      "slurm",
+    ),
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+  )
 
 
-def _ompi5_coordinator(environ: Mapping[str, str], n: int,
-                       local_size: int | None) -> str:
+def _ompi5_coordinator(
+  environ: Mapping[str, str], n: int, local_size: int | None
+) -> str:
   namespace = environ.get("PMIX_NAMESPACE", "")
   m = _PMIX_NAMESPACE.match(namespace)
   port = environ.get(ENV_COORDINATOR_PORT)
   if port is None:
     if m is None:
       raise ValueError(
-          f"Open MPI 5 run: cannot derive a coordinator port from "
-          f"PMIX_NAMESPACE={namespace!r}; pass --coordinator_address=HOST:PORT "
-          f"of rank 0 (or set {ENV_COORDINATOR_PORT})")
+        f"Open MPI 5 run: cannot derive a coordinator port from "
+        f"PMIX_NAMESPACE={namespace!r}; pass --coordinator_address=HOST:PORT "
+        f"of rank 0 (or set {ENV_COORDINATOR_PORT})"
+      )
     port = str(int(m.group("pid")) % _PORT_SPAN + _PORT_BASE)
   if local_size == n:
     return f"127.0.0.1:{port}"  # Every rank on this one node.
   if m is None:
     raise ValueError(
-        f"Open MPI 5 run over several nodes: cannot find mpirun's host in "
-        f"PMIX_NAMESPACE={namespace!r}; pass --coordinator_address=HOST:PORT "
-        "of rank 0")
+      f"Open MPI 5 run over several nodes: cannot find mpirun's host in "
+      f"PMIX_NAMESPACE={namespace!r}; pass --coordinator_address=HOST:PORT "
+      "of rank 0"
+    )
   return f"{m.group('host')}:{port}"
 
 
@@ -194,8 +226,11 @@ def _from_ompi(environ: Mapping[str, str]) -> Launch | None:
   n = _int(environ, "OMPI_COMM_WORLD_SIZE")
   rank = _int(environ, "OMPI_COMM_WORLD_RANK")
   local_rank = _int(environ, "OMPI_COMM_WORLD_LOCAL_RANK")
-  local_size = (_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE")
-                if "OMPI_COMM_WORLD_LOCAL_SIZE" in environ else None)
+  local_size = (
+    _int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    if "OMPI_COMM_WORLD_LOCAL_SIZE" in environ
+    else None
+  )
   if "OMPI_MCA_orte_hnp_uri" in environ:  # Open MPI 4: jax's OmpiCluster.
     launch = Launch("ompi4", n, rank, None, local_rank, local_size, "ompi")
   else:
@@ -220,20 +255,29 @@ def _k8s_coordinator(environ: Mapping[str, str]) -> str | None:
   domain = fqdn.partition(".")[2] if fqdn.startswith(host + ".") else ""
   if not domain:
     return None
-  return f"{host[:-len(index) - 1]}-0.{domain}:{port}"
+  return f"{host[: -len(index) - 1]}-0.{domain}:{port}"
 
 
 def _from_k8s(environ: Mapping[str, str]) -> Launch | None:
   if "KUBERNETES_SERVICE_HOST" not in environ or (
-      "JOB_COMPLETION_INDEX" not in environ):
+    "JOB_COMPLETION_INDEX" not in environ
+  ):
     return None
   index = _int(environ, "JOB_COMPLETION_INDEX")
   if "JOB_GLOBAL_INDEX" in environ and "GLOBAL_REPLICAS" in environ:
     # One pod per Job of the JobSet: the Job's global index is the rank.
-    return _check_rank(Launch(
-        "k8s", _int(environ, "GLOBAL_REPLICAS"),
-        _int(environ, "JOB_GLOBAL_INDEX"), _k8s_coordinator(environ), 0, 1),
-        "GLOBAL_REPLICAS", "JOB_GLOBAL_INDEX")
+    return _check_rank(
+      Launch(
+        "k8s",
+        _int(environ, "GLOBAL_REPLICAS"),
+        _int(environ, "JOB_GLOBAL_INDEX"),
+        _k8s_coordinator(environ),
+        0,
+        1,
+      ),
+      "GLOBAL_REPLICAS",
+      "JOB_GLOBAL_INDEX",
+    )
   if importlib.util.find_spec("kubernetes") is not None:
     # jax's K8sCluster reads the Job's size and coordinator from the API.
     return Launch("k8s-jax", None, None, None, 0, 1)
@@ -241,10 +285,13 @@ def _from_k8s(environ: Mapping[str, str]) -> Launch | None:
   return Launch("k8s", None, index, _k8s_coordinator(environ), 0, 1)
 
 
-def detect(environ: Mapping[str, str] = os.environ, *,
-           coordinator_address: str | None = None,
-           num_processes: int | None = None,
-           process_id: int | None = None) -> Launch | None:
+def detect(
+  environ: Mapping[str, str] = os.environ,
+  *,
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+) -> Launch | None:
   """Finds the multi-process run this process belongs to.
 
   Explicit arguments win over the environment, which is read in the order
@@ -278,31 +325,41 @@ def detect(environ: Mapping[str, str] = os.environ, *,
       return None
     if any(v is None for v in explicit):
       raise ValueError(
-          "no launcher (srun, mpirun, Kubernetes, python -m "
-          "qsync_jax.distributed) found in the environment: pass all of "
-          "--coordinator_address, --num_processes and --process_id")
+        "no launcher (srun, mpirun, Kubernetes, python -m "
+        "qsync_jax.distributed) found in the environment: pass all of "
+        "--coordinator_address, --num_processes and --process_id"
+      )
     launch = Launch("explicit", None, None, None)
   address = coordinator_address or launch.coordinator_address
-  if address is None and launch.source == "ompi5" and (
-      launch.num_processes or 0) > 1:
+  if (
+    address is None
+    and launch.source == "ompi5"
+    and (launch.num_processes or 0) > 1
+  ):
     # Derived only here: an explicit --coordinator_address makes it moot.
-    address = _ompi5_coordinator(environ, launch.num_processes,
-                                 launch.local_size)
+    address = _ompi5_coordinator(
+      environ, launch.num_processes, launch.local_size
+    )
   launch = dataclasses.replace(
-      launch, coordinator_address=address,
-      num_processes=(num_processes if num_processes is not None
-                     else launch.num_processes),
-      process_id=process_id if process_id is not None else launch.process_id)
+    launch,
+    coordinator_address=address,
+    num_processes=(
+      num_processes if num_processes is not None else launch.num_processes
+    ),
+    process_id=process_id if process_id is not None else launch.process_id,
+  )
   if launch.source == "k8s" and launch.num_processes is None:
     raise ValueError(
-        "Kubernetes indexed Job: its size is not in the pod's environment; "
-        "pass --num_processes=N (the Job's parallelism), or install the "
-        "kubernetes package (pip install jax[k8s]) for jax to read it")
+      "Kubernetes indexed Job: its size is not in the pod's environment; "
+      "pass --num_processes=N (the Job's parallelism), or install the "
+      "kubernetes package (pip install jax[k8s]) for jax to read it"
+    )
   if launch.source == "k8s" and launch.coordinator_address is None:
     raise ValueError(
-        "Kubernetes indexed Job: cannot derive process 0's address (give the "
-        "Job a headless service as its subdomain); pass "
-        "--coordinator_address=HOST:PORT")
+      "Kubernetes indexed Job: cannot derive process 0's address (give the "
+      "Job a headless service as its subdomain); pass "
+      "--coordinator_address=HOST:PORT"
+    )
   return _check_rank(launch, "--num_processes", "--process_id")
 
 
@@ -321,8 +378,10 @@ def wants_all_devices(launch: Launch, local_devices: str) -> bool:
     ValueError: ``local_devices`` is not one of :data:`LOCAL_DEVICES`.
   """
   if local_devices not in LOCAL_DEVICES:
-    raise ValueError(f"local_devices must be one of {', '.join(LOCAL_DEVICES)}"
-                     f", got {local_devices!r}")
+    raise ValueError(
+      f"local_devices must be one of {', '.join(LOCAL_DEVICES)}"
+      f", got {local_devices!r}"
+    )
   if local_devices != "auto":
     return local_devices == "all"
   return launch.local_size == 1

@@ -10,13 +10,13 @@ are made in a namespace by switching the calling thread into it
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 import contextlib
 import ctypes
 import os
 import socket
 import threading
 import time
-from typing import Iterator, Sequence
 
 _NETNS_RUN = "/var/run/netns"
 _CLONE_NEWNET = 0x40000000
@@ -58,9 +58,12 @@ def in_netns(name: str) -> Iterator[None]:
     os.close(own)
 
 
-def measure_rates(flows: Sequence[tuple[str, str, str]], *,
-                  seconds: float = 0.5,
-                  warmup_s: float = 0.1) -> list[float]:
+def measure_rates(
+  flows: Sequence[tuple[str, str, str]],
+  *,
+  seconds: float = 0.5,
+  warmup_s: float = 0.1,
+) -> list[float]:
   """Achieved rates of concurrent TCP flows, in bits/s.
 
   Every flow sends for ``warmup_s + seconds``; each receiver counts the bytes
@@ -82,20 +85,24 @@ def measure_rates(flows: Sequence[tuple[str, str, str]], *,
     OSError: a socket could not be made or connected.
   """
   if not flows or seconds <= 0 or warmup_s < 0:
-    raise ValueError(f"need flows and seconds > 0, warmup_s >= 0; got "
-                     f"{len(flows)} flows, {seconds} s, {warmup_s} s")
+    raise ValueError(
+      f"need flows and seconds > 0, warmup_s >= 0; got "
+      f"{len(flows)} flows, {seconds} s, {warmup_s} s"
+    )
   servers, clients = [], []
   with contextlib.ExitStack() as stack:
     for src, dst, address in flows:
       with in_netns(dst):
         server = stack.enter_context(
-            socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+          socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        )
       server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BUFFER_BYTES)
       server.bind((address, 0))
       server.listen(1)
       with in_netns(src):
         client = stack.enter_context(
-            socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+          socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        )
       client.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUFFER_BYTES)
       client.settimeout(10)
       client.connect((address, server.getsockname()[1]))
@@ -109,7 +116,7 @@ def measure_rates(flows: Sequence[tuple[str, str, str]], *,
     def receive(k: int, conn: socket.socket) -> None:
       buf = bytearray(_RECV_BYTES)
       conn.settimeout(0.05)
-      while (now := time.perf_counter()) < closes:
+      while time.perf_counter() < closes:
         try:
           n = conn.recv_into(buf)
         except TimeoutError:
@@ -126,10 +133,13 @@ def measure_rates(flows: Sequence[tuple[str, str, str]], *,
         with contextlib.suppress(TimeoutError):
           client.sendall(chunk)
 
-    threads = [threading.Thread(target=receive, args=(k, c), daemon=True)
-               for k, c in enumerate(servers)]
-    threads += [threading.Thread(target=send, args=(c,), daemon=True)
-                for c in clients]
+    threads = [
+      threading.Thread(target=receive, args=(k, c), daemon=True)
+      for k, c in enumerate(servers)
+    ]
+    threads += [
+      threading.Thread(target=send, args=(c,), daemon=True) for c in clients
+    ]
     for t in threads:
       t.start()
     for t in threads:
@@ -137,11 +147,18 @@ def measure_rates(flows: Sequence[tuple[str, str, str]], *,
   return [8.0 * b / seconds for b in received]
 
 
-def measure_rate(src_ns: str, dst_ns: str, dst_address: str, *,
-                 seconds: float = 0.5, warmup_s: float = 0.1) -> float:
+def measure_rate(
+  src_ns: str,
+  dst_ns: str,
+  dst_address: str,
+  *,
+  seconds: float = 0.5,
+  warmup_s: float = 0.1,
+) -> float:
   """Achieved rate of one TCP flow from ``src_ns`` to ``dst_ns``, in bits/s.
 
   See :func:`measure_rates`.
   """
-  return measure_rates([(src_ns, dst_ns, dst_address)], seconds=seconds,
-                       warmup_s=warmup_s)[0]
+  return measure_rates(
+    [(src_ns, dst_ns, dst_address)], seconds=seconds, warmup_s=warmup_s
+  )[0]

@@ -41,6 +41,7 @@ program's JSON output.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 import contextlib
 import dataclasses
 import os
@@ -50,7 +51,6 @@ import signal
 import socket
 import subprocess
 import threading
-from typing import Mapping, Sequence
 
 from qsync_jax.parallel import link_probe
 
@@ -68,8 +68,7 @@ ENV_LINK_TOPOLOGY = "QSYNC_LINK_TOPOLOGY"
 ENV_LINK_MEASURED_BPS = "QSYNC_LINK_MEASURED_BPS"
 ENV_CPU_QUOTA = "QSYNC_CPU_QUOTA"
 
-_RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9,
-               "tbit": 1e12}
+_RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
 
@@ -89,8 +88,10 @@ def parse_rate(text: str) -> float:
   """
   m = re.fullmatch(_NUMBER + r"\s*([a-z]+)", text.strip().lower())
   if not m or m.group(2) not in _RATE_UNITS:
-    raise ValueError(f"link rate must be a number and one of "
-                     f"{', '.join(_RATE_UNITS)} (as in 1gbit), got {text!r}")
+    raise ValueError(
+      f"link rate must be a number and one of "
+      f"{', '.join(_RATE_UNITS)} (as in 1gbit), got {text!r}"
+    )
   bps = float(m.group(1)) * _RATE_UNITS[m.group(2)]
   if bps <= 0:
     raise ValueError(f"link rate must be positive, got {text!r}")
@@ -105,10 +106,14 @@ def parse_duration(text: str) -> float:
       number must be 0).
   """
   m = re.fullmatch(_NUMBER + r"\s*([a-z]*)", text.strip().lower())
-  if not m or (m.group(2) not in _TIME_UNITS
-               and not (m.group(2) == "" and float(m.group(1)) == 0)):
-    raise ValueError(f"latency must be a number and one of "
-                     f"{', '.join(_TIME_UNITS)} (as in 1ms), got {text!r}")
+  if not m or (
+    m.group(2) not in _TIME_UNITS
+    and not (m.group(2) == "" and float(m.group(1)) == 0)
+  ):
+    raise ValueError(
+      f"latency must be a number and one of "
+      f"{', '.join(_TIME_UNITS)} (as in 1ms), got {text!r}"
+    )
   return float(m.group(1)) * _TIME_UNITS.get(m.group(2), 0.0)
 
 
@@ -121,11 +126,14 @@ def parse_cpu_quota(text: str, num_processes: int) -> tuple[float, ...]:
   try:
     quota = tuple(float(v) for v in text.split(","))
   except ValueError:
-    raise ValueError(f"cpu quota must be comma-separated numbers of CPUs, "
-                     f"got {text!r}") from None
+    raise ValueError(
+      f"cpu quota must be comma-separated numbers of CPUs, got {text!r}"
+    ) from None
   if len(quota) != num_processes:
-    raise ValueError(f"cpu quota needs one value per process "
-                     f"({num_processes}), got {len(quota)} in {text!r}")
+    raise ValueError(
+      f"cpu quota needs one value per process "
+      f"({num_processes}), got {len(quota)} in {text!r}"
+    )
   if any(not q > 0 for q in quota):
     raise ValueError(f"cpu quota values must be positive, got {text!r}")
   return quota
@@ -142,6 +150,7 @@ class LinkSpec:
     topology: ``per_node`` (a link each) or ``shared`` (one bottleneck).
     cpu_quota: CPUs per process, or None for no throttle.
   """
+
   rate: str
   rate_bps: float
   latency_s: float = 0.0
@@ -149,9 +158,14 @@ class LinkSpec:
   cpu_quota: tuple[float, ...] | None = None
 
   @classmethod
-  def parse(cls, rate: str, latency: str = "0", topology: str = "per_node",
-            cpu_quota: str | None = None,
-            num_processes: int | None = None) -> "LinkSpec":
+  def parse(
+    cls,
+    rate: str,
+    latency: str = "0",
+    topology: str = "per_node",
+    cpu_quota: str | None = None,
+    num_processes: int | None = None,
+  ) -> LinkSpec:
     """Builds a spec from flag strings.
 
     Raises:
@@ -159,20 +173,25 @@ class LinkSpec:
         without ``num_processes`` values.
     """
     if topology not in TOPOLOGIES:
-      raise ValueError(f"topology must be one of {', '.join(TOPOLOGIES)}, "
-                       f"got {topology!r}")
+      raise ValueError(
+        f"topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}"
+      )
     quota = None
     if cpu_quota:
       if num_processes is None:
         raise ValueError("a cpu quota needs the number of processes")
       quota = parse_cpu_quota(cpu_quota, num_processes)
-    return cls(rate.strip().lower(), parse_rate(rate),
-               parse_duration(latency), topology, quota)
+    return cls(
+      rate.strip().lower(),
+      parse_rate(rate),
+      parse_duration(latency),
+      topology,
+      quota,
+    )
 
 
 def unavailable_reason() -> str | None:
-  """Why links cannot be emulated here (no root, no ip/tc); None if they can.
-  """
+  """Why links cannot be emulated here (no root, no ip/tc); None if they can."""
   if os.geteuid() != 0:
     return "link emulation needs root (network namespaces and tc)"
   missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
@@ -185,13 +204,15 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
   """Runs one ip/tc command; raises with its stderr when it fails."""
   p = subprocess.run(list(args), capture_output=True, text=True)
   if check and p.returncode != 0:
-    raise LinkUnavailableError(f"`{' '.join(args)}` failed: "
-                               f"{p.stderr.strip() or p.returncode}")
+    raise LinkUnavailableError(
+      f"`{' '.join(args)}` failed: {p.stderr.strip() or p.returncode}"
+    )
   return p
 
 
-def _add_qdiscs(ns: str, dev: str, rate_bps: float | None,
-                latency_s: float) -> None:
+def _add_qdiscs(
+  ns: str, dev: str, rate_bps: float | None, latency_s: float
+) -> None:
   """netem (latency) and/or tbf (rate) as the root of ``dev``'s egress.
 
   Raises:
@@ -199,13 +220,29 @@ def _add_qdiscs(ns: str, dev: str, rate_bps: float | None,
   """
   parent = ["root"]
   if latency_s > 0:
-    p = _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle",
-             "1:", "netem", "delay", f"{latency_s * 1e6:.0f}us", "limit",
-             "100000", check=False)
+    p = _run(
+      "tc",
+      "-n",
+      ns,
+      "qdisc",
+      "add",
+      "dev",
+      dev,
+      "root",
+      "handle",
+      "1:",
+      "netem",
+      "delay",
+      f"{latency_s * 1e6:.0f}us",
+      "limit",
+      "100000",
+      check=False,
+    )
     if p.returncode != 0:
       raise LinkUnavailableError(
-          f"this kernel cannot delay packets (tc netem: {p.stderr.strip()}); "
-          "run with latency 0")
+        f"this kernel cannot delay packets (tc netem: {p.stderr.strip()}); "
+        "run with latency 0"
+      )
     parent = ["parent", "1:"]
   if rate_bps is not None:
     rate_Bps = rate_bps / 8
@@ -213,9 +250,25 @@ def _add_qdiscs(ns: str, dev: str, rate_bps: float | None,
     # splits bigger ones); queue: 20 ms more at the rate.
     burst = int(max(rate_Bps * 0.004, 2 * 65536))
     limit = int(burst + rate_Bps * 0.02)
-    _run("tc", "-n", ns, "qdisc", "add", "dev", dev, *parent, "handle", "2:",
-         "tbf", "rate", f"{rate_bps:.0f}bit", "burst", str(burst), "limit",
-         str(limit))
+    _run(
+      "tc",
+      "-n",
+      ns,
+      "qdisc",
+      "add",
+      "dev",
+      dev,
+      *parent,
+      "handle",
+      "2:",
+      "tbf",
+      "rate",
+      f"{rate_bps:.0f}bit",
+      "burst",
+      str(burst),
+      "limit",
+      str(limit),
+    )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -253,15 +306,22 @@ def _owned_names() -> list[tuple[str, str]]:
   """(kind, path or name) of everything with this module's prefix."""
   found = []
   netns = _run("ip", "netns", "list", check=False).stdout.split("\n")
-  found += [("netns", line.split()[0]) for line in netns
-            if line.startswith(PREFIX)]
+  found += [
+    ("netns", line.split()[0]) for line in netns if line.startswith(PREFIX)
+  ]
   if os.path.isdir(_NETNS_ETC):
-    found += [("etc", os.path.join(_NETNS_ETC, n))
-              for n in os.listdir(_NETNS_ETC) if n.startswith(PREFIX)]
+    found += [
+      ("etc", os.path.join(_NETNS_ETC, n))
+      for n in os.listdir(_NETNS_ETC)
+      if n.startswith(PREFIX)
+    ]
   root = _cpu_cgroup_root()
   if root and os.path.isdir(root[0]):
-    found += [("cgroup", os.path.join(root[0], n))
-              for n in os.listdir(root[0]) if n.startswith(PREFIX)]
+    found += [
+      ("cgroup", os.path.join(root[0], n))
+      for n in os.listdir(root[0])
+      if n.startswith(PREFIX)
+    ]
   return found
 
 
@@ -293,12 +353,14 @@ def remove_stale() -> list[str]:
 def leftovers(tag: int | None = None) -> list[str]:
   """Names this module made that still exist (of launcher ``tag`` only when
   given): namespaces, cgroups, /etc/netns folders."""
-  return [what for _, what in _owned_names()
-          if tag is None or _owner_pid(os.path.basename(what)) == tag]
+  return [
+    what
+    for _, what in _owned_names()
+    if tag is None or _owner_pid(os.path.basename(what)) == tag
+  ]
 
 
-def link_info_from_env(
-    environ: Mapping[str, str] = os.environ) -> dict | None:
+def link_info_from_env(environ: Mapping[str, str] = os.environ) -> dict | None:
   """The link the launcher emulates, read from ``QSYNC_LINK_*``.
 
   Returns:
@@ -310,12 +372,12 @@ def link_info_from_env(
   measured = environ.get(ENV_LINK_MEASURED_BPS)
   quota = environ.get(ENV_CPU_QUOTA)
   return {
-      "link": environ[ENV_LINK],
-      "rate_bps": float(environ.get(ENV_LINK_RATE_BPS, "nan")),
-      "latency_s": float(environ.get(ENV_LINK_LATENCY_S, "0")),
-      "topology": environ.get(ENV_LINK_TOPOLOGY),
-      "measured_bps": float(measured) if measured else None,
-      "cpu_quota": [float(q) for q in quota.split(",")] if quota else None,
+    "link": environ[ENV_LINK],
+    "rate_bps": float(environ.get(ENV_LINK_RATE_BPS, "nan")),
+    "latency_s": float(environ.get(ENV_LINK_LATENCY_S, "0")),
+    "topology": environ.get(ENV_LINK_TOPOLOGY),
+    "measured_bps": float(measured) if measured else None,
+    "cpu_quota": [float(q) for q in quota.split(",")] if quota else None,
   }
 
 
@@ -329,8 +391,9 @@ class LinkEmulator:
   restores these after.
   """
 
-  def __init__(self, num_processes: int, spec: LinkSpec, *,
-               tag: int | None = None):
+  def __init__(
+    self, num_processes: int, spec: LinkSpec, *, tag: int | None = None
+  ):
     """Describes the emulated network; nothing is built before ``enter``.
 
     Args:
@@ -343,11 +406,15 @@ class LinkEmulator:
         another length.
     """
     if not 1 <= num_processes <= 250:
-      raise ValueError(f"num_processes must be in [1, 250] for the "
-                       f"{SUBNET}.0/24 subnet, got {num_processes}")
+      raise ValueError(
+        f"num_processes must be in [1, 250] for the "
+        f"{SUBNET}.0/24 subnet, got {num_processes}"
+      )
     if spec.cpu_quota is not None and len(spec.cpu_quota) != num_processes:
-      raise ValueError(f"cpu quota has {len(spec.cpu_quota)} values for "
-                       f"{num_processes} processes")
+      raise ValueError(
+        f"cpu quota has {len(spec.cpu_quota)} values for "
+        f"{num_processes} processes"
+      )
     self.num_processes = num_processes
     self.spec = spec
     self.tag = os.getpid() if tag is None else tag
@@ -369,16 +436,23 @@ class LinkEmulator:
     wrapped = ["ip", "netns", "exec", self.namespace(i), *command]
     if self._cgroup_procs:
       # The shell joins the cgroup, then execs: the PID stays the same.
-      wrapped = ["sh", "-c", 'echo $$ > "$0" && exec "$@"',
-                 self._cgroup_procs[i], *wrapped]
+      wrapped = [
+        "sh",
+        "-c",
+        'echo $$ > "$0" && exec "$@"',
+        self._cgroup_procs[i],
+        *wrapped,
+      ]
     return wrapped
 
   def env(self, measured_bps: float | None = None) -> dict[str, str]:
     """The ``QSYNC_LINK_*`` variables describing this link to children."""
-    out = {ENV_LINK: self.spec.rate,
-           ENV_LINK_RATE_BPS: repr(self.spec.rate_bps),
-           ENV_LINK_LATENCY_S: repr(self.spec.latency_s),
-           ENV_LINK_TOPOLOGY: self.spec.topology}
+    out = {
+      ENV_LINK: self.spec.rate,
+      ENV_LINK_RATE_BPS: repr(self.spec.rate_bps),
+      ENV_LINK_LATENCY_S: repr(self.spec.latency_s),
+      ENV_LINK_TOPOLOGY: self.spec.topology,
+    }
     if measured_bps is not None:
       out[ENV_LINK_MEASURED_BPS] = repr(measured_bps)
     if self.spec.cpu_quota is not None:
@@ -389,10 +463,11 @@ class LinkEmulator:
     """Achieved rate from process 0 to process 1 (None with one process)."""
     if self.num_processes < 2:
       return None
-    return link_probe.measure_rate(self.namespace(0), self.namespace(1),
-                                   self.address(1), seconds=seconds)
+    return link_probe.measure_rate(
+      self.namespace(0), self.namespace(1), self.address(1), seconds=seconds
+    )
 
-  def __enter__(self) -> "LinkEmulator":
+  def __enter__(self) -> LinkEmulator:
     reason = unavailable_reason()
     if reason:
       raise LinkUnavailableError(reason)
@@ -433,11 +508,25 @@ class LinkEmulator:
     for i in range(self.num_processes):
       ns = self.namespace(i)
       self._netns(ns)
-      _run("ip", "-n", br, "link", "add", f"v{i}", "type", "veth", "peer",
-           "name", "eth0", "netns", ns)
+      _run(
+        "ip",
+        "-n",
+        br,
+        "link",
+        "add",
+        f"v{i}",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "eth0",
+        "netns",
+        ns,
+      )
       _run("ip", "-n", br, "link", "set", f"v{i}", "master", "br0", "up")
-      _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev",
-           "eth0")
+      _run(
+        "ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0"
+      )
       _run("ip", "-n", ns, "link", "set", "eth0", "up")
       # gloo binds to what the hostname resolves to: this process's address.
       etc = os.path.join(_NETNS_ETC, ns)
@@ -463,17 +552,49 @@ class LinkEmulator:
     # The one bottleneck of the shared topology.
     _add_qdiscs(br, "ifb0", self.spec.rate_bps, 0.0)
     for i in range(self.num_processes):
-      _run("tc", "-n", br, "qdisc", "add", "dev", f"v{i}", "handle", "ffff:",
-           "ingress")
-      _run("tc", "-n", br, "filter", "add", "dev", f"v{i}", "parent",
-           "ffff:", "protocol", "all", "u32", "match", "u32", "0", "0",
-           "action", "mirred", "egress", "redirect", "dev", "ifb0")
+      _run(
+        "tc",
+        "-n",
+        br,
+        "qdisc",
+        "add",
+        "dev",
+        f"v{i}",
+        "handle",
+        "ffff:",
+        "ingress",
+      )
+      _run(
+        "tc",
+        "-n",
+        br,
+        "filter",
+        "add",
+        "dev",
+        f"v{i}",
+        "parent",
+        "ffff:",
+        "protocol",
+        "all",
+        "u32",
+        "match",
+        "u32",
+        "0",
+        "0",
+        "action",
+        "mirred",
+        "egress",
+        "redirect",
+        "dev",
+        "ifb0",
+      )
 
   def _throttle(self) -> None:
     root = _cpu_cgroup_root()
     if root is None:
-      raise LinkUnavailableError("a cpu quota needs the cgroup cpu "
-                                 "controller, which is not mounted")
+      raise LinkUnavailableError(
+        "a cpu quota needs the cgroup cpu controller, which is not mounted"
+      )
     where, version = root
     if version == 2:
       with open(os.path.join(where, "cgroup.subtree_control"), "w") as f:
@@ -501,8 +622,10 @@ class LinkEmulator:
     """
     held = {}
     if threading.current_thread() is threading.main_thread():
-      held = {s: signal.signal(s, signal.SIG_IGN)
-              for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+      held = {
+        s: signal.signal(s, signal.SIG_IGN)
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+      }
     try:
       while self._made:
         kind, what = self._made.pop()
@@ -514,4 +637,3 @@ class LinkEmulator:
       for s, handler in self._signals.items():
         signal.signal(s, handler)
       self._signals = {}
-

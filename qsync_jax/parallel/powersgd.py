@@ -85,15 +85,19 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from qsync_jax.parallel.wire import Reducing, ring_allreduce_bytes
+from qsync_jax.parallel.wire import Reducing
+from qsync_jax.parallel.wire import ring_allreduce_bytes
 
 _HIGHEST = lax.Precision.HIGHEST
 
 
 def _is_count(value) -> bool:
   """Whether ``value`` is an integer >= 1 (not a bool)."""
-  return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
-          and value >= 1)
+  return (
+    isinstance(value, numbers.Integral)
+    and not isinstance(value, bool)
+    and value >= 1
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,14 +121,17 @@ class PowerSGD(Reducing):
 
   def __post_init__(self):
     if not _is_count(self.rank):
-      raise ValueError(f"PowerSGD rank must be an integer >= 1, got "
-                       f"{self.rank!r}")
+      raise ValueError(
+        f"PowerSGD rank must be an integer >= 1, got {self.rank!r}"
+      )
     if self.cols is not None and not _is_count(self.cols):
-      raise ValueError(f"PowerSGD cols must be None or an integer >= 1, got "
-                       f"{self.cols!r}")
+      raise ValueError(
+        f"PowerSGD cols must be None or an integer >= 1, got {self.cols!r}"
+      )
     if not isinstance(self.warm_start, bool):
-      raise ValueError(f"PowerSGD warm_start must be a bool, got "
-                       f"{self.warm_start!r}")
+      raise ValueError(
+        f"PowerSGD warm_start must be a bool, got {self.warm_start!r}"
+      )
 
   def matrix_shape(self, num_elements: int) -> tuple[int, int, int]:
     """The matrix a vector of ``num_elements`` is reshaped into.
@@ -156,8 +163,13 @@ class PowerSGD(Reducing):
     _, cols, r = self.matrix_shape(num_elements)
     return jnp.zeros((cols, r), jnp.float32)
 
-  def reduce(self, x: jax.Array, weight: jax.Array, axis_name: str,
-             key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  def reduce(
+    self,
+    x: jax.Array,
+    weight: jax.Array,
+    axis_name: str,
+    key: jax.Array | None = None,
+  ) -> tuple[jax.Array, jax.Array]:
     """Returns ``(mean, sent)``: the rank-``r`` mean and this worker's share.
 
     Arguments as for :meth:`qsync_jax.parallel.wire.Averager.reduce`; ``key``
@@ -166,10 +178,14 @@ class PowerSGD(Reducing):
     """
     return self.reduce_with_state(x, weight, axis_name, key, None)[:2]
 
-  def reduce_with_state(self, x: jax.Array, weight: jax.Array,
-                        axis_name: str, key: jax.Array | None,
-                        state: jax.Array | None
-                        ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  def reduce_with_state(
+    self,
+    x: jax.Array,
+    weight: jax.Array,
+    axis_name: str,
+    key: jax.Array | None,
+    state: jax.Array | None,
+  ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """:meth:`reduce` started from the previous call's ``Q``.
 
     Args:
@@ -195,11 +211,14 @@ class PowerSGD(Reducing):
     q = jax.random.normal(key, (cols, r), jnp.float32)
     if state is not None:
       if state.shape != (cols, r):
-        raise ValueError(f"PowerSGD state of shape {state.shape} for a "
-                         f"{rows} x {cols} matrix of rank {r}; expected "
-                         f"{(cols, r)} (init_state({n}))")
-      q = jnp.where(jnp.any(state != 0),
-                    jnp.linalg.qr(state, mode="reduced")[0], q)
+        raise ValueError(
+          f"PowerSGD state of shape {state.shape} for a "
+          f"{rows} x {cols} matrix of rank {r}; expected "
+          f"{(cols, r)} (init_state({n}))"
+        )
+      q = jnp.where(
+        jnp.any(state != 0), jnp.linalg.qr(state, mode="reduced")[0], q
+      )
     p = lax.psum(jnp.matmul(m, q, precision=_HIGHEST), axis_name)
     p_hat = jnp.linalg.qr(p, mode="reduced")[0]
     q_local = jnp.matmul(m.T, p_hat, precision=_HIGHEST)

@@ -36,9 +36,11 @@ class PreemptionWatch:
     self._previous: Any = None
     self._installed = False
 
-  def __enter__(self) -> "PreemptionWatch":
-    if (jax.process_count() == 1
-        and threading.current_thread() is threading.main_thread()):
+  def __enter__(self) -> PreemptionWatch:
+    if (
+      jax.process_count() == 1
+      and threading.current_thread() is threading.main_thread()
+    ):
       self._previous = signal.signal(signal.SIGTERM, self._on_signal)
       self._installed = True
     return self

@@ -36,10 +36,11 @@ last step, so training ends with one averaged model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import dataclasses
 import math
 import numbers
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -50,26 +51,19 @@ class Schedule(Protocol):
 
   name: str
 
-  def averages_gradients_at(self, step: int) -> bool:
-    ...
+  def averages_gradients_at(self, step: int) -> bool: ...
 
-  def is_sync_step(self, step: int) -> bool:
-    ...
+  def is_sync_step(self, step: int) -> bool: ...
 
-  def sync_steps(self, total_steps: int) -> list[int]:
-    ...
+  def sync_steps(self, total_steps: int) -> list[int]: ...
 
-  def sync_table(self, total_steps: int) -> np.ndarray:
-    ...
+  def sync_table(self, total_steps: int) -> np.ndarray: ...
 
-  def round_length(self, step: int) -> int:
-    ...
+  def round_length(self, step: int) -> int: ...
 
-  def state_dict(self) -> dict[str, Any]:
-    ...
+  def state_dict(self) -> dict[str, Any]: ...
 
-  def load_state_dict(self, state: dict[str, Any]) -> None:
-    ...
+  def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def _is_int(value: Any) -> bool:
@@ -81,8 +75,9 @@ def _check_period(h: int, what: str = "h") -> None:
     raise ValueError(f"{what} must be a positive integer, got {h!r}")
 
 
-def _periodic_round(step: int, offset: int, h: int,
-                    total_steps: int | None) -> int:
+def _periodic_round(
+  step: int, offset: int, h: int, total_steps: int | None
+) -> int:
   """Length of the round holding ``step`` when rounds of ``h`` start at
   ``offset`` and the last one ends at ``total_steps``."""
   start = offset + (step - offset - 1) // h * h
@@ -213,8 +208,9 @@ class PostLocalSGD(_Stateless):
 
   def __post_init__(self):
     if not _is_int(self.switch_step) or self.switch_step < 0:
-      raise ValueError("switch_step must be a non-negative integer, got "
-                       f"{self.switch_step!r}")
+      raise ValueError(
+        f"switch_step must be a non-negative integer, got {self.switch_step!r}"
+      )
     _check_period(self.h)
 
   def averages_gradients_at(self, step: int) -> bool:
@@ -225,9 +221,11 @@ class PostLocalSGD(_Stateless):
     """Whether workers hold the same parameters after step ``step``."""
     if step < 1:
       return False
-    return (step <= self.switch_step
-            or (step - self.switch_step) % self.h == 0
-            or step == self.total_steps)
+    return (
+      step <= self.switch_step
+      or (step - self.switch_step) % self.h == 0
+      or step == self.total_steps
+    )
 
   def round_length(self, step: int) -> int:
     """1 up to the switch, then ``h`` (less for a cut last round)."""
@@ -258,15 +256,17 @@ def _float64_lr(value: Any, step: int) -> float:
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
   else:
     dtype = np.dtype(dtype)
-    ok = np.size(value) == 1 and (dtype == np.float64
-                                  or np.issubdtype(dtype, np.integer))
+    ok = np.size(value) == 1 and (
+      dtype == np.float64 or np.issubdtype(dtype, np.integer)
+    )
   if not ok:
     # Rounding in float32 moves (alpha / lr) ** gamma across integers, so
     # the floor would not be the official rule's (issue 23).
     raise ValueError(
-        f"QSR reads the learning rate in float64; the learning rate at step "
-        f"{step} is {value!r} ({dtype or type(value).__name__}): give a "
-        "Python float or a schedule computing in float64")
+      f"QSR reads the learning rate in float64; the learning rate at step "
+      f"{step} is {value!r} ({dtype or type(value).__name__}): give a "
+      "Python float or a schedule computing in float64"
+    )
   lr = float(value)
   if not math.isfinite(lr):
     raise ValueError(f"the learning rate at step {step} is {lr}, not finite")
@@ -325,17 +325,27 @@ class QSR(_SyncTable):
       gamma or warmup, or a learning rate that is not a finite float64.
   """
 
-  def __init__(self, lr_schedule: LearningRate, *, total_steps: int,
-               alpha: float, h_base: int, gamma: float = 2.0,
-               warmup_steps: int = 0, init_h: int | None = None,
-               name: str = "qsr"):
+  def __init__(
+    self,
+    lr_schedule: LearningRate,
+    *,
+    total_steps: int,
+    alpha: float,
+    h_base: int,
+    gamma: float = 2.0,
+    warmup_steps: int = 0,
+    init_h: int | None = None,
+    name: str = "qsr",
+  ):
     _check_period(h_base, "h_base")
     _check_period(total_steps, "total_steps")
     init_h = h_base if init_h is None else init_h
     _check_period(init_h, "init_h")
     if alpha < 0 or gamma <= 0 or warmup_steps < 0:
-      raise ValueError("QSR needs alpha >= 0, gamma > 0 and warmup_steps >= "
-                       f"0, got {alpha}, {gamma}, {warmup_steps}")
+      raise ValueError(
+        "QSR needs alpha >= 0, gamma > 0 and warmup_steps >= "
+        f"0, got {alpha}, {gamma}, {warmup_steps}"
+      )
     self.lr_schedule = lr_schedule
     self.total_steps = total_steps
     self.alpha = float(alpha)
@@ -441,18 +451,26 @@ class QSR(_SyncTable):
       self._next_sync = self._h
       return
     if set(state) != {"h", "next_sync"}:
-      raise ValueError("a QSR state holds exactly 'h' and 'next_sync', got "
-                       f"{sorted(state)}")
+      raise ValueError(
+        f"a QSR state holds exactly 'h' and 'next_sync', got {sorted(state)}"
+      )
     self._h, self._next_sync = int(state["h"]), int(state["next_sync"])
 
 
 SCHEDULES = ("dp", "local", "postlocal", "qsr")
 
 
-def make_schedule(name: str, *, total_steps: int,
-                  lr_schedule: LearningRate | None = None, h_base: int = 1,
-                  alpha: float = 0.0, gamma: float = 2.0,
-                  warmup_steps: int = 0, switch_step: int = 0) -> Schedule:
+def make_schedule(
+  name: str,
+  *,
+  total_steps: int,
+  lr_schedule: LearningRate | None = None,
+  h_base: int = 1,
+  alpha: float = 0.0,
+  gamma: float = 2.0,
+  warmup_steps: int = 0,
+  switch_step: int = 0,
+) -> Schedule:
   """Builds a schedule by name, as the trainer's ``--sync`` flag names it.
 
   Args:
@@ -488,11 +506,20 @@ def make_schedule(name: str, *, total_steps: int,
     if lr_schedule is None:
       raise ValueError("the qsr schedule needs the learning-rate schedule")
     if not alpha > 0:
-      raise ValueError(f"the qsr schedule needs alpha > 0, got {alpha} "
-                       "(alpha = 0 is a constant period: use sync=local)")
+      raise ValueError(
+        f"the qsr schedule needs alpha > 0, got {alpha} "
+        "(alpha = 0 is a constant period: use sync=local)"
+      )
     name_of = {1.0: "qsr_linear", 2.0: "qsr", 3.0: "qsr_cubic"}
-    return QSR(lr_schedule, total_steps=total_steps, alpha=alpha,
-               h_base=h_base, gamma=gamma, warmup_steps=warmup_steps,
-               name=name_of.get(float(gamma), f"qsr_gamma{gamma:g}"))
-  raise ValueError(f"unknown sync schedule {name!r}; valid: "
-                   f"{', '.join(SCHEDULES)}")
+    return QSR(
+      lr_schedule,
+      total_steps=total_steps,
+      alpha=alpha,
+      h_base=h_base,
+      gamma=gamma,
+      warmup_steps=warmup_steps,
+      name=name_of.get(float(gamma), f"qsr_gamma{gamma:g}"),
+    )
+  raise ValueError(
+    f"unknown sync schedule {name!r}; valid: {', '.join(SCHEDULES)}"
+  )

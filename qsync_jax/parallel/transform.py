@@ -47,8 +47,12 @@ class AveragedState(NamedTuple):
   averager_state: Any = None
 
 
-def averaged(averager: Averager, axis_name: str, error_feedback: bool = False,
-             seed: int = 0) -> optax.GradientTransformation:
+def averaged(
+  averager: Averager,
+  axis_name: str,
+  error_feedback: bool = False,
+  seed: int = 0,
+) -> optax.GradientTransformation:
   """Averages updates over ``axis_name`` with ``averager``.
 
   ``update`` runs inside ``jax.shard_map`` (or ``jax.vmap(...,
@@ -83,16 +87,20 @@ def averaged(averager: Averager, axis_name: str, error_feedback: bool = False,
   """
 
   def init_fn(params: Any) -> AveragedState:
-    residual, state = None, averagers.init_state(
-        averager, sum(jnp.size(p) for p in jax.tree.leaves(params)))
+    residual, state = (
+      None,
+      averagers.init_state(
+        averager, sum(jnp.size(p) for p in jax.tree.leaves(params))
+      ),
+    )
     if error_feedback:
       averagers.ravel_floats(params)  # refuse non-float leaves up front
-      residual = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
-                              params)
+      residual = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     return AveragedState(jnp.zeros((), jnp.uint32), residual, state)
 
-  def update_fn(updates: Any, state: AveragedState, params: Any = None
-                ) -> tuple[Any, AveragedState]:
+  def update_fn(
+    updates: Any, state: AveragedState, params: Any = None
+  ) -> tuple[Any, AveragedState]:
     del params
     key = jax.random.fold_in(jax.random.key(seed), state.count)
     weight = jnp.float32(1) / lax.axis_size(axis_name)
@@ -108,13 +116,15 @@ def averaged(averager: Averager, axis_name: str, error_feedback: bool = False,
       res_flat, unravel_res = averagers.ravel_floats(state.residual)
       if res_flat.shape != flat.shape:
         raise ValueError(
-            f"the error-feedback residual holds {res_flat.size} elements but "
-            f"the updates {flat.size}: init with parameters shaped like them")
+          f"the error-feedback residual holds {res_flat.size} elements but "
+          f"the updates {flat.size}: init with parameters shaped like them"
+        )
     mean, new_res, new_state = averagers.average(
-        averager, flat, weight, axis_name, key, res_flat,
-        state.averager_state)
+      averager, flat, weight, axis_name, key, res_flat, state.averager_state
+    )
     return unravel(mean.astype(flat.dtype)), state._replace(
-        residual=None if new_res is None else unravel_res(new_res),
-        averager_state=new_state)
+      residual=None if new_res is None else unravel_res(new_res),
+      averager_state=new_state,
+    )
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -28,12 +28,21 @@ class Averager(Protocol):
 
   name: str
 
-  def __call__(self, x: jax.Array, weight: jax.Array, axis_name: str,
-               key: jax.Array | None = None) -> jax.Array:
-    ...
+  def __call__(
+    self,
+    x: jax.Array,
+    weight: jax.Array,
+    axis_name: str,
+    key: jax.Array | None = None,
+  ) -> jax.Array: ...
 
-  def reduce(self, x: jax.Array, weight: jax.Array, axis_name: str,
-             key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  def reduce(
+    self,
+    x: jax.Array,
+    weight: jax.Array,
+    axis_name: str,
+    key: jax.Array | None = None,
+  ) -> tuple[jax.Array, jax.Array]:
     """Averages over ``axis_name``, keeping what this worker sent.
 
     Args:
@@ -50,8 +59,7 @@ class Averager(Protocol):
     """
     ...
 
-  def wire_bytes(self, num_elements: int, num_workers: int) -> float:
-    ...
+  def wire_bytes(self, num_elements: int, num_workers: int) -> float: ...
 
 
 class Stateful(Protocol):
@@ -76,9 +84,14 @@ class Stateful(Protocol):
     """
     ...
 
-  def reduce_with_state(self, x: jax.Array, weight: jax.Array,
-                        axis_name: str, key: jax.Array | None, state: Any
-                        ) -> tuple[jax.Array, jax.Array, Any]:
+  def reduce_with_state(
+    self,
+    x: jax.Array,
+    weight: jax.Array,
+    axis_name: str,
+    key: jax.Array | None,
+    state: Any,
+  ) -> tuple[jax.Array, jax.Array, Any]:
     """:meth:`Averager.reduce` that also reads and returns the state.
 
     Args:
@@ -94,8 +107,13 @@ class Stateful(Protocol):
 class Reducing:
   """Gives a strategy ``__call__`` from its ``reduce``."""
 
-  def __call__(self, x: jax.Array, weight: jax.Array, axis_name: str,
-               key: jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self,
+    x: jax.Array,
+    weight: jax.Array,
+    axis_name: str,
+    key: jax.Array | None = None,
+  ) -> jax.Array:
     """Returns ``sum_i weight_i * x_i`` over ``axis_name`` (float32)."""
     return self.reduce(x, weight, axis_name, key)[0]
 

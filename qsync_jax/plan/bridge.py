@@ -27,13 +27,14 @@ when it is nested in an NNX module (:mod:`qsync_jax.plan.policy`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Any
 
 from flax import core as flax_core
-import flax.linen as nn
 from flax import nnx
+import flax.linen as nn
 from flax.linen import dtypes as linen_dtypes
 from flax.nnx.bridge import variables as bridge_vars
 from flax.nnx.nn import dtypes as nnx_dtypes
@@ -46,21 +47,33 @@ from qsync_jax.task import calling
 
 # Call keywords that carry a Linen module's mode, and whether they are the
 # negation of "train" (flax's Dropout / BatchNorm conventions).
-_TRAIN_KEYWORDS = (("train", False), ("training", False),
-                   ("is_training", False), ("deterministic", True),
-                   ("use_running_average", True))
+_TRAIN_KEYWORDS = (
+  ("train", False),
+  ("training", False),
+  ("is_training", False),
+  ("deterministic", True),
+  ("use_running_average", True),
+)
 # Linen layer type -> (proxy kind, op attribute or None for an embedding).
 # DenseGeneral first: the lookup takes the first isinstance match.
-_KINDS = ((nn.DenseGeneral, "LinearGeneral", "dot_general"),
-          (nn.Dense, "Linear", "dot_general"),
-          (nn.Conv, "Conv", "conv_general_dilated"),
-          (nn.Embed, "Embed", None))
+_KINDS = (
+  (nn.DenseGeneral, "LinearGeneral", "dot_general"),
+  (nn.Dense, "Linear", "dot_general"),
+  (nn.Conv, "Conv", "conv_general_dilated"),
+  (nn.Embed, "Embed", None),
+)
 # The weights a proxy exposes, as NNX layers name them.
 _WEIGHTS = ("kernel", "bias", "embedding")
 
 
-def _tuple_promote(fn: Callable[..., Any], args: tuple, /, *,
-                   dtype: Any = None, inexact: bool = True) -> tuple:
+def _tuple_promote(
+  fn: Callable[..., Any],
+  args: tuple,
+  /,
+  *,
+  dtype: Any = None,
+  inexact: bool = True,
+) -> tuple:
   """A Linen ``promote_dtype(*args)`` in NNX's ``promote_dtype(args)`` form."""
   return tuple(fn(*args, dtype=dtype, inexact=inexact))
 
@@ -81,16 +94,23 @@ class LayerProxy(nnx.Module):
     kernel, bias, embedding: the layer's weight variables (None if absent).
   """
 
-  def __init__(self, linen_path: str, kind: str, layer: nn.Module,
-               weights: dict[str, nnx.Variable]):
+  def __init__(
+    self,
+    linen_path: str,
+    kind: str,
+    layer: nn.Module,
+    weights: dict[str, nnx.Variable],
+  ):
     self.linen_path = linen_path
     self.kind = kind
     own = layer.promote_dtype
     # Linen's default promote_dtype is NNX's with another signature; a
     # user's own is kept, adapted to NNX's tuple form.
     self.promote_dtype = (
-        nnx_dtypes.promote_dtype if own is linen_dtypes.promote_dtype
-        else functools.partial(_tuple_promote, own))
+      nnx_dtypes.promote_dtype
+      if own is linen_dtypes.promote_dtype
+      else functools.partial(_tuple_promote, own)
+    )
     self.dtype = layer.dtype
     self.param_dtype = layer.param_dtype
     for name in _WEIGHTS:
@@ -99,47 +119,69 @@ class LayerProxy(nnx.Module):
   def layer_attributes(self) -> dict[str, Any]:
     """The Linen layer attributes this proxy sets for one call."""
     promote = self.promote_dtype
-    return {"promote_dtype":
-            lambda *args, dtype=None, inexact=True: list(
-                promote(tuple(args), dtype=dtype, inexact=inexact)),
-            "dtype": self.dtype}
+    return {
+      "promote_dtype": lambda *args, dtype=None, inexact=True: list(
+        promote(tuple(args), dtype=dtype, inexact=inexact)
+      ),
+      "dtype": self.dtype,
+    }
 
 
 class DenseProxy(LayerProxy):
   """Proxy of an ``nn.Dense`` / ``nn.DenseGeneral``: computes through
   ``dot_general``."""
 
-  def __init__(self, linen_path: str, kind: str, layer: nn.Module,
-               weights: dict[str, nnx.Variable]):
+  def __init__(
+    self,
+    linen_path: str,
+    kind: str,
+    layer: nn.Module,
+    weights: dict[str, nnx.Variable],
+  ):
     super().__init__(linen_path, kind, layer, weights)
     self.dot_general = layer.dot_general or lax.dot_general
 
   def layer_attributes(self) -> dict[str, Any]:
-    return {**super().layer_attributes(), "dot_general": self.dot_general,
-            "dot_general_cls": None}
+    return {
+      **super().layer_attributes(),
+      "dot_general": self.dot_general,
+      "dot_general_cls": None,
+    }
 
 
 class ConvProxy(LayerProxy):
   """Proxy of an ``nn.Conv``: computes through ``conv_general_dilated``."""
 
-  def __init__(self, linen_path: str, kind: str, layer: nn.Module,
-               weights: dict[str, nnx.Variable]):
+  def __init__(
+    self,
+    linen_path: str,
+    kind: str,
+    layer: nn.Module,
+    weights: dict[str, nnx.Variable],
+  ):
     super().__init__(linen_path, kind, layer, weights)
-    self.conv_general_dilated = (layer.conv_general_dilated
-                                 or lax.conv_general_dilated)
+    self.conv_general_dilated = (
+      layer.conv_general_dilated or lax.conv_general_dilated
+    )
 
   def layer_attributes(self) -> dict[str, Any]:
-    return {**super().layer_attributes(),
-            "conv_general_dilated": self.conv_general_dilated,
-            "conv_general_dilated_cls": None}
+    return {
+      **super().layer_attributes(),
+      "conv_general_dilated": self.conv_general_dilated,
+      "conv_general_dilated_cls": None,
+    }
 
 
 class EmbedProxy(LayerProxy):
   """Proxy of an ``nn.Embed``: a plan sets the ``dtype`` of its table."""
 
 
-_PROXY_FOR_KIND = {"Linear": DenseProxy, "LinearGeneral": DenseProxy,
-                   "Conv": ConvProxy, "Embed": EmbedProxy}
+_PROXY_FOR_KIND = {
+  "Linear": DenseProxy,
+  "LinearGeneral": DenseProxy,
+  "Conv": ConvProxy,
+  "Embed": EmbedProxy,
+}
 
 
 def _kind_of(layer: nn.Module) -> str | None:
@@ -178,8 +220,7 @@ def _accepts(fn: Callable[..., Any], name: str) -> bool:
     params = inspect.signature(fn).parameters
   except (TypeError, ValueError):
     return False
-  return name in params or any(p.kind is p.VAR_KEYWORD
-                               for p in params.values())
+  return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _rng_dict(rngs: Any) -> dict[str, jax.Array]:
@@ -198,15 +239,20 @@ def _rng_dict(rngs: Any) -> dict[str, jax.Array]:
     return dict(rngs)
   if isinstance(rngs, jax.Array):
     return {"params": rngs, "dropout": jax.random.fold_in(rngs, 1)}
-  raise ValueError(f"rngs must be nnx.Rngs, a jax key or a dict of keys, "
-                   f"got {type(rngs).__name__}")
+  raise ValueError(
+    f"rngs must be nnx.Rngs, a jax key or a dict of keys, "
+    f"got {type(rngs).__name__}"
+  )
 
 
 def _concrete(data: Any) -> Any:
   # Linen init needs arrays; a jax.ShapeDtypeStruct stands for zeros.
   return jax.tree.map(
-      lambda a: jnp.zeros(a.shape, a.dtype)
-      if isinstance(a, jax.ShapeDtypeStruct) else a, data)
+    lambda a: (
+      jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a
+    ),
+    data,
+  )
 
 
 def _nested_get(tree: dict, path: tuple[str, ...]) -> Any:
@@ -237,11 +283,16 @@ class LinenModel(nnx.Module):
     rngs: the module's own RNG streams (used when a call passes none).
   """
 
-  def __init__(self, module: nn.Module | None, sample_input: Any, *,
-               rngs: nnx.Rngs | int | jax.Array,
-               init_fn: Callable[..., Any] | None = None,
-               apply_fn: Callable[..., Any] | None = None,
-               train_kwarg: str | None = "auto"):
+  def __init__(
+    self,
+    module: nn.Module | None,
+    sample_input: Any,
+    *,
+    rngs: nnx.Rngs | int | jax.Array,
+    init_fn: Callable[..., Any] | None = None,
+    apply_fn: Callable[..., Any] | None = None,
+    train_kwarg: str | None = "auto",
+  ):
     """Initializes the Linen variables on ``sample_input``.
 
     Args:
@@ -266,13 +317,15 @@ class LinenModel(nnx.Module):
       rngs = nnx.Rngs(rngs)  # a seed or a key
     if module is not None:
       if not isinstance(module, nn.Module):
-        raise ValueError(f"module must be a flax.linen.Module, got "
-                         f"{type(module).__name__}")
+        raise ValueError(
+          f"module must be a flax.linen.Module, got {type(module).__name__}"
+        )
       init_fn, apply_fn = module.init, module.apply
       signature_of = type(module).__call__
     elif init_fn is None or apply_fn is None:
-      raise ValueError("LinenModel needs a Linen module or both init_fn and "
-                       "apply_fn")
+      raise ValueError(
+        "LinenModel needs a Linen module or both init_fn and apply_fn"
+      )
     else:
       signature_of = apply_fn
     negations = dict(_TRAIN_KEYWORDS)
@@ -283,8 +336,10 @@ class LinenModel(nnx.Module):
     elif train_kwarg in negations:
       self.train_kwarg = (train_kwarg, negations[train_kwarg])
     else:
-      raise ValueError(f"unknown train_kwarg {train_kwarg!r}; valid: 'auto', "
-                       f"None, {', '.join(map(repr, negations))}")
+      raise ValueError(
+        f"unknown train_kwarg {train_kwarg!r}; valid: 'auto', "
+        f"None, {', '.join(map(repr, negations))}"
+      )
     self.init_fn, self.apply_fn = init_fn, apply_fn
     # Linen's own apply takes rngs and mutable; a user's apply may not.
     self.passes_rngs = module is not None or _accepts(apply_fn, "rngs")
@@ -307,23 +362,38 @@ class LinenModel(nnx.Module):
     # Eager, not jitted: a compile per model costs more than the dispatch.
     with nn.intercept_methods(record):
       variables = flax_core.unfreeze(
-          init_fn(_rng_dict(rngs), *args, **kwargs, **mode))
+        init_fn(_rng_dict(rngs), *args, **kwargs, **mode)
+      )
     # Every collection becomes the nnx.Variable type flax registers for its
     # name ('params' -> Param, 'batch_stats' -> BatchStat, ...).
-    self.linen_variables = nnx.data({
-        col: jax.tree.map(functools.partial(bridge_vars.to_nnx_var, col),
-                          tree, is_leaf=lambda x: not isinstance(x, dict))
-        for col, tree in variables.items()})
+    self.linen_variables = nnx.data(
+      {
+        col: jax.tree.map(
+          functools.partial(bridge_vars.to_nnx_var, col),
+          tree,
+          is_leaf=lambda x: not isinstance(x, dict),
+        )
+        for col, tree in variables.items()
+      }
+    )
     params = self.linen_variables.get("params", {})
     # NNX walks attributes in sorted order and 'linen_variables' sorts
     # before 'proxies': the shared weights keep their Linen paths in
     # nnx.state(model).
-    self.proxies = nnx.data({
+    self.proxies = nnx.data(
+      {
         path: _PROXY_FOR_KIND[kind](
-            path, kind, layer,
-            {name: _nested_get(params, (*path.split("/"), name))
-             for name in _WEIGHTS})
-        for path, (kind, layer) in layers.items()})
+          path,
+          kind,
+          layer,
+          {
+            name: _nested_get(params, (*path.split("/"), name))
+            for name in _WEIGHTS
+          },
+        )
+        for path, (kind, layer) in layers.items()
+      }
+    )
     self.rngs = rngs.fork()
 
   def _mode_kwargs(self, train: bool) -> dict[str, bool]:
@@ -340,9 +410,12 @@ class LinenModel(nnx.Module):
       if momentum is not None and isinstance(layer, nn.BatchNorm):
         with linen_plan.temporarily(layer, momentum=momentum):
           return next_fun(*call_args, **call_kwargs)
-      proxy = (proxies.get("/".join(layer.path))
-               if context.method_name == "__call__"
-               and isinstance(layer, linen_plan.ADDRESSABLE_TYPES) else None)
+      proxy = (
+        proxies.get("/".join(layer.path))
+        if context.method_name == "__call__"
+        and isinstance(layer, linen_plan.ADDRESSABLE_TYPES)
+        else None
+      )
       if proxy is None:
         return next_fun(*call_args, **call_kwargs)
       with linen_plan.temporarily(layer, **proxy.layer_attributes()):
@@ -352,11 +425,15 @@ class LinenModel(nnx.Module):
 
   def linen_vars(self) -> dict[str, Any]:
     """The variables as Linen takes them: ``{collection: nested arrays}``."""
-    return jax.tree.map(bridge_vars.to_linen_var, dict(self.linen_variables),
-                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(
+      bridge_vars.to_linen_var,
+      dict(self.linen_variables),
+      is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
 
-  def __call__(self, *args, train: bool | None = None, rngs: Any = None,
-               **kwargs) -> Any:
+  def __call__(
+    self, *args, train: bool | None = None, rngs: Any = None, **kwargs
+  ) -> Any:
     """Applies the Linen module.
 
     Args:
@@ -394,20 +471,27 @@ class LinenModel(nnx.Module):
     for col, tree in updates.items():
       held = self.linen_variables.get(col)
       flat = jax.tree_util.tree_flatten_with_path(
-          tree, is_leaf=lambda x: not isinstance(x, dict))[0]
+        tree, is_leaf=lambda x: not isinstance(x, dict)
+      )[0]
       for key_path, value in flat:
         path = tuple(k.key for k in key_path)
         variable = _nested_get(held, path) if held is not None else None
         if not isinstance(variable, nnx.Variable):
-          raise ValueError(f"the Linen module created {col}/"
-                           f"{'/'.join(path)} after init; LinenModel holds "
-                           "only the variables init returns")
+          raise ValueError(
+            f"the Linen module created {col}/"
+            f"{'/'.join(path)} after init; LinenModel holds "
+            "only the variables init returns"
+          )
         variable.set_value(nn.meta.unbox(value))
 
 
-def from_linen(module_or_pair: Any, sample_input: Any, *,
-               rngs: nnx.Rngs | int | jax.Array,
-               train_kwarg: str | None = "auto") -> LinenModel:
+def from_linen(
+  module_or_pair: Any,
+  sample_input: Any,
+  *,
+  rngs: nnx.Rngs | int | jax.Array,
+  train_kwarg: str | None = "auto",
+) -> LinenModel:
   """Wraps a Linen model as an NNX module the whole library works on.
 
   Args:
@@ -435,19 +519,30 @@ def from_linen(module_or_pair: Any, sample_input: Any, *,
       callables.
   """
   if isinstance(module_or_pair, nn.Module):
-    return LinenModel(module_or_pair, sample_input, rngs=rngs,
-                      train_kwarg=train_kwarg)
+    return LinenModel(
+      module_or_pair, sample_input, rngs=rngs, train_kwarg=train_kwarg
+    )
   if is_linen(module_or_pair):
     init_fn, apply_fn = module_or_pair
-    return LinenModel(None, sample_input, rngs=rngs, init_fn=init_fn,
-                      apply_fn=apply_fn, train_kwarg=train_kwarg)
-  raise ValueError(f"from_linen takes a flax.linen.Module or an (init, apply) "
-                   f"pair of functions, got {type(module_or_pair).__name__}")
+    return LinenModel(
+      None,
+      sample_input,
+      rngs=rngs,
+      init_fn=init_fn,
+      apply_fn=apply_fn,
+      train_kwarg=train_kwarg,
+    )
+  raise ValueError(
+    f"from_linen takes a flax.linen.Module or an (init, apply) "
+    f"pair of functions, got {type(module_or_pair).__name__}"
+  )
 
 
 def is_linen(obj: Any) -> bool:
   """Whether :func:`from_linen` takes ``obj``: a Linen module or an
   ``(init, apply)`` pair of callables."""
   return isinstance(obj, nn.Module) or (
-      isinstance(obj, (tuple, list)) and len(obj) == 2
-      and all(callable(f) for f in obj))
+    isinstance(obj, (tuple, list))
+    and len(obj) == 2
+    and all(callable(f) for f in obj)
+  )

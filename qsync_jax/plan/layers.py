@@ -10,11 +10,12 @@ replaces, exactly as it does for ``nnx.Einsum``.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 
 class MatMul(nnx.Module):
@@ -28,7 +29,8 @@ class MatMul(nnx.Module):
   def __init__(self, einsum_op: Callable[..., jax.Array] = jnp.einsum):
     self.einsum_op = einsum_op
 
-  def __call__(self, subscripts: str, a: jax.Array, b: jax.Array,
-               **kwargs: Any) -> jax.Array:
+  def __call__(
+    self, subscripts: str, a: jax.Array, b: jax.Array, **kwargs: Any
+  ) -> jax.Array:
     """Returns ``einsum(subscripts, a, b)`` computed by ``self.einsum_op``."""
     return self.einsum_op(subscripts, a, b, **kwargs)

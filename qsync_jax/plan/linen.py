@@ -23,19 +23,24 @@ import jax
 
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.plan.precision import PrecisionPlan
-from qsync_jax.plan.rules import (OP_FOR_ATTRIBUTE, embed_dtype,
-                                  resolve_with_forced)
+from qsync_jax.plan.rules import embed_dtype
+from qsync_jax.plan.rules import OP_FOR_ATTRIBUTE
+from qsync_jax.plan.rules import resolve_with_forced
 
 # The attribute each layer type computes through (its op: OP_FOR_ATTRIBUTE).
-_OP_ATTR = ((nn.Dense, "dot_general"), (nn.DenseGeneral, "dot_general"),
-            (nn.Conv, "conv_general_dilated"))
+_OP_ATTR = (
+  (nn.Dense, "dot_general"),
+  (nn.DenseGeneral, "dot_general"),
+  (nn.Conv, "conv_general_dilated"),
+)
 ADDRESSABLE_TYPES = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.Embed)
 
 
 def _layer_path(context) -> str | None:
   module = context.module
   if context.method_name != "__call__" or not isinstance(
-      module, ADDRESSABLE_TYPES):
+    module, ADDRESSABLE_TYPES
+  ):
     return None
   return "/".join(module.path)
 
@@ -58,8 +63,9 @@ def temporarily(module: nn.Module, **attrs):
       object.__setattr__(module, k, v)
 
 
-def layer_paths(module: nn.Module, *args, method: str = "init",
-                **kwargs) -> list[str]:
+def layer_paths(
+  module: nn.Module, *args, method: str = "init", **kwargs
+) -> list[str]:
   """Returns the paths of ``module``'s addressable layers in forward order.
 
   Args:
@@ -83,9 +89,11 @@ def layer_paths(module: nn.Module, *args, method: str = "init",
 
   jax.eval_shape(run)
   if not order:
-    raise ValueError(f"{type(module).__name__} has no layer a precision plan "
-                     "can address (nn.Dense, nn.DenseGeneral, nn.Conv, "
-                     "nn.Embed)")
+    raise ValueError(
+      f"{type(module).__name__} has no layer a precision plan "
+      "can address (nn.Dense, nn.DenseGeneral, nn.Conv, "
+      "nn.Embed)"
+    )
   return order
 
 
@@ -101,8 +109,9 @@ class PlannedModule:
     device_kind: if set, the plan is validated against it.
   """
 
-  def __init__(self, module: nn.Module, plan: PrecisionPlan,
-               device_kind: str | None = None):
+  def __init__(
+    self, module: nn.Module, plan: PrecisionPlan, device_kind: str | None = None
+  ):
     if isinstance(module, PlannedModule):
       module = module.module  # a new plan replaces the old one
     self.module = module
@@ -110,8 +119,9 @@ class PlannedModule:
     self.device_kind = device_kind
     self._precisions: dict[str, Precision] | None = None
 
-  def precisions(self, *args, method: str = "init", **kwargs
-                 ) -> dict[str, Precision]:
+  def precisions(
+    self, *args, method: str = "init", **kwargs
+  ) -> dict[str, Precision]:
     """Returns {layer path: precision}, resolving it from a traced call."""
     if self._precisions is None:
       embeds: set[str] = set()
@@ -126,7 +136,8 @@ class PlannedModule:
       effective = resolve_with_forced(paths, embeds, self.plan)
       if self.device_kind is not None:
         PrecisionPlan.from_precisions(effective).validate_for(
-            self.device_kind, paths)
+          self.device_kind, paths
+        )
       self._precisions = effective
     return self._precisions
 
@@ -147,6 +158,7 @@ class PlannedModule:
           attrs["conv_general_dilated_cls"] = None
       with temporarily(module, **attrs):
         return next_fun(*call_args, **call_kwargs)
+
     return intercept
 
   def init(self, *args, **kwargs) -> Any:
@@ -162,8 +174,9 @@ class PlannedModule:
       return self.module.apply(*args, **kwargs)
 
 
-def apply_plan(module: nn.Module, plan: PrecisionPlan, *,
-               device_kind: str | None = None) -> PlannedModule:
+def apply_plan(
+  module: nn.Module, plan: PrecisionPlan, *, device_kind: str | None = None
+) -> PlannedModule:
   """Returns ``module`` wrapped so that ``init`` / ``apply`` use ``plan``.
 
   Layer paths are resolved on the first ``init`` / ``apply`` call (a rule

@@ -27,8 +27,9 @@ themselves (these are not addressable layers).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from flax import nnx
 
@@ -37,21 +38,24 @@ from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.plan import bridge
 from qsync_jax.plan.layers import MatMul
 from qsync_jax.plan.precision import PrecisionPlan
-from qsync_jax.plan.rules import (OP_FOR_ATTRIBUTE, embed_dtype,
-                                  resolve_with_forced)
+from qsync_jax.plan.rules import embed_dtype
+from qsync_jax.plan.rules import OP_FOR_ATTRIBUTE
+from qsync_jax.plan.rules import resolve_with_forced
 from qsync_jax.task import calling
 
 # The attribute each layer type computes through, and the op that replaces it.
 _OP_ATTR: Mapping[type, tuple[str, Callable[..., Any]]] = {
-    layer_type: (attr, OP_FOR_ATTRIBUTE[attr]) for layer_type, attr in (
-        (nnx.Linear, "dot_general"),
-        (nnx.LinearGeneral, "dot_general"),
-        (nnx.Conv, "conv_general_dilated"),
-        (nnx.Einsum, "einsum_op"),
-        (MatMul, "einsum_op"),
-        (bridge.DenseProxy, "dot_general"),
-        (bridge.ConvProxy, "conv_general_dilated"),
-    )}
+  layer_type: (attr, OP_FOR_ATTRIBUTE[attr])
+  for layer_type, attr in (
+    (nnx.Linear, "dot_general"),
+    (nnx.LinearGeneral, "dot_general"),
+    (nnx.Conv, "conv_general_dilated"),
+    (nnx.Einsum, "einsum_op"),
+    (MatMul, "einsum_op"),
+    (bridge.DenseProxy, "dot_general"),
+    (bridge.ConvProxy, "conv_general_dilated"),
+  )
+}
 #: Embedding layers: a plan sets the dtype of their table (no op to swap).
 EMBEDDING_TYPES = (nnx.Embed, bridge.EmbedProxy)
 #: Layer types that never compute below 16 bits.
@@ -68,6 +72,7 @@ class Layer:
     module: the layer module itself.
     kind: the layer's class name (``"Linear"``, ``"Conv"``, ...).
   """
+
   path: str
   module: nnx.Module
   kind: str
@@ -104,8 +109,9 @@ def weight_variable(module: nnx.Module) -> nnx.Variable | None:
   return module.embedding if is_embedding(module) else module.kernel
 
 
-def weight_paths(model: nnx.Module, layer_list: list[Layer]
-                 ) -> dict[str, tuple | None]:
+def weight_paths(
+  model: nnx.Module, layer_list: list[Layer]
+) -> dict[str, tuple | None]:
   """``{layer path: state path of its weight}`` (None: no weight).
 
   The state path indexes ``nnx.state(model)`` (and any state split from
@@ -142,8 +148,9 @@ def addressable_modules(model: nnx.Module) -> dict[str, nnx.Module]:
     if isinstance(node, bridge.LinenModel):
       for linen_path, proxy in node.proxies.items():
         found.setdefault("/".join((*map(str, path), linen_path)), proxy)
-    elif (isinstance(node, ADDRESSABLE_TYPES)
-          and not isinstance(node, bridge.LayerProxy)):
+    elif isinstance(node, ADDRESSABLE_TYPES) and not isinstance(
+      node, bridge.LayerProxy
+    ):
       found.setdefault(_path_str(path, node), node)
   return found
 
@@ -171,12 +178,14 @@ def model_layers(model: nnx.Module, sample_input: Any = None) -> list[Layer]:
   if not by_path:
     if any(isinstance(n, nnx.bridge.ToNNX) for _, n in nnx.iter_graph(model)):
       raise ValueError(
-          f"{type(model).__name__} wraps a Linen module in nnx.bridge.ToNNX, "
-          "whose layers a plan cannot reach: wrap it with "
-          "qsync_jax.from_linen(module, sample_input, rngs=...) instead")
+        f"{type(model).__name__} wraps a Linen module in nnx.bridge.ToNNX, "
+        "whose layers a plan cannot reach: wrap it with "
+        "qsync_jax.from_linen(module, sample_input, rngs=...) instead"
+      )
     raise ValueError(
-        f"{type(model).__name__} has no layer a precision plan can address "
-        f"(looked for {', '.join(t.__name__ for t in ADDRESSABLE_TYPES)})")
+      f"{type(model).__name__} has no layer a precision plan can address "
+      f"(looked for {', '.join(t.__name__ for t in ADDRESSABLE_TYPES)})"
+    )
   probe = calling.as_probe(model, sample_input)
   order: list[str] = []
   saved = []
@@ -212,12 +221,14 @@ def operand_positions(module: nnx.Module) -> tuple[int, int]:
 
 def hook_attribute(module: nnx.Module) -> str:
   """The attribute :func:`instrument` wraps: the op, or an embedding's cast."""
-  return ("promote_dtype" if is_embedding(module)
-          else op_attribute(module)[0])
+  return "promote_dtype" if is_embedding(module) else op_attribute(module)[0]
 
 
-def instrument(model: nnx.Module, layer_list: list[Layer],
-               make_wrapper: Callable[[int, Layer, Any], Any]) -> None:
+def instrument(
+  model: nnx.Module,
+  layer_list: list[Layer],
+  make_wrapper: Callable[[int, Layer, Any], Any],
+) -> None:
   """Replaces each layer's hook by ``make_wrapper(i, layer, original)``.
 
   Contractions wrap their op (:func:`operand_positions` says where the
@@ -241,23 +252,32 @@ def layer_paths(model: nnx.Module, sample_input: Any = None) -> list[str]:
   return [layer.path for layer in model_layers(model, sample_input)]
 
 
-def resolve_layers(layer_list: list[Layer], plan: PrecisionPlan,
-                   device_kind: str | None = None) -> dict[str, Precision]:
+def resolve_layers(
+  layer_list: list[Layer], plan: PrecisionPlan, device_kind: str | None = None
+) -> dict[str, Precision]:
   """Like :func:`effective_precisions`, for layers already listed."""
-  floored = {layer.path for layer in layer_list
-             if isinstance(layer.module, SIXTEEN_BIT_FLOOR)}
-  effective = resolve_with_forced([layer.path for layer in layer_list],
-                                  floored, plan)
+  floored = {
+    layer.path
+    for layer in layer_list
+    if isinstance(layer.module, SIXTEEN_BIT_FLOOR)
+  }
+  effective = resolve_with_forced(
+    [layer.path for layer in layer_list], floored, plan
+  )
   if device_kind is not None:
     PrecisionPlan.from_precisions(effective).validate_for(
-        device_kind, list(effective))
+      device_kind, list(effective)
+    )
   return effective
 
 
-def effective_precisions(model: nnx.Module, plan: PrecisionPlan,
-                         sample_input: Any = None, *,
-                         device_kind: str | None = None
-                         ) -> dict[str, Precision]:
+def effective_precisions(
+  model: nnx.Module,
+  plan: PrecisionPlan,
+  sample_input: Any = None,
+  *,
+  device_kind: str | None = None,
+) -> dict[str, Precision]:
   """Returns the precision each layer computes at under ``plan``.
 
   This is ``plan.resolve(layer_paths(model))`` with the forced precisions of
@@ -276,9 +296,13 @@ def effective_precisions(model: nnx.Module, plan: PrecisionPlan,
   return resolve_layers(model_layers(model, sample_input), plan, device_kind)
 
 
-def apply_plan(model: nnx.Module, plan: PrecisionPlan,
-               sample_input: Any = None, *,
-               device_kind: str | None = None) -> nnx.Module:
+def apply_plan(
+  model: nnx.Module,
+  plan: PrecisionPlan,
+  sample_input: Any = None,
+  *,
+  device_kind: str | None = None,
+) -> nnx.Module:
   """Makes ``model`` compute with the plan's precisions, in place.
 
   Args:
@@ -294,13 +318,15 @@ def apply_plan(model: nnx.Module, plan: PrecisionPlan,
     PlanError: see :func:`effective_precisions`.
   """
   layer_list = model_layers(model, sample_input)
-  set_precisions(layer_list, resolve_layers(layer_list, plan, device_kind),
-                 plan.quant)
+  set_precisions(
+    layer_list, resolve_layers(layer_list, plan, device_kind), plan.quant
+  )
   return model
 
 
-def set_precisions(layer_list: list[Layer], precisions: dict[str, Precision],
-                   quant: QuantConfig) -> None:
+def set_precisions(
+  layer_list: list[Layer], precisions: dict[str, Precision], quant: QuantConfig
+) -> None:
   """Sets each listed layer's op to compute at ``precisions[path]``."""
   for layer in layer_list:
     prec = precisions[layer.path]
@@ -312,13 +338,16 @@ def set_precisions(layer_list: list[Layer], precisions: dict[str, Precision],
       setattr(module, attr, op_cls(prec, quant))
 
 
-def describe(model: nnx.Module, plan: PrecisionPlan,
-             sample_input: Any = None) -> str:
+def describe(
+  model: nnx.Module, plan: PrecisionPlan, sample_input: Any = None
+) -> str:
   """Returns a readable table: layer path, kind, precision under ``plan``."""
   layer_list = model_layers(model, sample_input)
   effective = resolve_layers(layer_list, plan)
   width = max(len(layer.path) for layer in layer_list)
   rows = [f"{'layer':<{width}}  {'kind':<13} precision"]
-  rows += [f"{layer.path:<{width}}  {layer.kind:<13} "
-           f"{effective[layer.path].value}" for layer in layer_list]
+  rows += [
+    f"{layer.path:<{width}}  {layer.kind:<13} {effective[layer.path].value}"
+    for layer in layer_list
+  ]
   return "\n".join(rows)

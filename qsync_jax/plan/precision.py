@@ -15,12 +15,12 @@ high-polynomial in a layer path's length (``([a-z0-9/]+)+!`` took 20 s over
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 import dataclasses
 import json
 import re
 from re import _constants as sre_constants  # Python >= 3.11, like the parser.
 from re import _parser as sre_parse
-from typing import Iterable, Mapping, Sequence
 
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
@@ -37,8 +37,11 @@ class PlanError(ValueError):
 #: path, 4 take under a millisecond.
 MAX_RULE_REPEATS = 4
 
-_REPEATS = (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT,
-            sre_constants.POSSESSIVE_REPEAT)
+_REPEATS = (
+  sre_constants.MAX_REPEAT,
+  sre_constants.MIN_REPEAT,
+  sre_constants.POSSESSIVE_REPEAT,
+)
 
 
 def _subpatterns(value):
@@ -87,14 +90,16 @@ def check_rule_complexity(pattern: str) -> None:
       if inner in _REPEATS or inner is sre_constants.BRANCH:
         what = "a quantifier" if inner in _REPEATS else "an alternation"
         raise PlanError(
-            f"regex {pattern!r} repeats a group that holds {what}; its "
-            "matching time grows exponentially with the layer path's length "
-            "(write the repeat over single characters, e.g. '[a-z0-9/]+')")
+          f"regex {pattern!r} repeats a group that holds {what}; its "
+          "matching time grows exponentially with the layer path's length "
+          "(write the repeat over single characters, e.g. '[a-z0-9/]+')"
+        )
   if repeats > MAX_RULE_REPEATS:
     raise PlanError(
-        f"regex {pattern!r} has {repeats} repeats, more than "
-        f"{MAX_RULE_REPEATS}; adjacent repeats make matching time grow as a "
-        f"power of the layer path's length")
+      f"regex {pattern!r} has {repeats} repeats, more than "
+      f"{MAX_RULE_REPEATS}; adjacent repeats make matching time grow as a "
+      f"power of the layer path's length"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,18 +120,23 @@ class PrecisionPlan:
   default: Precision = Precision.FP32
   quant: QuantConfig = QuantConfig()
 
-  def __init__(self, rules: Iterable[Sequence] = (),
-               default: "Precision | str" = Precision.FP32,
-               quant: QuantConfig | None = None):
+  def __init__(
+    self,
+    rules: Iterable[Sequence] = (),
+    default: Precision | str = Precision.FP32,
+    quant: QuantConfig | None = None,
+  ):
     parsed = []
     for i, rule in enumerate(rules):
       if isinstance(rule, (str, bytes)) or len(rule) != 2:
-        raise PlanError(f"rule {i} must be a (regex, precision) pair, "
-                        f"got {rule!r}")
+        raise PlanError(
+          f"rule {i} must be a (regex, precision) pair, got {rule!r}"
+        )
       pattern, precision = rule
       if not isinstance(pattern, str):
-        raise PlanError(f"rule {i}: the pattern must be a string, "
-                        f"got {pattern!r}")
+        raise PlanError(
+          f"rule {i}: the pattern must be a string, got {pattern!r}"
+        )
       try:
         re.compile(pattern)
       except re.error as e:
@@ -138,22 +148,30 @@ class PrecisionPlan:
       parsed.append((pattern, Precision.parse(precision)))
     object.__setattr__(self, "rules", tuple(parsed))
     object.__setattr__(self, "default", Precision.parse(default))
-    object.__setattr__(self, "quant", quant if quant is not None
-                       else QuantConfig())
+    object.__setattr__(
+      self, "quant", quant if quant is not None else QuantConfig()
+    )
 
   @classmethod
-  def uniform(cls, precision: "Precision | str",
-              quant: QuantConfig | None = None) -> "PrecisionPlan":
+  def uniform(
+    cls, precision: Precision | str, quant: QuantConfig | None = None
+  ) -> PrecisionPlan:
     """Returns a plan that gives every layer ``precision``."""
     return cls((), default=precision, quant=quant)
 
   @classmethod
-  def from_precisions(cls, precisions: Mapping[str, "Precision | str"],
-                      default: "Precision | str" = Precision.FP32,
-                      quant: QuantConfig | None = None) -> "PrecisionPlan":
+  def from_precisions(
+    cls,
+    precisions: Mapping[str, Precision | str],
+    default: Precision | str = Precision.FP32,
+    quant: QuantConfig | None = None,
+  ) -> PrecisionPlan:
     """Returns a plan with one exact rule per layer path (allocator output)."""
-    return cls(((re.escape(p), v) for p, v in precisions.items()),
-               default=default, quant=quant)
+    return cls(
+      ((re.escape(p), v) for p, v in precisions.items()),
+      default=default,
+      quant=quant,
+    )
 
   def precision_of(self, layer_path: str) -> Precision:
     """Returns the precision the plan gives ``layer_path``."""
@@ -162,8 +180,9 @@ class PrecisionPlan:
         return precision
     return self.default
 
-  def resolve(self, layer_paths: Sequence[str], *,
-              strict: bool = True) -> dict[str, Precision]:
+  def resolve(
+    self, layer_paths: Sequence[str], *, strict: bool = True
+  ) -> dict[str, Precision]:
     """Maps each layer path to its precision.
 
     Args:
@@ -179,20 +198,25 @@ class PrecisionPlan:
         the valid paths.
     """
     if strict:
-      dead = [p for p, _ in self.rules
-              if not any(re.fullmatch(p, path) for path in layer_paths)]
+      dead = [
+        p
+        for p, _ in self.rules
+        if not any(re.fullmatch(p, path) for path in layer_paths)
+      ]
       if dead:
         raise PlanError(
-            f"plan rule(s) {', '.join(repr(p) for p in dead)} match no layer; "
-            f"valid layer paths: {', '.join(layer_paths) or '(none)'}")
+          f"plan rule(s) {', '.join(repr(p) for p in dead)} match no layer; "
+          f"valid layer paths: {', '.join(layer_paths) or '(none)'}"
+        )
     return {path: self.precision_of(path) for path in layer_paths}
 
   def precisions(self) -> set[Precision]:
     """Returns every precision the plan can assign (rules and default)."""
     return {p for _, p in self.rules} | {self.default}
 
-  def validate_for(self, device_kind: str,
-                   layer_paths: Sequence[str] | None = None) -> None:
+  def validate_for(
+    self, device_kind: str, layer_paths: Sequence[str] | None = None
+  ) -> None:
     """Checks that ``device_kind`` computes every precision the plan uses.
 
     Args:
@@ -206,8 +230,10 @@ class PrecisionPlan:
     """
     supported = supported_precisions(device_kind)
     if layer_paths is None:
-      used = {(f"rule {p!r}" if p else "default"): prec
-              for p, prec in (*self.rules, (None, self.default))}
+      used = {
+        (f"rule {p!r}" if p else "default"): prec
+        for p, prec in (*self.rules, (None, self.default))
+      }
     else:
       used = self.resolve(layer_paths, strict=False)
     bad = {}
@@ -215,26 +241,31 @@ class PrecisionPlan:
       if prec not in supported:
         bad.setdefault(prec, []).append(where)
     if bad:
-      parts = [f"{prec.value} (asked by {', '.join(where[:5])}"
-               f"{', ...' if len(where) > 5 else ''})"
-               for prec, where in bad.items()]
+      parts = [
+        f"{prec.value} (asked by {', '.join(where[:5])}"
+        f"{', ...' if len(where) > 5 else ''})"
+        for prec, where in bad.items()
+      ]
       raise PlanError(
-          f"device kind {device_kind!r} does not support "
-          f"{'; '.join(parts)}; it supports "
-          f"{', '.join(sorted(p.value for p in supported))}")
+        f"device kind {device_kind!r} does not support "
+        f"{'; '.join(parts)}; it supports "
+        f"{', '.join(sorted(p.value for p in supported))}"
+      )
 
   def to_dict(self) -> dict:
     """Returns the plan as JSON-serializable data."""
-    return {"rules": [[p, prec.value] for p, prec in self.rules],
-            "default": self.default.value,
-            "quant": self.quant.to_dict()}
+    return {
+      "rules": [[p, prec.value] for p, prec in self.rules],
+      "default": self.default.value,
+      "quant": self.quant.to_dict(),
+    }
 
   def to_json(self, indent: int | None = 2) -> str:
     """Returns the plan as JSON text (inverse of :meth:`from_json`)."""
     return json.dumps(self.to_dict(), indent=indent)
 
   @classmethod
-  def from_dict(cls, data: Mapping) -> "PrecisionPlan":
+  def from_dict(cls, data: Mapping) -> PrecisionPlan:
     """Builds a plan from :meth:`to_dict` data.
 
     Raises:
@@ -242,11 +273,14 @@ class PrecisionPlan:
     """
     if not isinstance(data, Mapping):
       raise PlanError(
-          f"a plan must be a JSON object, got {type(data).__name__}")
+        f"a plan must be a JSON object, got {type(data).__name__}"
+      )
     unknown = set(data) - {"rules", "default", "quant"}
     if unknown:
-      raise PlanError(f"unknown plan keys {sorted(unknown)}; "
-                      "valid keys: rules, default, quant")
+      raise PlanError(
+        f"unknown plan keys {sorted(unknown)}; "
+        "valid keys: rules, default, quant"
+      )
     rules = data.get("rules", [])
     if not isinstance(rules, list):
       raise PlanError("plan 'rules' must be a list of [regex, precision] pairs")
@@ -259,7 +293,7 @@ class PrecisionPlan:
       raise PlanError(f"invalid plan: {e}") from None
 
   @classmethod
-  def from_json(cls, text: str) -> "PrecisionPlan":
+  def from_json(cls, text: str) -> PrecisionPlan:
     """Parses a plan from JSON text.
 
     Raises:

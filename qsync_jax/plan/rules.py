@@ -18,20 +18,22 @@ layers; both hand them to these rules, so the two APIs cannot drift apart.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 import re
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jax.numpy as jnp
 
 from qsync_jax.numerics import ops
 from qsync_jax.numerics.precision import Precision
-from qsync_jax.plan.precision import PlanError, PrecisionPlan
+from qsync_jax.plan.precision import PlanError
+from qsync_jax.plan.precision import PrecisionPlan
 
 #: The precision-aware op class that replaces each injectable attribute.
 OP_FOR_ATTRIBUTE: Mapping[str, Callable[..., Any]] = {
-    "dot_general": ops.DotGeneral,
-    "conv_general_dilated": ops.ConvGeneralDilated,
-    "einsum_op": ops.Einsum,
+  "dot_general": ops.DotGeneral,
+  "conv_general_dilated": ops.ConvGeneralDilated,
+  "einsum_op": ops.Einsum,
 }
 
 # An embedding is a lookup, not a contraction: a plan only changes the dtype
@@ -53,8 +55,9 @@ def embed_dtype(precision: Precision, param_dtype: Any) -> Any:
   return _EMBED_DTYPE.get(precision, param_dtype)
 
 
-def resolve_with_forced(paths: list[str], floored: set[str],
-                        plan: PrecisionPlan) -> dict[str, Precision]:
+def resolve_with_forced(
+  paths: list[str], floored: set[str], plan: PrecisionPlan
+) -> dict[str, Precision]:
   """Resolves ``plan`` over ``paths`` and applies the forced precisions.
 
   Args:
@@ -84,6 +87,7 @@ def resolve_with_forced(paths: list[str], floored: set[str],
     effective[path] = prec
   if too_low:
     raise PlanError(
-        "embeddings and attention matmuls compute in 16 bits or more, but the "
-        f"plan's rules put {', '.join(too_low)} below that")
+      "embeddings and attention matmuls compute in 16 bits or more, but the "
+      f"plan's rules put {', '.join(too_low)} below that"
+    )
   return effective

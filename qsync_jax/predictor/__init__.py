@@ -39,14 +39,14 @@ The step it profiles is the trainer's own (:mod:`qsync_jax.train.step` and
 from qsync_jax.predictor.analytic import analytic_profile
 from qsync_jax.predictor.casting import analytic_cast_model
 from qsync_jax.predictor.casting import CastModel
+from qsync_jax.predictor.casting import fit_cast_model
 from qsync_jax.predictor.codec import CodecCost
-from qsync_jax.predictor.collective_cost import CollectiveCost
-from qsync_jax.predictor.collective_cost import profile_collectives
 from qsync_jax.predictor.codec import profile_codec
 from qsync_jax.predictor.codec_processes import profile_codecs_in_processes
+from qsync_jax.predictor.collective_cost import CollectiveCost
+from qsync_jax.predictor.collective_cost import profile_collectives
 from qsync_jax.predictor.communication import averaging_time
 from qsync_jax.predictor.communication import Link
-from qsync_jax.predictor.casting import fit_cast_model
 from qsync_jax.predictor.graph import casts
 from qsync_jax.predictor.graph import input_dtypes
 from qsync_jax.predictor.graph import LayerNode
@@ -63,29 +63,29 @@ from qsync_jax.predictor.simulation import simulate
 from qsync_jax.predictor.simulation import SimWorker
 
 __all__ = [
-    "CastModel",
-    "CodecCost",
-    "CollectiveCost",
-    "Link",
-    "LayerNode",
-    "MemoryModel",
-    "ModelGraph",
-    "Prediction",
-    "Profile",
-    "SimWorker",
-    "analytic_cast_model",
-    "analytic_profile",
-    "averaging_time",
-    "casts",
-    "compiled_step_bytes",
-    "fit_cast_model",
-    "input_dtypes",
-    "predict",
-    "profile",
-    "profile_codec",
-    "profile_codecs_in_processes",
-    "profile_collectives",
-    "resolve_plan",
-    "simulate",
-    "trace_graph",
+  "CastModel",
+  "CodecCost",
+  "CollectiveCost",
+  "Link",
+  "LayerNode",
+  "MemoryModel",
+  "ModelGraph",
+  "Prediction",
+  "Profile",
+  "SimWorker",
+  "analytic_cast_model",
+  "analytic_profile",
+  "averaging_time",
+  "casts",
+  "compiled_step_bytes",
+  "fit_cast_model",
+  "input_dtypes",
+  "predict",
+  "profile",
+  "profile_codec",
+  "profile_codecs_in_processes",
+  "profile_collectives",
+  "resolve_plan",
+  "simulate",
+  "trace_graph",
 ]

@@ -10,21 +10,28 @@ stand-in step, an optimizer pass from the parameter bytes.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 
 from qsync_jax.numerics.precision import Precision
-from qsync_jax.plan.devices import DeviceSpec, device_spec
+from qsync_jax.plan.devices import device_spec
+from qsync_jax.plan.devices import DeviceSpec
 from qsync_jax.plan.devices import supported_precisions
-from qsync_jax.predictor import casting, graph as graph_lib, memory, roofline
+from qsync_jax.predictor import casting
+from qsync_jax.predictor import graph as graph_lib
+from qsync_jax.predictor import memory
+from qsync_jax.predictor import roofline
 from qsync_jax.predictor.profiling import Profile
 
 
-def analytic_profile(g: graph_lib.ModelGraph, device_kind: str,
-                     base: Profile | None = None,
-                     precisions: Sequence[Precision | str] | None = None,
-                     optimizer_state_copies: int = 2) -> Profile:
+def analytic_profile(
+  g: graph_lib.ModelGraph,
+  device_kind: str,
+  base: Profile | None = None,
+  precisions: Sequence[Precision | str] | None = None,
+  optimizer_state_copies: int = 2,
+) -> Profile:
   """A profile for a GPU kind that is not present, from the catalog.
 
   Args:
@@ -50,38 +57,63 @@ def analytic_profile(g: graph_lib.ModelGraph, device_kind: str,
   casts = casting.analytic_cast_model(spec)
   layers = {}
   for node in g.nodes:
-    layers[node.path] = {p.value: roofline_layer(node, p, spec, casts)
-                         for p in precisions
-                         if not (node.floored and p.bits < 16)}
-  mem = (base.memory.for_device(g, spec.memory_bytes) if base is not None
-         else memory.analytic_memory_model(g, spec.memory_bytes,
-                                           optimizer_state_copies))
+    layers[node.path] = {
+      p.value: roofline_layer(node, p, spec, casts)
+      for p in precisions
+      if not (node.floored and p.bits < 16)
+    }
+  mem = (
+    base.memory.for_device(g, spec.memory_bytes)
+    if base is not None
+    else memory.analytic_memory_model(
+      g, spec.memory_bytes, optimizer_state_copies
+    )
+  )
   bandwidth = roofline.sustained_bandwidth(spec)
   rest = {}
   kernels = 6 * len(g.nodes)  # bias, activation, norm: forward and backward
   for dt in sorted({graph_lib.output_dtype(p) for p in precisions}):
     scale = 1.0 if dt == "float32" else 0.75  # half the bytes up to a cast
-    total = (mem.rest_bytes_accessed * scale / bandwidth
-             + kernels * roofline.KERNEL_LAUNCH_S)
+    total = (
+      mem.rest_bytes_accessed * scale / bandwidth
+      + kernels * roofline.KERNEL_LAUNCH_S
+    )
     rest[dt] = (total / 3.0, total)  # backward does about twice the forward
   # Adam: read params, grads, two moments; write params and moments.
   opt_bytes = 4.0 * g.num_params * (3 + 2 * optimizer_state_copies)
   optimizer_s = opt_bytes / bandwidth + 4 * roofline.KERNEL_LAUNCH_S
-  key = dict(base.key if base is not None else
-             {"graph": g.fingerprint(), "batch_shape": list(g.input_shape),
-              "jax": jax.__version__},
-             device_kind=device_kind, precisions=[p.value for p in precisions])
-  return Profile(device_kind, "analytic", key, layers, rest, optimizer_s,
-                 casts, mem)
+  key = dict(
+    base.key
+    if base is not None
+    else {
+      "graph": g.fingerprint(),
+      "batch_shape": list(g.input_shape),
+      "jax": jax.__version__,
+    },
+    device_kind=device_kind,
+    precisions=[p.value for p in precisions],
+  )
+  return Profile(
+    device_kind, "analytic", key, layers, rest, optimizer_s, casts, mem
+  )
 
 
-_OPERAND_BYTES = {Precision.FP32: 4, Precision.TF32: 4, Precision.BF16: 2,
-                  Precision.FP16: 2, Precision.INT8: 1, Precision.FP8: 1}
+_OPERAND_BYTES = {
+  Precision.FP32: 4,
+  Precision.TF32: 4,
+  Precision.BF16: 2,
+  Precision.FP16: 2,
+  Precision.INT8: 1,
+  Precision.FP8: 1,
+}
 
 
-def roofline_layer(node: graph_lib.LayerNode, p: Precision,
-                   spec: DeviceSpec, casts: casting.CastModel
-                   ) -> tuple[float, float]:
+def roofline_layer(
+  node: graph_lib.LayerNode,
+  p: Precision,
+  spec: DeviceSpec,
+  casts: casting.CastModel,
+) -> tuple[float, float]:
   """Roofline (forward_s, forward_and_backward_s) of one layer at ``p``.
 
   Forward: operand preparation from float32 (cast, or quantization for INT8
@@ -105,18 +137,22 @@ def roofline_layer(node: graph_lib.LayerNode, p: Precision,
   quantized = p in (Precision.INT8, Precision.FP8)
   prep_dtype = "int8" if quantized else low
   prep = casts.time("float32", prep_dtype, act) + casts.time(
-      "float32", prep_dtype, w)
+    "float32", prep_dtype, w
+  )
   if node.kind == "Embed":
     return prep, prep + casts.time(low, "float32", w)
   out_bytes = 4 if quantized else _OPERAND_BYTES[p]
   fwd = prep + roofline.roofline_time(
-      node.flops, _OPERAND_BYTES[p] * (act + w) + out_bytes * node.out_numel,
-      p, spec)
+    node.flops,
+    _OPERAND_BYTES[p] * (act + w) + out_bytes * node.out_numel,
+    p,
+    spec,
+  )
   bwd_p = Precision.FP16 if p is Precision.INT8 else p
   grads = sum(1 for op in node.operands if op.needs_grad) + (1 if w else 0)
   bwd = grads * roofline.roofline_time(
-      node.flops, _OPERAND_BYTES[bwd_p] * (act + w + node.out_numel), bwd_p,
-      spec)
+    node.flops, _OPERAND_BYTES[bwd_p] * (act + w + node.out_numel), bwd_p, spec
+  )
   if quantized:
     bwd += casts.time("int8", "float16", act + w)
   bwd += casts.time(graph_lib.output_dtype(bwd_p), "float32", act)

@@ -16,14 +16,17 @@ the trainer runs, not from the trainer itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 import functools
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 from flax import nnx
 import jax
 from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
@@ -43,19 +46,26 @@ def _random_operands(node: graph_lib.LayerNode, device, seed: int = 0):
   shapes = [op.shape for op in node.operands]
   if node.weight_shape:
     shapes.append(node.weight_shape)
-  return [jax.device_put(rng.standard_normal(s).astype(np.float32), device)
-          for s in shapes]
+  return [
+    jax.device_put(rng.standard_normal(s).astype(np.float32), device)
+    for s in shapes
+  ]
 
 
-def layer_calls(node: graph_lib.LayerNode, precision: Precision,
-                device: jax.Device, quant: QuantConfig | None = None
-                ) -> tuple[Callable[[], Any], Callable[[], Any]]:
+def layer_calls(
+  node: graph_lib.LayerNode,
+  precision: Precision,
+  device: jax.Device,
+  quant: QuantConfig | None = None,
+) -> tuple[Callable[[], Any], Callable[[], Any]]:
   """(forward, forward_and_backward) zero-argument calls of one layer."""
   arrays = _random_operands(node, device)
   fwd, fb = pieces.layer_functions(node, precision, quant)
   out = jax.eval_shape(fwd, *arrays)
-  ct = jax.device_put(np.random.default_rng(1).standard_normal(
-      out.shape).astype(out.dtype), device)
+  ct = jax.device_put(
+    np.random.default_rng(1).standard_normal(out.shape).astype(out.dtype),
+    device,
+  )
   return (lambda: fwd(*arrays)), (lambda: fb(*arrays, ct))
 
 
@@ -69,29 +79,37 @@ def step_ids(worker: int = 0, step: int = 0) -> np.ndarray:
   return np.array([worker, step], np.uint32)
 
 
-def rest_calls(model: nnx.Module, g: graph_lib.ModelGraph, sample_batch,
-               loss_fn, dtype: str, device: jax.Device
-               ) -> tuple[Callable[[], Any], Callable[[], Any]]:
+def rest_calls(
+  model: nnx.Module,
+  g: graph_lib.ModelGraph,
+  sample_batch,
+  loss_fn,
+  dtype: str,
+  device: jax.Device,
+) -> tuple[Callable[[], Any], Callable[[], Any]]:
   """(forward, gradient) zero-argument calls of the stand-in step."""
   forward, grad_fn, flat, rest = pieces.stand_in_step_functions(
-      model, g, loss_fn, dtype)
+    model, g, loss_fn, dtype
+  )
   batch = _batch_arrays(sample_batch, device)
   row = jax.device_put(flat[None], device)
   rest = jax.device_put(rest, device)
   scale = jax.device_put(jnp.ones((1,), jnp.float32), device)
   ids = step_ids()
-  return (lambda: forward(row, rest, batch, ids),
-          lambda: grad_fn(row, rest, scale, batch, ids))
+  return (
+    lambda: forward(row, rest, batch, ids),
+    lambda: grad_fn(row, rest, scale, batch, ids),
+  )
 
 
-def optimizer_call(model: nnx.Module, tx: optax.GradientTransformation,
-                   device: jax.Device) -> Callable[[], Any]:
+def optimizer_call(
+  model: nnx.Module, tx: optax.GradientTransformation, device: jax.Device
+) -> Callable[[], Any]:
   """A zero-argument call of one optimizer update of all parameters."""
   params = nnx.state(model, nnx.Param)
   flat, unravel = ravel_pytree(params)
   flat = jax.device_put(flat, device)
-  opt_state = jax.device_put(step_lib.init_optimizer(unravel, tx, flat),
-                             device)
+  opt_state = jax.device_put(step_lib.init_optimizer(unravel, tx, flat), device)
   g = jax.device_put(jnp.full_like(flat, 1e-3), device)
   # The trainer's optimizer step (less the loss scale and the stacking).
   update = jax.jit(functools.partial(step_lib.apply_update, unravel, tx))
@@ -103,9 +121,10 @@ def optimizer_call(model: nnx.Module, tx: optax.GradientTransformation,
 # --------------------------------------------------------------------------
 
 
-def concurrency_calls(make_call: Callable[[jax.Device, int], Callable],
-                      local_devices: Sequence[jax.Device]
-                      ) -> dict[int, Callable[[], Any]]:
+def concurrency_calls(
+  make_call: Callable[[jax.Device, int], Callable],
+  local_devices: Sequence[jax.Device],
+) -> dict[int, Callable[[], Any]]:
   """Calls that run one computation on k of the host's devices at once.
 
   Args:
@@ -119,15 +138,20 @@ def concurrency_calls(make_call: Callable[[jax.Device, int], Callable],
     slow each other down; 1: they run one after another).
   """
   calls = [make_call(d, i) for i, d in enumerate(local_devices)]
-  return {k: (lambda k=k: [c() for c in calls[:k]])
-          for k in host_counts(len(calls))}
+  return {
+    k: (lambda k=k: [c() for c in calls[:k]]) for k in host_counts(len(calls))
+  }
 
 
-def pass_concurrency_calls(model: nnx.Module, g: graph_lib.ModelGraph,
-                           sample_batch, loss_fn, precision: Precision,
-                           quant: QuantConfig | None,
-                           local_devices: Sequence[jax.Device]
-                           ) -> dict[int, Callable[[], Any]]:
+def pass_concurrency_calls(
+  model: nnx.Module,
+  g: graph_lib.ModelGraph,
+  sample_batch,
+  loss_fn,
+  precision: Precision,
+  quant: QuantConfig | None,
+  local_devices: Sequence[jax.Device],
+) -> dict[int, Callable[[], Any]]:
   """:func:`concurrency_calls` of the model's whole gradient pass at one
   uniform precision (:func:`.pieces.pass_function`), one copy per host
   device."""
@@ -157,18 +181,26 @@ def host_counts(num_devices: int) -> list[int]:
   return sorted(ks)
 
 
-def allreduce_calls(local_devices: Sequence[jax.Device],
-                    sizes: Sequence[int] = (2**14, 2**18, 2**20, 2**22)
-                    ) -> dict[tuple[int, int], Callable[[], Any]]:
+def allreduce_calls(
+  local_devices: Sequence[jax.Device],
+  sizes: Sequence[int] = (2**14, 2**18, 2**20, 2**22),
+) -> dict[tuple[int, int], Callable[[], Any]]:
   """``{(k, elements): call}``: float32 ``psum`` over k host devices."""
   calls = {}
   for k in range(2, len(local_devices) + 1):
     mesh = Mesh(np.array(local_devices[:k]), ("w",))
-    f = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "w"), mesh=mesh,
-                              in_specs=P("w"), out_specs=P("w")))
+    f = jax.jit(
+      jax.shard_map(
+        lambda v: jax.lax.psum(v, "w"),
+        mesh=mesh,
+        in_specs=P("w"),
+        out_specs=P("w"),
+      )
+    )
     for n in sizes:
-      x = jax.device_put(jnp.ones((k, n), jnp.float32),
-                         NamedSharding(mesh, P("w")))
+      x = jax.device_put(
+        jnp.ones((k, n), jnp.float32), NamedSharding(mesh, P("w"))
+      )
       calls[(k, n)] = lambda f=f, x=x: f(x)
   return calls
 
@@ -176,6 +208,7 @@ def allreduce_calls(local_devices: Sequence[jax.Device],
 class _DataParallel(NamedTuple):
   """What the trainer builds for FP32 workers on some of the host's devices
   (:func:`_data_parallel`)."""
+
   devices: dict[int, jax.Device]
   sharding: NamedSharding
   grad_fns: dict[int, Callable]
@@ -184,28 +217,45 @@ class _DataParallel(NamedTuple):
   update: Callable
 
 
-def _data_parallel(model: nnx.Module, tx: optax.GradientTransformation,
-                   devices: Sequence[jax.Device], loss_fn, sample_input,
-                   plan: PrecisionPlan) -> _DataParallel:
+def _data_parallel(
+  model: nnx.Module,
+  tx: optax.GradientTransformation,
+  devices: Sequence[jax.Device],
+  loss_fn,
+  sample_input,
+  plan: PrecisionPlan,
+) -> _DataParallel:
   """The trainer's pieces for workers with ``plan`` on ``devices``, built as
   the trainer builds them (:mod:`qsync_jax.train.step`,
   :mod:`qsync_jax.train.programs`): no loss scaling, the mean averager, equal
   weights. ``model`` is prepared as the trainer prepares it."""
   k = len(devices)
   graphdefs, _, _, params, rest = step_lib.plan_graphdefs(
-      model, [(plan, "cpu")] * k, sample_input)
+    model, [(plan, "cpu")] * k, sample_input
+  )
   flat, unravel = ravel_pytree(params)
   mesh = Mesh(np.array(devices), (layout.AXIS,))
   by_index = dict(enumerate(devices))
   weights = (np.ones(k) / k).astype(np.float32)
   return _DataParallel(
-      by_index, NamedSharding(mesh, P(layout.AXIS)),
-      dict(enumerate(step_lib.grad_functions(graphdefs, unravel, loss_fn))),
-      {i: jax.device_put(rest, d) for i, d in by_index.items()},
-      programs.initial_state(mesh, by_index, unravel, tx, flat, weights,
-                             loss_scaling=False, error_feedback=False),
-      programs.update_program(mesh, unravel, tx, averagers.MeanAverager(),
-                              seed=0, error_feedback=False))
+    by_index,
+    NamedSharding(mesh, P(layout.AXIS)),
+    dict(enumerate(step_lib.grad_functions(graphdefs, unravel, loss_fn))),
+    {i: jax.device_put(rest, d) for i, d in by_index.items()},
+    programs.initial_state(
+      mesh,
+      by_index,
+      unravel,
+      tx,
+      flat,
+      weights,
+      loss_scaling=False,
+      error_feedback=False,
+    ),
+    programs.update_program(
+      mesh, unravel, tx, averagers.MeanAverager(), seed=0, error_feedback=False
+    ),
+  )
 
 
 # Kept arguments place the zeros on their device: jit would otherwise drop
@@ -218,8 +268,9 @@ def _free_gradients(params_row, rest, scale, batch, ids):
   return jnp.zeros_like(params_row), rest, {}
 
 
-def _step_call(dp: _DataParallel, grad_fns: dict[int, Callable],
-               sample_batch) -> Callable[[], Any]:
+def _step_call(
+  dp: _DataParallel, grad_fns: dict[int, Callable], sample_batch
+) -> Callable[[], Any]:
   """A zero-argument call of the trainer's step over ``dp``'s workers, with
   ``grad_fns`` for their passes."""
   batches = {i: _batch_arrays(sample_batch, d) for i, d in dp.devices.items()}
@@ -228,22 +279,42 @@ def _step_call(dp: _DataParallel, grad_fns: dict[int, Callable],
   def step():
     s = state[0]
     grads, _ = step_lib.local_gradients(
-        grad_fns, dp.devices, s.params, s.loss_scale.scale, dp.rests,
-        batches, dp.sharding)
-    params, opt_state, scale, _, counter, residual, averager_state = (
-        dp.update(s.params, s.opt_state, s.loss_scale, grads, s.weights,
-                  s.counter, s.residual, s.averager_state))
-    state[0] = programs.StackedState(params, opt_state, scale, s.weights,
-                                     counter, residual, averager_state)
+      grad_fns,
+      dp.devices,
+      s.params,
+      s.loss_scale.scale,
+      dp.rests,
+      batches,
+      dp.sharding,
+    )
+    params, opt_state, scale, _, counter, residual, averager_state = dp.update(
+      s.params,
+      s.opt_state,
+      s.loss_scale,
+      grads,
+      s.weights,
+      s.counter,
+      s.residual,
+      s.averager_state,
+    )
+    state[0] = programs.StackedState(
+      params, opt_state, scale, s.weights, counter, residual, averager_state
+    )
     return params
+
   return step
 
 
-def uniform_step_calls(model: nnx.Module, tx: optax.GradientTransformation,
-                       local_devices: Sequence[jax.Device], sample_batch,
-                       sample_input, loss_fn, precision: Precision,
-                       quant: QuantConfig | None = None
-                       ) -> dict[int, Callable[[], Any]]:
+def uniform_step_calls(
+  model: nnx.Module,
+  tx: optax.GradientTransformation,
+  local_devices: Sequence[jax.Device],
+  sample_batch,
+  sample_input,
+  loss_fn,
+  precision: Precision,
+  quant: QuantConfig | None = None,
+) -> dict[int, Callable[[], Any]]:
   """``{k: call}``: the trainer's data-parallel step over k of the host's
   workers, every one at uniform ``precision``.
 
@@ -275,18 +346,21 @@ def uniform_step_calls(model: nnx.Module, tx: optax.GradientTransformation,
   plan = PrecisionPlan.uniform(precision, quant)
   out = {}
   for k in host_counts(len(local_devices)):
-    dp = _data_parallel(model, tx, local_devices[:k], loss_fn, sample_input,
-                        plan)
+    dp = _data_parallel(
+      model, tx, local_devices[:k], loss_fn, sample_input, plan
+    )
     out[k] = _step_call(dp, dp.grad_fns, sample_batch)
   return out
 
 
-def compute_free_step_calls(model: nnx.Module,
-                            tx: optax.GradientTransformation,
-                            local_devices: Sequence[jax.Device], sample_batch,
-                            sample_input, loss_fn
-                            ) -> tuple[dict[int, Callable[[], Any]],
-                                       dict[int, Callable[[], Any]]]:
+def compute_free_step_calls(
+  model: nnx.Module,
+  tx: optax.GradientTransformation,
+  local_devices: Sequence[jax.Device],
+  sample_batch,
+  sample_input,
+  loss_fn,
+) -> tuple[dict[int, Callable[[], Any]], dict[int, Callable[[], Any]]]:
   """``({k: step}, {k: passes})``: the trainer's step over k workers whose
   gradient passes compute nothing (zero gradients), and those passes alone
   over k devices at once.
@@ -297,17 +371,20 @@ def compute_free_step_calls(model: nnx.Module,
   """
   steps, dp = {}, None
   for k in host_counts(len(local_devices)):
-    dp = _data_parallel(model, tx, local_devices[:k], loss_fn, sample_input,
-                        PrecisionPlan())
-    steps[k] = _step_call(dp, {i: _free_gradients for i in dp.grad_fns},
-                          sample_batch)
+    dp = _data_parallel(
+      model, tx, local_devices[:k], loss_fn, sample_input, PrecisionPlan()
+    )
+    steps[k] = _step_call(
+      dp, dict.fromkeys(dp.grad_fns, _free_gradients), sample_batch
+    )
   # The passes alone run on the largest count's state (all the devices).
   rows = layout.rows(dp.state.params)
   scales = layout.rows(dp.state.loss_scale.scale)
 
   def make(d, i):
     batch = _batch_arrays(sample_batch, d)
-    return lambda: _free_gradients(rows[d], dp.rests[i], scales[d], batch,
-                                   step_ids(i))
+    return lambda: _free_gradients(
+      rows[d], dp.rests[i], scales[d], batch, step_ids(i)
+    )
 
   return steps, concurrency_calls(make, local_devices)

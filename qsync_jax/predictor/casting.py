@@ -11,8 +11,8 @@ dequantization.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 import dataclasses
-from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,8 @@ from scipy import optimize
 
 from qsync_jax.numerics import quant
 from qsync_jax.plan.devices import DeviceSpec
-from qsync_jax.predictor import roofline, timing
+from qsync_jax.predictor import roofline
+from qsync_jax.predictor import timing
 
 FLOATS = ("float32", "float16", "bfloat16")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
@@ -44,6 +45,7 @@ class CastModel:
   Attributes:
     coefficients: ``{"src->dst": (a seconds per element, b seconds)}``.
   """
+
   coefficients: Mapping[str, tuple[float, float]]
 
   def time(self, src: str, dst: str, numel: float) -> float:
@@ -61,7 +63,7 @@ class CastModel:
     return {k: list(v) for k, v in self.coefficients.items()}
 
   @classmethod
-  def from_dict(cls, d: Mapping[str, Sequence[float]]) -> "CastModel":
+  def from_dict(cls, d: Mapping[str, Sequence[float]]) -> CastModel:
     return cls({k: (float(v[0]), float(v[1])) for k, v in d.items()})
 
 
@@ -74,10 +76,11 @@ def _cast_fn(src: str, dst: str):
   return lambda x: x.astype(dst)
 
 
-def fit_cast_model(device: jax.Device | None = None,
-                   sizes: Sequence[int] = DEFAULT_SIZES,
-                   pairs: Sequence[tuple[str, str]] | None = None
-                   ) -> CastModel:
+def fit_cast_model(
+  device: jax.Device | None = None,
+  sizes: Sequence[int] = DEFAULT_SIZES,
+  pairs: Sequence[tuple[str, str]] | None = None,
+) -> CastModel:
   """Fits ``a * numel + b`` per cast on ``device`` (default: the first).
 
   Each point is the median time of a jitted cast of a random tensor
@@ -87,7 +90,7 @@ def fit_cast_model(device: jax.Device | None = None,
   device = device or jax.devices()[0]
   rng = np.random.default_rng(0)
   coefficients = {}
-  for src, dst in (pairs or cast_pairs()):
+  for src, dst in pairs or cast_pairs():
     xs, ts = [], []
     for n in sizes:
       if src == "int8":
@@ -95,13 +98,17 @@ def fit_cast_model(device: jax.Device | None = None,
       else:
         x = rng.standard_normal(n).astype(np.float32)
       x = jax.device_put(jnp.asarray(x).astype(src), device)
-      ts.append(timing.median_seconds(jax.jit(_cast_fn(src, dst)), x,
-                                      device=device))
+      ts.append(
+        timing.median_seconds(jax.jit(_cast_fn(src, dst)), x, device=device)
+      )
       xs.append(float(n))
-    (a, b), _ = optimize.curve_fit(lambda n, a, b: a * n + b,
-                                   np.array(xs), np.array(ts),
-                                   p0=(ts[-1] / xs[-1], 0.0),
-                                   bounds=((0.0, -np.inf), (np.inf, np.inf)))
+    (a, b), _ = optimize.curve_fit(
+      lambda n, a, b: a * n + b,
+      np.array(xs),
+      np.array(ts),
+      p0=(ts[-1] / xs[-1], 0.0),
+      bounds=((0.0, -np.inf), (np.inf, np.inf)),
+    )
     coefficients[f"{src}->{dst}"] = (float(a), float(b))
   return CastModel(coefficients)
 
@@ -118,6 +125,8 @@ def analytic_cast_model(spec: DeviceSpec) -> CastModel:
   for src, dst in cast_pairs():
     passes = 2 if dst == "int8" else 1
     per_elem = (passes * _ITEMSIZE[src] + _ITEMSIZE[dst]) / bandwidth
-    coefficients[f"{src}->{dst}"] = (per_elem,
-                                     passes * roofline.KERNEL_LAUNCH_S)
+    coefficients[f"{src}->{dst}"] = (
+      per_elem,
+      passes * roofline.KERNEL_LAUNCH_S,
+    )
   return CastModel(coefficients)

@@ -9,12 +9,15 @@ the ``shard_map`` body both modules trace an averager in.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import AbstractMesh
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
@@ -24,13 +27,18 @@ from qsync_jax.predictor import timing
 
 AXIS = "workers"
 #: Collective primitives and the kind of collective each issues.
-COLLECTIVE_PRIMITIVES = {"psum": "all_reduce", "psum_invariant": "all_reduce",
-                "pmax": "all_reduce", "pmin": "all_reduce",
-                "all_gather": "all_gather",
-                "all_gather_invariant": "all_gather",
-                "ppermute": "permute", "psum_scatter": "reduce_scatter",
-                "reduce_scatter": "reduce_scatter",
-                "all_to_all": "all_to_all"}
+COLLECTIVE_PRIMITIVES = {
+  "psum": "all_reduce",
+  "psum_invariant": "all_reduce",
+  "pmax": "all_reduce",
+  "pmin": "all_reduce",
+  "all_gather": "all_gather",
+  "all_gather_invariant": "all_gather",
+  "ppermute": "permute",
+  "psum_scatter": "reduce_scatter",
+  "reduce_scatter": "reduce_scatter",
+  "all_to_all": "all_to_all",
+}
 
 
 def shard_body(averager: Averager, error_feedback: bool | None = None):
@@ -47,22 +55,33 @@ def shard_body(averager: Averager, error_feedback: bool | None = None):
       without).
   """
   if error_feedback is None:
+
     def body(x, w):
       return averager(x[0], w[0], AXIS)[None]
+
     return body
 
   def trainer_body(x, w, residual, state):
     mean, residual, state = averagers.average(
-        averager, x[0], w[0], AXIS, jax.random.key(0),
-        None if residual is None else residual[0],
-        jax.tree.map(lambda s: s[0], state))
+      averager,
+      x[0],
+      w[0],
+      AXIS,
+      jax.random.key(0),
+      None if residual is None else residual[0],
+      jax.tree.map(lambda s: s[0], state),
+    )
     return jax.tree.map(lambda v: v[None], (mean, residual, state))
+
   return trainer_body
 
 
-def abstract_args(num_elements: int, num_workers: int,
-                  averager: Averager | None = None,
-                  error_feedback: bool | None = None):
+def abstract_args(
+  num_elements: int,
+  num_workers: int,
+  averager: Averager | None = None,
+  error_feedback: bool | None = None,
+):
   """The abstract arguments of :func:`shard_body` over the whole mesh:
   ``(x, w)``, and for the trainer's average also the residual (None without
   feedback) and the averager's state, stacked over the workers."""
@@ -70,9 +89,14 @@ def abstract_args(num_elements: int, num_workers: int,
   args = (rows, jax.ShapeDtypeStruct((num_workers,), jnp.float32))
   if error_feedback is None:
     return args
-  return (*args, rows if error_feedback else None, jax.tree.map(
+  return (
+    *args,
+    rows if error_feedback else None,
+    jax.tree.map(
       lambda s: jax.ShapeDtypeStruct((num_workers, *s.shape), s.dtype),
-      _state_shape(averager, num_elements)))
+      _state_shape(averager, num_elements),
+    ),
+  )
 
 
 def _state_shape(averager: Averager, num_elements: int):
@@ -91,6 +115,7 @@ class CodecCost:
     sizes: the sizes it was fitted on.
     seconds: the times measured at them.
   """
+
   a_s: float
   b_s: float
   sizes: tuple[int, ...] = ()
@@ -100,19 +125,26 @@ class CodecCost:
     return max(self.a_s + self.b_s * num_elements, 0.0)
 
   @classmethod
-  def fit(cls, sizes: Sequence[int], seconds: Sequence[float]) -> "CodecCost":
+  def fit(cls, sizes: Sequence[int], seconds: Sequence[float]) -> CodecCost:
     """Least-squares ``a + b n`` through (size, seconds) points.
 
     Raises:
       ValueError: fewer than two distinct sizes, or lengths differ.
     """
     if len(sizes) != len(seconds) or len(set(sizes)) < 2:
-      raise ValueError(f"a codec fit needs >= 2 distinct sizes with one time "
-                       f"each, got sizes {list(sizes)}, times {list(seconds)}")
-    b, a = np.polyfit(np.asarray(sizes, np.float64),
-                      np.asarray(seconds, np.float64), 1)
-    return cls(float(a), float(b), tuple(int(s) for s in sizes),
-               tuple(float(t) for t in seconds))
+      raise ValueError(
+        f"a codec fit needs >= 2 distinct sizes with one time "
+        f"each, got sizes {list(sizes)}, times {list(seconds)}"
+      )
+    b, a = np.polyfit(
+      np.asarray(sizes, np.float64), np.asarray(seconds, np.float64), 1
+    )
+    return cls(
+      float(a),
+      float(b),
+      tuple(int(s) for s in sizes),
+      tuple(float(t) for t in seconds),
+    )
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -123,16 +155,16 @@ class CodecCost:
 # is None, or where the workers still meet (:func:`_meeting`), the one
 # value the stand-in waits for.
 _LOCAL_STAND_INS = {
-    "psum": lambda x, n, out, met: _summed(x, n, met),
-    "psum_invariant": lambda x, n, out, met: _summed(x, n, met),
-    "pmax": lambda x, n, out, met: _after(x, met),
-    "pmin": lambda x, n, out, met: _after(x, met),
-    "ppermute": lambda x, n, out, met: _received(x, n, met),
-    "pvary": lambda x, n, out, met: x, "pcast": lambda x, n, out, met: x,
-    "all_gather": lambda x, n, out, met: _gathered(x, n, out, met),
-    "all_gather_invariant": lambda x, n, out, met: _gathered(x, n, out,
-                                                             met),
-    "axis_index": lambda n, out: jnp.zeros(out.shape, out.dtype),
+  "psum": lambda x, n, out, met: _summed(x, n, met),
+  "psum_invariant": lambda x, n, out, met: _summed(x, n, met),
+  "pmax": lambda x, n, out, met: _after(x, met),
+  "pmin": lambda x, n, out, met: _after(x, met),
+  "ppermute": lambda x, n, out, met: _received(x, n, met),
+  "pvary": lambda x, n, out, met: x,
+  "pcast": lambda x, n, out, met: x,
+  "all_gather": lambda x, n, out, met: _gathered(x, n, out, met),
+  "all_gather_invariant": lambda x, n, out, met: _gathered(x, n, out, met),
+  "axis_index": lambda n, out: jnp.zeros(out.shape, out.dtype),
 }
 
 
@@ -182,9 +214,12 @@ def _meeting(operands, axis: str):
   and XLA cannot fold away).
   """
   if timed_in_codec(_operand_bytes(operands)):
-    flags = [_first_is_odd(jax.lax.psum(
-        x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, axis))
-             for x in operands]
+    flags = [
+      _first_is_odd(
+        jax.lax.psum(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, axis)
+      )
+      for x in operands
+    ]
     return sum(flags[1:], flags[0])
   # One element, not a reduction over all: a reduction is a read pass of
   # its own (the float32 mean's encode/decode doubled, 34 to 67 ms at 16M
@@ -193,8 +228,10 @@ def _meeting(operands, axis: str):
   # meet before that pass, not after it. The flag is one XLA cannot fold
   # for any type: ``x != x`` of integer codes folded to a constant, and the
   # workers met before the encode that produced them.
-  flags = [_first_is_odd(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x)
-           for x in operands]
+  flags = [
+    _first_is_odd(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x)
+    for x in operands
+  ]
   return jax.lax.psum(sum(flags[1:], flags[0]), axis)
 
 
@@ -208,8 +245,17 @@ def _after(x, met):
 
 # Equations that call a jaxpr (which may hold collectives); a reduce's or a
 # scan's jaxpr is its computation, bound as is.
-_CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
-          "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint")
+_CALLS = (
+  "jit",
+  "pjit",
+  "closed_call",
+  "core_call",
+  "custom_jvp_call",
+  "custom_vjp_call",
+  "custom_vjp_call_jaxpr",
+  "remat",
+  "checkpoint",
+)
 
 
 def _summed(x, n: int, met=None):
@@ -222,8 +268,11 @@ def _summed(x, n: int, met=None):
   on each side of its all-reduce: the bfloat16 mean (converted there, summed
   in float32 by XLA:CPU, converted back) was 20-30% short at 10 Gbit/s.
   """
-  taken = (jax.lax.optimization_barrier(jnp.bool_(True)) if met is None
-           else met[0] >= 0)
+  taken = (
+    jax.lax.optimization_barrier(jnp.bool_(True))
+    if met is None
+    else met[0] >= 0
+  )
   return jax.lax.cond(taken, lambda v: v * n, lambda v: v, x)
 
 
@@ -241,11 +290,16 @@ def _gathered(x, n: int, out, met=None):
   callback first, the copies were written twice: 192 against 172 ms for a
   program around a gather of 4 x 16 MiB on one device.)
   """
+
   def copies(v, *_):
     return np.broadcast_to(np.asarray(v)[None], (n, *v.shape))
+
   gathered = jax.pure_callback(
-      copies, jax.ShapeDtypeStruct((n, *x.shape), x.dtype), x,
-      *([] if met is None else [met]))
+    copies,
+    jax.ShapeDtypeStruct((n, *x.shape), x.dtype),
+    x,
+    *([] if met is None else [met]),
+  )
   return gathered.reshape(out.shape)
 
 
@@ -265,8 +319,9 @@ def _received(x, n: int, met=None):
   at 10 Gbit/s (docs/RESULTS.md).
   """
   if met is None:
-    return jax.pure_callback(lambda v: np.asarray(v),
-                             jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    return jax.pure_callback(
+      lambda v: np.asarray(v), jax.ShapeDtypeStruct(x.shape, x.dtype), x
+    )
   received = jax.lax.ppermute(x, AXIS, [(i, i) for i in range(n)])
   # A select that fuses into the pass reading it: no pass of its own.
   return jnp.where(met[0] >= 0, received, jnp.zeros_like(received))
@@ -288,7 +343,8 @@ def sample_data(sample, num_elements: int) -> np.ndarray:
   standard normal ones where ``sample`` is None."""
   if sample is None:
     return np.random.default_rng(num_elements).standard_normal(
-        num_elements, np.float32)
+      num_elements, np.float32
+    )
   flat = np.asarray(sample, np.float32).reshape(-1)
   if flat.size == 0:
     raise ValueError("sample data is empty")
@@ -331,18 +387,24 @@ def _eval_local(jaxpr, consts, args, n: int, axis: str | None = None):
       outs = [_LOCAL_STAND_INS[name](n, eqn.outvars[0].aval)]
     elif name in _LOCAL_STAND_INS:
       # Workers meet at a collective, not where a value is only retyped.
-      met = (_meeting(invals, axis) if axis is not None
-             and name in COLLECTIVE_PRIMITIVES else None)
-      outs = [_LOCAL_STAND_INS[name](x, n, o.aval, met)
-              for x, o in zip(invals, eqn.outvars)]
+      met = (
+        _meeting(invals, axis)
+        if axis is not None and name in COLLECTIVE_PRIMITIVES
+        else None
+      )
+      outs = [
+        _LOCAL_STAND_INS[name](x, n, o.aval, met)
+        for x, o in zip(invals, eqn.outvars)
+      ]
     elif name in COLLECTIVE_PRIMITIVES:
       raise ValueError(f"profile_codec has no local stand-in for {name}")
     elif _called_jaxpr(eqn) is not None:
       # jit, closed calls and custom_jvp/vjp calls: their body, which may
       # hold collectives (forward only, so the custom rules do not matter).
       sub = _called_jaxpr(eqn)
-      outs = _eval_local(getattr(sub, "jaxpr", sub),
-                         getattr(sub, "consts", ()), invals, n, axis)
+      outs = _eval_local(
+        getattr(sub, "jaxpr", sub), getattr(sub, "consts", ()), invals, n, axis
+      )
     else:
       # As jax's own evaluator binds; before jax 0.10 call primitives also
       # returned sub-functions to bind with.
@@ -357,9 +419,13 @@ def _eval_local(jaxpr, consts, args, n: int, axis: str | None = None):
   return [read(v) for v in jaxpr.outvars]
 
 
-def local_program(averager: Averager, num_elements: int, num_workers: int,
-                  mesh: Mesh | None = None,
-                  error_feedback: bool | None = None):
+def local_program(
+  averager: Averager,
+  num_elements: int,
+  num_workers: int,
+  mesh: Mesh | None = None,
+  error_feedback: bool | None = None,
+):
   """One worker's averager program with its collectives replaced.
 
   The averager is traced in a ``shard_map`` over an abstract mesh of
@@ -400,25 +466,37 @@ def local_program(averager: Averager, num_elements: int, num_workers: int,
     ValueError: a mesh of other than ``num_workers`` devices on one axis.
   """
   if mesh is not None and mesh.devices.shape != (num_workers,):
-    raise ValueError(f"local_program needs a mesh of {num_workers} devices "
-                     f"on one axis, got shape {mesh.devices.shape}")
+    raise ValueError(
+      f"local_program needs a mesh of {num_workers} devices "
+      f"on one axis, got shape {mesh.devices.shape}"
+    )
   # Traced over the mesh it replays on: its equations name their mesh.
-  traced_on = (AbstractMesh((num_workers,), (AXIS,)) if mesh is None
-               else Mesh(mesh.devices, (AXIS,)))
+  traced_on = (
+    AbstractMesh((num_workers,), (AXIS,))
+    if mesh is None
+    else Mesh(mesh.devices, (AXIS,))
+  )
   args = abstract_args(num_elements, num_workers, averager, error_feedback)
   specs = tuple(P(AXIS) for _ in args)
-  fn = jax.shard_map(shard_body(averager, error_feedback), mesh=traced_on,
-                     in_specs=specs, out_specs=P(AXIS))
+  fn = jax.shard_map(
+    shard_body(averager, error_feedback),
+    mesh=traced_on,
+    in_specs=specs,
+    out_specs=P(AXIS),
+  )
   outer = jax.make_jaxpr(fn)(*args)
   (eqn,) = [e for e in outer.jaxpr.eqns if e.primitive.name == "shard_map"]
   body = eqn.params["jaxpr"]
   # Every output is returned, so XLA keeps the work of each (the trainer
   # keeps the residual and the state).
   if mesh is None:
+
     def run(*args):
-      outs = _eval_local(body, (), [a[None] for a in jax.tree.leaves(args)],
-                         num_workers)
+      outs = _eval_local(
+        body, (), [a[None] for a in jax.tree.leaves(args)], num_workers
+      )
       return outs[0][0] if error_feedback is None else [o[0] for o in outs]
+
     return jax.jit(run)
 
   def met_run(*args):
@@ -427,21 +505,34 @@ def local_program(averager: Averager, num_elements: int, num_workers: int,
 
   # The replayed body mixes values that vary over the workers with ones
   # that do not, as the stand-ins leave them: not what check_vma checks.
-  return jax.jit(jax.shard_map(met_run, mesh=traced_on, in_specs=specs,
-                               out_specs=P(AXIS), check_vma=False))
+  return jax.jit(
+    jax.shard_map(
+      met_run,
+      mesh=traced_on,
+      in_specs=specs,
+      out_specs=P(AXIS),
+      check_vma=False,
+    )
+  )
 
 
 def _on_each(fn: Callable[..., Any]) -> Callable[..., Any]:
   """``fn`` called on each device's arguments at once: one tuple of them
   per device."""
+
   def call(*per_device):
     return [fn(*args) for args in per_device]
+
   return call
 
 
-def _worker_args(averager: Averager, row: np.ndarray, num_workers: int,
-                 error_feedback: bool | None, rng: np.random.Generator
-                 ) -> list[Any]:
+def _worker_args(
+  averager: Averager,
+  row: np.ndarray,
+  num_workers: int,
+  error_feedback: bool | None,
+  rng: np.random.Generator,
+) -> list[Any]:
   """One worker's host arguments of :func:`local_program`'s program."""
   args = [row, np.float32(1.0 / num_workers)]
   if error_feedback is None:
@@ -449,18 +540,23 @@ def _worker_args(averager: Averager, row: np.ndarray, num_workers: int,
   # A warm state (PowerSGD's previous Q), as every call after the first
   # has: a state of zeros takes the first call's path.
   state = jax.tree.map(
-      lambda s: rng.standard_normal(s.shape).astype(s.dtype),
-      _state_shape(averager, row.size))
+    lambda s: rng.standard_normal(s.shape).astype(s.dtype),
+    _state_shape(averager, row.size),
+  )
   return [*args, np.float32(0.01) * row if error_feedback else None, state]
 
 
-def codec_programs(averager: Averager, sizes: Sequence[int],
-                   device: jax.Device | None = None, *,
-                   mesh: Mesh | None = None,
-                   host_devices: Sequence[jax.Device] | None = None,
-                   num_workers: int = 2, sample=None,
-                   error_feedback: bool | None = None
-                   ) -> list[tuple[Callable[..., Any], tuple]]:
+def codec_programs(
+  averager: Averager,
+  sizes: Sequence[int],
+  device: jax.Device | None = None,
+  *,
+  mesh: Mesh | None = None,
+  host_devices: Sequence[jax.Device] | None = None,
+  num_workers: int = 2,
+  sample=None,
+  error_feedback: bool | None = None,
+) -> list[tuple[Callable[..., Any], tuple]]:
   """The programs :func:`profile_codec` times, compiled and run once.
 
   For callers that time them their own way (in rounds with other programs,
@@ -475,8 +571,9 @@ def codec_programs(averager: Averager, sizes: Sequence[int],
       empty ``host_devices``.
   """
   if sum(a is not None for a in (device, mesh, host_devices)) > 1:
-    raise ValueError("profile_codec takes a device, a mesh or host "
-                     "devices, not several")
+    raise ValueError(
+      "profile_codec takes a device, a mesh or host devices, not several"
+    )
   if host_devices is not None and not host_devices:
     raise ValueError("profile_codec's host_devices is empty")
   rng = np.random.default_rng(0)
@@ -486,12 +583,16 @@ def codec_programs(averager: Averager, sizes: Sequence[int],
 
     def stacked(v):
       v = np.asarray(v)
-      return jax.make_array_from_callback((num_workers, *v.shape), sharding,
-                                          lambda _: v[None])
+      return jax.make_array_from_callback(
+        (num_workers, *v.shape), sharding, lambda _: v[None]
+      )
 
     def args_of(row):
-      return tuple(jax.tree.map(stacked, _worker_args(
-          averager, row, num_workers, error_feedback, rng)))
+      return tuple(
+        jax.tree.map(
+          stacked, _worker_args(averager, row, num_workers, error_feedback, rng)
+        )
+      )
   else:
     # One device is the case of one host device.
     devices = list(host_devices or [device or jax.local_devices()[0]])
@@ -499,6 +600,7 @@ def codec_programs(averager: Averager, sizes: Sequence[int],
     def args_of(row):
       args = _worker_args(averager, row, num_workers, error_feedback, rng)
       return tuple(tuple(jax.device_put(args, d)) for d in devices)
+
   # Compile everything first, so processes that share the host stay in step.
   programs = []
   for d in sizes:
@@ -510,13 +612,20 @@ def codec_programs(averager: Averager, sizes: Sequence[int],
   return programs
 
 
-def profile_codec(averager: Averager, num_elements: int | Sequence[int],
-                  device: jax.Device | None = None, *, num_workers: int = 2,
-                  repeats: int = 5, calls: int = 3,
-                  sync: Callable[[], Any] | None = None,
-                  sample=None, mesh: Mesh | None = None,
-                  host_devices: Sequence[jax.Device] | None = None,
-                  error_feedback: bool | None = None) -> CodecCost:
+def profile_codec(
+  averager: Averager,
+  num_elements: int | Sequence[int],
+  device: jax.Device | None = None,
+  *,
+  num_workers: int = 2,
+  repeats: int = 5,
+  calls: int = 3,
+  sync: Callable[[], Any] | None = None,
+  sample=None,
+  mesh: Mesh | None = None,
+  host_devices: Sequence[jax.Device] | None = None,
+  error_feedback: bool | None = None,
+) -> CodecCost:
   """Measures an averager's local work on ``device``, fitted as ``a + b n``.
 
   Times :func:`local_program`: the averager as one worker runs it, with
@@ -578,20 +687,31 @@ def profile_codec(averager: Averager, num_elements: int | Sequence[int],
       more than one of a device, a mesh and host devices.
   """
   if isinstance(num_elements, (int, np.integer)):
-    sizes = (fit_sizes(num_elements) if num_elements >= 2
-             else [int(num_elements)])
+    sizes = (
+      fit_sizes(num_elements) if num_elements >= 2 else [int(num_elements)]
+    )
   else:
     sizes = [int(s) for s in num_elements]
   if min(sizes) < 2 or min(num_workers, repeats, calls) < 1:
-    raise ValueError(f"profile_codec needs sizes >= 2 and at least one "
-                     f"worker, repeat and call; got sizes {sizes}, "
-                     f"{num_workers} workers, {repeats} repeats, {calls} "
-                     "calls")
-  programs = codec_programs(averager, sizes, device, mesh=mesh,
-                            host_devices=host_devices,
-                            num_workers=num_workers, sample=sample,
-                            error_feedback=error_feedback)
-  times = [timing.median_block_seconds(fn, args, repeats, calls, sync)
-           for fn, args in programs]
+    raise ValueError(
+      f"profile_codec needs sizes >= 2 and at least one "
+      f"worker, repeat and call; got sizes {sizes}, "
+      f"{num_workers} workers, {repeats} repeats, {calls} "
+      "calls"
+    )
+  programs = codec_programs(
+    averager,
+    sizes,
+    device,
+    mesh=mesh,
+    host_devices=host_devices,
+    num_workers=num_workers,
+    sample=sample,
+    error_feedback=error_feedback,
+  )
+  times = [
+    timing.median_block_seconds(fn, args, repeats, calls, sync)
+    for fn, args in programs
+  ]
   del programs
   return CodecCost.fit(sizes, times)

@@ -16,23 +16,29 @@ Each of those processes runs :func:`worker_main`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 import os
 import pickle
 import sys
 import tempfile
-from typing import Mapping
 
 from qsync_jax.parallel import distributed
 from qsync_jax.parallel.wire import Averager
-from qsync_jax.predictor.codec import AXIS, CodecCost, profile_codec
+from qsync_jax.predictor.codec import AXIS
+from qsync_jax.predictor.codec import CodecCost
+from qsync_jax.predictor.codec import profile_codec
 
 
-def profile_codecs_in_processes(averagers: Mapping[str, Averager],
-                                num_elements: int, num_processes: int, *,
-                                repeats: int = 5, calls: int = 3,
-                                error_feedback: Mapping[str, bool | None]
-                                | None = None, timeout_s: float = 1800
-                                ) -> dict[str, CodecCost]:
+def profile_codecs_in_processes(
+  averagers: Mapping[str, Averager],
+  num_elements: int,
+  num_processes: int,
+  *,
+  repeats: int = 5,
+  calls: int = 3,
+  error_feedback: Mapping[str, bool | None] | None = None,
+  timeout_s: float = 1800,
+) -> dict[str, CodecCost]:
   """Profiles each averager's encode/decode in launched processes.
 
   Starts ``num_processes`` processes of one localhost run
@@ -67,31 +73,50 @@ def profile_codecs_in_processes(averagers: Mapping[str, Averager],
       ``[p<id>]`` prefix).
   """
   if num_elements < 2 or min(num_processes, repeats, calls) < 1:
-    raise ValueError(f"need >= 2 elements and at least one process, repeat "
-                     f"and call; got {num_elements} elements, "
-                     f"{num_processes} processes, {repeats} repeats, {calls} "
-                     "calls")
+    raise ValueError(
+      f"need >= 2 elements and at least one process, repeat "
+      f"and call; got {num_elements} elements, "
+      f"{num_processes} processes, {repeats} repeats, {calls} "
+      "calls"
+    )
   unknown = sorted(set(error_feedback or {}) - set(averagers))
   if unknown:
-    raise ValueError(f"error_feedback names averagers {unknown} that are "
-                     f"not profiled; averagers: {sorted(averagers)}")
+    raise ValueError(
+      f"error_feedback names averagers {unknown} that are "
+      f"not profiled; averagers: {sorted(averagers)}"
+    )
   with tempfile.TemporaryDirectory(prefix="qsync_codec_") as tmp:
     spec, out = os.path.join(tmp, "spec.pkl"), os.path.join(tmp, "out.pkl")
     with open(spec, "wb") as f:
-      pickle.dump({"averagers": dict(averagers),
-                   "error_feedback": dict(error_feedback or {}),
-                   "num_elements": int(num_elements), "repeats": repeats,
-                   "calls": calls}, f)
+      pickle.dump(
+        {
+          "averagers": dict(averagers),
+          "error_feedback": dict(error_feedback or {}),
+          "num_elements": int(num_elements),
+          "repeats": repeats,
+          "calls": calls,
+        },
+        f,
+      )
     # Through -c, not -m: the package imports this module, and runpy warns
     # about running a module that is already imported.
     code = distributed.launch(
-        [sys.executable, "-c", f"import sys; import {__name__} as m; "
-         "m.worker_main(*sys.argv[1:3])", spec, out], num_processes,
-        timeout_s=timeout_s)
+      [
+        sys.executable,
+        "-c",
+        f"import sys; import {__name__} as m; m.worker_main(*sys.argv[1:3])",
+        spec,
+        out,
+      ],
+      num_processes,
+      timeout_s=timeout_s,
+    )
     if code != 0 or not os.path.exists(out):
-      raise RuntimeError(f"profiling the encode/decode in {num_processes} "
-                         f"processes failed (exit {code}); see the relayed "
-                         "[p<id>] lines above")
+      raise RuntimeError(
+        f"profiling the encode/decode in {num_processes} "
+        f"processes failed (exit {code}); see the relayed "
+        "[p<id>] lines above"
+      )
     with open(out, "rb") as f:
       return pickle.load(f)
 
@@ -102,11 +127,13 @@ def worker_main(spec_path: str, out_path: str) -> None:
   (:class:`~qsync_jax.predictor.codec.CodecCost`) to ``out_path``."""
   # The runs' host allocator (every binary's): the codec's time hangs on it.
   from qsync_jax import host_malloc
+
   host_malloc.configure_from_env()
   import jax
   from jax.experimental import multihost_utils
   from jax.sharding import Mesh
   import numpy as np
+
   with open(spec_path, "rb") as f:
     spec = pickle.load(f)
   distributed.initialize()
@@ -115,11 +142,18 @@ def worker_main(spec_path: str, out_path: str) -> None:
   def barrier():
     multihost_utils.sync_global_devices("profile_codecs_in_processes")
 
-  fits = {name: profile_codec(averager, spec["num_elements"], mesh=mesh,
-                              repeats=spec["repeats"], calls=spec["calls"],
-                              sync=barrier,
-                              error_feedback=spec["error_feedback"].get(name))
-          for name, averager in spec["averagers"].items()}
+  fits = {
+    name: profile_codec(
+      averager,
+      spec["num_elements"],
+      mesh=mesh,
+      repeats=spec["repeats"],
+      calls=spec["calls"],
+      sync=barrier,
+      error_feedback=spec["error_feedback"].get(name),
+    )
+    for name, averager in spec["averagers"].items()
+  }
   if jax.process_index() == 0:
     with open(out_path, "wb") as f:
       pickle.dump(fits, f)

@@ -18,21 +18,34 @@ stay with :func:`~qsync_jax.predictor.codec.profile_codec`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping, Sequence
 import dataclasses
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from qsync_jax.predictor import timing
-from qsync_jax.predictor.codec import AXIS, CodecCost, sample_data
+from qsync_jax.predictor.codec import AXIS
+from qsync_jax.predictor.codec import CodecCost
+from qsync_jax.predictor.codec import sample_data
 
 #: HLO element types a compiled collective may move, as numpy types.
-HLO_DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16,
-              "s8": jnp.int8, "u8": jnp.uint8, "s16": jnp.int16,
-              "u16": jnp.uint16, "s32": jnp.int32, "u32": jnp.uint32}
+HLO_DTYPES = {
+  "f32": jnp.float32,
+  "f16": jnp.float16,
+  "bf16": jnp.bfloat16,
+  "s8": jnp.int8,
+  "u8": jnp.uint8,
+  "s16": jnp.int16,
+  "u16": jnp.uint16,
+  "s32": jnp.int32,
+  "u32": jnp.uint32,
+}
 #: The collective kinds that can be timed.
 KINDS = ("all_reduce", "all_gather", "permute", "exchange")
 #: Operand bytes per worker the fits are measured at.
@@ -49,6 +62,7 @@ class CollectiveCost:
       ``"all_reduce"``, ``"all_gather"``, ``"permute"``, ``"exchange"``;
       ``dtype`` an HLO type such as ``"s8"``).
   """
+
   fits: Mapping[tuple[str, str], CodecCost]
 
   def __call__(self, collectives: Iterable[Any]) -> float:
@@ -63,8 +77,9 @@ class CollectiveCost:
       fit = self.fits.get((c.kind, c.dtype))
       if fit is None:
         raise ValueError(
-            f"no measured cost for a {c.kind} of {c.dtype}; profiled: "
-            f"{', '.join(f'{k} {t}' for k, t in sorted(self.fits))}")
+          f"no measured cost for a {c.kind} of {c.dtype}; profiled: "
+          f"{', '.join(f'{k} {t}' for k, t in sorted(self.fits))}"
+        )
       total += fit(c.operand_bytes)
     return total
 
@@ -72,8 +87,9 @@ class CollectiveCost:
     return {f"{k} {t}": fit.to_dict() for (k, t), fit in self.fits.items()}
 
 
-def collective_program(kind: str, dtype: str, mesh: Mesh
-                       ) -> Callable[[jax.Array], jax.Array]:
+def collective_program(
+  kind: str, dtype: str, mesh: Mesh
+) -> Callable[[jax.Array], jax.Array]:
   """A jitted program that runs one ``kind`` collective over ``mesh``.
 
   Its argument is the workers' operands, sharded over the mesh's one axis.
@@ -83,8 +99,9 @@ def collective_program(kind: str, dtype: str, mesh: Mesh
   """
   n = mesh.devices.size
   if kind not in KINDS:
-    raise ValueError(f"cannot time a {kind!r} collective; valid: "
-                     f"{', '.join(KINDS)}")
+    raise ValueError(
+      f"cannot time a {kind!r} collective; valid: {', '.join(KINDS)}"
+    )
 
   def body(x):
     if kind == "all_reduce":
@@ -92,16 +109,17 @@ def collective_program(kind: str, dtype: str, mesh: Mesh
     if kind == "all_gather":  # The gathered copy's first share goes back.
       return jax.lax.all_gather(x, AXIS, tiled=True)[: x.shape[0]]
     if kind == "exchange":  # Neighbours swap; an odd one out sends nothing.
-      return jax.lax.ppermute(x, AXIS, [(i, i ^ 1) for i in range(n)
-                                        if i ^ 1 < n])
+      return jax.lax.ppermute(
+        x, AXIS, [(i, i ^ 1) for i in range(n) if i ^ 1 < n]
+      )
     return jax.lax.ppermute(x, AXIS, [(i, (i + 1) % n) for i in range(n)])
 
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS),
-                               out_specs=P(AXIS)))
+  return jax.jit(
+    jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+  )
 
 
-def _operand(np_dtype: np.dtype, elements: int, sample, n: int
-             ) -> np.ndarray:
+def _operand(np_dtype: np.dtype, elements: int, sample, n: int) -> np.ndarray:
   """One worker's operand of a profiled collective (see
   :func:`profile_collectives`'s ``sample``)."""
   if sample is None or not jnp.issubdtype(np_dtype, jnp.floating):
@@ -109,9 +127,13 @@ def _operand(np_dtype: np.dtype, elements: int, sample, n: int
   return (sample_data(sample, elements) / n).astype(np_dtype)
 
 
-def collective_programs(kind: str, dtype: str,
-                        devices: Sequence[jax.Device], sizes: Sequence[int],
-                        sample=None) -> list[tuple[Callable[..., Any], tuple]]:
+def collective_programs(
+  kind: str,
+  dtype: str,
+  devices: Sequence[jax.Device],
+  sizes: Sequence[int],
+  sample=None,
+) -> list[tuple[Callable[..., Any], tuple]]:
   """The programs :func:`profile_collectives` times for one kind and type,
   compiled and run once (every process alike), one ``(fn, args)`` per
   size of operand bytes; arguments as :func:`profile_collectives`'s.
@@ -120,8 +142,9 @@ def collective_programs(kind: str, dtype: str,
     ValueError: an unknown kind or type.
   """
   if dtype not in HLO_DTYPES:
-    raise ValueError(f"cannot time collectives of {dtype}; types: "
-                     f"{', '.join(HLO_DTYPES)}")
+    raise ValueError(
+      f"cannot time collectives of {dtype}; types: {', '.join(HLO_DTYPES)}"
+    )
   mesh = Mesh(np.array(list(devices)), (AXIS,))
   sharding = NamedSharding(mesh, P(AXIS))
   n = mesh.devices.size
@@ -131,19 +154,25 @@ def collective_programs(kind: str, dtype: str,
   for size in sizes:
     elements = max(int(size) // np_dtype.itemsize, 1)
     x = jax.make_array_from_callback(
-        (n * elements,), sharding,
-        lambda index, e=elements: _operand(np_dtype, e, sample, n))
+      (n * elements,),
+      sharding,
+      lambda index, e=elements: _operand(np_dtype, e, sample, n),
+    )
     jax.block_until_ready(fn(x))  # compile, in step on every process
     programs.append((fn, (x,)))
   return programs
 
 
-def profile_collectives(keys: Iterable[tuple[str, str]],
-                        devices: Sequence[jax.Device], *,
-                        sizes: Sequence[int] = FIT_BYTES, repeats: int = 5,
-                        calls: int = 3,
-                        sync: Callable[[], Any] | None = None,
-                        sample=None) -> CollectiveCost:
+def profile_collectives(
+  keys: Iterable[tuple[str, str]],
+  devices: Sequence[jax.Device],
+  *,
+  sizes: Sequence[int] = FIT_BYTES,
+  repeats: int = 5,
+  calls: int = 3,
+  sync: Callable[[], Any] | None = None,
+  sample=None,
+) -> CollectiveCost:
   """Times each ``(kind, dtype)`` collective alone over ``devices``.
 
   Every process of a multi-process mesh must call this with the same
@@ -179,18 +208,23 @@ def profile_collectives(keys: Iterable[tuple[str, str]],
   devices = list(devices)
   if len(devices) < 2:
     raise ValueError(f"collectives need >= 2 devices, got {len(devices)}")
-  if len(set(int(s) for s in sizes)) < 2 or min(repeats, calls) < 1:
-    raise ValueError(f"profile_collectives needs two distinct sizes and at "
-                     f"least one repeat and call; got sizes {list(sizes)}, "
-                     f"{repeats} repeats, {calls} calls")
+  if len({int(s) for s in sizes}) < 2 or min(repeats, calls) < 1:
+    raise ValueError(
+      f"profile_collectives needs two distinct sizes and at "
+      f"least one repeat and call; got sizes {list(sizes)}, "
+      f"{repeats} repeats, {calls} calls"
+    )
   unknown = [t for k, t in keys if t not in HLO_DTYPES or k not in KINDS]
   if unknown:
-    raise ValueError(f"cannot time collectives {keys}; valid kinds: "
-                     f"{', '.join(KINDS)}; types: {', '.join(HLO_DTYPES)}")
+    raise ValueError(
+      f"cannot time collectives {keys}; valid kinds: "
+      f"{', '.join(KINDS)}; types: {', '.join(HLO_DTYPES)}"
+    )
   fits = {}
   for kind, dtype in keys:
-    seconds = [timing.median_block_seconds(fn, args, repeats, calls, sync)
-               for fn, args in collective_programs(kind, dtype, devices,
-                                                   sizes, sample)]
+    seconds = [
+      timing.median_block_seconds(fn, args, repeats, calls, sync)
+      for fn, args in collective_programs(kind, dtype, devices, sizes, sample)
+    ]
     fits[(kind, dtype)] = CodecCost.fit([int(s) for s in sizes], seconds)
   return CollectiveCost(fits)

@@ -30,35 +30,60 @@ time multiplies by the number of workers.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 import dataclasses
 import functools
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import jax
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
+from jax.sharding import AbstractMesh
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from qsync_jax.parallel import links
 from qsync_jax.parallel.wire import Averager
+
 # Re-exported: the predictor's communication API is this module's.
-from qsync_jax.predictor.codec import abstract_args, AXIS, CodecCost
+from qsync_jax.predictor.codec import abstract_args
+from qsync_jax.predictor.codec import AXIS
+from qsync_jax.predictor.codec import CodecCost
 from qsync_jax.predictor.codec import COLLECTIVE_PRIMITIVES
 from qsync_jax.predictor.codec import local_program  # noqa: F401
 from qsync_jax.predictor.codec import profile_codec  # noqa: F401
 from qsync_jax.predictor.codec import shard_body
 
-_HLO_KINDS = {"all-reduce": "all_reduce", "all-reduce-start": "all_reduce",
-              "all-gather": "all_gather", "all-gather-start": "all_gather",
-              "collective-permute": "permute",
-              "collective-permute-start": "permute",
-              "reduce-scatter": "reduce_scatter", "all-to-all": "all_to_all"}
+_HLO_KINDS = {
+  "all-reduce": "all_reduce",
+  "all-reduce-start": "all_reduce",
+  "all-gather": "all_gather",
+  "all-gather-start": "all_gather",
+  "collective-permute": "permute",
+  "collective-permute-start": "permute",
+  "reduce-scatter": "reduce_scatter",
+  "all-to-all": "all_to_all",
+}
 # "%name = TYPE op(" where TYPE is one array or a tuple of arrays.
 _HLO_OP = re.compile(r"=\s*(\(?[^=]*?\)?)\s+([a-z\-]+)\(")
 _HLO_ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
-_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
-              "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
-              "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+_HLO_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "f8e4m3fn": 1,
+  "f8e5m2": 1,
+}
 # Elements per worker of the small program compiled to find the widening.
 _PROBE_ELEMENTS = 1 << 12
 
@@ -74,24 +99,31 @@ class Link:
     topology: ``"per_node"`` (a link each) or ``"shared"`` (one link that all
       workers' traffic crosses).
   """
+
   bandwidth: float
   latency_s: float = 0.0
   topology: str = "per_node"
 
   def __post_init__(self):
     if not (np.isfinite(self.bandwidth) and self.bandwidth > 0):
-      raise ValueError(f"link bandwidth must be a positive number of bytes/s, "
-                       f"got {self.bandwidth!r}")
+      raise ValueError(
+        f"link bandwidth must be a positive number of bytes/s, "
+        f"got {self.bandwidth!r}"
+      )
     if not (np.isfinite(self.latency_s) and self.latency_s >= 0):
-      raise ValueError(f"link latency must be >= 0 seconds, got "
-                       f"{self.latency_s!r}")
+      raise ValueError(
+        f"link latency must be >= 0 seconds, got {self.latency_s!r}"
+      )
     if self.topology not in links.TOPOLOGIES:
-      raise ValueError(f"link topology must be one of "
-                       f"{', '.join(links.TOPOLOGIES)}, got {self.topology!r}")
+      raise ValueError(
+        f"link topology must be one of "
+        f"{', '.join(links.TOPOLOGIES)}, got {self.topology!r}"
+      )
 
   @classmethod
-  def parse(cls, rate: str, latency: str = "0", topology: str = "per_node"
-            ) -> "Link":
+  def parse(
+    cls, rate: str, latency: str = "0", topology: str = "per_node"
+  ) -> Link:
     """A link from the launcher's flag strings (``"1gbit"``, ``"1ms"``).
 
     The launcher's latency is the one-way delay from a process to the
@@ -104,7 +136,7 @@ class Link:
     return cls(spec.rate_bps / 8, 2 * spec.latency_s, spec.topology)
 
   @classmethod
-  def from_record(cls, record: Mapping[str, Any]) -> "Link":
+  def from_record(cls, record: Mapping[str, Any]) -> Link:
     """The link of a run's record (:func:`links.link_info_from_env`).
 
     Uses the rate measured before the run when the record has one, else the
@@ -116,8 +148,11 @@ class Link:
     bps = record.get("measured_bps") or record.get("rate_bps")
     if not bps:
       raise ValueError(f"link record has no rate: {dict(record)}")
-    return cls(float(bps) / 8, 2 * float(record.get("latency_s") or 0.0),
-               record.get("topology") or "per_node")
+    return cls(
+      float(bps) / 8,
+      2 * float(record.get("latency_s") or 0.0),
+      record.get("topology") or "per_node",
+    )
 
   def wire_time(self, bytes_per_worker: float, num_workers: int) -> float:
     """Seconds to send ``bytes_per_worker`` from every worker at once."""
@@ -152,6 +187,7 @@ class Collective:
   ``"all_to_all"``, ``"permute"`` or ``"exchange"`` (a permute of pairwise
   swaps, :func:`permute_kind`); ``dtype`` the HLO or numpy type moved.
   """
+
   kind: str
   operand_bytes: float
   dtype: str
@@ -162,11 +198,14 @@ def _kind_bytes_steps(c: Collective, n: int) -> tuple[float, int]:
   if n <= 1:
     return 0.0, 0
   b = c.operand_bytes
-  return {"all_reduce": (2.0 * (n - 1) / n * b, 2 * (n - 1)),
-          "all_gather": ((n - 1) * b, n - 1),
-          "reduce_scatter": ((n - 1) / n * b, n - 1),
-          "all_to_all": ((n - 1) / n * b, n - 1),
-          "permute": (b, 1), "exchange": (b, 1)}[c.kind]
+  return {
+    "all_reduce": (2.0 * (n - 1) / n * b, 2 * (n - 1)),
+    "all_gather": ((n - 1) * b, n - 1),
+    "reduce_scatter": ((n - 1) / n * b, n - 1),
+    "all_to_all": ((n - 1) / n * b, n - 1),
+    "permute": (b, 1),
+    "exchange": (b, 1),
+  }[c.kind]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +218,7 @@ class Traffic:
     widening: bytes the compiled program moves over the bytes the program
       asks for (1 where the platform keeps every type).
   """
+
   bytes: float
   steps: int
   widening: float = 1.0
@@ -196,7 +236,7 @@ def traffic_of(collectives: Sequence[Collective], num_workers: int) -> Traffic:
 
 def _sub_jaxprs(eqn):
   for value in eqn.params.values():
-    for v in (value if isinstance(value, (list, tuple)) else [value]):
+    for v in value if isinstance(value, (list, tuple)) else [value]:
       if hasattr(v, "jaxpr") and hasattr(v, "consts"):  # a ClosedJaxpr
         yield v.jaxpr
       elif hasattr(v, "eqns"):  # a Jaxpr
@@ -212,15 +252,19 @@ def _jaxpr_collectives(jaxpr) -> list[Collective]:
     if kind is not None:
       for v in eqn.invars:
         aval = v.aval
-        found.append(Collective(kind, float(aval.size * aval.dtype.itemsize),
-                                str(aval.dtype)))
+        found.append(
+          Collective(
+            kind, float(aval.size * aval.dtype.itemsize), str(aval.dtype)
+          )
+        )
     for sub in _sub_jaxprs(eqn):
       found.extend(_jaxpr_collectives(sub))
   return found
 
 
-def traced_collectives(averager: Averager, num_elements: int,
-                       num_workers: int) -> list[Collective]:
+def traced_collectives(
+  averager: Averager, num_elements: int, num_workers: int
+) -> list[Collective]:
   """The collectives the averager's program asks for (any platform).
 
   Traces the averager in a ``shard_map`` over an abstract mesh of
@@ -232,11 +276,17 @@ def traced_collectives(averager: Averager, num_elements: int,
       on that many workers.
   """
   if num_elements < 1 or num_workers < 1:
-    raise ValueError(f"need at least one element and one worker, got "
-                     f"{num_elements} elements, {num_workers} workers")
+    raise ValueError(
+      f"need at least one element and one worker, got "
+      f"{num_elements} elements, {num_workers} workers"
+    )
   mesh = AbstractMesh((num_workers,), (AXIS,))
-  fn = jax.shard_map(shard_body(averager), mesh=mesh,
-                     in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS))
+  fn = jax.shard_map(
+    shard_body(averager),
+    mesh=mesh,
+    in_specs=(P(AXIS), P(AXIS)),
+    out_specs=P(AXIS),
+  )
   jaxpr = jax.make_jaxpr(fn)(*abstract_args(num_elements, num_workers))
   return _jaxpr_collectives(jaxpr.jaxpr)
 
@@ -267,8 +317,9 @@ def hlo_collectives(hlo_text: str, num_workers: int) -> list[Collective]:
   return found
 
 
-def compiled_collectives(averager: Averager, num_elements: int,
-                         devices: Sequence[jax.Device]) -> list[Collective]:
+def compiled_collectives(
+  averager: Averager, num_elements: int, devices: Sequence[jax.Device]
+) -> list[Collective]:
   """The collectives the compiled averager moves over ``devices``.
 
   Compiles (does not run) the averager in a ``shard_map`` over a mesh of
@@ -276,11 +327,17 @@ def compiled_collectives(averager: Averager, num_elements: int,
   """
   devices = list(devices)
   mesh = Mesh(np.array(devices), (AXIS,))
-  fn = jax.jit(jax.shard_map(shard_body(averager), mesh=mesh,
-                             in_specs=(P(AXIS), P(AXIS)),
-                             out_specs=P(AXIS)))
-  text = fn.lower(*abstract_args(num_elements, len(devices))).compile(
-  ).as_text()
+  fn = jax.jit(
+    jax.shard_map(
+      shard_body(averager),
+      mesh=mesh,
+      in_specs=(P(AXIS), P(AXIS)),
+      out_specs=P(AXIS),
+    )
+  )
+  text = (
+    fn.lower(*abstract_args(num_elements, len(devices))).compile().as_text()
+  )
   return hlo_collectives(text, len(devices))
 
 
@@ -294,15 +351,16 @@ def _probe_devices(platform: str) -> list[jax.Device]:
   return devices[:k] if k >= 2 else []
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _widening(averager: Averager, platform: str) -> float:
   devices = _probe_devices(platform)
   if not devices:
     return 1.0
   k = len(devices)
   asked = traffic_of(traced_collectives(averager, _PROBE_ELEMENTS, k), k)
-  moved = traffic_of(compiled_collectives(averager, _PROBE_ELEMENTS,
-                                          devices), k)
+  moved = traffic_of(
+    compiled_collectives(averager, _PROBE_ELEMENTS, devices), k
+  )
   return moved.bytes / asked.bytes if asked.bytes else 1.0
 
 
@@ -317,10 +375,14 @@ def widening(averager: Averager, platform: str) -> float:
   return _widening(averager, platform)
 
 
-def averager_traffic(averager: Averager, num_elements: int, num_workers: int,
-                     platform: str | None = None,
-                     devices: Sequence[jax.Device] | None = None,
-                     compiled: Sequence[Collective] | None = None) -> Traffic:
+def averager_traffic(
+  averager: Averager,
+  num_elements: int,
+  num_workers: int,
+  platform: str | None = None,
+  devices: Sequence[jax.Device] | None = None,
+  compiled: Sequence[Collective] | None = None,
+) -> Traffic:
   """The bytes and steps one average of ``num_elements`` floats costs.
 
   Args:
@@ -343,13 +405,16 @@ def averager_traffic(averager: Averager, num_elements: int, num_workers: int,
       :func:`traced_collectives`.
   """
   if devices is None:
-    return _platform_traffic(averager, int(num_elements), int(num_workers),
-                             platform)
-  asked = traffic_of(traced_collectives(averager, num_elements, num_workers),
-                     num_workers)
+    return _platform_traffic(
+      averager, int(num_elements), int(num_workers), platform
+    )
+  asked = traffic_of(
+    traced_collectives(averager, num_elements, num_workers), num_workers
+  )
   if len(devices) != num_workers:
-    raise ValueError(f"devices must be one per worker ({num_workers}), got "
-                     f"{len(devices)}")
+    raise ValueError(
+      f"devices must be one per worker ({num_workers}), got {len(devices)}"
+    )
   if compiled is None:
     compiled = compiled_collectives(averager, num_elements, devices)
   moved = traffic_of(compiled, num_workers)
@@ -359,23 +424,31 @@ def averager_traffic(averager: Averager, num_elements: int, num_workers: int,
 
 
 @functools.lru_cache(maxsize=4096)
-def _platform_traffic(averager: Averager, num_elements: int,
-                      num_workers: int, platform: str | None) -> Traffic:
+def _platform_traffic(
+  averager: Averager, num_elements: int, num_workers: int, platform: str | None
+) -> Traffic:
   """:func:`averager_traffic` without devices (cached: a search prices the
   same buckets many times)."""
-  asked = traffic_of(traced_collectives(averager, num_elements, num_workers),
-                     num_workers)
+  asked = traffic_of(
+    traced_collectives(averager, num_elements, num_workers), num_workers
+  )
   factor = widening(averager, platform) if platform else 1.0
   wire = float(averager.wire_bytes(num_elements, num_workers))
   return Traffic(wire * factor, asked.steps, factor)
 
 
-def averaging_time(averager: Averager, num_elements: int, num_workers: int,
-                   link: Link, codec_cost: CodecCost | None = None, *,
-                   platform: str | None = None,
-                   traffic: Traffic | None = None,
-                   measured: Any = None,
-                   collectives: Sequence[Collective] | None = None) -> float:
+def averaging_time(
+  averager: Averager,
+  num_elements: int,
+  num_workers: int,
+  link: Link,
+  codec_cost: CodecCost | None = None,
+  *,
+  platform: str | None = None,
+  traffic: Traffic | None = None,
+  measured: Any = None,
+  collectives: Sequence[Collective] | None = None,
+) -> float:
   """Predicted seconds of one average of ``num_elements`` floats.
 
   ``wire time + steps x latency + codec cost``: the wire time of the bytes
@@ -409,12 +482,17 @@ def averaging_time(averager: Averager, num_elements: int, num_workers: int,
     return 0.0
   if measured is not None:
     if collectives is None:
-      raise ValueError("a measured collective cost needs the averager's "
-                       "compiled collectives")
+      raise ValueError(
+        "a measured collective cost needs the averager's compiled collectives"
+      )
     return measured(collectives) + (
-        codec_cost(num_elements) if codec_cost is not None else 0.0)
+      codec_cost(num_elements) if codec_cost is not None else 0.0
+    )
   if traffic is None:
     traffic = averager_traffic(averager, num_elements, num_workers, platform)
   codec = codec_cost(num_elements) if codec_cost is not None else 0.0
-  return (link.wire_time(traffic.bytes, num_workers)
-          + traffic.steps * link.latency_s + codec)
+  return (
+    link.wire_time(traffic.bytes, num_workers)
+    + traffic.steps * link.latency_s
+    + codec
+  )

@@ -26,11 +26,12 @@ qsync.md section 4.4, as they hold for the JAX ops of
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 import dataclasses
 import functools
 import hashlib
 import json
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from flax import nnx
 import jax
@@ -58,7 +59,7 @@ def promote(dtypes: Sequence[str]) -> str:
   return _promote(tuple(sorted(set(dtypes))))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _promote(dtypes: tuple[str, ...]) -> str:
   return str(jnp.result_type(*[jnp.dtype(d) for d in dtypes]))
 
@@ -76,6 +77,7 @@ class Operand:
     needs_grad: whether the backward pass computes its gradient (False for
       the first layer, whose input is the data).
   """
+
   shape: tuple[int, ...]
   producers: tuple[int, ...]
   follows: bool
@@ -103,6 +105,7 @@ class LayerNode:
       recorded static arguments; arrays are the activation operands, then the
       weight (not serialized).
   """
+
   path: str
   kind: str
   operands: tuple[Operand, ...]
@@ -111,7 +114,8 @@ class LayerNode:
   flops: float
   floored: bool
   call: Callable[..., Any] | None = dataclasses.field(
-      default=None, compare=False, repr=False)
+    default=None, compare=False, repr=False
+  )
 
   @property
   def weight_numel(self) -> int:
@@ -142,13 +146,15 @@ class ModelGraph:
     probe: the :class:`qsync_jax.task.Probe` the graph was traced with, on
       abstract data, to trace the model again (not serialized).
   """
+
   nodes: tuple[LayerNode, ...]
   num_params: int
   input_shape: tuple[int, ...]
   input_dtype: str = "float32"
   data_bytes: int | None = None
   probe: calling.Probe | None = dataclasses.field(
-      default=None, compare=False, repr=False)
+    default=None, compare=False, repr=False
+  )
 
   @property
   def input_spec(self) -> jax.ShapeDtypeStruct:
@@ -170,8 +176,7 @@ class ModelGraph:
     """Bytes of the traced batch (:attr:`data_bytes`, else the input's)."""
     if self.data_bytes is not None:
       return int(self.data_bytes)
-    return int(np.prod(self.input_shape)) * jnp.dtype(
-        self.input_dtype).itemsize
+    return int(np.prod(self.input_shape)) * jnp.dtype(self.input_dtype).itemsize
 
   @functools.cached_property
   def paths(self) -> list[str]:
@@ -186,14 +191,16 @@ class ModelGraph:
 
   def fingerprint(self) -> str:
     """A short hash of the layers' shapes and flow (for profile caches)."""
-    doc = json.dumps([n.to_dict() for n in self.nodes], sort_keys=True,
-                     default=str)
+    doc = json.dumps(
+      [n.to_dict() for n in self.nodes], sort_keys=True, default=str
+    )
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
 
   def check_precisions(self, precisions: dict[str, Precision]) -> None:
     """Raises ValueError naming missing or unknown layers."""
     if len(precisions) == len(self.paths) and all(
-        p in precisions for p in self.paths):
+      p in precisions for p in self.paths
+    ):
       return
     known = set(self.paths)
     missing = [p for p in self.paths if p not in precisions]
@@ -205,12 +212,14 @@ class ModelGraph:
       if missing:
         parts.append(f"no precision for {', '.join(missing)}")
       raise ValueError(
-          f"precisions do not match the model's layers: {'; '.join(parts)} "
-          f"(layers: {', '.join(self.paths)})")
+        f"precisions do not match the model's layers: {'; '.join(parts)} "
+        f"(layers: {', '.join(self.paths)})"
+      )
 
 
-def input_dtypes(graph: ModelGraph, precisions: Sequence[Precision]
-                 ) -> list[list[str]]:
+def input_dtypes(
+  graph: ModelGraph, precisions: Sequence[Precision]
+) -> list[list[str]]:
   """The dtype arriving at each activation operand under ``precisions``.
 
   Args:
@@ -228,8 +237,12 @@ def input_dtypes(graph: ModelGraph, precisions: Sequence[Precision]
       if not op.follows:
         dts.append("float32")
       else:
-        dts.append(promote([outs[p] if p != INPUT else "float32"
-                            for p in op.producers] or ["float32"]))
+        dts.append(
+          promote(
+            [outs[p] if p != INPUT else "float32" for p in op.producers]
+            or ["float32"]
+          )
+        )
     result.append(dts)
   return result
 
@@ -246,6 +259,7 @@ class Cast:
       (``dst`` to ``src``) when the operand needs a gradient.
     backward: whether that backward cast happens.
   """
+
   layer: int
   src: str
   dst: str
@@ -275,8 +289,11 @@ def casts(graph: ModelGraph, precisions: Sequence[Precision]) -> list[Cast]:
 # --------------------------------------------------------------------------
 
 
-def _flops(node_call: Callable[..., Any], kind: str,
-           arrays: Sequence[jax.ShapeDtypeStruct]) -> float:
+def _flops(
+  node_call: Callable[..., Any],
+  kind: str,
+  arrays: Sequence[jax.ShapeDtypeStruct],
+) -> float:
   """Forward FLOPs of a layer's contraction at FP32, from XLA's cost model.
 
   ``Lowered.cost_analysis`` counts dot and convolution FLOPs exactly on
@@ -285,8 +302,11 @@ def _flops(node_call: Callable[..., Any], kind: str,
   """
   if kind == "Embed":
     return 0.0
-  op = ops.ConvGeneralDilated() if kind == "Conv" else (
-      ops.Einsum() if kind in ("Einsum", "MatMul") else ops.DotGeneral())
+  op = (
+    ops.ConvGeneralDilated()
+    if kind == "Conv"
+    else (ops.Einsum() if kind in ("Einsum", "MatMul") else ops.DotGeneral())
+  )
   lowered = jax.jit(lambda *a: node_call(op, *a)).lower(*arrays)
   cost = lowered.cost_analysis()
   if isinstance(cost, (list, tuple)):  # older jax returns one per program
@@ -294,8 +314,9 @@ def _flops(node_call: Callable[..., Any], kind: str,
   return float((cost or {}).get("flops", 0.0))
 
 
-def _capture(model: nnx.Module, layer_list, probe: calling.Probe,
-             uniform: Precision | None):
+def _capture(
+  model: nnx.Module, layer_list, probe: calling.Probe, uniform: Precision | None
+):
   """Traces the probe's pass with each layer's op behind a named marker.
 
   Only shapes are used: the parameters are traced as one flat vector (the
@@ -312,26 +333,35 @@ def _capture(model: nnx.Module, layer_list, probe: calling.Probe,
   leaves, treedef = jax.tree.flatten(params)
   sizes = [int(np.prod(leaf.shape)) for leaf in leaves]
   flat = jax.ShapeDtypeStruct(
-      (sum(sizes),), jnp.result_type(*[leaf.dtype for leaf in leaves])
-      if leaves else jnp.float32)
+    (sum(sizes),),
+    jnp.result_type(*[leaf.dtype for leaf in leaves])
+    if leaves
+    else jnp.float32,
+  )
 
   def unravel(vector):
     parts = jnp.split(vector, np.cumsum(sizes)[:-1]) if leaves else []
-    return treedef.unflatten([part.reshape(leaf.shape).astype(leaf.dtype)
-                              for part, leaf in zip(parts, leaves)])
+    return treedef.unflatten(
+      [
+        part.reshape(leaf.shape).astype(leaf.dtype)
+        for part, leaf in zip(parts, leaves)
+      ]
+    )
 
   # An abstract model's other state (batch statistics, RNG counts) is traced
   # as inputs; a concrete model's stays as constants, as a pass over it
   # sees them (a user's Python branch on a counter keeps working).
   rest_leaves, rest_def = jax.tree.flatten(rest)
-  array_at = [i for i, v in enumerate(rest_leaves)
-              if isinstance(v, jax.ShapeDtypeStruct)]
+  array_at = [
+    i for i, v in enumerate(rest_leaves) if isinstance(v, jax.ShapeDtypeStruct)
+  ]
   rest_arrays = [rest_leaves[i] for i in array_at]
   records: list[dict[str, Any]] = [None] * len(layer_list)
 
   def make_wrapper(i, layer, base):
     module = layer.module
     if policy.is_embedding(module):
+
       def promote(arrays, **kw):
         (table,) = arrays
         if uniform is not None:
@@ -339,12 +369,18 @@ def _capture(model: nnx.Module, layer_list, probe: calling.Probe,
 
         def body(t):
           return base((t,), **kw)[0]
+
         body.__name__ = f"qsync_layer_{i}"
         out = jax.jit(body)(table)
-        records[i] = {"args": [table], "kwargs": kw, "arrays": [0],
-                      "out": jax.ShapeDtypeStruct(out.shape, out.dtype),
-                      "embed": True}
+        records[i] = {
+          "args": [table],
+          "kwargs": kw,
+          "arrays": [0],
+          "out": jax.ShapeDtypeStruct(out.shape, out.dtype),
+          "embed": True,
+        }
         return (out,)
+
       return promote
 
     li, ri = policy.operand_positions(module)
@@ -359,12 +395,18 @@ def _capture(model: nnx.Module, layer_list, probe: calling.Probe,
         full = list(args)
         full[li], full[ri] = a, b
         return op(*full, **kwargs)
+
       body.__name__ = f"qsync_layer_{i}"
       out = jax.jit(body)(*arrays)
-      records[i] = {"args": list(args), "kwargs": kwargs, "arrays": [li, ri],
-                    "out": jax.ShapeDtypeStruct(out.shape, out.dtype),
-                    "embed": False}
+      records[i] = {
+        "args": list(args),
+        "kwargs": kwargs,
+        "arrays": [li, ri],
+        "out": jax.ShapeDtypeStruct(out.shape, out.dtype),
+        "embed": False,
+      }
       return out
+
     return wrapped
 
   def forward(flat, arrays, data):
@@ -374,8 +416,11 @@ def _capture(model: nnx.Module, layer_list, probe: calling.Probe,
       state[i] = a
     m = nnx.merge(graphdef, unravel(flat), rest_def.unflatten(state))
     found = policy.addressable_modules(m)
-    policy.instrument(m, [policy.Layer(l.path, found[l.path], l.kind)
-                          for l in layer_list], make_wrapper)
+    policy.instrument(
+      m,
+      [policy.Layer(l.path, found[l.path], l.kind) for l in layer_list],
+      make_wrapper,
+    )
     return probe.fn(m, data)
 
   jaxpr = jax.make_jaxpr(forward)(flat, rest_arrays, probe.data)
@@ -449,47 +494,62 @@ def trace_graph(model: nnx.Module, sample_input: Any = None) -> ModelGraph:
   if not leaves:
     raise ValueError("the sample input holds no array to trace with")
   first = leaves[0]
-  jaxpr, records, num_params, n_state = _capture(model, layer_list, probe,
-                                                 None)
+  jaxpr, records, num_params, n_state = _capture(model, layer_list, probe, None)
   flow = _walk(jaxpr, len(layer_list), n_state)
   # Which operands keep the dtype their producers emit: trace once with every
   # layer (head and floors included) in FP16 and see what arrives.
-  _, fp16_records, _, _ = _capture(model, layer_list, probe,
-                                    Precision.FP16)
+  _, fp16_records, _, _ = _capture(model, layer_list, probe, Precision.FP16)
   nodes = []
   for i, layer in enumerate(layer_list):
     rec, flow_i = records[i], flow[i]
     embed = rec["embed"]
     arrays = [rec["args"][k] for k in rec["arrays"]]
-    act_positions = [] if embed else [
-        j for j, (deps, _) in enumerate(flow_i) if deps]
+    act_positions = (
+      [] if embed else [j for j, (deps, _) in enumerate(flow_i) if deps]
+    )
     weight_pos = next(
-        (j for j in range(len(arrays)) if j not in act_positions), None)
+      (j for j in range(len(arrays)) if j not in act_positions), None
+    )
     operands = []
     for j in act_positions:
       deps, param = flow_i[j]
       f16 = [fp16_records[i]["args"][k] for k in fp16_records[i]["arrays"]]
-      operands.append(Operand(
-          shape=tuple(arrays[j].shape), producers=tuple(sorted(deps)),
+      operands.append(
+        Operand(
+          shape=tuple(arrays[j].shape),
+          producers=tuple(sorted(deps)),
           follows=str(f16[j].dtype) == "float16" or deps == {INPUT},
-          needs_grad=bool(param)))
-    weight_shape = (tuple(arrays[weight_pos].shape)
-                    if weight_pos is not None else ())
+          needs_grad=bool(param),
+        )
+      )
+    weight_shape = (
+      tuple(arrays[weight_pos].shape) if weight_pos is not None else ()
+    )
     order = act_positions + ([weight_pos] if weight_pos is not None else [])
     call = _make_call(rec, order)
-    avals = [jax.ShapeDtypeStruct(arrays[j].shape, arrays[j].dtype)
-             for j in order]
-    nodes.append(LayerNode(
-        path=layer.path, kind=layer.kind, operands=tuple(operands),
-        weight_shape=weight_shape, out_shape=tuple(rec["out"].shape),
+    avals = [
+      jax.ShapeDtypeStruct(arrays[j].shape, arrays[j].dtype) for j in order
+    ]
+    nodes.append(
+      LayerNode(
+        path=layer.path,
+        kind=layer.kind,
+        operands=tuple(operands),
+        weight_shape=weight_shape,
+        out_shape=tuple(rec["out"].shape),
         flops=_flops(call, layer.kind, avals),
         floored=isinstance(layer.module, policy.SIXTEEN_BIT_FLOOR),
-        call=call))
+        call=call,
+      )
+    )
   return ModelGraph(
-      tuple(nodes), int(num_params), tuple(int(d) for d in first.shape),
-      str(first.dtype),
-      sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
-          for a in leaves), probe)
+    tuple(nodes),
+    int(num_params),
+    tuple(int(d) for d in first.shape),
+    str(first.dtype),
+    sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in leaves),
+    probe,
+  )
 
 
 def _make_call(rec: dict[str, Any], order: list[int]) -> Callable[..., Any]:
@@ -498,8 +558,10 @@ def _make_call(rec: dict[str, Any], order: list[int]) -> Callable[..., Any]:
   # Keep the static arguments only (the traced arrays are replaced per call).
   args = [None if i in positions else a for i, a in enumerate(rec["args"])]
   if rec["embed"]:
+
     def call_embed(op, table):
       return op((table,), **kwargs)[0]
+
     return call_embed
 
   def call(op, *arrays):
@@ -507,4 +569,5 @@ def _make_call(rec: dict[str, Any], order: list[int]) -> Callable[..., Any]:
     for j, a in zip(order, arrays):
       full[positions[j]] = a
     return op(*full, **kwargs)
+
   return call

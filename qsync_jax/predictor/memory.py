@@ -26,8 +26,9 @@ Two sources, as for times:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from flax import nnx
 import jax
@@ -46,8 +47,14 @@ from qsync_jax.task import calling
 from qsync_jax.task.objective import as_objective
 from qsync_jax.train import step as step_lib
 
-_BITS = {Precision.FP32: 32, Precision.TF32: 32, Precision.BF16: 16,
-         Precision.FP16: 16, Precision.INT8: 8, Precision.FP8: 8}
+_BITS = {
+  Precision.FP32: 32,
+  Precision.TF32: 32,
+  Precision.BF16: 16,
+  Precision.FP16: 16,
+  Precision.INT8: 8,
+  Precision.FP8: 8,
+}
 
 
 def residual_bytes(node: graph_lib.LayerNode, precision: Precision) -> float:
@@ -79,13 +86,15 @@ class MemoryModel:
       (for analytic rest times).
     capacity_bytes: the device's memory, when known.
   """
+
   base_bytes: float
   deltas: Mapping[str, Mapping[str, float]]
   rest_bytes_accessed: float = 0.0
   capacity_bytes: float | None = None
 
-  def predict(self, paths: Sequence[str],
-              precisions: Sequence[Precision]) -> float:
+  def predict(
+    self, paths: Sequence[str], precisions: Sequence[Precision]
+  ) -> float:
     """Step bytes when layer ``paths[i]`` computes at ``precisions[i]``."""
     total = self.base_bytes
     for path, p in zip(paths, precisions):
@@ -93,28 +102,38 @@ class MemoryModel:
         total += self.deltas[path].get(p.value, 0.0)
     return float(total)
 
-  def for_device(self, g: graph_lib.ModelGraph, capacity_bytes: float
-                 ) -> "MemoryModel":
+  def for_device(
+    self, g: graph_lib.ModelGraph, capacity_bytes: float
+  ) -> MemoryModel:
     """The analytic model for a GPU: residual changes at face value."""
-    return dataclasses.replace(self, deltas=analytic_deltas(g),
-                               capacity_bytes=capacity_bytes)
+    return dataclasses.replace(
+      self, deltas=analytic_deltas(g), capacity_bytes=capacity_bytes
+    )
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 
   @classmethod
-  def from_dict(cls, d: Mapping[str, Any]) -> "MemoryModel":
+  def from_dict(cls, d: Mapping[str, Any]) -> MemoryModel:
     return cls(**d)
 
 
 def analytic_deltas(g: graph_lib.ModelGraph) -> dict[str, dict[str, float]]:
   """Per layer and precision, :func:`residual_bytes` minus its FP32 value."""
-  return {n.path: {p.value: residual_bytes(n, p) - residual_bytes(
-      n, Precision.FP32) for p in Precision} for n in g.nodes}
+  return {
+    n.path: {
+      p.value: residual_bytes(n, p) - residual_bytes(n, Precision.FP32)
+      for p in Precision
+    }
+    for n in g.nodes
+  }
 
 
-def analytic_memory_model(g: graph_lib.ModelGraph, capacity_bytes: float,
-                          optimizer_state_copies: int = 2) -> MemoryModel:
+def analytic_memory_model(
+  g: graph_lib.ModelGraph,
+  capacity_bytes: float,
+  optimizer_state_copies: int = 2,
+) -> MemoryModel:
   """A memory model from shapes alone (no compile), for analytic profiles.
 
   Parameters, gradients and ``optimizer_state_copies`` float32 copies of
@@ -127,13 +146,17 @@ def analytic_memory_model(g: graph_lib.ModelGraph, capacity_bytes: float,
   batch = float(g.batch_bytes)
   outs = 4.0 * sum(n.out_numel for n in g.nodes if n.kind != "Embed")
   residual = sum(residual_bytes(n, Precision.FP32) for n in g.nodes)
-  return MemoryModel(params + batch + residual + outs, analytic_deltas(g),
-                     rest_bytes_accessed=6.0 * outs,
-                     capacity_bytes=capacity_bytes)
+  return MemoryModel(
+    params + batch + residual + outs,
+    analytic_deltas(g),
+    rest_bytes_accessed=6.0 * outs,
+    capacity_bytes=capacity_bytes,
+  )
 
 
-def train_step_function(graphdef, unravel, loss_fn,
-                        tx: optax.GradientTransformation):
+def train_step_function(
+  graphdef, unravel, loss_fn, tx: optax.GradientTransformation
+):
   """One worker's full step, ``(flat, opt_state, rest, batch, ids) -> (flat,
   opt_state, rest, loss)``, with parameters and optimizer state donated.
 
@@ -145,8 +168,9 @@ def train_step_function(graphdef, unravel, loss_fn,
 
   def step(flat, opt_state, rest, batch, ids):
     m = nnx.merge(graphdef, unravel(flat), rest)
-    loss, grads = nnx.value_and_grad(lambda m: objective(
-        m, batch, step_lib.step_rngs(0, ids), train=True)[0])(m)
+    loss, grads = nnx.value_and_grad(
+      lambda m: objective(m, batch, step_lib.step_rngs(0, ids), train=True)[0]
+    )(m)
     g = flatten.ravel(grads)
     updates, opt_state = tx.update(g, opt_state, flat)
     new_rest = nnx.split(m, nnx.Param, ...)[2]
@@ -162,10 +186,14 @@ def _abstract(tree):
 _IDS = jax.ShapeDtypeStruct((2,), jnp.uint32)
 
 
-def compiled_step_bytes(model: nnx.Module, precisions: Mapping[str, Precision],
-                        sample_batch, loss_fn=None,
-                        tx: optax.GradientTransformation | None = None,
-                        quant: QuantConfig | None = None) -> float:
+def compiled_step_bytes(
+  model: nnx.Module,
+  precisions: Mapping[str, Precision],
+  sample_batch,
+  loss_fn=None,
+  tx: optax.GradientTransformation | None = None,
+  quant: QuantConfig | None = None,
+) -> float:
   """Bytes XLA reports for the compiled step of ``model`` at ``precisions``.
 
   Compiles (does not run) :func:`train_step_function` on abstract inputs and
@@ -191,42 +219,63 @@ def compiled_step_bytes(model: nnx.Module, precisions: Mapping[str, Precision],
   flat, unravel = ravel_pytree(params)
   opt_state = jax.eval_shape(tx.init, flat)
   step = train_step_function(graphdef, unravel, objective, tx)
-  compiled = step.lower(_abstract(flat), opt_state, _abstract(rest),
-                        batch, _IDS).compile()
+  compiled = step.lower(
+    _abstract(flat), opt_state, _abstract(rest), batch, _IDS
+  ).compile()
   ma = compiled.memory_analysis()
-  return float(ma.argument_size_in_bytes + ma.output_size_in_bytes
-               + ma.temp_size_in_bytes - ma.alias_size_in_bytes)
+  return float(
+    ma.argument_size_in_bytes
+    + ma.output_size_in_bytes
+    + ma.temp_size_in_bytes
+    - ma.alias_size_in_bytes
+  )
 
 
-def uniform_precisions(g: graph_lib.ModelGraph, precision: Precision
-                       ) -> dict[str, Precision]:
+def uniform_precisions(
+  g: graph_lib.ModelGraph, precision: Precision
+) -> dict[str, Precision]:
   """Effective precisions of the uniform plan (head FP32, 16-bit floors)."""
   floored = {n.path for n in g.nodes if n.floored}
-  return policy.resolve_with_forced(g.paths, floored,
-                                    PrecisionPlan(default=precision))
+  return policy.resolve_with_forced(
+    g.paths, floored, PrecisionPlan(default=precision)
+  )
 
 
-def measure_memory_model(model: nnx.Module, g: graph_lib.ModelGraph,
-                         sample_batch, loss_fn, tx, precisions:
-                         Sequence[Precision], quant: QuantConfig | None = None
-                         ) -> MemoryModel:
+def measure_memory_model(
+  model: nnx.Module,
+  g: graph_lib.ModelGraph,
+  sample_batch,
+  loss_fn,
+  tx,
+  precisions: Sequence[Precision],
+  quant: QuantConfig | None = None,
+) -> MemoryModel:
   """Builds the measured :class:`MemoryModel` from uniform-plan compiles.
 
   The change a uniform plan at ``p`` makes to the compiled step's bytes is
   shared among the layers it lowers in proportion to their operand sizes
   (activations plus weight), the bytes that their saved values occupy.
   """
-  base = compiled_step_bytes(model, uniform_precisions(g, Precision.FP32),
-                             sample_batch, loss_fn, tx, quant)
-  size = {n.path: float(sum(op.numel for op in n.operands) + n.weight_numel)
-          for n in g.nodes}
+  base = compiled_step_bytes(
+    model,
+    uniform_precisions(g, Precision.FP32),
+    sample_batch,
+    loss_fn,
+    tx,
+    quant,
+  )
+  size = {
+    n.path: float(sum(op.numel for op in n.operands) + n.weight_numel)
+    for n in g.nodes
+  }
   deltas: dict[str, dict[str, float]] = {n.path: {} for n in g.nodes}
   for p in precisions:
     if p is Precision.FP32:
       continue
     eff = uniform_precisions(g, p)
-    change = compiled_step_bytes(model, eff, sample_batch, loss_fn, tx,
-                                 quant) - base
+    change = (
+      compiled_step_bytes(model, eff, sample_batch, loss_fn, tx, quant) - base
+    )
     lowered = [path for path, q in eff.items() if q is not Precision.FP32]
     total = sum(size[path] for path in lowered)
     for path in lowered:
@@ -234,18 +283,25 @@ def measure_memory_model(model: nnx.Module, g: graph_lib.ModelGraph,
       # A floored layer runs FP16 under a uniform INT8 plan: its share is
       # booked under FP16 unless FP16's own compile already set it.
       deltas[path].setdefault(q, change * size[path] / total if total else 0)
-  return MemoryModel(base, deltas,
-                     rest_bytes_accessed=_rest_bytes(model, g, sample_batch,
-                                                     loss_fn))
+  return MemoryModel(
+    base,
+    deltas,
+    rest_bytes_accessed=_rest_bytes(model, g, sample_batch, loss_fn),
+  )
 
 
 def _rest_bytes(model, g, sample_batch, loss_fn) -> float:
   """XLA's bytes accessed by the float32 step without its layers."""
   _, grad_fn, flat, rest = pieces.stand_in_step_functions(
-      model, g, loss_fn, "float32")
-  lowered = grad_fn.lower(_abstract(flat[None]), _abstract(rest),
-                          jax.ShapeDtypeStruct((1,), jnp.float32),
-                          _abstract(sample_batch), _IDS)
+    model, g, loss_fn, "float32"
+  )
+  lowered = grad_fn.lower(
+    _abstract(flat[None]),
+    _abstract(rest),
+    jax.ShapeDtypeStruct((1,), jnp.float32),
+    _abstract(sample_batch),
+    _IDS,
+  )
   cost = lowered.cost_analysis()
   if isinstance(cost, (list, tuple)):
     cost = cost[0]

@@ -17,7 +17,8 @@ The zero-argument calls that run them on a device are in :mod:`.calls`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from flax import nnx
 import jax
@@ -39,11 +40,15 @@ def _embed_cast(dtype: str):
   def promote(arrays, dtype_=None, **unused):
     del dtype_, unused
     return tuple(a.astype(dtype) for a in arrays)
+
   return lambda arrays, **kw: promote(arrays)
 
 
-def layer_op(node: graph_lib.LayerNode, precision: Precision,
-             quant: QuantConfig | None = None) -> Callable[..., Any]:
+def layer_op(
+  node: graph_lib.LayerNode,
+  precision: Precision,
+  quant: QuantConfig | None = None,
+) -> Callable[..., Any]:
   """The precision-aware op a layer runs at ``precision``."""
   quant = quant or QuantConfig()
   if node.kind == "Embed":
@@ -62,8 +67,11 @@ def _grad_positions(node: graph_lib.LayerNode) -> list[int]:
   return pos
 
 
-def layer_functions(node: graph_lib.LayerNode, precision: Precision,
-                    quant: QuantConfig | None = None):
+def layer_functions(
+  node: graph_lib.LayerNode,
+  precision: Precision,
+  quant: QuantConfig | None = None,
+):
   """(forward, forward_and_backward) jitted functions of one layer.
 
   ``forward(*arrays) -> out``; ``forward_and_backward(*arrays, cotangent)
@@ -102,14 +110,14 @@ def piece_signature(node: graph_lib.LayerNode) -> str:
   shapes and static arguments; which operands the backward differentiates is
   added.
   """
-  avals = [jax.ShapeDtypeStruct(op.shape, jnp.float32)
-           for op in node.operands]
+  avals = [jax.ShapeDtypeStruct(op.shape, jnp.float32) for op in node.operands]
   if node.weight_shape:
     avals.append(jax.ShapeDtypeStruct(node.weight_shape, jnp.float32))
   fwd, _ = layer_functions(node, Precision.FP32)
   text = fwd.lower(*avals).as_text()
-  return "|".join([node.kind, str(_grad_positions(node)), str(node.floored),
-                   text])
+  return "|".join(
+    [node.kind, str(_grad_positions(node)), str(node.floored), text]
+  )
 
 
 def _stand_in(out_shape: tuple[int, ...], dtype: str):
@@ -118,6 +126,7 @@ def _stand_in(out_shape: tuple[int, ...], dtype: str):
   The optimization barriers keep XLA from folding the constant-like output
   into its consumers, which would make them cheaper than they are.
   """
+
   def op(*arrays):
     @jax.custom_vjp
     def f(*a):
@@ -125,7 +134,8 @@ def _stand_in(out_shape: tuple[int, ...], dtype: str):
       # tiny values would turn denormal and slow the rest down).
       seed = sum(x.ravel()[0].astype(jnp.float32) for x in a) * 0.0 + 1.0
       return lax.optimization_barrier(
-          jnp.broadcast_to(seed.astype(dtype), out_shape))
+        jnp.broadcast_to(seed.astype(dtype), out_shape)
+      )
 
     def fwd(*a):
       return f(*a), a
@@ -134,11 +144,11 @@ def _stand_in(out_shape: tuple[int, ...], dtype: str):
       # Gradients shaped like the operands, computed from them at memory
       # speed: what a real backward pass writes, without the contraction.
       s = g.ravel()[0].astype(jnp.float32) * 0.0 + 1.0
-      return tuple((x.astype(jnp.float32) * s).astype(x.dtype)
-                   for x in saved)
+      return tuple((x.astype(jnp.float32) * s).astype(x.dtype) for x in saved)
 
     f.defvjp(fwd, bwd)
     return f(*arrays)
+
   return op
 
 
@@ -148,22 +158,27 @@ def _stand_in_wrapper(nodes: Sequence[graph_lib.LayerNode], dtype: str):
     node = nodes[i]
     module = layer.module
     if policy.is_embedding(module):
+
       def promote(arrays, **kw):
         del kw
         (table,) = arrays
         return (_stand_in(tuple(table.shape), dtype)(table),)
+
       return promote
     li, ri = policy.operand_positions(module)
 
     def wrapped(*args, **kwargs):
       del kwargs
       return _stand_in(node.out_shape, dtype)(args[li], args[ri])
+
     return wrapped
+
   return make_wrapper
 
 
-def _edited_grad_function(model: nnx.Module, loss_fn,
-                          edit: Callable[[nnx.Module], None]):
+def _edited_grad_function(
+  model: nnx.Module, loss_fn, edit: Callable[[nnx.Module], None]
+):
   """The trainer's gradient function of a copy of ``model`` that ``edit``
   changed in place (``model`` is left unchanged). ``loss_fn`` is any form
   :func:`qsync_jax.task.as_objective` takes.
@@ -178,12 +193,18 @@ def _edited_grad_function(model: nnx.Module, loss_fn,
   edit(copy)
   c_graphdef, c_params, c_rest = nnx.split(copy, nnx.Param, ...)
   flat, unravel = ravel_pytree(c_params)
-  return (step_lib.grad_function(c_graphdef, unravel, loss_fn), c_graphdef,
-          unravel, flat, c_rest)
+  return (
+    step_lib.grad_function(c_graphdef, unravel, loss_fn),
+    c_graphdef,
+    unravel,
+    flat,
+    c_rest,
+  )
 
 
-def stand_in_step_functions(model: nnx.Module, g: graph_lib.ModelGraph,
-                            loss_fn, dtype: str):
+def stand_in_step_functions(
+  model: nnx.Module, g: graph_lib.ModelGraph, loss_fn, dtype: str
+):
   """(forward, gradient) functions of the step with stand-in layers: on a
   copy of the model whose layers only emit ``dtype``.
 
@@ -198,25 +219,34 @@ def stand_in_step_functions(model: nnx.Module, g: graph_lib.ModelGraph,
 
   def stand_in(copy):
     found = policy.addressable_modules(copy)
-    policy.instrument(copy, [policy.Layer(l.path, found[l.path], l.kind)
-                             for l in layer_list],
-                      _stand_in_wrapper(g.nodes, dtype))
+    policy.instrument(
+      copy,
+      [policy.Layer(l.path, found[l.path], l.kind) for l in layer_list],
+      _stand_in_wrapper(g.nodes, dtype),
+    )
 
   grad_fn, s_graphdef, unravel, flat, s_rest = _edited_grad_function(
-      model, objective, stand_in)
+    model, objective, stand_in
+  )
 
   @jax.jit
   def forward(params_row, rest_state, batch, ids):
-    m = nnx.merge(s_graphdef, unravel(params_row[0]),
-                  jax.tree.map(lambda v: v, rest_state))
+    m = nnx.merge(
+      s_graphdef, unravel(params_row[0]), jax.tree.map(lambda v: v, rest_state)
+    )
     # The rngs of the trainer's step (the same dropout as its gradient).
     return objective(m, batch, step_lib.step_rngs(0, ids), train=True)[0]
 
   return forward, grad_fn, flat, s_rest
 
 
-def pass_function(model: nnx.Module, g: graph_lib.ModelGraph, loss_fn,
-                  precision: Precision, quant: QuantConfig | None = None):
+def pass_function(
+  model: nnx.Module,
+  g: graph_lib.ModelGraph,
+  loss_fn,
+  precision: Precision,
+  quant: QuantConfig | None = None,
+):
   """(gradient function, flat parameters, rest) of the whole model's pass
   at one uniform precision (forced precisions applied): what a worker with
   that plan computes, on a copy of the model."""
@@ -224,8 +254,9 @@ def pass_function(model: nnx.Module, g: graph_lib.ModelGraph, loss_fn,
 
   def set_plan(copy):
     layer_list = policy.model_layers(copy, g.sample)
-    policy.set_precisions(layer_list, policy.resolve_layers(layer_list, plan),
-                          plan.quant)
+    policy.set_precisions(
+      layer_list, policy.resolve_layers(layer_list, plan), plan.quant
+    )
 
   grad_fn, _, _, flat, rest = _edited_grad_function(model, loss_fn, set_plan)
   return grad_fn, flat, rest

@@ -32,11 +32,12 @@ work a pass hides (:func:`fit_step_overhead`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 import hashlib
 import json
 import os
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from flax import nnx
 import jax
@@ -49,14 +50,20 @@ from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.plan.devices import supported_precisions
 from qsync_jax.predictor import calls as calls_lib
-from qsync_jax.predictor import casting, graph as graph_lib, memory
+from qsync_jax.predictor import casting
+from qsync_jax.predictor import graph as graph_lib
+from qsync_jax.predictor import memory
 from qsync_jax.predictor import pieces
 from qsync_jax.predictor import timing
 from qsync_jax.task import calling
 from qsync_jax.task.objective import as_objective
 
-DEFAULT_PRECISIONS = (Precision.FP32, Precision.BF16, Precision.FP16,
-                      Precision.INT8)
+DEFAULT_PRECISIONS = (
+  Precision.FP32,
+  Precision.BF16,
+  Precision.FP16,
+  Precision.INT8,
+)
 #: The dtype activation operands arrive in when layers are profiled: NNX
 #: layers promote their input to their float32 parameters' dtype.
 PROFILED_INPUT_DTYPE = "float32"
@@ -100,6 +107,7 @@ class Profile:
       simulation scales the pieces to these uniform passes
       (:func:`.simulation.pass_factors`).
   """
+
   device_kind: str
   source: str
   key: dict[str, Any]
@@ -109,8 +117,7 @@ class Profile:
   casts: casting.CastModel
   memory: memory.MemoryModel
   host: dict[str, Any] = dataclasses.field(default_factory=dict)
-  passes: dict[str, dict[int, float]] = dataclasses.field(
-      default_factory=dict)
+  passes: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
 
   @property
   def precisions(self) -> list[Precision]:
@@ -127,35 +134,49 @@ class Profile:
     try:
       per = self.layers[path]
     except KeyError:
-      raise KeyError(f"layer {path!r} is not in the {self.device_kind} "
-                     "profile") from None
+      raise KeyError(
+        f"layer {path!r} is not in the {self.device_kind} profile"
+      ) from None
     if precision.value not in per:
       raise KeyError(
-          f"the {self.device_kind} profile has no {precision.value} cost for "
-          f"{path} (profiled: {', '.join(per)})")
+        f"the {self.device_kind} profile has no {precision.value} cost for "
+        f"{path} (profiled: {', '.join(per)})"
+      )
     f, fb = per[precision.value]
     return f, max(fb - f, 0.0)
 
   def to_dict(self) -> dict[str, Any]:
-    return {"device_kind": self.device_kind, "source": self.source,
-            "key": self.key, "layers": self.layers, "rest": self.rest,
-            "optimizer_s": self.optimizer_s, "casts": self.casts.to_dict(),
-            "memory": self.memory.to_dict(),
-            "host": _host_to_json(self.host),
-            "passes": _host_to_json(self.passes)}
+    return {
+      "device_kind": self.device_kind,
+      "source": self.source,
+      "key": self.key,
+      "layers": self.layers,
+      "rest": self.rest,
+      "optimizer_s": self.optimizer_s,
+      "casts": self.casts.to_dict(),
+      "memory": self.memory.to_dict(),
+      "host": _host_to_json(self.host),
+      "passes": _host_to_json(self.passes),
+    }
 
   @classmethod
-  def from_dict(cls, d: Mapping[str, Any]) -> "Profile":
+  def from_dict(cls, d: Mapping[str, Any]) -> Profile:
     host = _host_from_json(d.get("host") or {})
     return cls(
-        device_kind=d["device_kind"], source=d["source"], key=dict(d["key"]),
-        layers={p: {k: tuple(v) for k, v in per.items()}
-                for p, per in d["layers"].items()},
-        rest={k: tuple(v) for k, v in d["rest"].items()},
-        optimizer_s=float(d["optimizer_s"]),
-        casts=casting.CastModel.from_dict(d["casts"]),
-        memory=memory.MemoryModel.from_dict(d["memory"]), host=host,
-        passes=_host_from_json(d.get("passes") or {}))
+      device_kind=d["device_kind"],
+      source=d["source"],
+      key=dict(d["key"]),
+      layers={
+        p: {k: tuple(v) for k, v in per.items()}
+        for p, per in d["layers"].items()
+      },
+      rest={k: tuple(v) for k, v in d["rest"].items()},
+      optimizer_s=float(d["optimizer_s"]),
+      casts=casting.CastModel.from_dict(d["casts"]),
+      memory=memory.MemoryModel.from_dict(d["memory"]),
+      host=host,
+      passes=_host_from_json(d.get("passes") or {}),
+    )
 
   def save(self, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -165,7 +186,7 @@ class Profile:
     os.replace(tmp, path)
 
   @classmethod
-  def load(cls, path: str) -> "Profile":
+  def load(cls, path: str) -> Profile:
     with open(path) as f:
       return cls.from_dict(json.load(f))
 
@@ -174,50 +195,75 @@ def _map_counts(tree: Any, key: Callable[[Any], Any]) -> Any:
   """Maps the worker-count keys (the innermost dict keys) of a host tree."""
   if isinstance(tree, Mapping):
     inner = all(not isinstance(v, Mapping) for v in tree.values())
-    return {(key(k) if inner else k): (float(v) if inner else
-                                       _map_counts(v, key))
-            for k, v in tree.items()}
+    return {
+      (key(k) if inner else k): (float(v) if inner else _map_counts(v, key))
+      for k, v in tree.items()
+    }
   return tree
 
 
 def _host_to_json(host: Mapping[str, Any]) -> dict[str, Any]:
   """JSON needs string keys: worker counts become strings."""
-  return {k: _map_counts(v, str) if isinstance(v, Mapping) else v
-          for k, v in host.items()}
+  return {
+    k: _map_counts(v, str) if isinstance(v, Mapping) else v
+    for k, v in host.items()
+  }
 
 
 def _host_from_json(host: Mapping[str, Any]) -> dict[str, Any]:
-  return {k: _map_counts(v, int) if isinstance(v, Mapping) else v
-          for k, v in host.items()}
+  return {
+    k: _map_counts(v, int) if isinstance(v, Mapping) else v
+    for k, v in host.items()
+  }
 
 
-def profile_key(g: graph_lib.ModelGraph, model_name: str, device_kind: str,
-                precisions: Sequence[Precision], optimizer: str) -> dict:
+def profile_key(
+  g: graph_lib.ModelGraph,
+  model_name: str,
+  device_kind: str,
+  precisions: Sequence[Precision],
+  optimizer: str,
+) -> dict:
   """What a cached profile must match."""
-  return {"model": model_name, "graph": g.fingerprint(),
-          "batch_shape": list(g.input_shape), "device_kind": device_kind,
-          "precisions": [p.value for p in precisions],
-          "optimizer": optimizer, "jax": jax.__version__,
-          "format": PROFILE_FORMAT}
+  return {
+    "model": model_name,
+    "graph": g.fingerprint(),
+    "batch_shape": list(g.input_shape),
+    "device_kind": device_kind,
+    "precisions": [p.value for p in precisions],
+    "optimizer": optimizer,
+    "jax": jax.__version__,
+    "format": PROFILE_FORMAT,
+  }
 
 
 def _cache_path(cache_dir: str, key: dict) -> str:
-  digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()
-                          ).hexdigest()[:16]
-  return os.path.join(cache_dir, f"{key['model']}-{key['device_kind']}-"
-                      f"{digest}.json")
+  digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[
+    :16
+  ]
+  return os.path.join(
+    cache_dir, f"{key['model']}-{key['device_kind']}-{digest}.json"
+  )
 
 
-def profile(model: nnx.Module, sample_batch: Any, *,
-            device: jax.Device | None = None, device_kind: str = "cpu",
-            precisions: Sequence[Precision | str] = DEFAULT_PRECISIONS,
-            loss_fn=None, call: calling.CallFn | None = None,
-            tx: optax.GradientTransformation | None = None,
-            optimizer_name: str = "adam",
-            model_name: str | None = None, cache_dir: str | None = None,
-            host_devices: Sequence[jax.Device] | None = None,
-            quant: QuantConfig | None = None, repeats: int = 9,
-            graph: graph_lib.ModelGraph | None = None) -> Profile:
+def profile(
+  model: nnx.Module,
+  sample_batch: Any,
+  *,
+  device: jax.Device | None = None,
+  device_kind: str = "cpu",
+  precisions: Sequence[Precision | str] = DEFAULT_PRECISIONS,
+  loss_fn=None,
+  call: calling.CallFn | None = None,
+  tx: optax.GradientTransformation | None = None,
+  optimizer_name: str = "adam",
+  model_name: str | None = None,
+  cache_dir: str | None = None,
+  host_devices: Sequence[jax.Device] | None = None,
+  quant: QuantConfig | None = None,
+  repeats: int = 9,
+  graph: graph_lib.ModelGraph | None = None,
+) -> Profile:
   """Measures a model's profile on the device at hand.
 
   Args:
@@ -258,18 +304,26 @@ def profile(model: nnx.Module, sample_batch: Any, *,
   precisions = [Precision.parse(p) for p in precisions]
   if Precision.FP32 not in precisions:
     precisions.insert(0, Precision.FP32)
-  lacking = [p.value for p in precisions
-             if p not in supported_precisions(device_kind)]
+  lacking = [
+    p.value for p in precisions if p not in supported_precisions(device_kind)
+  ]
   if lacking:
-    raise ValueError(f"device kind {device_kind!r} does not support "
-                     f"{', '.join(lacking)}")
+    raise ValueError(
+      f"device kind {device_kind!r} does not support {', '.join(lacking)}"
+    )
   tx = tx or optax.adam(1e-3)
   objective = as_objective(loss_fn, call=call)
   g = graph or graph_lib.trace_graph(
-      model, objective.probe(calling.abstract(
-          jax.tree.map(jnp.asarray, sample_batch))))
-  key = profile_key(g, model_name or type(model).__name__, device_kind,
-                    precisions, optimizer_name)
+    model,
+    objective.probe(calling.abstract(jax.tree.map(jnp.asarray, sample_batch))),
+  )
+  key = profile_key(
+    g,
+    model_name or type(model).__name__,
+    device_kind,
+    precisions,
+    optimizer_name,
+  )
   host_devices = list(host_devices or [])
   key["host_devices"] = len(host_devices)
   path = _cache_path(cache_dir, key) if cache_dir else None
@@ -278,12 +332,22 @@ def profile(model: nnx.Module, sample_batch: Any, *,
     if cached.key == key:
       return cached
 
-  job = profile_job(model, sample_batch, g, key, device=device,
-                    device_kind=device_kind, precisions=precisions,
-                    loss_fn=objective, tx=tx, host_devices=host_devices,
-                    quant=quant)
-  result = job.finish(timing.interleaved(job.calls, repeats,
-                                         subtract_overhead=False))
+  job = profile_job(
+    model,
+    sample_batch,
+    g,
+    key,
+    device=device,
+    device_kind=device_kind,
+    precisions=precisions,
+    loss_fn=objective,
+    tx=tx,
+    host_devices=host_devices,
+    quant=quant,
+  )
+  result = job.finish(
+    timing.interleaved(job.calls, repeats, subtract_overhead=False)
+  )
   if path:
     result.save(path)
   return result
@@ -298,19 +362,27 @@ class ProfileJob:
   predictor's accuracy check times its real steps in the same rounds, so
   both see the same machine load), then ``finish(times)``.
   """
+
   calls: dict[tuple, Callable[[], Any]]
   finish: Callable[[Mapping[tuple, float]], Profile]
 
 
-def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
-                key: dict[str, Any], *, device: jax.Device, device_kind: str,
-                precisions: Sequence[Precision], loss_fn,
-                tx: optax.GradientTransformation,
-                host_devices: Sequence[jax.Device] = (),
-                quant: QuantConfig | None = None,
-                casts: casting.CastModel | None = None,
-                memory_model: memory.MemoryModel | None = None
-                ) -> ProfileJob:
+def profile_job(
+  model: nnx.Module,
+  sample_batch,
+  g: graph_lib.ModelGraph,
+  key: dict[str, Any],
+  *,
+  device: jax.Device,
+  device_kind: str,
+  precisions: Sequence[Precision],
+  loss_fn,
+  tx: optax.GradientTransformation,
+  host_devices: Sequence[jax.Device] = (),
+  quant: QuantConfig | None = None,
+  casts: casting.CastModel | None = None,
+  memory_model: memory.MemoryModel | None = None,
+) -> ProfileJob:
   """Builds the calls of :func:`profile` (see there); keys are tuples.
 
   ``loss_fn`` is any form :func:`qsync_jax.task.as_objective` takes and
@@ -325,9 +397,10 @@ def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
   # fewer timings, and fewer live executables (a process can map only so
   # many; each piece is compiled once per host device).
   first_of: dict[str, str] = {}
-  timed_as = {node.path: first_of.setdefault(pieces.piece_signature(node),
-                                             node.path)
-              for node in g.nodes}
+  timed_as = {
+    node.path: first_of.setdefault(pieces.piece_signature(node), node.path)
+    for node in g.nodes
+  }
   for node in g.nodes:
     if timed_as[node.path] != node.path:
       continue
@@ -351,7 +424,8 @@ def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
   pass_devices = host_devices if len(host_devices) > 1 else [device]
   for p in precisions:
     for k, c in calls_lib.pass_concurrency_calls(
-        model, g, sample_batch, loss_fn, p, quant, pass_devices).items():
+      model, g, sample_batch, loss_fn, p, quant, pass_devices
+    ).items():
       calls[("pass", p.value, k)] = c
   if len(host_devices) > 1:
     for kn, c in calls_lib.allreduce_calls(host_devices).items():
@@ -359,11 +433,12 @@ def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
   if host_devices:
     for p in precisions:
       for k, c in calls_lib.uniform_step_calls(
-          model, tx, host_devices, sample_batch, g.sample, loss_fn, p,
-          quant).items():
+        model, tx, host_devices, sample_batch, g.sample, loss_fn, p, quant
+      ).items():
         calls[("step", p.value, k)] = c
     free_steps, free_passes = calls_lib.compute_free_step_calls(
-        model, tx, host_devices, sample_batch, g.sample, loss_fn)
+      model, tx, host_devices, sample_batch, g.sample, loss_fn
+    )
     for k, c in free_steps.items():
       calls[("step", FREE, k)] = c
     for k, c in free_passes.items():
@@ -371,51 +446,89 @@ def profile_job(model: nnx.Module, sample_batch, g: graph_lib.ModelGraph,
 
   def finish(raw: Mapping[tuple, float]) -> Profile:
     over = timing.call_overhead(device)
-    t = {k: max(raw[k] - over, 0.0) for k in calls
-         if k[0] in ("layer", "rest", "optimizer", "allreduce", "pass")}
+    t = {
+      k: max(raw[k] - over, 0.0)
+      for k in calls
+      if k[0] in ("layer", "rest", "optimizer", "allreduce", "pass")
+    }
     layers: dict[str, dict[str, tuple[float, float]]] = {}
     for node in g.nodes:
       q = timed_as[node.path]
       layers[node.path] = {
-          p.value: (t[("layer", q, p.value, "f")],
-                    max(t[("layer", q, p.value, "fb")],
-                        t[("layer", q, p.value, "f")]))
-          for p in precisions if not (node.floored and p.bits < 16)}
-    rest = {dt: (t[("rest", dt, "f")], max(t[("rest", dt, "fb")],
-                                            t[("rest", dt, "f")]))
-            for dt in dtypes}
+        p.value: (
+          t[("layer", q, p.value, "f")],
+          max(t[("layer", q, p.value, "fb")], t[("layer", q, p.value, "f")]),
+        )
+        for p in precisions
+        if not (node.floored and p.bits < 16)
+      }
+    rest = {
+      dt: (
+        t[("rest", dt, "f")],
+        max(t[("rest", dt, "fb")], t[("rest", dt, "f")]),
+      )
+      for dt in dtypes
+    }
     host = {}
     if host_devices:
       ks = calls_lib.host_counts(len(host_devices))
       names = [p.value for p in precisions]
       steps = {q: {k: raw[("step", q, k)] for k in ks} for q in [*names, FREE]}
       alone = {q: {k: t[("pass", q, k)] for k in ks} for q in [*names, FREE]}
-      fits = {k: fit_step_overhead([alone[q][k] for q in names],
-                                   [steps[q][k] for q in names],
-                                   max_hidden=steps[FREE][k]) for k in ks}
-      host = {"uniform_steps_s": steps,
-              "compute_free_pass_s": alone[FREE],
-              "fixed_step_s": {k: f for k, (f, _) in fits.items()},
-              "hidden_host_s": {k: h for k, (_, h) in fits.items()}}
+      fits = {
+        k: fit_step_overhead(
+          [alone[q][k] for q in names],
+          [steps[q][k] for q in names],
+          max_hidden=steps[FREE][k],
+        )
+        for k in ks
+      }
+      host = {
+        "uniform_steps_s": steps,
+        "compute_free_pass_s": alone[FREE],
+        "fixed_step_s": {k: f for k, (f, _) in fits.items()},
+        "hidden_host_s": {k: h for k, (_, h) in fits.items()},
+      }
     if len(host_devices) > 1:
-      host.update({
-          "allreduce": list(fit_allreduce(
-              {k[1:]: v for k, v in t.items() if k[0] == "allreduce"}))})
+      host.update(
+        {
+          "allreduce": list(
+            fit_allreduce(
+              {k[1:]: v for k, v in t.items() if k[0] == "allreduce"}
+            )
+          )
+        }
+      )
     return Profile(
-        device_kind, "measured", key, layers, rest, t[("optimizer",)],
-        casts or casting.fit_cast_model(device),
-        memory_model or memory.measure_memory_model(
-            model, g, sample_batch, loss_fn, tx, precisions, quant), host,
-        {p.value: {k: t[("pass", p.value, k)]
-                   for k in calls_lib.host_counts(len(pass_devices))}
-         for p in precisions})
+      device_kind,
+      "measured",
+      key,
+      layers,
+      rest,
+      t[("optimizer",)],
+      casts or casting.fit_cast_model(device),
+      memory_model
+      or memory.measure_memory_model(
+        model, g, sample_batch, loss_fn, tx, precisions, quant
+      ),
+      host,
+      {
+        p.value: {
+          k: t[("pass", p.value, k)]
+          for k in calls_lib.host_counts(len(pass_devices))
+        }
+        for p in precisions
+      },
+    )
 
   return ProfileJob(calls, finish)
 
 
-def fit_step_overhead(passes: Sequence[float], steps: Sequence[float],
-                      max_hidden: float | None = None
-                      ) -> tuple[float, float]:
+def fit_step_overhead(
+  passes: Sequence[float],
+  steps: Sequence[float],
+  max_hidden: float | None = None,
+) -> tuple[float, float]:
   """Fits ``step = fixed + max(pass, hidden)`` to uniform steps and passes.
 
   The trainer dispatches a worker's gradient pass and goes on with the
@@ -458,36 +571,43 @@ def fit_step_overhead(passes: Sequence[float], steps: Sequence[float],
   p = np.asarray(passes, np.float64)
   s = np.asarray(steps, np.float64)
   if p.size == 0 or p.shape != s.shape:
-    raise ValueError(f"fit_step_overhead needs as many steps as passes, at "
-                     f"least one; got {p.size} passes and {s.size} steps")
+    raise ValueError(
+      f"fit_step_overhead needs as many steps as passes, at "
+      f"least one; got {p.size} passes and {s.size} steps"
+    )
   if max_hidden is not None and not max_hidden >= 0:
     raise ValueError(f"max_hidden must be non-negative, got {max_hidden}")
   # Beyond the longest pass every ``hidden`` fits alike (all steps are
   # ``fixed + hidden``), so the grid stops there or at the bound.
-  top = float(p.max()) if max_hidden is None else min(float(p.max()),
-                                                       float(max_hidden))
+  top = (
+    float(p.max())
+    if max_hidden is None
+    else min(float(p.max()), float(max_hidden))
+  )
   # The error is piecewise quadratic in ``hidden`` with knees at the passes;
   # a fine grid with the knees on it finds its minimum within 0.1 % of the
   # longest pass. Errors equal to rounding tie, and np.argmin keeps the
   # smallest ``hidden`` of them.
-  grid = np.unique(np.concatenate(
-      [[0.0], p[p <= top], np.linspace(0.0, top, 1001)]))
+  grid = np.unique(
+    np.concatenate([[0.0], p[p <= top], np.linspace(0.0, top, 1001)])
+  )
   above = np.maximum(p[None, :], grid[:, None])
   fixed = np.maximum((s[None, :] - above).mean(axis=1), 0.0)
   sse = ((s[None, :] - fixed[:, None] - above) ** 2).sum(axis=1)
-  best = int(np.argmin(np.round(sse / max(float((s ** 2).sum()), 1e-30),
-                                12)))
+  best = int(np.argmin(np.round(sse / max(float((s**2).sum()), 1e-30), 12)))
   return float(fixed[best]), float(grid[best])
 
 
-def fit_allreduce(times: Mapping[tuple[int, int], float]
-                  ) -> tuple[float, float]:
+def fit_allreduce(
+  times: Mapping[tuple[int, int], float],
+) -> tuple[float, float]:
   """Fits ``2 (k-1) alpha + 2 (k-1)/k bytes beta`` (non-negative) to
   ``{(k, float32 elements): seconds}``."""
   if not times:
     return 0.0, 0.0
   keys = list(times)
   rows = [(2.0 * (k - 1), 2.0 * (k - 1) / k * 4 * n) for k, n in keys]
-  (alpha, beta), _ = optimize.nnls(np.array(rows),
-                                   np.array([times[k] for k in keys]))
+  (alpha, beta), _ = optimize.nnls(
+    np.array(rows), np.array([times[k] for k in keys])
+  )
   return float(alpha), float(beta)

@@ -14,7 +14,8 @@ is measured only on the device at hand (docs/RESULTS.md).
 from __future__ import annotations
 
 from qsync_jax.numerics.precision import Precision
-from qsync_jax.plan.devices import DeviceSpec, supported_precisions
+from qsync_jax.plan.devices import DeviceSpec
+from qsync_jax.plan.devices import supported_precisions
 
 #: Fraction of peak FLOP/s a large matmul or convolution sustains.
 MATMUL_EFFICIENCY = 0.7
@@ -44,8 +45,9 @@ def sustained_flops(spec: DeviceSpec, precision: Precision) -> float:
   supported = supported_precisions(spec.kind)
   if precision not in supported:
     raise ValueError(
-        f"{spec.kind} does not support {precision.value}; it supports "
-        f"{', '.join(sorted(p.value for p in supported))}")
+      f"{spec.kind} does not support {precision.value}; it supports "
+      f"{', '.join(sorted(p.value for p in supported))}"
+    )
   return spec.peak_flops[precision] * MATMUL_EFFICIENCY
 
 
@@ -54,8 +56,13 @@ def sustained_bandwidth(spec: DeviceSpec) -> float:
   return spec.memory_bandwidth * MEMORY_EFFICIENCY
 
 
-def roofline_time(flops: float, bytes_moved: float, precision: Precision,
-                  spec: DeviceSpec, kernels: int = 1) -> float:
+def roofline_time(
+  flops: float,
+  bytes_moved: float,
+  precision: Precision,
+  spec: DeviceSpec,
+  kernels: int = 1,
+) -> float:
   """Time of work bound by compute or by memory traffic, plus launches.
 
   Args:
@@ -69,5 +76,7 @@ def roofline_time(flops: float, bytes_moved: float, precision: Precision,
     ``max(flops / rate, bytes / bandwidth) + kernels * launch`` seconds.
   """
   compute = flops / sustained_flops(spec, precision) if flops else 0.0
-  return (max(compute, bytes_moved / sustained_bandwidth(spec))
-          + kernels * KERNEL_LAUNCH_S)
+  return (
+    max(compute, bytes_moved / sustained_bandwidth(spec))
+    + kernels * KERNEL_LAUNCH_S
+  )

@@ -32,22 +32,28 @@ on this machine.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 import dataclasses
-from typing import Mapping, Sequence
 
 import numpy as np
 
 from qsync_jax.numerics.precision import Precision
-from qsync_jax.parallel.cluster import ClusterSpec, parse_cluster
-from qsync_jax.plan import rules
-from qsync_jax.plan.devices import DEVICE_PRECISIONS, DEVICES, device_spec
-from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.parallel.averagers import MeanAverager
+from qsync_jax.parallel.cluster import ClusterSpec
+from qsync_jax.parallel.cluster import parse_cluster
 from qsync_jax.parallel.wire import Averager
-from qsync_jax.predictor import graph as graph_lib, roofline
-from qsync_jax.predictor.communication import (averaging_time, CodecCost,
-                                               Link)
-from qsync_jax.predictor.profiling import Profile, PROFILED_INPUT_DTYPE
+from qsync_jax.plan import rules
+from qsync_jax.plan.devices import DEVICE_PRECISIONS
+from qsync_jax.plan.devices import device_spec
+from qsync_jax.plan.devices import DEVICES
+from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.predictor import graph as graph_lib
+from qsync_jax.predictor import roofline
+from qsync_jax.predictor.communication import averaging_time
+from qsync_jax.predictor.communication import CodecCost
+from qsync_jax.predictor.communication import Link
+from qsync_jax.predictor.profiling import Profile
+from qsync_jax.predictor.profiling import PROFILED_INPUT_DTYPE
 
 #: PyTorch DDP's default bucket size (bytes).
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -69,6 +75,7 @@ class SimWorker:
       the one :func:`simulate` gets (dynamic batch sizing); its profile must
       be for that graph.
   """
+
   name: str
   profile: Profile
   precisions: Mapping[str, Precision]
@@ -90,6 +97,7 @@ class Prediction:
     critical_path: what the step time is made of, in order.
     buckets: ``[{"bytes", "ready_s", "start_s", "end_s"}]``.
   """
+
   step_time_s: float
   worker_times_s: list[float]
   worker_memory_bytes: list[float]
@@ -103,8 +111,9 @@ class Prediction:
     return dataclasses.asdict(self)
 
 
-def ring_allreduce_time(num_bytes: float, num_workers: int, alpha_s: float,
-                        seconds_per_byte: float) -> float:
+def ring_allreduce_time(
+  num_bytes: float, num_workers: int, alpha_s: float, seconds_per_byte: float
+) -> float:
   """Alpha-beta time of a ring all-reduce of ``num_bytes`` per worker."""
   if num_workers <= 1 or num_bytes <= 0:
     return 0.0
@@ -112,8 +121,9 @@ def ring_allreduce_time(num_bytes: float, num_workers: int, alpha_s: float,
   return 2 * (n - 1) * alpha_s + 2 * (n - 1) / n * num_bytes * seconds_per_byte
 
 
-def cluster_link(kinds: Sequence[str], gpus_per_node: int = GPUS_PER_NODE
-                 ) -> tuple[float, float]:
+def cluster_link(
+  kinds: Sequence[str], gpus_per_node: int = GPUS_PER_NODE
+) -> tuple[float, float]:
   """(alpha_s, seconds_per_byte) of a ring over GPUs of these kinds.
 
   One kind within one node uses that kind's link; otherwise the ring crosses
@@ -122,10 +132,14 @@ def cluster_link(kinds: Sequence[str], gpus_per_node: int = GPUS_PER_NODE
   taken to cross the network.
   """
   # Unknown kinds still reach device_spec, which names them.
-  specs = [device_spec(k) for k in kinds
-           if k in DEVICES or k not in DEVICE_PRECISIONS]
-  if (len(specs) == len(kinds) and len(set(kinds)) == 1
-      and len(kinds) <= gpus_per_node):
+  specs = [
+    device_spec(k) for k in kinds if k in DEVICES or k not in DEVICE_PRECISIONS
+  ]
+  if (
+    len(specs) == len(kinds)
+    and len(set(kinds)) == 1
+    and len(kinds) <= gpus_per_node
+  ):
     return INTRA_NODE_LATENCY_S, 1.0 / specs[0].link_bandwidth
   bw = min([roofline.NETWORK_BANDWIDTH] + [s.link_bandwidth for s in specs])
   return roofline.NETWORK_LATENCY_S, 1.0 / bw
@@ -134,6 +148,7 @@ def cluster_link(kinds: Sequence[str], gpus_per_node: int = GPUS_PER_NODE
 @dataclasses.dataclass(frozen=True)
 class _Costs:
   """One worker's per-layer times under its plan (node order)."""
+
   fwd: np.ndarray
   bwd: np.ndarray
   grad_bytes: np.ndarray
@@ -144,16 +159,18 @@ def _tables(g: graph_lib.ModelGraph):
   cached = getattr(g, "_sim_tables", None)
   if cached is None:
     numel = np.array([n.out_numel for n in g.nodes], np.float64)
-    cached = {"rest_share": numel / numel.sum(),
-              "grad_bytes": np.array([4.0 * n.weight_numel for n in g.nodes]),
-              "paths": g.paths}
+    cached = {
+      "rest_share": numel / numel.sum(),
+      "grad_bytes": np.array([4.0 * n.weight_numel for n in g.nodes]),
+      "paths": g.paths,
+    }
     object.__setattr__(g, "_sim_tables", cached)
   return cached
 
 
-def _piece_costs(g: graph_lib.ModelGraph, prof: Profile,
-                 precisions: Sequence[Precision]
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def _piece_costs(
+  g: graph_lib.ModelGraph, prof: Profile, precisions: Sequence[Precision]
+) -> tuple[np.ndarray, np.ndarray]:
   """Per-layer (forward, backward) seconds from the pieces alone: each
   layer's op, its share of the non-layer rest (spread by output size, at the
   dtype the layer emits) and the casts the plan inserts (the difference
@@ -182,8 +199,9 @@ def _piece_costs(g: graph_lib.ModelGraph, prof: Profile,
 MIN_PASS_FACTOR = 0.25
 
 
-def pass_factors(g: graph_lib.ModelGraph, prof: Profile, k: int = 1
-                 ) -> dict[str, float]:
+def pass_factors(
+  g: graph_lib.ModelGraph, prof: Profile, k: int = 1
+) -> dict[str, float]:
   """How much to scale the pieces of each precision, with k workers sharing
   the host, so that uniform plans cost what their whole passes measured.
 
@@ -212,25 +230,33 @@ def pass_factors(g: graph_lib.ModelGraph, prof: Profile, k: int = 1
   if key in cache:
     return cache[key]
   factors: dict[str, float] = {}
-  for p in sorted((Precision(v) for v in prof.passes),
-                  key=lambda q: -q.bits):
-    precs = [resolve_plan(g, PrecisionPlan.uniform(p))[path]
-             for path in g.paths]
+  for p in sorted((Precision(v) for v in prof.passes), key=lambda q: -q.bits):
+    precs = [
+      resolve_plan(g, PrecisionPlan.uniform(p))[path] for path in g.paths
+    ]
     fwd, bwd = _piece_costs(g, prof, precs)
     total = fwd + bwd
     own = np.array([q is p for q in precs])
-    forced = sum(total[i] * factors.get(q.value, 1.0)
-                 for i, q in enumerate(precs) if q is not p)
+    forced = sum(
+      total[i] * factors.get(q.value, 1.0)
+      for i, q in enumerate(precs)
+      if q is not p
+    )
     own_s = float(total[own].sum())
     target = host_value(prof.passes[p.value], k)
-    factors[p.value] = (max((target - forced) / own_s, MIN_PASS_FACTOR)
-                        if own_s > 0 else 1.0)
+    factors[p.value] = (
+      max((target - forced) / own_s, MIN_PASS_FACTOR) if own_s > 0 else 1.0
+    )
   cache[key] = factors
   return factors
 
 
-def worker_costs(g: graph_lib.ModelGraph, prof: Profile,
-                 precisions: Sequence[Precision], shared: int = 1) -> _Costs:
+def worker_costs(
+  g: graph_lib.ModelGraph,
+  prof: Profile,
+  precisions: Sequence[Precision],
+  shared: int = 1,
+) -> _Costs:
   """Per-layer forward and backward seconds of one worker's plan.
 
   The pieces' costs (:func:`_piece_costs`), each layer's scaled by the
@@ -261,14 +287,18 @@ def _precision_list(g, w: SimWorker) -> list[Precision]:
   return [w.precisions[p] for p in g.paths]
 
 
-def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
-             bucket_bytes: float | None = DEFAULT_BUCKET_BYTES,
-             link: tuple[float, float] | Link | None = None,
-             shared_host: bool = False,
-             costs_cache: dict | None = None,
-             averager: Averager | None = None,
-             codec_cost: CodecCost | None = None,
-             platform: str | None = None) -> Prediction:
+def simulate(
+  g: graph_lib.ModelGraph,
+  workers: Sequence[SimWorker],
+  *,
+  bucket_bytes: float | None = DEFAULT_BUCKET_BYTES,
+  link: tuple[float, float] | Link | None = None,
+  shared_host: bool = False,
+  costs_cache: dict | None = None,
+  averager: Averager | None = None,
+  codec_cost: CodecCost | None = None,
+  platform: str | None = None,
+) -> Prediction:
   """Simulates one synchronous data-parallel step.
 
   Args:
@@ -321,8 +351,9 @@ def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
     if not isinstance(link, Link):  # an alpha-beta pair: a link each
       link = Link(1.0 / link[1], link[0]) if link[1] > 0 else None
     if platform is None:
-      platform = ("cpu" if all(w.profile.device_kind == "cpu"
-                               for w in workers) else "gpu")
+      platform = (
+        "cpu" if all(w.profile.device_kind == "cpu" for w in workers) else "gpu"
+      )
   # Bucket readiness per worker: gradients become ready in reverse order.
   grad_bytes = costs[0].grad_bytes
   order = np.arange(len(g.nodes))[::-1]
@@ -356,12 +387,24 @@ def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
     elif link is None or nbytes <= 0:  # an infinitely fast link
       dur = 0.0
     else:
-      dur = averaging_time(averager, max(int(nbytes // 4), 1), n, link,
-                           codec_cost, platform=platform)
+      dur = averaging_time(
+        averager,
+        max(int(nbytes // 4), 1),
+        n,
+        link,
+        codec_cost,
+        platform=platform,
+      )
     prev_end = start + dur
     comm += dur
-    buckets.append({"bytes": float(nbytes), "ready_s": r, "start_s": start,
-                    "end_s": prev_end})
+    buckets.append(
+      {
+        "bytes": float(nbytes),
+        "ready_s": r,
+        "start_s": start,
+        "end_s": prev_end,
+      }
+    )
   comm_end = prev_end
   opt = np.array([w.profile.optimizer_s for w in workers])
   fixed = host.get("fixed_step_s", {})
@@ -380,8 +423,14 @@ def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
       # Processes sharing the host's cores (the profile's contention) whose
       # average also crosses the link: once, whole, after the backward pass,
       # as the trainer's update program runs it.
-      comm = averaging_time(averager, max(int(sum(grad_bytes) // 4), 1), n,
-                            link, codec_cost, platform=platform)
+      comm = averaging_time(
+        averager,
+        max(int(sum(grad_bytes) // 4), 1),
+        n,
+        link,
+        codec_cost,
+        platform=platform,
+      )
     buckets = [dict(buckets[-1], start_s=comm_end, end_s=comm_end + comm)]
     comm_end += comm
     opt = np.zeros(n)
@@ -393,32 +442,43 @@ def simulate(g: graph_lib.ModelGraph, workers: Sequence[SimWorker], *,
 
   slow = int(np.argmax(bwd_end))
   last = int(np.argmax(ends))
-  path = [f"{workers[slow].name}: forward {fwd_end[slow] * 1e3:.3f} ms",
-          f"{workers[slow].name}: backward "
-          f"{(bwd_end[slow] - fwd_end[slow]) * 1e3:.3f} ms"]
+  path = [
+    f"{workers[slow].name}: forward {fwd_end[slow] * 1e3:.3f} ms",
+    f"{workers[slow].name}: backward "
+    f"{(bwd_end[slow] - fwd_end[slow]) * 1e3:.3f} ms",
+  ]
   if host_wait:
     path.append(f"host work that outlasts the pass: {host_wait * 1e3:.3f} ms")
   exposed = max(comm_end - bwd_end.max() - host_wait, 0.0)
   if exposed > 0:
-    path.append(f"all-reduce after the backward pass: {exposed * 1e3:.3f} ms "
-                f"({len(buckets)} bucket(s))")
+    path.append(
+      f"all-reduce after the backward pass: {exposed * 1e3:.3f} ms "
+      f"({len(buckets)} bucket(s))"
+    )
   if overhead:
-    path.append(f"the step's fixed part (host work, dispatches, update "
-                f"program): {overhead * 1e3:.3f} ms")
+    path.append(
+      f"the step's fixed part (host work, dispatches, update "
+      f"program): {overhead * 1e3:.3f} ms"
+    )
   else:
     path.append(f"{workers[last].name}: optimizer {opt[last] * 1e3:.3f} ms")
   return Prediction(
-      step_time_s=step,
-      worker_times_s=[float(c.fwd.sum() + c.bwd.sum() + o)
-                      for c, o in zip(costs, opt)],
-      worker_memory_bytes=[c.memory for c in costs],
-      compute_s=[float(v) for v in bwd_end],
-      comm_s=float(comm), exposed_comm_s=float(exposed),
-      critical_path=path, buckets=buckets)
+    step_time_s=step,
+    worker_times_s=[
+      float(c.fwd.sum() + c.bwd.sum() + o) for c, o in zip(costs, opt)
+    ],
+    worker_memory_bytes=[c.memory for c in costs],
+    compute_s=[float(v) for v in bwd_end],
+    comm_s=float(comm),
+    exposed_comm_s=float(exposed),
+    critical_path=path,
+    buckets=buckets,
+  )
 
 
-def resolve_plan(g: graph_lib.ModelGraph, plan: PrecisionPlan,
-                 device_kind: str | None = None) -> dict[str, Precision]:
+def resolve_plan(
+  g: graph_lib.ModelGraph, plan: PrecisionPlan, device_kind: str | None = None
+) -> dict[str, Precision]:
   """A plan's effective precision per layer of ``g`` (forced ones applied).
 
   Raises:
@@ -429,19 +489,22 @@ def resolve_plan(g: graph_lib.ModelGraph, plan: PrecisionPlan,
   floored = {n.path for n in g.nodes if n.floored}
   effective = rules.resolve_with_forced(g.paths, floored, plan)
   if device_kind is not None:
-    PrecisionPlan.from_precisions(effective).validate_for(device_kind,
-                                                          g.paths)
+    PrecisionPlan.from_precisions(effective).validate_for(device_kind, g.paths)
   return effective
 
 
-def predict(g: graph_lib.ModelGraph, cluster: ClusterSpec | str,
-            plans: Mapping[str, PrecisionPlan],
-            profiles: Mapping[str, Profile], *,
-            bucket_bytes: float | None = DEFAULT_BUCKET_BYTES,
-            link: tuple[float, float] | Link | None = None,
-            shared_host: bool = False,
-            averager: Averager | None = None,
-            codec_cost: CodecCost | None = None) -> Prediction:
+def predict(
+  g: graph_lib.ModelGraph,
+  cluster: ClusterSpec | str,
+  plans: Mapping[str, PrecisionPlan],
+  profiles: Mapping[str, Profile],
+  *,
+  bucket_bytes: float | None = DEFAULT_BUCKET_BYTES,
+  link: tuple[float, float] | Link | None = None,
+  shared_host: bool = False,
+  averager: Averager | None = None,
+  codec_cost: CodecCost | None = None,
+) -> Prediction:
   """Predicts a cluster's step from one plan and one profile per kind.
 
   Args:
@@ -462,18 +525,30 @@ def predict(g: graph_lib.ModelGraph, cluster: ClusterSpec | str,
   kinds = cluster.groups()
   stray = [k for k in plans if k not in kinds]
   if stray:
-    raise ValueError(f"plans for {', '.join(stray)}, which the cluster "
-                     f"{cluster} does not have")
+    raise ValueError(
+      f"plans for {', '.join(stray)}, which the cluster {cluster} does not have"
+    )
   missing = [k for k in kinds if k not in profiles]
   if missing:
-    raise ValueError(f"no profile for device kind(s) {', '.join(missing)}; "
-                     "measure one (profile) or derive one (analytic_profile)")
-  effective = {k: resolve_plan(g, plans.get(k, PrecisionPlan()), k)
-               for k in kinds}
+    raise ValueError(
+      f"no profile for device kind(s) {', '.join(missing)}; "
+      "measure one (profile) or derive one (analytic_profile)"
+    )
+  effective = {
+    k: resolve_plan(g, plans.get(k, PrecisionPlan()), k) for k in kinds
+  }
   workers = []
   for kind, count in kinds.items():
-    workers += [SimWorker(f"{kind}[{i}]", profiles[kind], effective[kind])
-                for i in range(count)]
-  return simulate(g, workers, bucket_bytes=bucket_bytes, link=link,
-                  shared_host=shared_host, averager=averager,
-                  codec_cost=codec_cost)
+    workers += [
+      SimWorker(f"{kind}[{i}]", profiles[kind], effective[kind])
+      for i in range(count)
+    ]
+  return simulate(
+    g,
+    workers,
+    bucket_bytes=bucket_bytes,
+    link=link,
+    shared_host=shared_host,
+    averager=averager,
+    codec_cost=codec_cost,
+  )

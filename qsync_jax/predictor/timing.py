@@ -13,8 +13,9 @@ that compare whole steps as training runs them, and its median over blocks
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Mapping
 import time
-from typing import Any, Callable, Hashable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +38,9 @@ def _fastest(run: Callable[[], Any], calls: int) -> float:
   return best
 
 
-def burst_median(run: Callable[[], Any], repeats: int, min_s: float = 0.0
-                 ) -> float:
+def burst_median(
+  run: Callable[[], Any], repeats: int, min_s: float = 0.0
+) -> float:
   """Median over repeats of the fastest of ``BURST`` blocking calls.
 
   Other work on a shared machine only ever adds time to a call; the fastest
@@ -50,14 +52,16 @@ def burst_median(run: Callable[[], Any], repeats: int, min_s: float = 0.0
   jax.block_until_ready(run())  # warm caches
   bursts: list[float] = []
   start = time.perf_counter()
-  while len(bursts) < repeats or (time.perf_counter() - start < min_s
-                                  and len(bursts) < 20 * repeats):
+  while len(bursts) < repeats or (
+    time.perf_counter() - start < min_s and len(bursts) < 20 * repeats
+  ):
     bursts.append(_fastest(run, BURST))
   return float(np.median(bursts))
 
 
-def _raw(fn: Callable[..., Any], args: tuple, repeats: int, min_s: float
-         ) -> float:
+def _raw(
+  fn: Callable[..., Any], args: tuple, repeats: int, min_s: float
+) -> float:
   return burst_median(lambda: fn(*args), repeats, min_s)
 
 
@@ -70,9 +74,14 @@ def call_overhead(device: jax.Device | None = None) -> float:
   return _OVERHEAD[device]
 
 
-def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int = 7,
-                   min_s: float = 0.05, device: jax.Device | None = None,
-                   subtract_overhead: bool = True) -> float:
+def median_seconds(
+  fn: Callable[..., Any],
+  *args: Any,
+  repeats: int = 7,
+  min_s: float = 0.05,
+  device: jax.Device | None = None,
+  subtract_overhead: bool = True,
+) -> float:
   """Median seconds of ``fn(*args)`` (a jitted function), compiled and warm.
 
   Args:
@@ -105,9 +114,13 @@ def seconds_per_call(run_block: Callable[[int], Any], calls: int) -> float:
   return (time.perf_counter() - start) / calls
 
 
-def median_block_seconds(fn: Callable[..., Any], args: tuple, repeats: int,
-                         calls: int, sync: Callable[[], Any] | None = None
-                         ) -> float:
+def median_block_seconds(
+  fn: Callable[..., Any],
+  args: tuple,
+  repeats: int,
+  calls: int,
+  sync: Callable[[], Any] | None = None,
+) -> float:
   """Median over ``repeats`` blocks of ``calls`` back-to-back ``fn(*args)``
   calls, in seconds per call (:func:`seconds_per_call`).
 
@@ -179,11 +192,16 @@ class StealMeter:
     return self.total_stolen / self.total_ticks if self.total_ticks else 0.0
 
 
-def interleaved(calls: Mapping[Hashable, Callable[[], Any]], rounds: int = 9,
-                device: jax.Device | None = None,
-                subtract_overhead: bool = True, burst: int = BURST,
-                max_steal: float = 0.05, retries: int = 3,
-                meter: StealMeter | None = None) -> dict[Hashable, float]:
+def interleaved(
+  calls: Mapping[Hashable, Callable[[], Any]],
+  rounds: int = 9,
+  device: jax.Device | None = None,
+  subtract_overhead: bool = True,
+  burst: int = BURST,
+  max_steal: float = 0.05,
+  retries: int = 3,
+  meter: StealMeter | None = None,
+) -> dict[Hashable, float]:
   """Times many calls in round-robin: the median of each call's bursts.
 
   Each round runs one burst (:data:`BURST` calls, the fastest kept) of every
@@ -225,5 +243,6 @@ def interleaved(calls: Mapping[Hashable, Callable[[], Any]], rounds: int = 9,
           break
       bursts[key].append(chosen)
   overhead = call_overhead(device) if subtract_overhead else 0.0
-  return {k: max(float(np.median(v)) - overhead, 0.0)
-          for k, v in bursts.items()}
+  return {
+    k: max(float(np.median(v)) - overhead, 0.0) for k, v in bursts.items()
+  }

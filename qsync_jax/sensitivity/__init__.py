@@ -19,10 +19,10 @@ from qsync_jax.sensitivity.scores import DEFAULT_PRECISIONS
 from qsync_jax.sensitivity.scores import Scores
 
 __all__ = [
-    "DEFAULT_PRECISIONS",
-    "METHODS",
-    "Scores",
-    "compute",
-    "hutchinson_traces",
-    "measure",
+  "DEFAULT_PRECISIONS",
+  "METHODS",
+  "Scores",
+  "compute",
+  "hutchinson_traces",
+  "measure",
 ]

@@ -17,7 +17,8 @@ behind identity skip connections is shallower than its forward index.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from flax import nnx
 import jax
@@ -33,8 +34,9 @@ _MARK = "qsync_depth_layer_"
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
-def forward_structure(model: nnx.Module, layer_list: Sequence[policy.Layer],
-                      sample: Any) -> tuple[list[int], list[int | None]]:
+def forward_structure(
+  model: nnx.Module, layer_list: Sequence[policy.Layer], sample: Any
+) -> tuple[list[int], list[int | None]]:
   """Each layer's BFS depth, and each embedding's lookup output size.
 
   Args:
@@ -58,11 +60,14 @@ def forward_structure(model: nnx.Module, layer_list: Sequence[policy.Layer],
 
   def make_wrapper(i, layer, base):
     if policy.is_embedding(layer.module):
+
       def promote(arrays, **kw):
         def body(table):
           return base((table,), **kw)[0]
+
         body.__name__ = f"{_MARK}{i}"
         return (jax.jit(body)(arrays[0]),)
+
       return promote
     li, ri = policy.operand_positions(layer.module)
 
@@ -71,8 +76,10 @@ def forward_structure(model: nnx.Module, layer_list: Sequence[policy.Layer],
         full = list(args)
         full[li], full[ri] = a, b
         return base(*full, **kwargs)
+
       body.__name__ = f"{_MARK}{i}"
       return jax.jit(body)(args[li], args[ri])
+
     return wrapped
 
   probe = calling.as_probe(model, sample)
@@ -82,25 +89,31 @@ def forward_structure(model: nnx.Module, layer_list: Sequence[policy.Layer],
     # Instrument a fresh copy so the caller's model is left as it was.
     m = nnx.merge(graphdef, p, jax.tree.map(lambda v: v, r))
     found = policy.addressable_modules(m)
-    policy.instrument(m, [policy.Layer(l.path, found[l.path], l.kind)
-                          for l in layer_list], make_wrapper)
+    policy.instrument(
+      m,
+      [policy.Layer(l.path, found[l.path], l.kind) for l in layer_list],
+      make_wrapper,
+    )
     return probe.fn(m, d)
 
   closed = jax.make_jaxpr(forward)(params, rest, data)
   jaxpr = closed.jaxpr
-  env: dict[Any, int | None] = {v: None for v in jaxpr.invars}
+  env: dict[Any, int | None] = dict.fromkeys(jaxpr.invars)
   # The data's arrays are the model inputs: their readers are depth 0.
   num_data = len(jax.tree.leaves(data))
-  for v in jaxpr.invars[len(jaxpr.invars) - num_data:]:
+  for v in jaxpr.invars[len(jaxpr.invars) - num_data :]:
     env[v] = -1
-  walk = _Walk(len(layer_list), {i for i, l in enumerate(layer_list)
-                                 if policy.is_embedding(l.module)})
+  walk = _Walk(
+    len(layer_list),
+    {i for i, l in enumerate(layer_list) if policy.is_embedding(l.module)},
+  )
   walk.run(jaxpr, env)
-  missing = [l.path for i, l in enumerate(layer_list)
-             if walk.depths[i] is None]
+  missing = [l.path for i, l in enumerate(layer_list) if walk.depths[i] is None]
   if missing:
-    raise ValueError(f"layers {missing} are never called in the forward "
-                     f"pass, so they have no depth")
+    raise ValueError(
+      f"layers {missing} are never called in the forward "
+      f"pass, so they have no depth"
+    )
   return [int(d) for d in walk.depths], walk.lookup
 
 
@@ -113,8 +126,11 @@ def _sub_jaxpr(eqn):
 
 
 def _has_marker(jaxpr) -> bool:
-  return any(str(eqn.params.get("name", "")).startswith(_MARK)
-             or _has_marker_anywhere(eqn) for eqn in jaxpr.eqns)
+  return any(
+    str(eqn.params.get("name", "")).startswith(_MARK)
+    or _has_marker_anywhere(eqn)
+    for eqn in jaxpr.eqns
+  )
 
 
 class _Walk:
@@ -128,18 +144,18 @@ class _Walk:
 
   def run(self, jaxpr, env: dict[Any, int | None]) -> None:
     for eqn in jaxpr.eqns:
-      reads = [env.get(v) for v in eqn.invars
-               if not isinstance(v, jex_core.Literal)]
+      reads = [
+        env.get(v) for v in eqn.invars if not isinstance(v, jex_core.Literal)
+      ]
       active = [d for d in reads if d is not None]
       depth = 1 + min(active) if active else None
       for v in eqn.invars:
-        i = (None if isinstance(v, jex_core.Literal)
-             else self.table_of.get(v))
+        i = None if isinstance(v, jex_core.Literal) else self.table_of.get(v)
         if i is not None and self.lookup[i] is None:
           self.lookup[i] = int(np.prod(eqn.outvars[0].aval.shape))
       name = str(eqn.params.get("name", ""))
       if name.startswith(_MARK):
-        i = int(name[len(_MARK):])
+        i = int(name[len(_MARK) :])
         # An embedding's table is its input: it starts a path at depth 0.
         depth = 0 if depth is None else depth
         if self.depths[i] is None or depth < self.depths[i]:
@@ -150,15 +166,16 @@ class _Walk:
         sub = _sub_jaxpr(eqn)
         if sub is None or len(sub.invars) != len(eqn.invars):
           raise ValueError(
-              f"a layer is called inside {eqn.primitive.name!r} (a loop or "
-              f"branch): QSync's BFS depth needs each layer called once")
-        inner = {iv: (None if isinstance(ov, jex_core.Literal)
-                      else env.get(ov))
-                 for iv, ov in zip(sub.invars, eqn.invars)}
+            f"a layer is called inside {eqn.primitive.name!r} (a loop or "
+            f"branch): QSync's BFS depth needs each layer called once"
+          )
+        inner = {
+          iv: (None if isinstance(ov, jex_core.Literal) else env.get(ov))
+          for iv, ov in zip(sub.invars, eqn.invars)
+        }
         self.run(sub, inner)
         for ov, iv in zip(eqn.outvars, sub.outvars):
-          env[ov] = (None if isinstance(iv, jex_core.Literal)
-                     else inner.get(iv))
+          env[ov] = None if isinstance(iv, jex_core.Literal) else inner.get(iv)
         continue
       for v in eqn.outvars:
         env[v] = depth

@@ -10,8 +10,9 @@ compiled program that selects each layer's precision at run time with
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import time
-from typing import Any, Sequence
+from typing import Any
 
 from flax import nnx
 import jax
@@ -33,10 +34,16 @@ from qsync_jax.task import calling
 from qsync_jax.task.objective import as_objective
 
 
-def measure(model: nnx.Module, loss_fn: Any, batches: Sequence[Any],
-            precisions: Sequence[Precision | str] = DEFAULT_PRECISIONS, *,
-            quant: QuantConfig | None = None, seed: int = 0,
-            call: calling.CallFn | None = None) -> dict[str, Scores]:
+def measure(
+  model: nnx.Module,
+  loss_fn: Any,
+  batches: Sequence[Any],
+  precisions: Sequence[Precision | str] = DEFAULT_PRECISIONS,
+  *,
+  quant: QuantConfig | None = None,
+  seed: int = 0,
+  call: calling.CallFn | None = None,
+) -> dict[str, Scores]:
   """Measured sensitivity: each layer alone at each precision.
 
   Args:
@@ -65,8 +72,10 @@ def measure(model: nnx.Module, loss_fn: Any, batches: Sequence[Any],
   keys = [batch_key(seed, b) for b in range(len(batches))]
   layer_list = checked_layers(model, batches, objective)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  choices = [Precision.FP32, *[p for p in precisions
-                               if p not in methods.ZERO_PRECISIONS]]
+  choices = [
+    Precision.FP32,
+    *[p for p in precisions if p not in methods.ZERO_PRECISIONS],
+  ]
   evaluate = _switch_fn(graphdef, layer_list, objective, choices, quant)
   start = time.perf_counter()
   n = len(layer_list)
@@ -87,8 +96,10 @@ def measure(model: nnx.Module, loss_fn: Any, batches: Sequence[Any],
       loss_values[layer.path][p.value] = float(np.mean(dl))
       grad_values[layer.path][p.value] = float(np.mean(dg))
   elapsed = time.perf_counter() - start
-  return {"loss": Scores(loss_values, "measured_loss", elapsed),
-          "grad": Scores(grad_values, "measured_grad", elapsed)}
+  return {
+    "loss": Scores(loss_values, "measured_loss", elapsed),
+    "grad": Scores(grad_values, "measured_grad", elapsed),
+  }
 
 
 def _switch_fn(graphdef, layer_list, objective, choices, quant):
@@ -97,6 +108,7 @@ def _switch_fn(graphdef, layer_list, objective, choices, quant):
   ``select[i]`` indexes ``choices`` for layer i (0 = FP32), so one compiled
   program evaluates every single-layer variant.
   """
+
   def op_for(module, precision):
     if policy.is_embedding(module):
       return None
@@ -109,16 +121,22 @@ def _switch_fn(graphdef, layer_list, objective, choices, quant):
     def make_wrapper(i, layer, base):
       module = layer.module
       if policy.is_embedding(module):
-        dtypes = [jnp.float32 if p is Precision.FP32 else
-                  {Precision.FP16: jnp.float16,
-                   Precision.BF16: jnp.bfloat16}.get(p, jnp.float32)
-                  for p in choices]
+        dtypes = [
+          jnp.float32
+          if p is Precision.FP32
+          else {Precision.FP16: jnp.float16, Precision.BF16: jnp.bfloat16}.get(
+            p, jnp.float32
+          )
+          for p in choices
+        ]
 
         def promote(arrays, **kw):
           (table,) = arrays
-          branches = [lambda t, d=d: t.astype(d).astype(jnp.float32)
-                      for d in dtypes]
+          branches = [
+            lambda t, d=d: t.astype(d).astype(jnp.float32) for d in dtypes
+          ]
           return base((lax.switch(select[i], branches, table),), **kw)
+
         return promote
       impls = [op_for(module, p) for p in choices]
       li, ri = policy.operand_positions(module)
@@ -129,16 +147,23 @@ def _switch_fn(graphdef, layer_list, objective, choices, quant):
             a = list(args)
             a[li], a[ri] = operands
             return f(*a, **kwargs).astype(jnp.float32)
+
           return run_branch
-        return lax.switch(select[i], [branch(f) for f in impls],
-                          (args[li], args[ri]))
+
+        return lax.switch(
+          select[i], [branch(f) for f in impls], (args[li], args[ri])
+        )
+
       return switched
 
     policy.instrument(model, layer_list, make_wrapper)
     # The batch's RNG streams are rebuilt from its key in every variant:
     # one dropout mask per batch (scores' capture pass derives them alike).
-    loss, grads = nnx.value_and_grad(lambda m: objective(
-        m, batch, nnx.Rngs(jax.random.fold_in(key, 1)), train=True)[0])(model)
+    loss, grads = nnx.value_and_grad(
+      lambda m: objective(
+        m, batch, nnx.Rngs(jax.random.fold_in(key, 1)), train=True
+      )[0]
+    )(model)
     return loss, flatten.ravel(grads)
 
   return evaluate

@@ -65,7 +65,8 @@ loss-change ground truth.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from flax import nnx
 import jax
@@ -74,7 +75,8 @@ import numpy as np
 
 from qsync_jax.numerics import quant as q
 from qsync_jax.numerics.precision import Precision
-from qsync_jax.numerics.quant import QuantConfig, Rounding
+from qsync_jax.numerics.quant import QuantConfig
+from qsync_jax.numerics.quant import Rounding
 from qsync_jax.plan import policy
 from qsync_jax.plan.layers import MatMul
 
@@ -85,12 +87,16 @@ _MANTISSA = {Precision.FP16: 10, Precision.BF16: 7, Precision.FP8: 3}
 # QSync's FP16 constant ("For FP16, e=5, k=9"); other float formats shift k
 # by their mantissa difference to FP16.
 _QSYNC_K = {p: 9 - (10 - m) for p, m in _MANTISSA.items()}
-_ROUNDING_VARIANCE = {Rounding.NEAREST: 1 / 12, Rounding.STOCHASTIC: 1 / 6,
-                      Rounding.TRUNCATE: 1 / 3}
+_ROUNDING_VARIANCE = {
+  Rounding.NEAREST: 1 / 12,
+  Rounding.STOCHASTIC: 1 / 6,
+  Rounding.TRUNCATE: 1 / 3,
+}
 
 
-def allowed_precisions(layer: policy.Layer, precisions: Sequence[Precision]
-                       ) -> list[Precision]:
+def allowed_precisions(
+  layer: policy.Layer, precisions: Sequence[Precision]
+) -> list[Precision]:
   """The precisions of ``precisions`` that ``layer`` is scored at.
 
   FP32 and TF32 are left out (they score 0), and so is every precision
@@ -98,8 +104,11 @@ def allowed_precisions(layer: policy.Layer, precisions: Sequence[Precision]
   attention matmuls).
   """
   floor16 = isinstance(layer.module, policy.SIXTEEN_BIT_FLOOR)
-  return [p for p in precisions if p not in ZERO_PRECISIONS
-          and not (floor16 and p.bits < 16)]
+  return [
+    p
+    for p in precisions
+    if p not in ZERO_PRECISIONS and not (floor16 and p.bits < 16)
+  ]
 
 
 # --------------------------------------------------------------------------
@@ -111,18 +120,19 @@ def _float_noise_var(t: jax.Array, mantissa: int) -> jax.Array:
   """Per-element variance of rounding ``t`` to ``mantissa`` bits (a float)."""
   _, e = jnp.frexp(t.astype(jnp.float32))  # |t| in [2^(e-1), 2^e)
   ulp = jnp.ldexp(jnp.ones_like(t, jnp.float32), e - 1 - mantissa)
-  return jnp.where(t == 0, 0.0, ulp ** 2 / 12)
+  return jnp.where(t == 0, 0.0, ulp**2 / 12)
 
 
-def noise_variance(t: jax.Array, precision: Precision, rounding: Rounding
-                   ) -> jax.Array:
+def noise_variance(
+  t: jax.Array, precision: Precision, rounding: Rounding
+) -> jax.Array:
   """Per-element variance of the error of quantizing ``t`` at ``precision``."""
   if precision is Precision.INT8:
     s = q.absmax_scale(t, q.INT8_MAX)
-    return jnp.full(t.shape, _ROUNDING_VARIANCE[rounding]) * s ** 2
+    return jnp.full(t.shape, _ROUNDING_VARIANCE[rounding]) * s**2
   if precision is Precision.FP8:
     fq, s = q.quantize_fp8(t)
-    return _float_noise_var(fq.astype(jnp.float32), 3) * s ** 2
+    return _float_noise_var(fq.astype(jnp.float32), 3) * s**2
   return _float_noise_var(t, _MANTISSA[precision])
 
 
@@ -131,9 +141,13 @@ def noise_variance(t: jax.Array, precision: Precision, rounding: Rounding
 # --------------------------------------------------------------------------
 
 
-def qsync_var_terms(stats: dict, grads: dict, diag: dict,
-                    precisions: Sequence[Precision], rounding: Rounding
-                    ) -> dict[str, dict[str, jax.Array]]:
+def qsync_var_terms(
+  stats: dict,
+  grads: dict,
+  diag: dict,
+  precisions: Sequence[Precision],
+  rounding: Rounding,
+) -> dict[str, dict[str, jax.Array]]:
   """One layer's ``bias`` and ``variance`` of the loss change per precision.
 
   Traced inside the capture pass: ``stats`` holds the layer's FP32 operands
@@ -153,12 +167,13 @@ def qsync_var_terms(stats: dict, grads: dict, diag: dict,
     if "x" in stats:
       terms.append((stats["x"].astype(jnp.float32), grads["x"], diag["x"]))
       if p in (Precision.FP16, Precision.BF16):  # the output is rounded
-        terms.append((stats["y"].astype(jnp.float32), grads["y"],
-                      diag["y"]))
-    bias = sum(0.5 * jnp.sum(noise_variance(t, p, rounding) * h)
-               for t, _, h in terms)
-    variance = sum(jnp.sum(noise_variance(t, p, rounding) * gt ** 2)
-                   for t, gt, _ in terms)
+        terms.append((stats["y"].astype(jnp.float32), grads["y"], diag["y"]))
+    bias = sum(
+      0.5 * jnp.sum(noise_variance(t, p, rounding) * h) for t, _, h in terms
+    )
+    variance = sum(
+      jnp.sum(noise_variance(t, p, rounding) * gt**2) for t, gt, _ in terms
+    )
     var[p.value] = {"bias": bias, "variance": variance}
   return var
 
@@ -171,10 +186,14 @@ def _exponent(value: float) -> int:
   return min(abs(int(np.frexp(v)[1])), 5)
 
 
-def qsync_scores(stats: dict, layer_list: Sequence[policy.Layer],
-                 precisions: Sequence[Precision], depths: Sequence[int],
-                 lookup_numel: Sequence[int | None], gamma: float = 4.0
-                 ) -> dict[str, dict[str, float]]:
+def qsync_scores(
+  stats: dict,
+  layer_list: Sequence[policy.Layer],
+  precisions: Sequence[Precision],
+  depths: Sequence[int],
+  lookup_numel: Sequence[int | None],
+  gamma: float = 4.0,
+) -> dict[str, dict[str, float]]:
   """QSync's GVAR formula, faithful to the reference code.
 
   As the reference's ``gradient_variance_based_indicator`` and its profiler
@@ -206,12 +225,10 @@ def qsync_scores(stats: dict, layer_list: Sequence[policy.Layer],
     gw = np.asarray(s["gw"], np.float64)
     gw_norm, e_g = float(np.linalg.norm(gw)), _exponent(np.abs(gw).max())
     if "x_norm" in s:
-      sv, dv, x_norm, dvv = (s["x_amax"] / 127, s["dv"], s["x_norm"],
-                             s["dvv"])
+      sv, dv, x_norm, dvv = (s["x_amax"] / 127, s["dv"], s["x_norm"], s["dvv"])
       sw, dw, w_norm = s["w_amax"] / 127, s["dw"], s["w_norm"]
     else:  # an embedding: the table stands as the input, the weight as 1
-      sv, dv, x_norm, dvv = (s["w_amax"] / 127, s["dw"], s["w_norm"],
-                             lookup)
+      sv, dv, x_norm, dvv = (s["w_amax"] / 127, s["dw"], s["w_norm"], lookup)
       sw = dw = w_norm = 1.0
     e_x = _exponent(np.sqrt(x_norm / dv))
     e_w = _exponent(np.sqrt(w_norm / dw))
@@ -219,9 +236,11 @@ def qsync_scores(stats: dict, layer_list: Sequence[policy.Layer],
     for p in allowed_precisions(layer, precisions):
       if p is Precision.INT8:
         k = 9
-        fwd = (w_norm * sv ** 2 * dv + x_norm * sw ** 2 * dw) / 6
-        bwd = (gw_norm * sv ** 2 * dv + x_norm * 2.0 ** (2 * e_x)
-               * (2.0 ** -k) ** 2 * dvv) / 6
+        fwd = (w_norm * sv**2 * dv + x_norm * sw**2 * dw) / 6
+        bwd = (
+          gw_norm * sv**2 * dv
+          + x_norm * 2.0 ** (2 * e_x) * (2.0**-k) ** 2 * dvv
+        ) / 6
       else:
         k = _QSYNC_K[p]
         c = 2.0 ** (-2 * k) / 6
@@ -232,15 +251,20 @@ def qsync_scores(stats: dict, layer_list: Sequence[policy.Layer],
   return values
 
 
-def qsync_var_scores(stats: dict, layer_list: Sequence[policy.Layer],
-                     precisions: Sequence[Precision]
-                     ) -> dict[str, dict[str, float]]:
+def qsync_var_scores(
+  stats: dict,
+  layer_list: Sequence[policy.Layer],
+  precisions: Sequence[Precision],
+) -> dict[str, dict[str, float]]:
   """``bias ** 2 + variance`` of each layer and precision (the expected
   squared loss change; the terms come from :func:`qsync_var_terms`)."""
-  return {layer.path: {p.value: s["var"][p.value]["bias"] ** 2
-                       + s["var"][p.value]["variance"]
-                       for p in allowed_precisions(layer, precisions)}
-          for layer, s in ((l, stats[l.path]) for l in layer_list)}
+  return {
+    layer.path: {
+      p.value: s["var"][p.value]["bias"] ** 2 + s["var"][p.value]["variance"]
+      for p in allowed_precisions(layer, precisions)
+    }
+    for layer, s in ((l, stats[l.path]) for l in layer_list)
+  }
 
 
 # --------------------------------------------------------------------------
@@ -261,8 +285,7 @@ def _layer_weights(model, layer_list) -> dict[str, jax.Array | None]:
   return weights
 
 
-def _qdq(w: jax.Array, precision: Precision, quant: QuantConfig
-         ) -> jax.Array:
+def _qdq(w: jax.Array, precision: Precision, quant: QuantConfig) -> jax.Array:
   if precision is Precision.INT8:
     qv, s = q.quantize(w, None, quant.rounding)
     return q.dequantize(qv, s)
@@ -273,9 +296,12 @@ def _qdq(w: jax.Array, precision: Precision, quant: QuantConfig
   return w.astype(dt).astype(jnp.float32)
 
 
-def wvar_scores(model: nnx.Module, layer_list: Sequence[policy.Layer],
-                precisions: Sequence[Precision], quant: QuantConfig
-                ) -> dict[str, dict[str, float]]:
+def wvar_scores(
+  model: nnx.Module,
+  layer_list: Sequence[policy.Layer],
+  precisions: Sequence[Precision],
+  quant: QuantConfig,
+) -> dict[str, dict[str, float]]:
   """log2(1 + relative change of each weight's L1 mass after
   quantize-dequantize); layers without weights (matmuls) score 0."""
   values = {}
@@ -293,8 +319,9 @@ def wvar_scores(model: nnx.Module, layer_list: Sequence[policy.Layer],
   return values
 
 
-def hutchinson_traces(loss: Callable[[Any], jax.Array], params: Any,
-                      key: jax.Array, num_probes: int) -> Any:
+def hutchinson_traces(
+  loss: Callable[[Any], jax.Array], params: Any, key: jax.Array, num_probes: int
+) -> Any:
   """Hutchinson estimates of the Hessian's diagonal blocks' traces.
 
   With Rademacher probes ``v`` over all parameters, ``E[v_b . (H v)_b] =
@@ -315,9 +342,13 @@ def hutchinson_traces(loss: Callable[[Any], jax.Array], params: Any,
   def one(k):
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(k, len(leaves))
-    v = jax.tree.unflatten(treedef, [
+    v = jax.tree.unflatten(
+      treedef,
+      [
         jax.random.rademacher(kk, x.shape, jnp.float32)
-        for kk, x in zip(keys, leaves)])
+        for kk, x in zip(keys, leaves)
+      ],
+    )
     hv = jax.jvp(grad, (params,), (v,))[1]
     return jax.tree.map(lambda a, b: jnp.sum(a * b), v, hv)
 
@@ -328,15 +359,23 @@ def hutchinson_traces(loss: Callable[[Any], jax.Array], params: Any,
 def _state_paths(model: nnx.Module) -> dict[int, tuple]:
   """``{id(module): its path in the model's state}`` (``()`` for the root,
   which a bare layer as the model is)."""
-  return {id(node): tuple(path) for path, node in nnx.iter_graph(model)
-          if isinstance(node, nnx.Module)}
+  return {
+    id(node): tuple(path)
+    for path, node in nnx.iter_graph(model)
+    if isinstance(node, nnx.Module)
+  }
 
 
-def hessian_scores(model: nnx.Module, layer_list: Sequence[policy.Layer],
-                   objective: Callable[..., tuple[jax.Array, Any]],
-                   batches: Sequence[Any],
-                   precisions: Sequence[Precision], quant: QuantConfig,
-                   num_probes: int, seed: int) -> dict[str, dict[str, float]]:
+def hessian_scores(
+  model: nnx.Module,
+  layer_list: Sequence[policy.Layer],
+  objective: Callable[..., tuple[jax.Array, Any]],
+  batches: Sequence[Any],
+  precisions: Sequence[Precision],
+  quant: QuantConfig,
+  num_probes: int,
+  seed: int,
+) -> dict[str, dict[str, float]]:
   """Each weight's Hessian trace (:func:`hutchinson_traces`, averaged over
   the batches) times its mean quantization noise variance, halved.
 
@@ -350,8 +389,9 @@ def hessian_scores(model: nnx.Module, layer_list: Sequence[policy.Layer],
     m = layer.module
     if isinstance(m, MatMul):
       continue
-    weight_of[layer.path] = "embedding" if policy.is_embedding(m) else (
-        "kernel")
+    weight_of[layer.path] = (
+      "embedding" if policy.is_embedding(m) else ("kernel")
+    )
 
   @jax.jit
   def traces(params, batch, key):
@@ -359,12 +399,16 @@ def hessian_scores(model: nnx.Module, layer_list: Sequence[policy.Layer],
     # the model may update them, but every probe sees the same function.
     def loss(p):
       model = nnx.merge(graphdef, p, jax.tree.map(lambda v: v, rest))
-      return objective(model, batch, nnx.Rngs(jax.random.fold_in(key, 1)),
-                       train=True)[0]
+      return objective(
+        model, batch, nnx.Rngs(jax.random.fold_in(key, 1)), train=True
+      )[0]
+
     return hutchinson_traces(loss, params, key, num_probes)
 
-  per_batch = [traces(params, batch, jax.random.key(seed + b))
-               for b, batch in enumerate(batches)]
+  per_batch = [
+    traces(params, batch, jax.random.key(seed + b))
+    for b, batch in enumerate(batches)
+  ]
   mean_trace = jax.tree.map(lambda *t: float(np.mean(t)), *per_batch)
   weights = _layer_weights(model, layer_list)
   state_path = _state_paths(model)
@@ -387,11 +431,14 @@ def hessian_scores(model: nnx.Module, layer_list: Sequence[policy.Layer],
   return values
 
 
-def random_scores(layer_list: Sequence[policy.Layer],
-                  precisions: Sequence[Precision], seed: int
-                  ) -> dict[str, dict[str, float]]:
+def random_scores(
+  layer_list: Sequence[policy.Layer], precisions: Sequence[Precision], seed: int
+) -> dict[str, dict[str, float]]:
   """Uniform random scores: the floor every indicator must beat."""
   rng = np.random.default_rng(seed)
-  return {l.path: {p.value: float(rng.uniform())
-                   for p in allowed_precisions(l, precisions)}
-          for l in layer_list}
+  return {
+    l.path: {
+      p.value: float(rng.uniform()) for p in allowed_precisions(l, precisions)
+    }
+    for l in layer_list
+  }

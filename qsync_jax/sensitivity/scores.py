@@ -20,10 +20,11 @@ model's own mode is left as it was.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 import dataclasses
 import json
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from flax import nnx
 import jax
@@ -37,7 +38,8 @@ from qsync_jax.sensitivity import depth
 from qsync_jax.sensitivity import methods
 from qsync_jax.sensitivity.methods import METHODS
 from qsync_jax.task import calling
-from qsync_jax.task.objective import Objective, as_objective
+from qsync_jax.task.objective import as_objective
+from qsync_jax.task.objective import Objective
 
 DEFAULT_PRECISIONS = (Precision.INT8, Precision.FP16, Precision.BF16)
 
@@ -53,6 +55,7 @@ class Scores:
     per_batch_s: for the gradient-statistics methods, the time per batch
       once compiled (None otherwise).
   """
+
   values: dict[str, dict[str, float]]
   method: str
   time_s: float = 0.0
@@ -67,32 +70,49 @@ class Scores:
 
   def pairs(self) -> list[tuple[str, str]]:
     """(layer, precision) pairs with a non-FP32 precision, in order."""
-    return [(l, p) for l, row in self.values.items() for p in row
-            if Precision(p) not in methods.ZERO_PRECISIONS]
+    return [
+      (l, p)
+      for l, row in self.values.items()
+      for p in row
+      if Precision(p) not in methods.ZERO_PRECISIONS
+    ]
 
   def vector(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
     return np.array([self.values[l][p] for l, p in pairs], np.float64)
 
   def to_dict(self) -> dict[str, Any]:
-    return {"method": self.method, "time_s": self.time_s,
-            "per_batch_s": self.per_batch_s, "values": self.values}
+    return {
+      "method": self.method,
+      "time_s": self.time_s,
+      "per_batch_s": self.per_batch_s,
+      "values": self.values,
+    }
 
   def to_json(self) -> str:
     return json.dumps(self.to_dict(), indent=2)
 
   @classmethod
-  def from_dict(cls, data: Mapping[str, Any]) -> "Scores":
-    return cls({l: dict(r) for l, r in data["values"].items()},
-               data["method"], data.get("time_s", 0.0),
-               data.get("per_batch_s"))
+  def from_dict(cls, data: Mapping[str, Any]) -> Scores:
+    return cls(
+      {l: dict(r) for l, r in data["values"].items()},
+      data["method"],
+      data.get("time_s", 0.0),
+      data.get("per_batch_s"),
+    )
 
 
-def compute(model: nnx.Module, loss_fn: Any, batches: Sequence[Any],
-            method: str = "qsync",
-            precisions: Iterable[Precision | str] = DEFAULT_PRECISIONS, *,
-            quant: QuantConfig | None = None, seed: int = 0,
-            hessian_probes: int = 8,
-            call: calling.CallFn | None = None) -> Scores:
+def compute(
+  model: nnx.Module,
+  loss_fn: Any,
+  batches: Sequence[Any],
+  method: str = "qsync",
+  precisions: Iterable[Precision | str] = DEFAULT_PRECISIONS,
+  *,
+  quant: QuantConfig | None = None,
+  seed: int = 0,
+  hessian_probes: int = 8,
+  call: calling.CallFn | None = None,
+) -> Scores:
   """Scores every (layer, precision) of ``model`` with ``method``.
 
   Args:
@@ -121,8 +141,9 @@ def compute(model: nnx.Module, loss_fn: Any, batches: Sequence[Any],
       layer, or batches the model cannot take.
   """
   if method not in METHODS:
-    raise ValueError(f"unknown indicator method {method!r}; valid: "
-                     f"{', '.join(METHODS)}")
+    raise ValueError(
+      f"unknown indicator method {method!r}; valid: {', '.join(METHODS)}"
+    )
   precisions = [Precision.parse(p) for p in precisions]
   quant = quant or QuantConfig()
   objective = as_objective(loss_fn, call=call)
@@ -132,29 +153,48 @@ def compute(model: nnx.Module, loss_fn: Any, batches: Sequence[Any],
   steady_s = None
   if method in ("qsync", "qsync_var"):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    capture = _capture_fn(graphdef, layer_list, objective, precisions,
-                          quant.rounding, curvature=method == "qsync_var")
+    capture = _capture_fn(
+      graphdef,
+      layer_list,
+      objective,
+      precisions,
+      quant.rounding,
+      curvature=method == "qsync_var",
+    )
     per_batch = []
     for b, batch in enumerate(batches):
       if b == 1:
         steady_start = time.perf_counter()
-      per_batch.append(jax.block_until_ready(
-          capture(params, rest, batch, batch_key(seed, b))[1]))
+      per_batch.append(
+        jax.block_until_ready(
+          capture(params, rest, batch, batch_key(seed, b))[1]
+        )
+      )
     if len(batches) > 1:
       steady_s = (time.perf_counter() - steady_start) / (len(batches) - 1)
     stats = _mean_stats(per_batch)
     if method == "qsync":
       depths, lookup = depth.forward_structure(
-          model, layer_list, forward_probe(objective, batches[0]))
-      values = methods.qsync_scores(stats, layer_list, precisions, depths,
-                                    lookup)
+        model, layer_list, forward_probe(objective, batches[0])
+      )
+      values = methods.qsync_scores(
+        stats, layer_list, precisions, depths, lookup
+      )
     else:
       values = methods.qsync_var_scores(stats, layer_list, precisions)
   elif method == "wvar":
     values = methods.wvar_scores(model, layer_list, precisions, quant)
   elif method == "hessian":
-    values = methods.hessian_scores(model, layer_list, objective, batches,
-                                    precisions, quant, hessian_probes, seed)
+    values = methods.hessian_scores(
+      model,
+      layer_list,
+      objective,
+      batches,
+      precisions,
+      quant,
+      hessian_probes,
+      seed,
+    )
   else:
     values = methods.random_scores(layer_list, precisions, seed)
   for row in values.values():
@@ -178,13 +218,14 @@ def forward_probe(objective: Objective, batch: Any) -> calling.Probe:
   """A Probe of the model's train-mode forward pass on ``batch``'s inputs
   (of the objective's whole loss when it does not know its inputs)."""
   return calling.Probe(
-      lambda model, b: objective.forward(model, b, train=True),
-      calling.abstract(batch))
+    lambda model, b: objective.forward(model, b, train=True),
+    calling.abstract(batch),
+  )
 
 
-def checked_layers(model: nnx.Module, batches: Sequence[Any],
-                   objective: Objective | None = None
-                   ) -> list[policy.Layer]:
+def checked_layers(
+  model: nnx.Module, batches: Sequence[Any], objective: Objective | None = None
+) -> list[policy.Layer]:
   """The layers a plan can address in ``model``, traced on ``batches[0]``.
 
   The model is traced (abstractly) through the objective's training step on
@@ -214,12 +255,14 @@ def checked_layers(model: nnx.Module, batches: Sequence[Any],
     if mismatch:
       raise ValueError(mismatch) from None
     shapes = jax.tree.map(lambda a: tuple(a.shape), batch)
-    raise ValueError(f"the model cannot run on batches of shape {shapes}: "
-                     f"{e}") from None
+    raise ValueError(
+      f"the model cannot run on batches of shape {shapes}: {e}"
+    ) from None
 
 
-def _input_spec_mismatch(model: nnx.Module, objective: Objective,
-                         batch: Any) -> str | None:
+def _input_spec_mismatch(
+  model: nnx.Module, objective: Objective, batch: Any
+) -> str | None:
   """How a batch's single input differs from ``model.input_spec`` (None
   when the model has none, the inputs are unknown or not one array, or they
   agree)."""
@@ -235,8 +278,10 @@ def _input_spec_mismatch(model: nnx.Module, objective: Objective,
   want = spec(inputs.shape[0])
   if tuple(inputs.shape) == tuple(getattr(want, "shape", ())):
     return None
-  return (f"batch input of shape {tuple(inputs.shape)} does not match the "
-          f"model's input_spec {tuple(want.shape)}")
+  return (
+    f"batch input of shape {tuple(inputs.shape)} does not match the "
+    f"model's input_spec {tuple(want.shape)}"
+  )
 
 
 # --------------------------------------------------------------------------
@@ -256,8 +301,14 @@ def _bilinear_wrapper(module, base, transform):
   return wrapped
 
 
-def _capture_fn(graphdef, layer_list, objective: Objective, precisions,
-                rounding, curvature: bool):
+def _capture_fn(
+  graphdef,
+  layer_list,
+  objective: Objective,
+  precisions,
+  rounding,
+  curvature: bool,
+):
   """Returns a jitted fn(params, rest, batch, key) -> per-layer statistics.
 
   ``key`` seeds the Hutchinson probe and the batch's RNG streams (a fresh
@@ -267,8 +318,9 @@ def _capture_fn(graphdef, layer_list, objective: Objective, precisions,
   With ``curvature`` it also estimates the Hessian diagonal (``qsync_var``);
   QSync's own formula needs only the statistics and gradients.
   """
-  floors = [methods.allowed_precisions(layer, precisions)
-            for layer in layer_list]
+  floors = [
+    methods.allowed_precisions(layer, precisions) for layer in layer_list
+  ]
 
   @jax.jit
   def capture(params, rest, batch, key):
@@ -279,11 +331,13 @@ def _capture_fn(graphdef, layer_list, objective: Objective, precisions,
 
     def make_wrapper(i, layer, base):
       if policy.is_embedding(layer.module):
+
         def promote(arrays, **kw):
           (table,) = arrays
           table = table + box["perturb"][i]["w"]
           box["stats"][i] = {"w": table}
           return base((table,), **kw)
+
         return promote
 
       def transform(xv, wv):
@@ -294,7 +348,9 @@ def _capture_fn(graphdef, layer_list, objective: Objective, precisions,
           out = out + jnp.asarray(p["y"]).astype(out.dtype)
           box["stats"][i] = {"x": xv, "w": wv, "y": out}
           return out
+
         return xv, wv, post
+
       return _bilinear_wrapper(layer.module, base, transform)
 
     policy.instrument(model, layer_list, make_wrapper)
@@ -305,35 +361,51 @@ def _capture_fn(graphdef, layer_list, objective: Objective, precisions,
     def run(perturb):
       box["perturb"], box["stats"] = perturb, {}
       m = nnx.merge(instrumented, p_state, jax.tree.map(lambda v: v, r_state))
-      loss, _ = objective(m, batch, nnx.Rngs(jax.random.fold_in(key, 1)),
-                          train=True)
+      loss, _ = objective(
+        m, batch, nnx.Rngs(jax.random.fold_in(key, 1)), train=True
+      )
       return loss, box["stats"]
 
     # Zero perturbations shaped like each layer's operands and output: their
     # gradients are dL/dx, dL/dW and dL/dy.
     none = [{"x": 0.0, "w": 0.0, "y": 0.0} for _ in layer_list]
     sds = jax.eval_shape(lambda: run(none)[1])
-    zeros = [{"x": jnp.zeros(()), "y": jnp.zeros(()),
-              **{k: jnp.zeros(sds[i][k].shape, jnp.float32)
-                 for k in ("x", "w", "y") if k in sds[i]}}
-             for i in range(len(layer_list))]
+    zeros = [
+      {
+        "x": jnp.zeros(()),
+        "y": jnp.zeros(()),
+        **{
+          k: jnp.zeros(sds[i][k].shape, jnp.float32)
+          for k in ("x", "w", "y")
+          if k in sds[i]
+        },
+      }
+      for i in range(len(layer_list))
+    ]
     grad_fn = jax.value_and_grad(run, has_aux=True)
     (loss, stats), grads = grad_fn(zeros)
     if curvature:
       # Hutchinson estimate of each perturbation's Hessian diagonal: one
       # Hessian-vector product with a Rademacher probe over all of them.
       leaves, treedef = jax.tree.flatten(zeros)
-      probe = jax.tree.unflatten(treedef, [
+      probe = jax.tree.unflatten(
+        treedef,
+        [
           jax.random.rademacher(k, z.shape, jnp.float32) if z.ndim else z
-          for k, z in zip(jax.random.split(key, len(leaves)), leaves)])
+          for k, z in zip(jax.random.split(key, len(leaves)), leaves)
+        ],
+      )
       hvp = jax.jvp(lambda z: grad_fn(z)[1], (zeros,), (probe,))[1]
       diag = jax.tree.map(jnp.multiply, probe, hvp)
     out = {}
     for i, layer in enumerate(layer_list):
       s, g = stats[i], grads[i]
       w, gw = s["w"].astype(jnp.float32), g["w"]
-      row = {"w_norm": jnp.linalg.norm(w), "w_amax": jnp.abs(w).max(),
-             "dw": w.size}
+      row = {
+        "w_norm": jnp.linalg.norm(w),
+        "w_amax": jnp.abs(w).max(),
+        "dw": w.size,
+      }
       if not curvature:
         # The whole weight gradient: QSync takes the norm and the maximum of
         # the gradient accumulated over the batches, not their per-batch
@@ -341,11 +413,16 @@ def _capture_fn(graphdef, layer_list, objective: Objective, precisions,
         row["gw"] = gw
       if "x" in s:
         xv = s["x"].astype(jnp.float32)
-        row.update({"x_norm": jnp.linalg.norm(xv), "x_amax": jnp.abs(xv).max(),
-                    "dv": xv.size, "dvv": s["y"].size})
+        row.update(
+          {
+            "x_norm": jnp.linalg.norm(xv),
+            "x_amax": jnp.abs(xv).max(),
+            "dv": xv.size,
+            "dvv": s["y"].size,
+          }
+        )
       if curvature:
-        row["var"] = methods.qsync_var_terms(s, g, diag[i], floors[i],
-                                             rounding)
+        row["var"] = methods.qsync_var_terms(s, g, diag[i], floors[i], rounding)
       out[layer.path] = row
     return loss, out
 
@@ -354,8 +431,10 @@ def _capture_fn(graphdef, layer_list, objective: Objective, precisions,
 
 def _mean_stats(per_batch: list[dict]) -> dict:
   """Averages the statistics over the batches (arrays elementwise)."""
+
   def mean(*xs):
     if np.ndim(xs[0]):
       return np.mean([np.asarray(v, np.float64) for v in xs], axis=0)
     return float(np.mean([float(v) for v in xs]))
+
   return jax.tree.map(mean, *per_batch)

@@ -7,24 +7,32 @@ and the :class:`Probe` every tracer runs; :mod:`.objective` owns the
 below every other part of the library, which all call models through it.
 """
 
-from qsync_jax.task.calling import (Probe, abstract, as_probe, call_model,
-                                    input_probe, load_callable, mode,
-                                    split_inputs)
-from qsync_jax.task.objective import (Objective, as_objective, batch_size,
-                                      classification, from_loss_fn)
+from qsync_jax.task.calling import abstract
+from qsync_jax.task.calling import as_probe
+from qsync_jax.task.calling import call_model
+from qsync_jax.task.calling import input_probe
+from qsync_jax.task.calling import load_callable
+from qsync_jax.task.calling import mode
+from qsync_jax.task.calling import Probe
+from qsync_jax.task.calling import split_inputs
+from qsync_jax.task.objective import as_objective
+from qsync_jax.task.objective import batch_size
+from qsync_jax.task.objective import classification
+from qsync_jax.task.objective import from_loss_fn
+from qsync_jax.task.objective import Objective
 
 __all__ = [
-    "Objective",
-    "Probe",
-    "abstract",
-    "as_objective",
-    "as_probe",
-    "batch_size",
-    "call_model",
-    "classification",
-    "from_loss_fn",
-    "input_probe",
-    "load_callable",
-    "mode",
-    "split_inputs",
+  "Objective",
+  "Probe",
+  "abstract",
+  "as_objective",
+  "as_probe",
+  "batch_size",
+  "call_model",
+  "classification",
+  "from_loss_fn",
+  "input_probe",
+  "load_callable",
+  "mode",
+  "split_inputs",
 ]

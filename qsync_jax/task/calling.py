@@ -16,12 +16,13 @@ This module owns the call contract between the library and a user's model:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 import contextlib
 import dataclasses
 import functools
 import importlib
 import inspect
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from flax import nnx
 import jax
@@ -31,8 +32,10 @@ CallFn = Callable[..., Any]
 
 # The NNX attributes that hold a layer's mode; ``mode`` flips them as
 # ``nnx.Module.train()`` / ``eval()`` do, then puts the old values back.
-_MODE_ATTRIBUTES = {"deterministic": lambda train: not train,
-                    "use_running_average": lambda train: not train}
+_MODE_ATTRIBUTES = {
+  "deterministic": lambda train: not train,
+  "use_running_average": lambda train: not train,
+}
 
 
 def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -80,12 +83,16 @@ def _call_keywords(cls: type) -> frozenset[str]:
     params = inspect.signature(cls.__call__).parameters
   except (TypeError, ValueError):
     return frozenset()
-  return frozenset(name for name, p in params.items()
-                   if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+  return frozenset(
+    name
+    for name, p in params.items()
+    if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+  )
 
 
-def call_model(model: Any, inputs: Any, *, train: bool,
-               rngs: nnx.Rngs | None = None) -> Any:
+def call_model(
+  model: Any, inputs: Any, *, train: bool, rngs: nnx.Rngs | None = None
+) -> Any:
   """Calls ``model`` on ``inputs`` in train or eval mode.
 
   The model's own mode attributes are set for the call (:func:`mode`); when
@@ -136,6 +143,7 @@ class Probe:
     fn: ``fn(model, data)``; it runs the model the way training does.
     data: example data (a pytree of arrays or ``jax.ShapeDtypeStruct``).
   """
+
   fn: Callable[[Any, Any], Any]
   data: Any
 
@@ -181,10 +189,11 @@ def as_probe(model: Any, sample: Any = None) -> Probe:
     input_spec = getattr(model, "input_spec", None)
     if not callable(input_spec):
       raise ValueError(
-          f"{type(model).__name__} has no input_spec method: pass "
-          "sample_input (an array or "
-          "jax.ShapeDtypeStruct the model accepts; a tuple or dict for "
-          "several inputs) so the model can be traced")
+        f"{type(model).__name__} has no input_spec method: pass "
+        "sample_input (an array or "
+        "jax.ShapeDtypeStruct the model accepts; a tuple or dict for "
+        "several inputs) so the model can be traced"
+      )
     sample = input_spec(2)
   return input_probe(sample)
 
@@ -209,14 +218,17 @@ def load_callable(spec: str, what: str, hint: str = "") -> Callable[..., Any]:
     module = importlib.import_module(module_name)
   except Exception as err:  # Any import-time failure makes the spec unusable.
     raise ValueError(
-        f"{what} {spec!r}: cannot import module {module_name!r} "
-        f"({type(err).__name__}: {err}); {hint}") from err
+      f"{what} {spec!r}: cannot import module {module_name!r} "
+      f"({type(err).__name__}: {err}); {hint}"
+    ) from err
   found = getattr(module, attr, None)
   if found is None:
-    raise ValueError(f"{what} {spec!r}: module {module_name!r} has no "
-                     f"attribute {attr!r}; {hint}")
+    raise ValueError(
+      f"{what} {spec!r}: module {module_name!r} has no "
+      f"attribute {attr!r}; {hint}"
+    )
   if not callable(found):
-    raise ValueError(f"{what} {spec!r}: {module_name}.{attr} is not callable; "
-                     f"{hint}")
+    raise ValueError(
+      f"{what} {spec!r}: {module_name}.{attr} is not callable; {hint}"
+    )
   return found
-

@@ -18,7 +18,8 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   ``(batch, seq, vocab)`` logits alike.
   """
   return optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), labels).mean()
+    logits.astype(jnp.float32), labels
+  ).mean()
 
 
 def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:

@@ -19,9 +19,10 @@ model is called in train mode for training and in eval mode for evaluation
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 import dataclasses
 import inspect
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from flax import nnx
 import jax
@@ -51,21 +52,33 @@ class Objective:
     call: the call hook the objective uses (``call(model, inputs, *, train,
       rngs)``).
   """
+
   score: ScoreFn
   inputs: Callable[[Any], Any] | None = None
   call: calling.CallFn = calling.call_model
 
-  def __call__(self, model: Any, batch: Any, rngs: nnx.Rngs | None = None,
-               *, train: bool = True
-               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def __call__(
+    self,
+    model: Any,
+    batch: Any,
+    rngs: nnx.Rngs | None = None,
+    *,
+    train: bool = True,
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``(loss, metrics)`` of ``model`` on ``batch``; see :attr:`score`."""
     rngs = calling.trace_rngs() if rngs is None else rngs
     with calling.mode(model, train):
       loss, metrics = self.score(model, batch, rngs, train)
     return jnp.asarray(loss, jnp.float32), metrics
 
-  def forward(self, model: Any, batch: Any, rngs: nnx.Rngs | None = None,
-              *, train: bool = True) -> Any:
+  def forward(
+    self,
+    model: Any,
+    batch: Any,
+    rngs: nnx.Rngs | None = None,
+    *,
+    train: bool = True,
+  ) -> Any:
     """Runs the model alone on the batch's inputs (the loss when the
     objective does not know its inputs)."""
     if self.inputs is None:
@@ -87,8 +100,10 @@ def batch_size(batch: Any) -> int:
   """
   leaves = jax.tree.leaves(batch)
   if not leaves or not getattr(leaves[0], "shape", ()):
-    raise ValueError("a batch must hold arrays whose leading axis is the "
-                     f"example axis, got {type(batch).__name__}")
+    raise ValueError(
+      "a batch must hold arrays whose leading axis is the "
+      f"example axis, got {type(batch).__name__}"
+    )
   return int(leaves[0].shape[0])
 
 
@@ -96,22 +111,27 @@ def _first(batch: Any) -> Any:
   if isinstance(batch, (tuple, list)) and len(batch) == 2:
     return batch[0]
   raise ValueError(
-      "a classification batch is (inputs, labels), got "
-      f"{type(batch).__name__}; pass a loss_fn(model, batch, rngs) for other "
-      "batches")
+    "a classification batch is (inputs, labels), got "
+    f"{type(batch).__name__}; pass a loss_fn(model, batch, rngs) for other "
+    "batches"
+  )
 
 
-def _logit_metrics(logits: jax.Array, labels: jax.Array,
-                   metrics: Mapping[str, MetricFn]) -> dict[str, jax.Array]:
-  return {name: jnp.asarray(fn(logits, labels), jnp.float32)
-          for name, fn in metrics.items()}
+def _logit_metrics(
+  logits: jax.Array, labels: jax.Array, metrics: Mapping[str, MetricFn]
+) -> dict[str, jax.Array]:
+  return {
+    name: jnp.asarray(fn(logits, labels), jnp.float32)
+    for name, fn in metrics.items()
+  }
 
 
-def classification(call: calling.CallFn = calling.call_model, *,
-                   loss: Callable[[jax.Array, jax.Array], jax.Array]
-                   = losses.cross_entropy,
-                   metrics: Mapping[str, MetricFn] | None = None
-                   ) -> Objective:
+def classification(
+  call: calling.CallFn = calling.call_model,
+  *,
+  loss: Callable[[jax.Array, jax.Array], jax.Array] = losses.cross_entropy,
+  metrics: Mapping[str, MetricFn] | None = None,
+) -> Objective:
   """Classification (or language modelling) on ``(inputs, labels)`` batches.
 
   Args:
@@ -129,8 +149,7 @@ def classification(call: calling.CallFn = calling.call_model, *,
   def score(model, batch, rngs, train):
     inputs, labels = _first(batch), batch[1]
     logits = call(model, inputs, train=train, rngs=rngs)
-    return (loss(logits, labels),
-            _logit_metrics(logits, labels, metrics))
+    return (loss(logits, labels), _logit_metrics(logits, labels, metrics))
 
   return Objective(score, _first, call)
 
@@ -140,17 +159,24 @@ def _scalar_metrics(aux: Any) -> dict[str, jax.Array]:
     return {}
   if not isinstance(aux, Mapping):
     raise TypeError(
-        "loss_fn(model, batch, rngs) must return (loss, aux) with aux a dict "
-        f"of scalar metrics or None, got aux of type {type(aux).__name__}")
+      "loss_fn(model, batch, rngs) must return (loss, aux) with aux a dict "
+      f"of scalar metrics or None, got aux of type {type(aux).__name__}"
+    )
   # Metrics are scalars; other auxiliary outputs (logits, ...) are the
   # user's own and not averaged.
-  return {str(k): jnp.asarray(v, jnp.float32) for k, v in aux.items()
-          if jnp.ndim(v) == 0}
+  return {
+    str(k): jnp.asarray(v, jnp.float32)
+    for k, v in aux.items()
+    if jnp.ndim(v) == 0
+  }
 
 
-def from_loss_fn(loss_fn: Callable[[Any, Any, nnx.Rngs], Any], *,
-                 inputs: Callable[[Any], Any] | None = None,
-                 metrics: Mapping[str, MetricFn] | None = None) -> Objective:
+def from_loss_fn(
+  loss_fn: Callable[[Any, Any, nnx.Rngs], Any],
+  *,
+  inputs: Callable[[Any], Any] | None = None,
+  metrics: Mapping[str, MetricFn] | None = None,
+) -> Objective:
   """The objective of a user's ``loss_fn(model, batch, rngs)``.
 
   Args:
@@ -172,8 +198,10 @@ def from_loss_fn(loss_fn: Callable[[Any, Any, nnx.Rngs], Any], *,
     first, second = loss_fn(model, batch, rngs)
     if jnp.ndim(first) == 0:
       return first, _scalar_metrics(second)
-    return (losses.cross_entropy(first, second),
-            _logit_metrics(first, second, metrics))
+    return (
+      losses.cross_entropy(first, second),
+      _logit_metrics(first, second, metrics),
+    )
 
   return Objective(score, inputs)
 
@@ -183,13 +211,17 @@ def _required_positional(fn: Callable[..., Any]) -> int | None:
     params = inspect.signature(fn).parameters.values()
   except (TypeError, ValueError):
     return None
-  return sum(1 for p in params
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-             and p.default is p.empty)
+  return sum(
+    1
+    for p in params
+    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    and p.default is p.empty
+  )
 
 
-def as_objective(loss_fn: Any = None, *, call: calling.CallFn | None = None
-                 ) -> Objective:
+def as_objective(
+  loss_fn: Any = None, *, call: calling.CallFn | None = None
+) -> Objective:
   """The :class:`Objective` of whatever the user passed as a loss.
 
   Args:
@@ -219,6 +251,7 @@ def as_objective(loss_fn: Any = None, *, call: calling.CallFn | None = None
   if arity == 3:
     return from_loss_fn(loss_fn)
   raise TypeError(
-      f"loss_fn {getattr(loss_fn, '__name__', loss_fn)!r} takes {arity} "
-      "required positional arguments; expected loss_fn(logits, labels) or "
-      "loss_fn(model, batch, rngs)")
+    f"loss_fn {getattr(loss_fn, '__name__', loss_fn)!r} takes {arity} "
+    "required positional arguments; expected loss_fn(logits, labels) or "
+    "loss_fn(model, batch, rngs)"
+  )

@@ -22,12 +22,13 @@ can save that step again. It never loads state that failed its check.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 import contextlib
 import hashlib
 import json
 import os
 import sys
-from typing import Any, Iterator
+from typing import Any
 
 from absl import logging
 import jax
@@ -56,9 +57,14 @@ def _quiet(most: int = logging.WARNING) -> Iterator[None]:
 
 def state_tree(trainer: HybridTrainer) -> dict[str, Any]:
   """The arrays a checkpoint holds (global arrays over the workers)."""
-  tree = {"params": trainer.params, "opt_state": trainer.opt_state,
-          "loss_scale": trainer.loss_scale, "rest": trainer._stacked_rest(),
-          "anchor": trainer._anchor, "counter": trainer._counter}
+  tree = {
+    "params": trainer.params,
+    "opt_state": trainer.opt_state,
+    "loss_scale": trainer.loss_scale,
+    "rest": trainer._stacked_rest(),
+    "anchor": trainer._anchor,
+    "counter": trainer._counter,
+  }
   if trainer.residual is not None:
     tree["residual"] = trainer.residual
   if trainer.averager_state is not None:  # PowerSGD's warm-start Q
@@ -70,13 +76,16 @@ def state_tree(trainer: HybridTrainer) -> dict[str, Any]:
 
 def state_meta(trainer: HybridTrainer) -> dict[str, Any]:
   """The host-side state a checkpoint holds (JSON)."""
-  return {"step": trainer.step, "sync_rounds": trainer.sync_rounds,
-          "comm_bytes": trainer.comm_bytes,
-          "schedule": trainer.schedule.state_dict(),
-          "in_sync": trainer.in_sync,
-          "plans": [w.plan.to_dict() for w in trainer.workers],
-          "kinds": [w.kind for w in trainer.workers],
-          "optimizer_state": _optimizer_state_layout(trainer)}
+  return {
+    "step": trainer.step,
+    "sync_rounds": trainer.sync_rounds,
+    "comm_bytes": trainer.comm_bytes,
+    "schedule": trainer.schedule.state_dict(),
+    "in_sync": trainer.in_sync,
+    "plans": [w.plan.to_dict() for w in trainer.workers],
+    "kinds": [w.kind for w in trainer.workers],
+    "optimizer_state": _optimizer_state_layout(trainer),
+  }
 
 
 def _optimizer_state_layout(trainer: HybridTrainer) -> str:
@@ -84,8 +93,9 @@ def _optimizer_state_layout(trainer: HybridTrainer) -> str:
   return "flat" if step_lib.is_elementwise(trainer.tx) else "pytree"
 
 
-def load_state(trainer: HybridTrainer, tree: dict[str, Any],
-               meta: dict[str, Any]) -> None:
+def load_state(
+  trainer: HybridTrainer, tree: dict[str, Any], meta: dict[str, Any]
+) -> None:
   """Restores :func:`state_tree` and :func:`state_meta` output into
   ``trainer``.
 
@@ -95,8 +105,9 @@ def load_state(trainer: HybridTrainer, tree: dict[str, Any],
   _check_workers(trainer, meta)
   trainer.params = tree["params"]
   # A synced checkpoint's anchor is its params: keep them one array.
-  trainer._anchor = (trainer.params if meta.get("in_sync", True)
-                     else tree["anchor"])
+  trainer._anchor = (
+    trainer.params if meta.get("in_sync", True) else tree["anchor"]
+  )
   trainer._counter = tree["counter"]
   if trainer.residual is not None:
     trainer.residual = tree["residual"]
@@ -107,9 +118,9 @@ def load_state(trainer: HybridTrainer, tree: dict[str, Any],
   trainer.opt_state = tree["opt_state"]
   trainer.loss_scale = ls.LossScale(*tree["loss_scale"])
   for i in trainer.local_workers:
-    trainer.rest[i] = layout.unstack_tree(tree["rest"],
-                                          trainer.workers[i].device,
-                                          like=trainer.rest[i])
+    trainer.rest[i] = layout.unstack_tree(
+      tree["rest"], trainer.workers[i].device, like=trainer.rest[i]
+    )
   trainer.step = int(meta["step"])
   trainer.sync_rounds = int(meta["sync_rounds"])
   trainer.comm_bytes = float(meta["comm_bytes"])
@@ -122,8 +133,10 @@ INTEGRITY = "integrity"
 
 def _index_key(index: tuple[slice, ...]) -> str:
   # Where a shard sits in its global array, e.g. "1:2,:,:".
-  return ",".join(f"{'' if s.start is None else s.start}:"
-                  f"{'' if s.stop is None else s.stop}" for s in index)
+  return ",".join(
+    f"{'' if s.start is None else s.start}:{'' if s.stop is None else s.stop}"
+    for s in index
+  )
 
 
 def array_digests(tree: Any) -> dict[str, dict[str, str]]:
@@ -167,9 +180,9 @@ def _allgather_json(obj: Any) -> list[Any]:
   data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
   sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size])))
   padded = np.zeros(int(sizes.max()), np.uint8)
-  padded[:data.size] = data
+  padded[: data.size] = data
   rows = np.asarray(multihost_utils.process_allgather(padded))
-  return [json.loads(bytes(row[:int(n)])) for row, n in zip(rows, sizes[:, 0])]
+  return [json.loads(bytes(row[: int(n)])) for row, n in zip(rows, sizes[:, 0])]
 
 
 def _one_line(error: Exception) -> str:
@@ -196,17 +209,19 @@ def _check_workers(trainer: HybridTrainer, meta: dict[str, Any]) -> None:
   kinds = [w.kind for w in trainer.workers]
   if meta.get("plans") != plans or meta.get("kinds") != kinds:
     raise ValueError(
-        "the checkpoint was written by a run with other workers or plans "
-        f"(kinds {meta.get('kinds')} vs {kinds}); resume with the same "
-        "cluster and plans, or start a new run directory")
+      "the checkpoint was written by a run with other workers or plans "
+      f"(kinds {meta.get('kinds')} vs {kinds}); resume with the same "
+      "cluster and plans, or start a new run directory"
+    )
   # Checkpoints from before the declaration existed hold pytree states.
   saved = meta.get("optimizer_state", "pytree")
   if saved != _optimizer_state_layout(trainer):
     raise ValueError(
-        f"the checkpoint holds a {saved} optimizer state and this run's "
-        f"optimizer keeps a {_optimizer_state_layout(trainer)} one: declare "
-        "it as the saving run did (qsync_jax.elementwise(tx) keeps a flat "
-        "state), or start a new run directory")
+      f"the checkpoint holds a {saved} optimizer state and this run's "
+      f"optimizer keeps a {_optimizer_state_layout(trainer)} one: declare "
+      "it as the saving run did (qsync_jax.elementwise(tx) keeps a flat "
+      "state), or start a new run directory"
+    )
 
 
 class Checkpointer:
@@ -222,16 +237,19 @@ class Checkpointer:
     # ERROR: orbax warns about a damaged step here; restore_latest says it.
     with _quiet(logging.ERROR):
       self._manager = ocp.CheckpointManager(
-          self.directory,
-          options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                               create=True))
+        self.directory,
+        options=ocp.CheckpointManagerOptions(
+          max_to_keep=max_to_keep, create=True
+        ),
+      )
 
   def latest_step(self) -> int | None:
     """The step of the newest complete checkpoint, or None."""
     return self._manager.latest_step()
 
-  def save(self, trainer: HybridTrainer, extra_meta: dict | None = None
-           ) -> None:
+  def save(
+    self, trainer: HybridTrainer, extra_meta: dict | None = None
+  ) -> None:
     """Saves the trainer's state at its current step (blocks until done).
 
     The JSON metadata also holds the checksums of the host state and of
@@ -243,14 +261,19 @@ class Checkpointer:
     """
     tree = state_tree(trainer)
     # Through JSON first, so the digest covers what a restore reads back.
-    meta = json.loads(json.dumps({**state_meta(trainer),
-                                  **(extra_meta or {})}))
+    meta = json.loads(json.dumps({**state_meta(trainer), **(extra_meta or {})}))
     digests = _allgather_json(array_digests(tree))
-    meta[INTEGRITY] = {"meta": meta_digest(meta),
-                       "arrays": {str(k): d for k, d in enumerate(digests)}}
+    meta[INTEGRITY] = {
+      "meta": meta_digest(meta),
+      "arrays": {str(k): d for k, d in enumerate(digests)},
+    }
     with _quiet():
-      self._manager.save(trainer.step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
+      self._manager.save(
+        trainer.step,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)
+        ),
+      )
       self._manager.wait_until_finished()
 
   def restore_latest(self, trainer: HybridTrainer) -> dict[str, Any] | None:
@@ -274,36 +297,48 @@ class Checkpointer:
     if not steps:
       return None
     abstract = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-        state_tree(trainer))
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+      state_tree(trainer),
+    )
     bad = []
     for step in steps:
       tree, meta, problem = self._read(step, trainer, abstract)
       # Every process must restore the same step: a step is corrupt when
       # any process finds it so.
       problems = _allgather_json(problem)
-      problem = "; ".join(p if len(problems) == 1 else f"process {k}: {p}"
-                          for k, p in enumerate(problems) if p)
+      problem = "; ".join(
+        p if len(problems) == 1 else f"process {k}: {p}"
+        for k, p in enumerate(problems)
+        if p
+      )
       if not problem:
         break
       bad.append(f"step {step}: {problem}")
     else:
-      raise ValueError(f"no intact checkpoint in {self.directory}: "
-                       + "; ".join(bad))
+      raise ValueError(
+        f"no intact checkpoint in {self.directory}: " + "; ".join(bad)
+      )
     if bad:
-      moved = self._set_aside(steps[:len(bad)])
-      print(f"warning: skipped corrupt checkpoint(s) in {self.directory} "
-            f"({'; '.join(bad)}); moved them to {', '.join(moved)} and "
-            f"restored step {step}", file=sys.stderr)
+      moved = self._set_aside(steps[: len(bad)])
+      print(
+        f"warning: skipped corrupt checkpoint(s) in {self.directory} "
+        f"({'; '.join(bad)}); moved them to {', '.join(moved)} and "
+        f"restored step {step}",
+        file=sys.stderr,
+      )
     if INTEGRITY not in meta:
-      print(f"warning: checkpoint step {step} in {self.directory} has no "
-            "checksums (written by an older version) and cannot be "
-            "verified", file=sys.stderr)
+      print(
+        f"warning: checkpoint step {step} in {self.directory} has no "
+        "checksums (written by an older version) and cannot be "
+        "verified",
+        file=sys.stderr,
+      )
     load_state(trainer, tree, meta)
     return meta
 
-  def _read(self, step: int, trainer: HybridTrainer, abstract: Any
-            ) -> tuple[Any, Any, str | None]:
+  def _read(
+    self, step: int, trainer: HybridTrainer, abstract: Any
+  ) -> tuple[Any, Any, str | None]:
     """Reads and verifies one checkpoint: (tree, meta, problem or None).
 
     Raises:
@@ -313,8 +348,9 @@ class Checkpointer:
     # or garbled files; each of them means this checkpoint is unreadable.
     try:
       with _quiet(logging.ERROR):
-        meta = self._manager.restore(step, args=ocp.args.Composite(
-            meta=ocp.args.JsonRestore()))["meta"]
+        meta = self._manager.restore(
+          step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+        )["meta"]
     except Exception as e:  # pylint: disable=broad-except
       return None, None, f"its metadata is unreadable ({_one_line(e)})"
     if not isinstance(meta, dict):
@@ -327,8 +363,10 @@ class Checkpointer:
     _check_workers(trainer, meta)
     try:
       with _quiet(logging.ERROR):
-        tree = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract)))["state"]
+        tree = self._manager.restore(
+          step,
+          args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)),
+        )["state"]
     except Exception as e:  # pylint: disable=broad-except
       return None, None, f"its arrays are unreadable ({_one_line(e)})"
     if INTEGRITY in meta:
@@ -349,8 +387,10 @@ class Checkpointer:
     names = _allgather_json(names)[0]  # the primary's names, on every process
     if jax.process_index() == 0:
       for step, name in zip(steps, names):
-        os.replace(os.path.join(self.directory, str(step)),
-                   os.path.join(self.directory, name))
+        os.replace(
+          os.path.join(self.directory, str(step)),
+          os.path.join(self.directory, name),
+        )
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("qsync_checkpoint_set_aside")
     with _quiet(logging.ERROR):

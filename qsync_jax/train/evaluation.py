@@ -13,7 +13,8 @@ evaluated parameters on training batches, as the official QSR code's
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from flax import nnx
 import jax
@@ -32,8 +33,9 @@ from qsync_jax.train import layout
 BN_STATS = ("average", "reestimate")
 
 
-def eval_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
-                  loss_fn: Any = None) -> Callable:
+def eval_function(
+  graphdef: Any, unravel: Callable[[jax.Array], Any], loss_fn: Any = None
+) -> Callable:
   """The jitted evaluation of one batch.
 
   Args:
@@ -58,9 +60,14 @@ def eval_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
   return eval_fn
 
 
-def evaluate(eval_fn: Callable, params_row: jax.Array, rest: Any,
-             data: Any, device: jax.Device,
-             batch_size: int = 256) -> dict[str, float]:
+def evaluate(
+  eval_fn: Callable,
+  params_row: jax.Array,
+  rest: Any,
+  data: Any,
+  device: jax.Device,
+  batch_size: int = 256,
+) -> dict[str, float]:
   """The means of ``eval_fn``'s metrics over ``data`` on ``device``.
 
   Args:
@@ -86,9 +93,13 @@ def evaluate(eval_fn: Callable, params_row: jax.Array, rest: Any,
   return {name: total / count for name, total in sums.items()}
 
 
-def bn_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
-                model: nnx.Module, bn_stats: str,
-                loss_fn: Any = None) -> Callable | None:
+def bn_function(
+  graphdef: Any,
+  unravel: Callable[[jax.Array], Any],
+  model: nnx.Module,
+  bn_stats: str,
+  loss_fn: Any = None,
+) -> Callable | None:
   """The jitted step that re-estimates BatchNorm statistics on one batch.
 
   The official QSR code (``XModel.estimate_BN_params``) runs training
@@ -120,8 +131,9 @@ def bn_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
   """
   objective = as_objective(loss_fn)
   if bn_stats not in BN_STATS:
-    raise ValueError(f"unknown bn_stats {bn_stats!r}; valid: "
-                     f"{', '.join(BN_STATS)}")
+    raise ValueError(
+      f"unknown bn_stats {bn_stats!r}; valid: {', '.join(BN_STATS)}"
+    )
   nodes = list(nnx.iter_graph(model))
   stats = [p for p, n in nodes if isinstance(n, nnx.BatchStat)]
   if bn_stats == "average" or not stats:
@@ -129,13 +141,17 @@ def bn_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
   norms = {p for p, n in nodes if isinstance(n, nnx.BatchNorm)}
   # A wrapped Linen model steers its nn.BatchNorm layers' momentum itself.
   linen = [p for p, n in nodes if isinstance(n, bridge.LinenModel)]
-  outside = ["/".join(map(str, p)) for p in stats if p[:-1] not in norms
-             and not any(p[:len(q)] == q for q in linen)]
+  outside = [
+    "/".join(map(str, p))
+    for p in stats
+    if p[:-1] not in norms and not any(p[: len(q)] == q for q in linen)
+  ]
   if outside:
     raise ValueError(
-        f"bn_stats='reestimate' re-estimates nnx.BatchNorm statistics, but "
-        f"{', '.join(outside)} lie outside nnx.BatchNorm layers; use "
-        "bn_stats='average'")
+      f"bn_stats='reestimate' re-estimates nnx.BatchNorm statistics, but "
+      f"{', '.join(outside)} lie outside nnx.BatchNorm layers; use "
+      "bn_stats='average'"
+    )
 
   @jax.jit
   def bn_fn(params_row, rest, batch, m):
@@ -149,8 +165,9 @@ def bn_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
       elif isinstance(node, bridge.LinenModel):
         node.batch_norm_momentum = 0.0
     objective.forward(model, batch, train=True)
-    new = jax.tree.map(lambda a, b: (1 - m) * a + m * b, old,
-                       nnx.state(model, nnx.BatchStat))
+    new = jax.tree.map(
+      lambda a, b: (1 - m) * a + m * b, old, nnx.state(model, nnx.BatchStat)
+    )
     # A fresh merge: the forward pass may have moved other state (dropout
     # RNG counts), which evaluation must not see.
     out = nnx.merge(graphdef, unravel(params_row[0]), rest)
@@ -160,10 +177,13 @@ def bn_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
   return bn_fn
 
 
-def reestimate(bn_fn: Callable, params: jax.Array,
-               rests: Mapping[int, Any], devices: Mapping[int, jax.Device],
-               train_batches: Iterable[Mapping[int, tuple[Any, Any]]]
-               ) -> dict[int, Any]:
+def reestimate(
+  bn_fn: Callable,
+  params: jax.Array,
+  rests: Mapping[int, Any],
+  devices: Mapping[int, jax.Device],
+  train_batches: Iterable[Mapping[int, tuple[Any, Any]]],
+) -> dict[int, Any]:
   """Each local worker's state with BatchNorm statistics re-estimated.
 
   Every worker runs its own batches through its row of ``params`` (the
@@ -186,13 +206,14 @@ def reestimate(bn_fn: Callable, params: jax.Array,
   """
   steps = list(train_batches)
   if not steps:
-    raise ValueError("bn_stats='reestimate' needs training batches: pass "
-                     "train_batches (or build the trainer with "
-                     "bn_stats='average')")
+    raise ValueError(
+      "bn_stats='reestimate' needs training batches: pass "
+      "train_batches (or build the trainer with "
+      "bn_stats='average')"
+    )
   missing = sorted({i for s in steps for i in devices if i not in s})
   if missing:
-    raise ValueError(f"train_batches has no batch for local workers "
-                     f"{missing}")
+    raise ValueError(f"train_batches has no batch for local workers {missing}")
   rows = layout.rows(params)
   out = {}
   for i, device in devices.items():

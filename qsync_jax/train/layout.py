@@ -9,7 +9,8 @@ copying, so a step pays a few host operations, not one per worker and leaf.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +21,11 @@ import numpy as np
 AXIS = "workers"
 
 
-def stack_local(rows: Mapping[jax.Device, jax.Array], shape: tuple[int, ...],
-                sharding: NamedSharding) -> jax.Array:
+def stack_local(
+  rows: Mapping[jax.Device, jax.Array],
+  shape: tuple[int, ...],
+  sharding: NamedSharding,
+) -> jax.Array:
   """Assembles per-device ``(1, ...)`` rows into a global ``(n, ...)`` array.
 
   Args:
@@ -34,14 +38,19 @@ def stack_local(rows: Mapping[jax.Device, jax.Array], shape: tuple[int, ...],
     The global array (no data is copied).
   """
   return jax.make_array_from_single_device_arrays(
-      shape, sharding, [rows[d] for d in sharding.addressable_devices])
+    shape, sharding, [rows[d] for d in sharding.addressable_devices]
+  )
 
 
-def put_rows(values: Mapping[jax.Device, Any], shape: tuple[int, ...],
-             sharding: NamedSharding) -> jax.Array:
+def put_rows(
+  values: Mapping[jax.Device, Any],
+  shape: tuple[int, ...],
+  sharding: NamedSharding,
+) -> jax.Array:
   """Like :func:`stack_local`, putting each host row on its device first."""
-  return stack_local({d: jax.device_put(v, d) for d, v in values.items()},
-                     shape, sharding)
+  return stack_local(
+    {d: jax.device_put(v, d) for d, v in values.items()}, shape, sharding
+  )
 
 
 def rows(x: jax.Array) -> dict[jax.Device, jax.Array]:
@@ -69,8 +78,9 @@ def _key_data(a: Any) -> Any:
   return jax.random.key_data(a) if is_key(a) else a
 
 
-def stack_trees(trees: Mapping[jax.Device, Any], num_workers: int,
-                sharding: NamedSharding) -> Any:
+def stack_trees(
+  trees: Mapping[jax.Device, Any], num_workers: int, sharding: NamedSharding
+) -> Any:
   """Stacks per-device pytrees of equal structure into global arrays.
 
   Typed PRNG keys are stacked as their raw ``key_data``;
@@ -88,9 +98,13 @@ def stack_trees(trees: Mapping[jax.Device, Any], num_workers: int,
   per_device = {d: jax.tree.leaves(t) for d, t in trees.items()}
   leaves, treedef = jax.tree.flatten(next(iter(trees.values())))
   stacked = [
-      stack_local({d: per_device[d][k][None] for d in trees},
-                  (num_workers, *leaf.shape), sharding)
-      for k, leaf in enumerate(leaves)]
+    stack_local(
+      {d: per_device[d][k][None] for d in trees},
+      (num_workers, *leaf.shape),
+      sharding,
+    )
+    for k, leaf in enumerate(leaves)
+  ]
   return jax.tree.unflatten(treedef, stacked)
 
 
@@ -107,8 +121,14 @@ def unstack_tree(tree: Any, device: jax.Device, like: Any = None) -> Any:
   if like is None:
     return out
   return jax.tree.map(
-      lambda a, ref: jax.random.wrap_key_data(
-          a, impl=jax.random.key_impl(ref)) if is_key(ref) else a, out, like)
+    lambda a, ref: (
+      jax.random.wrap_key_data(a, impl=jax.random.key_impl(ref))
+      if is_key(ref)
+      else a
+    ),
+    out,
+    like,
+  )
 
 
 def zeros_like(x: jax.Array, sharding: NamedSharding) -> jax.Array:
@@ -117,9 +137,9 @@ def zeros_like(x: jax.Array, sharding: NamedSharding) -> jax.Array:
   return jax.jit(jnp.zeros_like, out_shardings=sharding)(x)
 
 
-def stacked_constant(values: np.ndarray,
-                     devices: Mapping[int, jax.Device],
-                     sharding: NamedSharding) -> jax.Array:
+def stacked_constant(
+  values: np.ndarray, devices: Mapping[int, jax.Device], sharding: NamedSharding
+) -> jax.Array:
   """Worker ``i``'s entry of ``values`` as its row of a stacked array.
 
   Args:
@@ -127,5 +147,6 @@ def stacked_constant(values: np.ndarray,
     devices: ``{worker index: device}`` of this process's workers.
     sharding: the stacked array's sharding.
   """
-  return put_rows({d: values[i:i + 1] for i, d in devices.items()},
-                  values.shape, sharding)
+  return put_rows(
+    {d: values[i : i + 1] for i, d in devices.items()}, values.shape, sharding
+  )

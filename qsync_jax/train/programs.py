@@ -30,11 +30,14 @@ program.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
@@ -63,6 +66,7 @@ class StackedState(NamedTuple):
       (:func:`qsync_jax.parallel.averagers.init_state`, e.g. PowerSGD's
       warm-start ``Q``), each leaf stacked; None for a stateless averager.
   """
+
   params: jax.Array
   opt_state: Any
   loss_scale: ls.LossScale
@@ -79,18 +83,24 @@ def _shard_map(mesh: Mesh, fn: Callable, num_in: int) -> Callable:
   output that did not change per worker a replicated one, which the next
   call, taking it back, would compile for again.
   """
-  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS),) * num_in,
-                               out_specs=P(AXIS)),
-                 out_shardings=NamedSharding(mesh, P(AXIS)))
+  return jax.jit(
+    jax.shard_map(
+      fn, mesh=mesh, in_specs=(P(AXIS),) * num_in, out_specs=P(AXIS)
+    ),
+    out_shardings=NamedSharding(mesh, P(AXIS)),
+  )
 
 
 def _expand(x: Any) -> jax.Array:
   return jnp.asarray(x)[None]
 
 
-def init_program(mesh: Mesh, unravel: Unravel,
-                 tx: optax.GradientTransformation,
-                 init_scale: ls.LossScale) -> Callable:
+def init_program(
+  mesh: Mesh,
+  unravel: Unravel,
+  tx: optax.GradientTransformation,
+  init_scale: ls.LossScale,
+) -> Callable:
   """``init(params) -> (params, opt_state, loss_scale)``, stacked per worker.
 
   The parameters come back as a copy made by the program: rows put from the
@@ -101,16 +111,26 @@ def init_program(mesh: Mesh, unravel: Unravel,
 
   def init(params):
     opt_state = step_lib.init_optimizer(unravel, tx, params[0])
-    return (params * 1, jax.tree.map(_expand, opt_state),
-            jax.tree.map(_expand, init_scale))
+    return (
+      params * 1,
+      jax.tree.map(_expand, opt_state),
+      jax.tree.map(_expand, init_scale),
+    )
 
   return _shard_map(mesh, init, 1)
 
 
-def initial_state(mesh: Mesh, devices: Mapping[int, jax.Device],
-                  unravel: Unravel, tx: optax.GradientTransformation,
-                  flat: jax.Array, weights: np.ndarray, loss_scaling: bool,
-                  error_feedback: bool, averager: Any = None) -> StackedState:
+def initial_state(
+  mesh: Mesh,
+  devices: Mapping[int, jax.Device],
+  unravel: Unravel,
+  tx: optax.GradientTransformation,
+  flat: jax.Array,
+  weights: np.ndarray,
+  loss_scaling: bool,
+  error_feedback: bool,
+  averager: Any = None,
+) -> StackedState:
   """The state before the first step: the same parameters on every worker.
 
   Args:
@@ -127,23 +147,33 @@ def initial_state(mesh: Mesh, devices: Mapping[int, jax.Device],
       worker; None: no averager state.
   """
   sharding = NamedSharding(mesh, P(AXIS))
-  params = layout.put_rows({d: flat[None] for d in devices.values()},
-                           (len(weights), flat.size), sharding)
-  init_scale = (ls.LossScale.create() if loss_scaling
-                else ls.LossScale.disabled())
-  params, opt_state, loss_scale = init_program(mesh, unravel, tx,
-                                               init_scale)(params)
+  params = layout.put_rows(
+    dict.fromkeys(devices.values(), flat[None]),
+    (len(weights), flat.size),
+    sharding,
+  )
+  init_scale = (
+    ls.LossScale.create() if loss_scaling else ls.LossScale.disabled()
+  )
+  params, opt_state, loss_scale = init_program(mesh, unravel, tx, init_scale)(
+    params
+  )
   return StackedState(
-      params, opt_state, loss_scale,
-      layout.stacked_constant(weights, devices, sharding),
-      layout.stacked_constant(np.zeros(len(weights), np.uint32), devices,
-                              sharding),
-      layout.zeros_like(params, sharding) if error_feedback else None,
-      _initial_averager_state(mesh, averager, params))
+    params,
+    opt_state,
+    loss_scale,
+    layout.stacked_constant(weights, devices, sharding),
+    layout.stacked_constant(
+      np.zeros(len(weights), np.uint32), devices, sharding
+    ),
+    layout.zeros_like(params, sharding) if error_feedback else None,
+    _initial_averager_state(mesh, averager, params),
+  )
 
 
-def _initial_averager_state(mesh: Mesh, averager: Any,
-                            params: jax.Array) -> Any:
+def _initial_averager_state(
+  mesh: Mesh, averager: Any, params: jax.Array
+) -> Any:
   """The averager's initial state stacked per worker, or None (stateless)."""
   state = averagers.init_state(averager, params.shape[1])
   if state is None:
@@ -156,8 +186,9 @@ def _row(x: Any) -> Any:
   return jax.tree.map(lambda a: a[0], x)
 
 
-def _average(averager: Any, seed: int, x, weight, counter, residual,
-             averager_state):
+def _average(
+  averager: Any, seed: int, x, weight, counter, residual, averager_state
+):
   """``sum_i w_i x_i`` through the averager (:func:`.averagers.average`).
 
   Runs inside the shard_map programs on one worker's stacked rows of
@@ -169,26 +200,41 @@ def _average(averager: Any, seed: int, x, weight, counter, residual,
   """
   key = jax.random.fold_in(jax.random.key(seed), counter[0])
   mean, residual, state = averagers.average(
-      averager, x, weight, AXIS, key, _row(residual), _row(averager_state))
+    averager, x, weight, AXIS, key, _row(residual), _row(averager_state)
+  )
   return mean, jax.tree.map(_expand, residual), jax.tree.map(_expand, state)
 
 
-def _apply(unravel: Unravel, tx: optax.GradientTransformation, params,
-           opt_state, scale, g):
+def _apply(
+  unravel: Unravel,
+  tx: optax.GradientTransformation,
+  params,
+  opt_state,
+  scale,
+  g,
+):
   """:func:`.step.apply_update` on one worker's stacked rows, and the loss
   scale's update; returns the stacked ``(params, opt_state, scale,
   finite)``."""
   opt = _row(opt_state)
-  new_p, new_opt, finite = step_lib.apply_update(unravel, tx, params[0], opt,
-                                                 g)
+  new_p, new_opt, finite = step_lib.apply_update(unravel, tx, params[0], opt, g)
   new_scale = ls.update(_row(scale), finite)
-  return (new_p[None], jax.tree.map(_expand, new_opt),
-          jax.tree.map(_expand, new_scale), finite[None])
+  return (
+    new_p[None],
+    jax.tree.map(_expand, new_opt),
+    jax.tree.map(_expand, new_scale),
+    finite[None],
+  )
 
 
-def update_program(mesh: Mesh, unravel: Unravel,
-                   tx: optax.GradientTransformation, averager: Any,
-                   seed: int, error_feedback: bool) -> Callable:
+def update_program(
+  mesh: Mesh,
+  unravel: Unravel,
+  tx: optax.GradientTransformation,
+  averager: Any,
+  seed: int,
+  error_feedback: bool,
+) -> Callable:
   """The data-parallel step: average the gradients, then the optax update.
 
   Returns:
@@ -202,28 +248,43 @@ def update_program(mesh: Mesh, unravel: Unravel,
     worker and leaves the residual and the averager's state as they were.
   """
 
-  def update(params, opt_state, scale, grads, weight, counter, residual,
-             averager_state):
+  def update(
+    params, opt_state, scale, grads, weight, counter, residual, averager_state
+  ):
     s = scale.scale[0]
     res = residual if error_feedback else None
     # The residual is unscaled: with feedback average g / s, not the scaled
     # gradient.
     g, new_res, new_state = _average(
-        averager, seed, grads[0] / s if error_feedback else grads[0],
-        weight[0], counter, res, averager_state)
-    out = _apply(unravel, tx, params, opt_state, scale,
-                 g if error_feedback else g / s)
+      averager,
+      seed,
+      grads[0] / s if error_feedback else grads[0],
+      weight[0],
+      counter,
+      res,
+      averager_state,
+    )
+    out = _apply(
+      unravel, tx, params, opt_state, scale, g if error_feedback else g / s
+    )
     new_res, new_state = jax.tree.map(
-        lambda new, old: jnp.where(out[3][0], new, old),
-        (new_res, new_state), (res, averager_state))
-    return (*out, counter + 1, new_res if error_feedback else residual,
-            new_state)
+      lambda new, old: jnp.where(out[3][0], new, old),
+      (new_res, new_state),
+      (res, averager_state),
+    )
+    return (
+      *out,
+      counter + 1,
+      new_res if error_feedback else residual,
+      new_state,
+    )
 
   return _shard_map(mesh, update, 8)
 
 
-def local_update_program(mesh: Mesh, unravel: Unravel,
-                         tx: optax.GradientTransformation) -> Callable:
+def local_update_program(
+  mesh: Mesh, unravel: Unravel, tx: optax.GradientTransformation
+) -> Callable:
   """A local step: each worker applies its own gradient; no collective.
 
   Returns:
@@ -232,15 +293,20 @@ def local_update_program(mesh: Mesh, unravel: Unravel,
   """
 
   def local_update(params, opt_state, scale, grads):
-    return _apply(unravel, tx, params, opt_state, scale,
-                  grads[0] / scale.scale[0])
+    return _apply(
+      unravel, tx, params, opt_state, scale, grads[0] / scale.scale[0]
+    )
 
   return _shard_map(mesh, local_update, 4)
 
 
-def average_params_program(mesh: Mesh, averager: Any, seed: int,
-                           outer_tx: optax.GradientTransformation | None = None,
-                           unravel: Unravel | None = None) -> Callable:
+def average_params_program(
+  mesh: Mesh,
+  averager: Any,
+  seed: int,
+  outer_tx: optax.GradientTransformation | None = None,
+  unravel: Unravel | None = None,
+) -> Callable:
   """Averages the parameters' change since the last synchronization.
 
   Each worker sends its change since the anchor (a pseudo-gradient, whose
@@ -274,30 +340,62 @@ def average_params_program(mesh: Mesh, averager: Any, seed: int,
   if outer_tx is not None and unravel is None:
     raise ValueError("average_params_program needs unravel with an outer_tx")
 
-  def average(params, anchor, weight, counter, residual, averager_state,
-              outer_state):
+  def average(
+    params, anchor, weight, counter, residual, averager_state, outer_state
+  ):
     delta, residual, averager_state = _average(
-        averager, seed, params[0] - anchor[0], weight[0], counter, residual,
-        averager_state)
+      averager,
+      seed,
+      params[0] - anchor[0],
+      weight[0],
+      counter,
+      residual,
+      averager_state,
+    )
     if outer_tx is None:
-      return ((anchor[0] + delta)[None], counter + 1, residual,
-              averager_state, outer_state)
+      return (
+        (anchor[0] + delta)[None],
+        counter + 1,
+        residual,
+        averager_state,
+        outer_state,
+      )
     state = _row(outer_state)
-    updates, state = outer_tx.update(unravel(-delta), state,
-                                     unravel(anchor[0]))
+    updates, state = outer_tx.update(unravel(-delta), state, unravel(anchor[0]))
     new_p = anchor[0] + flatten.ravel(updates)
-    return (new_p[None], counter + 1, residual, averager_state,
-            jax.tree.map(_expand, state))
+    return (
+      new_p[None],
+      counter + 1,
+      residual,
+      averager_state,
+      jax.tree.map(_expand, state),
+    )
 
   program = _shard_map(mesh, average, 7)
 
-  def checked(params, anchor, weight, counter, residual, averager_state=None,
-              outer_state=None):
+  def checked(
+    params,
+    anchor,
+    weight,
+    counter,
+    residual,
+    averager_state=None,
+    outer_state=None,
+  ):
     if (outer_state is None) != (outer_tx is None):
-      raise ValueError("average_params_program: pass outer_state exactly "
-                       "when the program has an outer_tx")
-    return (params, anchor, weight, counter, residual, averager_state,
-            outer_state)
+      raise ValueError(
+        "average_params_program: pass outer_state exactly "
+        "when the program has an outer_tx"
+      )
+    return (
+      params,
+      anchor,
+      weight,
+      counter,
+      residual,
+      averager_state,
+      outer_state,
+    )
 
   def run(*args, **kwargs):
     return program(*checked(*args, **kwargs))
@@ -308,9 +406,13 @@ def average_params_program(mesh: Mesh, averager: Any, seed: int,
   return run
 
 
-def initial_outer_state(mesh: Mesh, unravel: Unravel,
-                        outer_tx: optax.GradientTransformation | None,
-                        params: jax.Array, schedule: Any = None) -> Any:
+def initial_outer_state(
+  mesh: Mesh,
+  unravel: Unravel,
+  outer_tx: optax.GradientTransformation | None,
+  params: jax.Array,
+  schedule: Any = None,
+) -> Any:
   """``outer_tx``'s initial state, stacked per worker, or None without one.
 
   Args:
@@ -332,11 +434,14 @@ def initial_outer_state(mesh: Mesh, unravel: Unravel,
   if outer_tx is None:
     return None
   if isinstance(schedule, schedules.EveryStep):
-    raise ValueError("outer_tx steps parameter averages, which data "
-                     "parallelism (EveryStep) never makes; use a local "
-                     "schedule (local, postlocal, qsr)")
-  return _shard_map(mesh, lambda p: jax.tree.map(
-      _expand, outer_tx.init(unravel(p[0]))), 1)(params)
+    raise ValueError(
+      "outer_tx steps parameter averages, which data "
+      "parallelism (EveryStep) never makes; use a local "
+      "schedule (local, postlocal, qsr)"
+    )
+  return _shard_map(
+    mesh, lambda p: jax.tree.map(_expand, outer_tx.init(unravel(p[0]))), 1
+  )(params)
 
 
 def opt_field_mask(opt_state: Any, fields: Sequence[str]) -> Any:
@@ -357,20 +462,32 @@ def opt_field_mask(opt_state: Any, fields: Sequence[str]) -> Any:
     ValueError: a field the state does not have, naming those it has.
   """
   paths = jax.tree_util.tree_flatten_with_path(opt_state)[0]
-  have = sorted({k.name for path, _ in paths for k in path
-                 if isinstance(k, jax.tree_util.GetAttrKey)})
+  have = sorted(
+    {
+      k.name
+      for path, _ in paths
+      for k in path
+      if isinstance(k, jax.tree_util.GetAttrKey)
+    }
+  )
   unknown = sorted(set(fields) - set(have))
   if unknown:
-    raise ValueError(f"the optimizer state has no field(s) "
-                     f"{', '.join(unknown)} to average; its fields: "
-                     f"{', '.join(have) or 'none'}")
+    raise ValueError(
+      f"the optimizer state has no field(s) "
+      f"{', '.join(unknown)} to average; its fields: "
+      f"{', '.join(have) or 'none'}"
+    )
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: any(isinstance(k, jax.tree_util.GetAttrKey)
-                          and k.name in fields for k in path), opt_state)
+    lambda path, _: any(
+      isinstance(k, jax.tree_util.GetAttrKey) and k.name in fields for k in path
+    ),
+    opt_state,
+  )
 
 
-def opt_fields_program(mesh: Mesh, opt_state: Any, fields: Sequence[str]
-                       ) -> tuple[Callable | None, int]:
+def opt_fields_program(
+  mesh: Mesh, opt_state: Any, fields: Sequence[str]
+) -> tuple[Callable | None, int]:
   """Averages the named optimizer-state fields over the workers.
 
   The QSR code (``LocalOptimizer``, ``optim_fields_to_average``) averages
@@ -393,17 +510,20 @@ def opt_fields_program(mesh: Mesh, opt_state: Any, fields: Sequence[str]
   """
   mask = opt_field_mask(opt_state, fields)
   mask = jax.tree.map(
-      lambda m, x: m and jnp.issubdtype(x.dtype, jnp.floating), mask,
-      opt_state)
-  size = sum(int(np.prod(x.shape[1:])) for m, x in zip(
-      jax.tree.leaves(mask), jax.tree.leaves(opt_state)) if m)
+    lambda m, x: m and jnp.issubdtype(x.dtype, jnp.floating), mask, opt_state
+  )
+  size = sum(
+    int(np.prod(x.shape[1:]))
+    for m, x in zip(jax.tree.leaves(mask), jax.tree.leaves(opt_state))
+    if m
+  )
   if not size:
     return None, 0
 
   def average(opt, weight):
     return jax.tree.map(
-        lambda m, x: jax.lax.psum(x * weight[0], AXIS) if m else x, mask,
-        opt)
+      lambda m, x: jax.lax.psum(x * weight[0], AXIS) if m else x, mask, opt
+    )
 
   return _shard_map(mesh, average, 2), size
 
@@ -414,8 +534,11 @@ def mean_rest_program(mesh: Mesh) -> Callable:
 
   def mean(tree):
     return jax.tree.map(
-        lambda x: jax.lax.pmean(x, AXIS)
-        if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+      lambda x: (
+        jax.lax.pmean(x, AXIS) if jnp.issubdtype(x.dtype, jnp.floating) else x
+      ),
+      tree,
+    )
 
   return _shard_map(mesh, mean, 1)
 

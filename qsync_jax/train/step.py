@@ -21,7 +21,8 @@ trainer that drives them (:mod:`.trainer`) build on these.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from flax import nnx
 import jax
@@ -34,18 +35,18 @@ from qsync_jax.numerics import flatten
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.plan import policy
 from qsync_jax.plan.precision import PrecisionPlan
-from qsync_jax.train import layout
 from qsync_jax.task.objective import as_objective
+from qsync_jax.train import layout
 
 #: A loss in any form :func:`qsync_jax.task.as_objective` takes.
 LossFn = Any
 
 
-def plan_graphdefs(model: nnx.Module, plans: Sequence[tuple[PrecisionPlan,
-                                                            str]],
-                   sample_input: Any = None
-                   ) -> tuple[list[Any], list[dict[str, Precision]], Any,
-                              Any, Any]:
+def plan_graphdefs(
+  model: nnx.Module,
+  plans: Sequence[tuple[PrecisionPlan, str]],
+  sample_input: Any = None,
+) -> tuple[list[Any], list[dict[str, Precision]], Any, Any, Any]:
   """One graph definition per distinct plan, sharing the model's parameters.
 
   Args:
@@ -76,8 +77,11 @@ def plan_graphdefs(model: nnx.Module, plans: Sequence[tuple[PrecisionPlan,
       policy.set_precisions(layer_list, eff, plan.quant)
       by_plan[key] = nnx.split(model, nnx.Param, ...)[0]
     graphdefs.append(by_plan[key])
-  policy.set_precisions(layer_list, policy.resolve_layers(
-      layer_list, PrecisionPlan()), PrecisionPlan().quant)
+  policy.set_precisions(
+    layer_list,
+    policy.resolve_layers(layer_list, PrecisionPlan()),
+    PrecisionPlan().quant,
+  )
   fp32_graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   return graphdefs, precisions, fp32_graphdef, params, rest
 
@@ -93,13 +97,18 @@ def step_rngs(seed: int, ids: jax.Array) -> nnx.Rngs:
     ``nnx.Rngs`` whose default stream is ``key(seed)`` folded with both, so
     workers draw different masks and every step new ones, reproducibly.
   """
-  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), ids[0]),
-                           ids[1])
+  key = jax.random.fold_in(
+    jax.random.fold_in(jax.random.key(seed), ids[0]), ids[1]
+  )
   return nnx.Rngs(key)
 
 
-def grad_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
-                  loss_fn: LossFn = None, seed: int = 0) -> Callable:
+def grad_function(
+  graphdef: Any,
+  unravel: Callable[[jax.Array], Any],
+  loss_fn: LossFn = None,
+  seed: int = 0,
+) -> Callable:
   """One worker's jitted gradient computation (its plan is in ``graphdef``).
 
   Args:
@@ -136,23 +145,32 @@ def grad_function(graphdef: Any, unravel: Callable[[jax.Array], Any],
   return grad_fn
 
 
-def grad_functions(graphdefs: Sequence[Any],
-                   unravel: Callable[[jax.Array], Any], loss_fn: LossFn = None,
-                   seed: int = 0) -> list[Callable]:
+def grad_functions(
+  graphdefs: Sequence[Any],
+  unravel: Callable[[jax.Array], Any],
+  loss_fn: LossFn = None,
+  seed: int = 0,
+) -> list[Callable]:
   """Each worker's :func:`grad_function`, one per distinct graph definition
   (workers with equal plans share one compiled function)."""
   objective = as_objective(loss_fn)
   by_graphdef: dict[int, Callable] = {}
-  return [by_graphdef.setdefault(
-      id(gd), grad_function(gd, unravel, objective, seed)) for gd in graphdefs]
+  return [
+    by_graphdef.setdefault(id(gd), grad_function(gd, unravel, objective, seed))
+    for gd in graphdefs
+  ]
 
 
-def local_gradients(grad_fns: Mapping[int, Callable],
-                    devices: Mapping[int, jax.Device], params: jax.Array,
-                    scale: jax.Array, rests: dict[int, Any],
-                    batches: Mapping[int, Any], sharding: NamedSharding,
-                    step: int = 0
-                    ) -> tuple[jax.Array, dict[int, dict[str, jax.Array]]]:
+def local_gradients(
+  grad_fns: Mapping[int, Callable],
+  devices: Mapping[int, jax.Device],
+  params: jax.Array,
+  scale: jax.Array,
+  rests: dict[int, Any],
+  batches: Mapping[int, Any],
+  sharding: NamedSharding,
+  step: int = 0,
+) -> tuple[jax.Array, dict[int, dict[str, jax.Array]]]:
   """Runs every local worker's gradient function on its batch.
 
   Args:
@@ -175,8 +193,9 @@ def local_gradients(grad_fns: Mapping[int, Callable],
   for i, device in devices.items():
     batch = jax.device_put(batches[i], device)
     ids = np.array([i, step], np.uint32)
-    g, rests[i], metrics[i] = grad_fns[i](params_rows[device], rests[i],
-                                          scale_rows[device], batch, ids)
+    g, rests[i], metrics[i] = grad_fns[i](
+      params_rows[device], rests[i], scale_rows[device], batch, ids
+    )
     grad_rows[device] = g
   return layout.stack_local(grad_rows, params.shape, sharding), metrics
 
@@ -186,11 +205,11 @@ class ElementwiseTransformation(optax.GradientTransformation):
 
   The same ``(init, update)`` pair; only its type carries the declaration.
   """
+
   __slots__ = ()
 
 
-def elementwise(tx: optax.GradientTransformation
-                ) -> ElementwiseTransformation:
+def elementwise(tx: optax.GradientTransformation) -> ElementwiseTransformation:
   """Declares that ``tx`` updates every parameter element on its own.
 
   Then the trainer (and the predictor, which times the trainer's update)
@@ -223,17 +242,23 @@ def is_elementwise(tx: optax.GradientTransformation) -> bool:
   return isinstance(tx, ElementwiseTransformation)
 
 
-def init_optimizer(unravel: Callable[[jax.Array], Any],
-                   tx: optax.GradientTransformation, flat: jax.Array) -> Any:
+def init_optimizer(
+  unravel: Callable[[jax.Array], Any],
+  tx: optax.GradientTransformation,
+  flat: jax.Array,
+) -> Any:
   """``tx``'s initial state for the flat parameters ``flat``: on the flat
   vector if ``tx`` is :func:`elementwise`, else on the parameter pytree."""
   return tx.init(flat if is_elementwise(tx) else unravel(flat))
 
 
-def apply_update(unravel: Callable[[jax.Array], Any],
-                 tx: optax.GradientTransformation, flat: jax.Array,
-                 opt_state: Any, g: jax.Array
-                 ) -> tuple[jax.Array, Any, jax.Array]:
+def apply_update(
+  unravel: Callable[[jax.Array], Any],
+  tx: optax.GradientTransformation,
+  flat: jax.Array,
+  opt_state: Any,
+  g: jax.Array,
+) -> tuple[jax.Array, Any, jax.Array]:
   """One optax step on the flat gradient ``g``, skipped if it is not finite.
 
   Args:
@@ -251,8 +276,11 @@ def apply_update(unravel: Callable[[jax.Array], Any],
   keep = lambda new, old: jnp.where(finite, new, old)
   if is_elementwise(tx):
     updates, new_opt = tx.update(g, opt_state, flat)
-    return (keep(optax.apply_updates(flat, updates), flat),
-            jax.tree.map(keep, new_opt, opt_state), finite)
+    return (
+      keep(optax.apply_updates(flat, updates), flat),
+      jax.tree.map(keep, new_opt, opt_state),
+      finite,
+    )
   p = unravel(flat)
   updates, new_opt = tx.update(unravel(g), opt_state, p)
   # Selected leaf by leaf, before raveling: each select fuses into its
@@ -260,5 +288,6 @@ def apply_update(unravel: Callable[[jax.Array], Any],
   # (measured on the 10.6M-parameter CNN of the network study, SGD with
   # momentum, XLA:CPU: 49-53 ms per update against 34-39 ms).
   new_flat = flatten.ravel(
-      jax.tree.map(keep, optax.apply_updates(p, updates), p))
+    jax.tree.map(keep, optax.apply_updates(p, updates), p)
+  )
   return new_flat, jax.tree.map(keep, new_opt, opt_state), finite

@@ -48,14 +48,17 @@ runs the gradient functions of its own workers only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import dataclasses
 import hashlib
-from typing import Any, Sequence
+from typing import Any
 
 from flax import nnx
 import jax
 from jax.flatten_util import ravel_pytree
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
@@ -85,6 +88,7 @@ class Worker:
     plan: its precision plan.
     batch_size: its local batch size.
   """
+
   device: jax.Device
   kind: str
   plan: PrecisionPlan
@@ -96,8 +100,8 @@ def _worker_rest(rest: Any, index: int) -> Any:
   key (a layer's own RNG stream, e.g. ``nnx.Dropout(rngs=...)``) folded with
   the index, so workers draw different dropout masks."""
   return jax.tree.map(
-      lambda a: jax.random.fold_in(a, index) if layout.is_key(a) else a,
-      rest)
+    lambda a: jax.random.fold_in(a, index) if layout.is_key(a) else a, rest
+  )
 
 
 def _check_workers(workers: Sequence[Worker]) -> None:
@@ -112,8 +116,9 @@ def _check_workers(workers: Sequence[Worker]) -> None:
     raise ValueError(f"batch sizes must be positive, got {bad}")
 
 
-def _grad_weights(workers: Sequence[Worker],
-                  grad_weights: Sequence[float] | None) -> np.ndarray:
+def _grad_weights(
+  workers: Sequence[Worker], grad_weights: Sequence[float] | None
+) -> np.ndarray:
   """The workers' shares of the average: by default ``b_i / sum(b)``."""
   n = len(workers)
   if grad_weights is None:
@@ -121,8 +126,10 @@ def _grad_weights(workers: Sequence[Worker],
     grad_weights = sizes / sizes.sum()
   grad_weights = np.asarray(grad_weights, np.float32)
   if grad_weights.shape != (n,) or not np.isclose(grad_weights.sum(), 1.0):
-    raise ValueError(f"grad_weights must be {n} numbers summing to 1, got "
-                     f"{grad_weights.tolist()}")
+    raise ValueError(
+      f"grad_weights must be {n} numbers summing to 1, got "
+      f"{grad_weights.tolist()}"
+    )
   return grad_weights
 
 
@@ -167,17 +174,26 @@ class HybridTrainer:
     qsync_jax.PlanError: a plan does not fit the model or its device kind.
   """
 
-  def __init__(self, model: nnx.Module, workers: Sequence[Worker],
-               tx: optax.GradientTransformation, *,
-               loss_fn: LossFn = None, call: Any = None,
-               averager: Any = None, schedule: Any = None,
-               grad_weights: Sequence[float] | None = None,
-               loss_scaling: bool | str = "auto",
-               sample_input: Any = None, sample_batch: Any = None,
-               error_feedback: bool = False,
-               seed: int = 0, bn_stats: str = "reestimate",
-               opt_fields_to_average: Sequence[str] = (),
-               outer_tx: optax.GradientTransformation | None = None):
+  def __init__(
+    self,
+    model: nnx.Module,
+    workers: Sequence[Worker],
+    tx: optax.GradientTransformation,
+    *,
+    loss_fn: LossFn = None,
+    call: Any = None,
+    averager: Any = None,
+    schedule: Any = None,
+    grad_weights: Sequence[float] | None = None,
+    loss_scaling: bool | str = "auto",
+    sample_input: Any = None,
+    sample_batch: Any = None,
+    error_feedback: bool = False,
+    seed: int = 0,
+    bn_stats: str = "reestimate",
+    opt_fields_to_average: Sequence[str] = (),
+    outer_tx: optax.GradientTransformation | None = None,
+  ):
     _check_workers(workers)
     self.workers = list(workers)
     self.num_workers = len(workers)
@@ -191,48 +207,84 @@ class HybridTrainer:
     self.seed = int(seed)
     self.mesh = Mesh(np.array([w.device for w in workers]), (AXIS,))
     self.sharding = NamedSharding(self.mesh, P(AXIS))
-    self.local_workers = [i for i, w in enumerate(workers)
-                          if w.device.process_index == jax.process_index()]
+    self.local_workers = [
+      i
+      for i, w in enumerate(workers)
+      if w.device.process_index == jax.process_index()
+    ]
     # {worker index: device} of this process's workers.
     self._devices = {i: workers[i].device for i in self.local_workers}
     self.grad_weights = _grad_weights(workers, grad_weights)
 
     graphdefs, self.precisions, fp32_graphdef, params, rest = (
-        step_lib.plan_graphdefs(model, [(w.plan, w.kind) for w in workers],
-                                sample_input))
+      step_lib.plan_graphdefs(
+        model, [(w.plan, w.kind) for w in workers], sample_input
+      )
+    )
     flat, self._unravel = ravel_pytree(params)
     self.num_params = int(flat.size)
-    self.loss_scaling = bool(loss_scaling) if loss_scaling != "auto" else any(
-        Precision.FP16 in eff.values() for eff in self.precisions)
+    self.loss_scaling = (
+      bool(loss_scaling)
+      if loss_scaling != "auto"
+      else any(Precision.FP16 in eff.values() for eff in self.precisions)
+    )
 
-    grad_fns = step_lib.grad_functions(graphdefs, self._unravel,
-                                       self.objective, self.seed)
+    grad_fns = step_lib.grad_functions(
+      graphdefs, self._unravel, self.objective, self.seed
+    )
     self._grad_fns = {i: grad_fns[i] for i in self.local_workers}
     self._update = programs.update_program(
-        self.mesh, self._unravel, tx, self.averager, self.seed,
-        self.error_feedback)
+      self.mesh,
+      self._unravel,
+      tx,
+      self.averager,
+      self.seed,
+      self.error_feedback,
+    )
     self._local_update = programs.local_update_program(
-        self.mesh, self._unravel, tx)
+      self.mesh, self._unravel, tx
+    )
     self._average_params = programs.average_params_program(
-        self.mesh, self.averager, self.seed, outer_tx, self._unravel)
-    self._eval_fn = evaluation.eval_function(fp32_graphdef, self._unravel,
-                                             self.objective)
-    self._bn_fn = evaluation.bn_function(fp32_graphdef, self._unravel, model,
-                                         bn_stats, self.objective)
+      self.mesh, self.averager, self.seed, outer_tx, self._unravel
+    )
+    self._eval_fn = evaluation.eval_function(
+      fp32_graphdef, self._unravel, self.objective
+    )
+    self._bn_fn = evaluation.bn_function(
+      fp32_graphdef, self._unravel, model, bn_stats, self.objective
+    )
     self._mean_rest = programs.mean_rest_program(self.mesh)
     self._mean_params = programs.mean_params_program(self.mesh)
 
-    (self.params, self.opt_state, self.loss_scale, self._weights,
-     self._counter, self.residual, self.averager_state) = (
-         programs.initial_state(self.mesh, self._devices, self._unravel, tx,
-                                flat, self.grad_weights, self.loss_scaling,
-                                self.error_feedback, self.averager))
+    (
+      self.params,
+      self.opt_state,
+      self.loss_scale,
+      self._weights,
+      self._counter,
+      self.residual,
+      self.averager_state,
+    ) = programs.initial_state(
+      self.mesh,
+      self._devices,
+      self._unravel,
+      tx,
+      flat,
+      self.grad_weights,
+      self.loss_scaling,
+      self.error_feedback,
+      self.averager,
+    )
     self.outer_state = programs.initial_outer_state(
-        self.mesh, self._unravel, outer_tx, self.params, self.schedule)
-    self.rest = {i: jax.device_put(_worker_rest(rest, i), d)
-                 for i, d in self._devices.items()}
+      self.mesh, self._unravel, outer_tx, self.params, self.schedule
+    )
+    self.rest = {
+      i: jax.device_put(_worker_rest(rest, i), d)
+      for i, d in self._devices.items()
+    }
     self._average_opt, size = programs.opt_fields_program(
-        self.mesh, self.opt_state, tuple(opt_fields_to_average))
+      self.mesh, self.opt_state, tuple(opt_fields_to_average)
+    )
     self._opt_bytes = averagers.MeanAverager().wire_bytes(size, len(workers))
     self._anchor = self.params
     self._finite = None
@@ -243,8 +295,9 @@ class HybridTrainer:
   # Training.
   # ------------------------------------------------------------------
 
-  def train_step(self, batches: dict[int, Any]
-                 ) -> dict[int, dict[str, jax.Array]]:
+  def train_step(
+    self, batches: dict[int, Any]
+  ) -> dict[int, dict[str, jax.Array]]:
     """Runs one synchronous step.
 
     Args:
@@ -261,25 +314,57 @@ class HybridTrainer:
     if missing:
       raise ValueError(f"no batch for local workers {missing}")
     grads, metrics = step_lib.local_gradients(
-        self._grad_fns, self._devices, self.params, self.loss_scale.scale,
-        self.rest, batches, self.sharding, self.step)
+      self._grad_fns,
+      self._devices,
+      self.params,
+      self.loss_scale.scale,
+      self.rest,
+      batches,
+      self.sharding,
+      self.step,
+    )
     step = self.step + 1
     if self.schedule.averages_gradients_at(step):
-      (self.params, self.opt_state, self.loss_scale, self._finite,
-       self._counter, self.residual, self.averager_state) = self._update(
-           self.params, self.opt_state, self.loss_scale, grads, self._weights,
-           self._counter, self.residual, self.averager_state)
+      (
+        self.params,
+        self.opt_state,
+        self.loss_scale,
+        self._finite,
+        self._counter,
+        self.residual,
+        self.averager_state,
+      ) = self._update(
+        self.params,
+        self.opt_state,
+        self.loss_scale,
+        grads,
+        self._weights,
+        self._counter,
+        self.residual,
+        self.averager_state,
+      )
       synced = True
     else:
       self.params, self.opt_state, self.loss_scale, self._finite = (
-          self._local_update(self.params, self.opt_state, self.loss_scale,
-                             grads))
+        self._local_update(self.params, self.opt_state, self.loss_scale, grads)
+      )
       synced = self.schedule.is_sync_step(step)
       if synced:
-        (self.params, self._counter, self.residual, self.averager_state,
-         self.outer_state) = self._average_params(
-             self.params, self._anchor, self._weights, self._counter,
-             self.residual, self.averager_state, self.outer_state)
+        (
+          self.params,
+          self._counter,
+          self.residual,
+          self.averager_state,
+          self.outer_state,
+        ) = self._average_params(
+          self.params,
+          self._anchor,
+          self._weights,
+          self._counter,
+          self.residual,
+          self.averager_state,
+          self.outer_state,
+        )
         if self._average_opt is not None:
           self.opt_state = self._average_opt(self.opt_state, self._weights)
           self.comm_bytes += self._opt_bytes
@@ -287,8 +372,9 @@ class HybridTrainer:
     if synced:
       self._anchor = self.params
       self.sync_rounds += 1
-      self.comm_bytes += self.averager.wire_bytes(self.num_params,
-                                                  self.num_workers)
+      self.comm_bytes += self.averager.wire_bytes(
+        self.num_params, self.num_workers
+      )
     return metrics
 
   def compile(self, total_steps: int) -> None:
@@ -345,12 +431,15 @@ class HybridTrainer:
     """The workers' non-parameter state (default :attr:`rest`) stacked into
     global arrays."""
     rests = self.rest if rests is None else rests
-    return layout.stack_trees({d: rests[i]
-                               for i, d in self._devices.items()},
-                              self.num_workers, self.sharding)
+    return layout.stack_trees(
+      {d: rests[i] for i, d in self._devices.items()},
+      self.num_workers,
+      self.sharding,
+    )
 
-  def evaluate(self, data: Any, batch_size: int = 256,
-               train_batches: Any = None) -> dict[str, float]:
+  def evaluate(
+    self, data: Any, batch_size: int = 256, train_batches: Any = None
+  ) -> dict[str, float]:
     """The objective's mean loss and metrics over ``data`` (one batch,
     ``(x, y)`` for classification), in eval mode with FP32 compute.
 
@@ -369,21 +458,32 @@ class HybridTrainer:
       params = self._mean_params(self.params, self._weights)
     rests = self.rest
     if self._bn_fn is not None:
-      rests = evaluation.reestimate(self._bn_fn, params, self.rest,
-                                    self._devices, train_batches or ())
+      rests = evaluation.reestimate(
+        self._bn_fn, params, self.rest, self._devices, train_batches or ()
+      )
     first = self._first_device
-    rest = layout.unstack_tree(self._mean_rest(self._stacked_rest(rests)),
-                               first, like=rests[self.local_workers[0]])
-    return evaluation.evaluate(self._eval_fn, layout.rows(params)[first],
-                               rest, data, first, batch_size)
+    rest = layout.unstack_tree(
+      self._mean_rest(self._stacked_rest(rests)),
+      first,
+      like=rests[self.local_workers[0]],
+    )
+    return evaluation.evaluate(
+      self._eval_fn, layout.rows(params)[first], rest, data, first, batch_size
+    )
 
 
 def describe_workers(workers: Sequence[Worker]) -> list[dict[str, Any]]:
   """Returns [{kind, device, batch_size, plan}] of the workers, for
   summaries."""
-  return [{"kind": w.kind, "device": str(w.device),
-           "batch_size": w.batch_size, "plan": w.plan.to_dict()}
-          for w in workers]
+  return [
+    {
+      "kind": w.kind,
+      "device": str(w.device),
+      "batch_size": w.batch_size,
+      "plan": w.plan.to_dict(),
+    }
+    for w in workers
+  ]
 
 
 def compile_programs(trainer: HybridTrainer, total_steps: int) -> None:
@@ -409,15 +509,28 @@ def compile_programs(trainer: HybridTrainer, total_steps: int) -> None:
   grads = t.params  # The stacked gradients' type and sharding.
   # pylint: disable=protected-access
   if len(local) < len(steps):
-    t._update.lower(t.params, t.opt_state, t.loss_scale, grads, t._weights,
-                    t._counter, t.residual, t.averager_state).compile()
+    t._update.lower(
+      t.params,
+      t.opt_state,
+      t.loss_scale,
+      grads,
+      t._weights,
+      t._counter,
+      t.residual,
+      t.averager_state,
+    ).compile()
   if not local:
     return
-  t._local_update.lower(t.params, t.opt_state, t.loss_scale,
-                        grads).compile()
+  t._local_update.lower(t.params, t.opt_state, t.loss_scale, grads).compile()
   if set(local) & set(t.schedule.sync_steps(int(total_steps))):
-    t._average_params.lower(t.params, t._anchor, t._weights, t._counter,
-                            t.residual, t.averager_state,
-                            t.outer_state).compile()
+    t._average_params.lower(
+      t.params,
+      t._anchor,
+      t._weights,
+      t._counter,
+      t.residual,
+      t.averager_state,
+      t.outer_state,
+    ).compile()
     if t._average_opt is not None:
       t._average_opt.lower(t.opt_state, t._weights).compile()
