@@ -1,11 +1,15 @@
 """The main job: hybrid-cluster training from a config, with outputs on disk.
 
-This module owns ``train_and_evaluate(config, out_dir)``, which the
-``experiments/train.py`` binary calls: it maps the cluster spec onto the JAX
-devices present, builds one worker per device with its kind's precision plan
-(and its batch size, equal or proportional to device speed), trains a
-:class:`~qsync_jax.train.trainer.HybridTrainer`, checkpoints and resumes it, and
-writes ``summary.json``, ``metrics.jsonl``, the plans and a PNG of the curves.
+This module owns ``main(config, out_dir, overrides)``, everything the
+``experiments/train.py`` binary does after reading its flags (applying the
+shortcut flags, the checks, joining a multi-process run, bad input as one
+``error:`` line), and ``train_and_evaluate(config, out_dir)``, which it
+calls and library callers may call directly: it maps the cluster spec onto
+the JAX devices present, builds one worker per device with its kind's
+precision plan (and its batch size, equal or proportional to device speed),
+trains a :class:`~qsync_jax.train.trainer.HybridTrainer`, checkpoints and
+resumes it, and writes ``summary.json``, ``metrics.jsonl``, the plans and a
+PNG of the curves.
 In a multi-process run (``qsync_jax.parallel.distributed``) every process runs
 its own workers and only process 0 writes the files. The config's checks and
 the objects it names are in :mod:`experiments.config_lib`; a run ending in
@@ -19,6 +23,7 @@ from collections.abc import Iterator, Mapping
 import json
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -31,11 +36,14 @@ import numpy as np
 
 from experiments import config_lib
 from experiments import plans_lib
+from qsync_jax import cli
 from qsync_jax import data as data_lib
 from qsync_jax import host_malloc
 from qsync_jax.allocation import pipeline
 from qsync_jax.parallel import agreement
 from qsync_jax.parallel import cluster as cluster_lib
+from qsync_jax.parallel import coordination
+from qsync_jax.parallel import distributed
 from qsync_jax.parallel import links
 from qsync_jax.parallel import preemption
 from qsync_jax.plan.precision import PrecisionPlan
@@ -308,6 +316,28 @@ def train_and_evaluate(
       preemption, a run continues from the newest checkpoint in
       ``out_dir/checkpoints``.
 
+  Writes to ``out_dir`` (process 0 only):
+
+  - ``summary.json``: final_eval_accuracy, final_eval_loss,
+    final_train_loss, steps, steps_this_run, sync, compress,
+    error_feedback, outer_optimizer, sync_rounds, comm_bytes (bytes each
+    worker sent, ring all-reduce model), wall_time_s, train_time_s,
+    examples_per_s, loss_scaling, skipped_steps, params_sha256, cluster,
+    num_processes, plans_sha256, profiles (where each kind's profile came
+    from, with auto plans), link (the launcher's --link and its measured
+    rate, or null), host_malloc, workers [{kind, device, batch_size,
+    plan}], precisions (per worker: {layer: precision}).
+  - ``metrics.jsonl``: one row per log/eval step (step, loss, accuracy,
+    examples_per_s, loss_scale, H (the period of the step's round),
+    sync_rounds, comm_bytes, eval_loss, eval_accuracy).
+  - ``plans/<kind>.json``: each device kind's PrecisionPlan.
+  - ``allocation/``: with ``config.plan_mode="auto"`` (``--plan=auto``),
+    the allocator's summary, scores and plans.
+  - ``curves.png``: training loss and accuracy, eval accuracy.
+  - ``checkpoints/``: orbax checkpoints; ``config.resume`` (``--resume``)
+    continues the newest one.
+  - ``PREEMPTED``: after a preemption, until a run finishes.
+
   Returns:
     The summary written to ``summary.json``; after a preemption
     ``{"preempted": True, "steps": step}`` (no summary is written).
@@ -320,6 +350,90 @@ def train_and_evaluate(
   """
   with preemption.PreemptionWatch() as watch:
     return _train_and_evaluate(config, out_dir, watch)
+
+
+def main(
+  config: ml_collections.ConfigDict,
+  out_dir: str,
+  overrides: Mapping[str, Any] | None = None,
+) -> None:
+  """Runs the main job as ``python -m experiments.train`` does.
+
+  Applies the shortcut flags' values to ``config``
+  (:func:`experiments.config_lib.apply_overrides`), checks the config and
+  creates ``out_dir`` before anything starts, joins the multi-process run
+  the launcher or ``config.distributed`` describes
+  (:func:`qsync_jax.parallel.distributed.initialize`; a single process on
+  CPU gets one fake CPU device per worker), then runs
+  :func:`train_and_evaluate`.
+
+  Multi-process: started by srun, mpirun (Open MPI 4 or 5) or a Kubernetes
+  indexed Job/JobSet, the same command needs no extra variables
+  (jax.distributed detects the launcher; qsync_jax.parallel.launchers fills
+  in what it cannot); ``config.distributed.coordinator_address``,
+  ``num_processes`` and ``process_id`` override what is detected. On one
+  host, for development (one device per process; the launcher SIGKILLs
+  every worker if one dies)::
+
+    python -m qsync_jax.distributed --num_processes=4 -- \\
+        python -m experiments.train --out_dir=runs/mp
+
+  Before training the processes check that they agree (versions,
+  XLA_FLAGS, config, initial parameters, data seed). SIGTERM makes every
+  process checkpoint the step they agree on and exit 0, leaving
+  ``<out_dir>/PREEMPTED``; the same command then resumes from it.
+
+  Bad input (a bad config value, a plan for a kind not in the cluster, an
+  existing file as ``out_dir``, ...) ends the program before training with
+  one line ``error: ...`` on stderr and exit status 1. So do a run whose
+  final parameters or eval loss are not finite (it writes no
+  ``summary.json``) and processes that disagree or fail while planning
+  (``error: process K disagrees with process 0 on FIELD: ...``, the same
+  line on every process).
+
+  Args:
+    config: the job's config; ``overrides`` are applied to it in place.
+    out_dir: the run directory (``--out_dir``).
+    overrides: ``{flag: value}`` of the shortcut flags
+      (:data:`experiments.config_lib.FLAG_ALIASES`); None values leave
+      their fields alone.
+
+  Raises:
+    SystemExit: status 1 after the ``error:`` line.
+  """
+  cli.start_binary()
+  with cli.bad_input_exits():
+    config_lib.apply_overrides(config, overrides or {})
+    # Before anything starts (train_and_evaluate checks it again, for
+    # library callers).
+    config_lib.validate_config(config)
+    make_out_dir(out_dir, "--out_dir")
+    auto = config.cluster.strip().lower() == cluster_lib.AUTO
+    dist = config.get("distributed", {})
+    multi = distributed.initialize(
+      timeout_s=dist.get("initialization_timeout_s", 300),
+      heartbeat_timeout_s=dist.get("heartbeat_timeout_s", 100),
+      shutdown_timeout_s=dist.get("shutdown_timeout_s", 300),
+      local_devices=dist.get("local_devices", "auto"),
+      coordinator_address=dist.get("coordinator_address"),
+      num_processes=dist.get("num_processes"),
+      process_id=dist.get("process_id"),
+    )
+    if not multi and not auto:
+      # Single process: one fake CPU device per worker when running on CPU
+      # (before the backend starts; it does not affect GPU backends).
+      workers = cluster_lib.parse_cluster(config.cluster).num_workers
+      jax.config.update("jax_num_cpu_devices", workers)
+    try:
+      train_and_evaluate(config, out_dir)
+    except FloatingPointError as e:  # diverged: not bad input, still a fail
+      print(f"error: {e}", file=sys.stderr)
+      raise SystemExit(1) from None
+    except coordination.CoordinationError as e:
+      # The processes disagree, or another failed while planning: the same
+      # line on every process.
+      print(f"error: {e}", file=sys.stderr, flush=True)
+      raise SystemExit(1) from None
 
 
 def _train_and_evaluate(

@@ -143,6 +143,11 @@ def get_config() -> ml_collections.ConfigDict:
       local_devices="auto",
       # The longest wait for another process's profile or process 0's plans.
       planning_timeout_s=900,
+      # The run's layout (--coordinator_address, --num_processes,
+      # --process_id); unset: from the launcher.
+      coordinator_address=ml_collections.config_dict.placeholder(str),
+      num_processes=ml_collections.config_dict.placeholder(int),
+      process_id=ml_collections.config_dict.placeholder(int),
     )
   )
   return config
