@@ -1,10 +1,10 @@
 r"""Time to target accuracy over an emulated slow network (root only).
 
 Usage:
-  python -m experiments.network_study --out=docs/network_study \
+  python -m experiments.network_study --out=results/network_study \
       [--configs=dp,qsr_gqsgd,...] [--seeds=3] [--target=0.95] \
       [--link=1gbit] [--topology=per_node] [--steps=N]
-  python -m experiments.network_study --out=docs/network_study --predict_only
+  python -m experiments.network_study --out=results/network_study --predict_only
 
 Each run is four processes, each in its own network namespace behind an
 emulated link of --link (python -m qsync_jax.distributed --link), training

@@ -1,4 +1,4 @@
-"""Pallas low-precision kernels for qsync_jax (issue #8).
+"""Pallas low-precision kernels for qsync_jax.
 
 This package owns the hand-written kernels behind the low-precision paths:
 

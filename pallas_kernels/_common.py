@@ -8,9 +8,9 @@ Every kernel here is written once and runs two ways:
   arithmetic exactly.
 * ``interpret=False``: the Triton backend, forced with
   ``compiler_params=pltriton.CompilerParams(...)``. On jax 0.10 the default GPU
-  lowering is Mosaic GPU, which cannot lower ``dot_general`` inside a kernel
-  (reference/jax_notes.md section 5.3), so every GPU call passes Triton
-  parameters. Triton needs sm_80+ and power-of-two block shapes.
+  lowering is Mosaic GPU, which cannot lower ``dot_general`` inside a kernel, so
+  every GPU call passes Triton parameters. Triton needs sm_80+ and power-of-two
+  block shapes.
 
 ``interpret=None`` (the default of every public wrapper) means "interpret
 unless the default backend is a GPU".
@@ -363,13 +363,13 @@ def checked_scaled_matmul(
     raise ValueError(f"bias must have shape ({n},), got {jnp.shape(bias)}")
   sx = as_row_scale(x_scale, m, "x_scale")
   sw = as_col_scale(w_scale, n, "w_scale")
-  b = None if bias is None else as_col_scale(bias, n, "bias")
+  bias_col = None if bias is None else as_col_scale(bias, n, "bias")
   return scaled_matmul(
     x,
     w,
     sx,
     sw,
-    b,
+    bias_col,
     acc_dtype=acc_dtype,
     out_dtype=out_dtype,
     block_m=block_m,

@@ -1,8 +1,8 @@
 """Tiled fp8 GEMM (e4m3 / e5m2) with float32 accumulation and scales.
 
-The FP8 layer's contraction (DESIGN.md "Numerics"; ``flax.linen.fp8_ops``
-style current scaling): e4m3 forward operands, e5m2 for gradients, each with
-a float32 absmax scale, products accumulated in float32:
+The FP8 layer's contraction (as :mod:`qsync_jax.numerics.ops` computes it;
+``flax.linen.fp8_ops`` style current scaling): e4m3 forward operands, e5m2 for
+gradients, each with a float32 absmax scale, products accumulated in float32:
 
     y = (x_q @ w_q in float32) * (s_row * s_col) [+ bias]
 

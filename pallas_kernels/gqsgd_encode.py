@@ -11,7 +11,8 @@ so ``E[q * scale] = y`` and the integer codes of ``n`` workers can be summed
 directly by the all-reduce. With ``s = floor(127 / n)``
 (:meth:`qsync_jax.parallel.averagers.GlobalQSGD.levels`) every ``|q| <= s`` and
 the sum of ``n`` codes stays within ``n * s <= 127``: the int8 wire never wraps
-(reference/qsr_globalqsgd.md: the official code's ``127 / n`` levels do).
+(the official code's ``127 / n`` levels do: sands-lab/global-qsgd,
+``standard_dithering_hook``).
 
 This kernel is that encode for a ``(num_buckets, bucket_size)`` block of
 buckets, given ``M`` per bucket: one read of ``y``, one write of codes.

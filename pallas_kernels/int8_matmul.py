@@ -1,7 +1,8 @@
 """Tiled int8 x int8 -> int32 GEMM with a fused dequantize epilogue.
 
-The forward contraction of an INT8 layer (QSync, arXiv 2407.02327, section
-6.3 of reference/qsync.md; DESIGN.md "Numerics"): symmetric int8 operands
+The forward contraction of an INT8 layer (QSync, arXiv 2407.02327; as
+:mod:`qsync_jax.numerics.ops` computes it, after QSync's official code,
+bytedance/QSync, ``qsync/LpTorch/ops.py``): symmetric int8 operands
 ``x ~= x_q * s_x`` and ``w ~= w_q * s_w``, products accumulated exactly in
 int32, then one float32 epilogue
 

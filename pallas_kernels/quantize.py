@@ -2,11 +2,12 @@
 
 One pass over the input: ``q = clip(round(x / scale), -127, 127)`` as int8, with
 the rounding of :mod:`qsync_jax.numerics.quant` (QSync's LP-PyTorch numerics,
-reference/qsync.md section 6.2):
+arXiv 2407.02327; QSync's official code, bytedance/QSync,
+``qsync/LpTorch/quant.py``):
 
 * ``nearest``: ties to even, as ``jnp.round`` (built from ``floor``, since
   Triton has no round op);
-* ``truncate``: toward zero, as the reference CUDA kernel's ``static_cast``;
+* ``truncate``: toward zero, as QSync's CUDA kernel's ``static_cast``;
 * ``stochastic``: ``floor(v + u)`` with ``u`` in [0, 1) from a counter-based
   hash (``lowbias32``) of the element's flat index, the bit pattern of
   ``v = x / scale`` and a salt. ``P(round up) = frac(v)`` up to the 2**-24
@@ -67,6 +68,7 @@ def round_scaled(
     return _common.round_half_even(v)
   if rounding == "truncate":
     return jnp.where(v < 0, jnp.ceil(v), jnp.floor(v))
+  assert idx is not None and salt is not None, "stochastic: idx and salt"
   return jnp.floor(v + hash_uniform_at(idx, v, salt))
 
 

@@ -6,10 +6,8 @@ XLA:CPU allocates every program's outputs and temporaries with glibc's
 raveled gradient of a 10M-parameter model is 42 MB) with a fresh ``mmap``,
 and a thread's own arena cannot hold a block above 64 MiB at all, so it maps
 those too; both are unmapped when freed. Every step then pays the kernel to
-fault in and zero the same pages again. Measured on this project's 2-core CPU
-host: a one-worker local-SGD step of a 10.6M-parameter CNN took 247 ms with
-glibc's defaults and 125 ms with freed buffers reused, and a four-process
-run spent more CPU time in the kernel than in user code (docs/RESULTS.md).
+fault in and zero the same pages again, which can cost a step as much as its
+compute.
 
 ``reuse`` (the default of the project's binaries) makes glibc keep freed
 blocks for the next allocation of their size, as tcmalloc or jemalloc do:

@@ -338,7 +338,8 @@ def test_statistical_test_catches_a_biased_estimate():
 
 
 def naive_reference_dithering(x, axis_name):
-  """The reference hook: q = x * 127 / (n M), int8 psum, x M / 127."""
+  """Global-QSGD's official hook (sands-lab/global-qsgd,
+  ``standard_dithering_hook``): q = x * 127 / (n M), int8 psum, x M / 127."""
   n = lax.axis_size(axis_name)
   m = lax.pmax(jnp.max(jnp.abs(x)), axis_name)
   u = jax.random.uniform(
@@ -364,7 +365,7 @@ def test_gqsgd_never_overflows_with_every_worker_at_the_maximum(n):
     out = np.asarray(simulate(averager, x, w)[0])
     assert (np.sign(out) == sign).all()
     assert (np.abs(out) <= n * w.max() * mag * (1 + 1e-5)).all()
-  # The same worst case wraps the reference code's int8 sum.
+  # The same worst case wraps the official code's int8 sum.
   naive = jax.jit(
     jax.vmap(lambda xi: naive_reference_dithering(xi, AXIS), axis_name=AXIS)
   )(np.ones((n, d), np.float32))

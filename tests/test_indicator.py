@@ -317,7 +317,7 @@ def test_qsync_scores_an_embedding_table_as_its_input():
   i = [l.path for l in layers].index("token_embed")
   assert depths[i] == 0 and lookup[i] == 4 * 8 * 16
   # Depth 0: only gamma L times the forward term, with Sw = Dw = ||W|| = 1
-  # and the table as x (reference profile_stas_emb): FP16's
+  # and the table as x (QSync's profile_stas_emb): FP16's
   # 2^-18 / 6 (||W|| Dv e_x + ||x|| Dw e_w), e_w = |exp(float16(1))| = 1.
   table = np.asarray(model.token_embed.embedding[...])
   t_norm = np.linalg.norm(table)

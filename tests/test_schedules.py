@@ -396,7 +396,7 @@ def test_qsr_syncs_where_the_official_code_does(case, warmup):
 
 
 def test_qsr_step_decay_gives_the_official_1169_syncs():
-  # Issue 23: x0.1 at 1000 and 1500, alpha 0.02, H_base 1. After the first
+  # Step decay x0.1 at 1000 and 1500, alpha 0.02, H_base 1. After the first
   # decay the official LR is 0.1 * 0.1 ** 1 = 0.010000000000000002, so
   # (alpha / lr) ** 2 = 3.9999999999999982 and H = 3, not 4 (1127 syncs).
   from experiments import config_lib

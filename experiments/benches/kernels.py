@@ -1,4 +1,4 @@
-"""Throughput of the Pallas kernels against XLA's dots (issue #8).
+"""Throughput of the Pallas kernels against XLA's dots.
 
 For each square size ``n`` :func:`run` times
 
@@ -53,7 +53,7 @@ def default_sizes() -> tuple[int, ...]:
 
 
 def _gemm_params(kernel: str) -> dict[str, int]:
-  """Triton tiles per kernel: the fastest of a sweep on an H100 (RESULTS.md).
+  """Triton tiles per kernel: the fastest of an H100 sweep (docs/RESULTS.md).
 
   24 tilings (block_m, block_n in 128/256, block_k 64/128, 4/8 warps, 3/4
   stages) at n = 4096 and 8192 on jax 0.11.2; the same tiling won at both.

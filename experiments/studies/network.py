@@ -1,6 +1,6 @@
 """Time to target accuracy over an emulated slow network.
 
-This module owns :func:`run`, the study of issue 22: four processes, each
+This module owns :func:`run`, the network study: four processes, each
 in its own network namespace behind an emulated link
 (:mod:`qsync_jax.parallel.links`, through ``python -m
 qsync_jax.distributed --link``), train the same communication-bound model
@@ -139,7 +139,7 @@ RUNS: dict[str, NetworkRun] = {
     hetero=True,
   ),
 }
-#: The ratio the study is judged by (issue 22) and its two runs.
+#: The ratio the study is judged by and its two runs.
 KEY_RATIO = ("time_to_target_ratio_qsr_gqsgd_vs_dp", "qsr_gqsgd", "dp")
 
 

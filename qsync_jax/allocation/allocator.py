@@ -1,6 +1,7 @@
 """Allocator: per-device precision plans that quantize as little as possible.
 
-QSync's allocator (arXiv 2407.02327, section 5; reference qsync.md section 5).
+QSync's allocator (arXiv 2407.02327; QSync's official code, bytedance/QSync,
+``qsync/Syncer/algos.py``).
 The training devices of a hybrid cluster keep FP32; every weaker device kind
 gets a plan. This module owns :func:`allocate`, its result
 :class:`Allocation`, and which kinds keep FP32 (:func:`training_kinds_of`).
@@ -18,16 +19,16 @@ Its three methods:
 * ``"ilp"``: the least total indicator under a memory budget, exactly, with
   ``scipy.optimize.milp``
   (:func:`qsync_jax.allocation.search.min_indicator_plan`); QSync's
-  indicator ablation (section 3.5 there).
+  indicator ablation (``Syncer/mem_ilp.py`` there).
 
-Where this differs from the reference code (qsync.md section 2.4): the gain
-of a recovery step is the indicator it removes, ``score(current) -
-score(next)`` (the code subtracts the wrong neighbour); a rejected step leaves
-the plan untouched (the code mutates its graph); the memory variant lowers the
-layer with the smallest indicator increase per byte first (the code pops the
-largest); the fastest plan is exact under the predictor's additive costs (a
-multiple-choice knapsack over groups of layers joined by casts) instead of a
-per-block search with the budget split in proportion.
+Where this differs from QSync's official code: the gain of a recovery step is
+the indicator it removes, ``score(current) - score(next)`` (the code subtracts
+the wrong neighbour); a rejected step leaves the plan untouched (the code
+mutates its graph); the memory variant lowers the layer with the smallest
+indicator increase per byte first (the code pops the largest); the fastest plan
+is exact under the predictor's additive costs (a multiple-choice knapsack over
+groups of layers joined by casts) instead of a per-block search with the budget
+split in proportion.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from qsync_jax.predictor.profiling import Profile
 from qsync_jax.predictor.simulation import Prediction
 from qsync_jax.predictor.simulation import SimWorker
 
+#: The searches :func:`~qsync_jax.allocation.allocate` runs (``method=``).
 METHODS = ("greedy", "memory", "ilp")
 
 
@@ -154,7 +156,7 @@ def training_kinds_of(
 def allocate(
   g: graph_lib.ModelGraph,
   cluster: ClusterSpec | str,
-  scores: Any,
+  scores: search.ScoresLike,
   profiles: Mapping[str, Profile],
   *,
   memory_limits: Mapping[str, float] | None = None,
@@ -227,10 +229,11 @@ def allocate(
   fp32 = [Precision.FP32] * len(g.nodes)
   for k in training:
     need = search.plan_memory(g, profiles[k], fp32)
-    if limits[k] is not None and need > limits[k]:
+    limit = limits[k]
+    if limit is not None and need > limit:
       raise AllocationError(
         f"training kind {k} needs {need / 2**30:.3f} GiB in FP32, over its "
-        f"limit of {limits[k] / 2**30:.3f} GiB; raise the limit or let the "
+        f"limit of {limit / 2**30:.3f} GiB; raise the limit or let the "
         "allocator plan it (training_kinds)"
       )
   ladder = {
@@ -252,6 +255,7 @@ def allocate(
         g, profiles[k], ladder[k], limits[k], kind=k
       )
     if weak:
+      assert pace is not None  # set above when there are weak kinds
       fastest = cl.simulate(_with_training(cl, weak_precs)).step_time_s
       target = max(pace, fastest)
       straggling = fastest > pace * (1 + 1e-9)
@@ -260,19 +264,20 @@ def allocate(
       )
   else:
     for k in weak:
-      if limits[k] is None:
+      limit = limits[k]
+      if limit is None:
         raise AllocationError(
           f"method {method!r} needs a memory limit for "
           f"{k} and its profile has no capacity"
         )
       if method == "memory":
         weak_precs[k], steps = search.lower_to_fit(
-          g, profiles[k], ladder[k], scores, limits[k], kind=k
+          g, profiles[k], ladder[k], scores, limit, kind=k
         )
         trials += steps
       else:
         weak_precs[k] = search.min_indicator_plan(
-          g, profiles[k], ladder[k], scores, limits[k], kind=k
+          g, profiles[k], ladder[k], scores, limit, kind=k
         )
   final = _with_training(cl, weak_precs)
   prediction = cl.simulate(final)
@@ -333,17 +338,17 @@ def _greedy_recovery(
   cl: _Cluster,
   start: Mapping[str, list[Precision]],
   ladder: Mapping[str, Sequence[Sequence[Precision]]],
-  scores: Any,
+  scores: search.ScoresLike,
   target_s: float,
   memory_limits: Mapping[str, float | None],
 ) -> tuple[dict[str, list[Precision]], int]:
   """Raises precision where it removes the most indicator, while it keeps up.
 
-  QSync's greedy (qsync.md section 5.3) with the intended gain: a max-heap
-  of ``score(current) - score(next)`` over every (weak kind, layer); a step
-  is kept only if the predicted hybrid step time stays at or below
-  ``target_s`` and the kind's memory fits, and a rejected step leaves the
-  plan as it was.
+  QSync's greedy (bytedance/QSync, ``Syncer/algos.py: greedy``) with the
+  intended gain: a max-heap of ``score(current) - score(next)`` over every (weak
+  kind, layer); a step is kept only if the predicted hybrid step time stays at
+  or below ``target_s`` and the kind's memory fits, and a rejected step leaves
+  the plan as it was.
 
   Returns:
     (precisions per weak kind, number of trials).
@@ -355,7 +360,7 @@ def _greedy_recovery(
     for k, v in state.items()
   }
   mem = {k: search.plan_memory(g, cl.profiles[k], v) for k, v in state.items()}
-  heap = []
+  heap: list[tuple[float, int, str]] = []
 
   def push(kind, i):
     rungs = ladder[kind][i]

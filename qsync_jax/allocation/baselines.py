@@ -13,8 +13,7 @@ This module owns the plans and predictions QSync's evaluation sets against
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -33,7 +32,9 @@ from qsync_jax.predictor.simulation import Prediction
 from qsync_jax.predictor.simulation import SimWorker
 
 
-def shuffled_scores(scores: Any, seed: int = 0) -> dict[str, dict[str, float]]:
+def shuffled_scores(
+  scores: search.ScoresLike, seed: int = 0
+) -> dict[str, dict[str, float]]:
   """The same scores given to a random permutation of the layers.
 
   The "greedy with a shuffled indicator" baseline: the allocator sees the
@@ -92,10 +93,10 @@ def dynamic_batch_split(
 
 
 def predict_dynamic_batch(
-  graph_at,
+  graph_at: Callable[[int], graph_lib.ModelGraph],
   spec: ClusterSpec | str,
   batch_size: int,
-  profile_for,
+  profile_for: Callable[[graph_lib.ModelGraph, str], Profile],
   *,
   bucket_bytes: float | None = simulation.DEFAULT_BUCKET_BYTES,
 ) -> tuple[Prediction, list[int]]:

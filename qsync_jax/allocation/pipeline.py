@@ -28,6 +28,7 @@ import json
 import os
 from typing import Any
 
+from flax import nnx
 import jax
 import numpy as np
 
@@ -45,6 +46,7 @@ from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor import profiling
 from qsync_jax.predictor import simulation
 from qsync_jax.task import calling
+from qsync_jax.task.objective import LossFn
 
 
 def indicator_batches(
@@ -72,7 +74,7 @@ def indicator_batches(
 
 
 def compute_scores(
-  model,
+  model: nnx.Module,
   dataset: Dataset,
   method: str = "qsync",
   *,
@@ -80,7 +82,7 @@ def compute_scores(
   batch_size: int = 32,
   precisions: Sequence[Precision | str] = ("int8", "fp16", "bf16"),
   seed: int = 0,
-  loss_fn: Any = None,
+  loss_fn: LossFn = None,
   call: calling.CallFn | None = None,
 ) -> sensitivity.Scores:
   """Indicator scores of ``model`` on the first training batches.
@@ -232,9 +234,9 @@ class PlanningResult:
 
 
 def plan_cluster(
-  timing_model,
+  timing_model: nnx.Module,
   cluster: ClusterSpec | str,
-  scores: Any,
+  scores: search.ScoresLike,
   batch_size: int,
   *,
   indicator_name: str = "qsync",

@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 import heapq
 import itertools
-from typing import Any
 
 import numpy as np
 from scipy import optimize
@@ -36,7 +35,11 @@ from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor import memory
 from qsync_jax.predictor import simulation
 from qsync_jax.predictor.profiling import Profile
+from qsync_jax.sensitivity.scores import Scores
 
+#: Indicator scores: a :class:`~qsync_jax.sensitivity.scores.Scores` or the
+#: ``{layer path: {precision name: score}}`` mapping it holds.
+ScoresLike = Scores | Mapping[str, Mapping[str, float]]
 #: The precision ladder QSync uses on a T4: INT8, FP16, FP32.
 DEFAULT_CANDIDATES = (Precision.INT8, Precision.FP16, Precision.FP32)
 #: Largest number of precision combinations one cast-joined group may have.
@@ -53,7 +56,7 @@ class AllocationError(ValueError):
 # --------------------------------------------------------------------------
 
 
-def score_table(scores: Any) -> Mapping[str, Mapping[str, float]]:
+def score_table(scores: ScoresLike) -> Mapping[str, Mapping[str, float]]:
   """``{layer: {precision: score}}`` of a sensitivity.Scores or a mapping."""
   values = (
     scores if isinstance(scores, Mapping) else getattr(scores, "values", None)
@@ -66,7 +69,7 @@ def score_table(scores: Any) -> Mapping[str, Mapping[str, float]]:
   return values
 
 
-def indicator_of(scores: Any, path: str, precision: Precision) -> float:
+def indicator_of(scores: ScoresLike, path: str, precision: Precision) -> float:
   """The indicator of computing ``path`` at ``precision`` (FP32 scores 0)."""
   if precision in _ZERO:
     return 0.0
@@ -77,7 +80,7 @@ def ladders(
   g: graph_lib.ModelGraph,
   kind: str,
   profile: Profile,
-  scores: Any,
+  scores: ScoresLike,
   candidates: Sequence[Precision | str] = DEFAULT_CANDIDATES,
 ) -> list[list[Precision]]:
   """Each layer's precisions on ``kind``, from fewest bits to most.
@@ -145,7 +148,7 @@ def plan_memory(
 
 def plan_stats(
   g: graph_lib.ModelGraph,
-  scores: Any,
+  scores: ScoresLike,
   precisions: Mapping[str, Mapping[str, Precision]],
   profiles: Mapping[str, Profile],
 ) -> dict[str, dict]:
@@ -172,10 +175,10 @@ def compression_budget(
 ) -> float:
   """A memory limit that saves ``compression`` of the FP32 residual bytes.
 
-  QSync's indicator ablation fixes ``M_B = (1 - 0.6) sum_l M_l`` over the
-  bytes the layers save for the backward pass (qsync.md section 3.5); here
-  the rest of the step (parameters, optimizer state, other activations) is
-  added unchanged.
+  QSync's indicator ablation fixes ``M_B = (1 - 0.6) sum_l M_l`` over the bytes
+  the layers save for the backward pass (QSync's official code, bytedance/QSync,
+  ``Syncer/mem_ilp.py``); here the rest of the step (parameters, optimizer
+  state, other activations) is added unchanged.
   """
   residual = sum(memory.residual_bytes(n, Precision.FP32) for n in g.nodes)
   base = plan_memory(g, profile, [Precision.FP32] * len(g.nodes))
@@ -370,7 +373,7 @@ def lower_to_fit(
   g: graph_lib.ModelGraph,
   profile: Profile,
   ladder: Sequence[Sequence[Precision]],
-  scores: Any,
+  scores: ScoresLike,
   memory_limit: float,
   *,
   kind: str | None = None,
@@ -379,7 +382,9 @@ def lower_to_fit(
 
   From every layer at its top rung, repeatedly lowers the layer whose
   indicator grows least per byte saved, ``(score(lower) - score(current)) /
-  bytes saved`` (qsync.md section 5.4, intended order), one level at a time.
+  bytes saved``, one level at a time: the order QSync's official code
+  (bytedance/QSync, ``greedy_mem_requirement_single_node``) intends, where it
+  pops the largest indicator first.
 
   Returns:
     (precisions in node order, number of lowering steps).
@@ -394,7 +399,7 @@ def lower_to_fit(
   level = [len(r) - 1 for r in ladder]
   precs = [r[-1] for r in ladder]
   total = plan_memory(g, profile, precs)
-  heap = []
+  heap: list[tuple[float, int]] = []
 
   def push(i):
     if level[i] == 0:
@@ -427,7 +432,7 @@ def min_indicator_plan(
   g: graph_lib.ModelGraph,
   profile: Profile,
   ladder: Sequence[Sequence[Precision]],
-  scores: Any,
+  scores: ScoresLike,
   memory_limit: float,
   *,
   kind: str | None = None,
@@ -435,8 +440,9 @@ def min_indicator_plan(
   """The plan with the least total indicator under ``memory_limit`` (ILP).
 
   ``min sum_l sum_b x_lb score_l(b)`` subject to one precision per layer
-  and the plan's memory at most the limit (QSync's indicator ablation,
-  qsync.md section 3.5), solved exactly with ``scipy.optimize.milp``.
+  and the plan's memory at most the limit (QSync's indicator ablation, as
+  QSync's official code, bytedance/QSync, ``Syncer/mem_ilp.py``, poses it),
+  solved exactly with ``scipy.optimize.milp``.
 
   Raises:
     AllocationError: no plan fits.

@@ -34,6 +34,7 @@ _LOADERS: dict[str, Callable[..., Dataset]] = {
   "synthetic_regression": load_synthetic_regression,
   "cifar10": load_cifar10,
 }
+#: The names :func:`load_dataset` takes.
 DATASET_NAMES = tuple(_LOADERS)
 
 

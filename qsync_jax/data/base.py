@@ -11,6 +11,7 @@ import dataclasses
 
 import numpy as np
 
+#: The tasks a :class:`Dataset` can be for.
 TASKS = ("classification", "regression", "lm")
 
 

@@ -69,6 +69,7 @@ class WorkerBatcher:
     self.steps_per_epoch = len(x) // self.global_batch_size
     self._offsets = np.cumsum(sizes)[:-1]
     # One-entry cache: consecutive steps share an epoch's permutation.
+    self._perm: np.ndarray | None
     self._perm_epoch, self._perm = -1, None
 
   @property
@@ -82,6 +83,7 @@ class WorkerBatcher:
       # every other epoch, hence computable directly.
       rng = np.random.default_rng([self.seed, epoch])
       self._perm, self._perm_epoch = rng.permutation(len(self.x)), epoch
+    assert self._perm is not None
     return self._perm
 
   def step_indices(self, step: int) -> list[np.ndarray]:

@@ -138,7 +138,8 @@ def load_mnist1d(
       fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz.tmp")
       try:
         with os.fdopen(fd, "wb") as f:
-          np.savez(f, **arrays)
+          # mypy matches **arrays against savez's allow_pickle too.
+          np.savez(f, **arrays)  # type: ignore[arg-type]
         os.replace(tmp, path)
       except BaseException:
         pathlib.Path(tmp).unlink(missing_ok=True)

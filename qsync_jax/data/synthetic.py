@@ -50,7 +50,7 @@ def load_synthetic(
 
   Returns:
     A classification `Dataset` with float32 inputs of shape
-    (N, *input_shape) and int32 labels.
+    ``(N, *input_shape)`` and int32 labels.
 
   Raises:
     ValueError: On non-positive sizes or fewer than 2 classes.
@@ -101,7 +101,7 @@ def load_synthetic_regression(
     seed: Seed for inputs, teacher weights and noise.
 
   Returns:
-    A regression `Dataset` with float32 inputs of shape (N, *input_shape),
+    A regression `Dataset` with float32 inputs of shape ``(N, *input_shape)``,
     float32 targets of shape (N, output_dim) and `num_classes == output_dim`.
 
   Raises:
@@ -118,7 +118,7 @@ def load_synthetic_regression(
   n = num_train + num_test
   w1 = rng.normal(size=(dim, hidden))
   w2 = rng.normal(size=(hidden, output_dim))
-  x = rng.normal(size=(n, dim))
+  x: np.ndarray = rng.normal(size=(n, dim))
   y = np.tanh(x @ w1 / np.sqrt(dim)) @ w2 / np.sqrt(hidden)
   y = y + noise * rng.normal(size=y.shape)
   x = x.astype(np.float32).reshape(n, *input_shape)

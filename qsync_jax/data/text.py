@@ -34,7 +34,7 @@ def stdlib_files(
     The sorted list of *.py files directly inside the directory.
 
   Raises:
-    FileNotFoundError: If the directory holds no *.py files.
+    FileNotFoundError: If the directory holds no ``*.py`` files.
   """
   root = pathlib.Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
   files = sorted(p for p in root.glob("*.py") if p.is_file())
@@ -70,7 +70,7 @@ def load_stdlib_bytes(
   Raises:
     ValueError: If `max_bytes` is not positive or `test_fraction` is not in
       (0, 1).
-    FileNotFoundError: If the directory holds no *.py files.
+    FileNotFoundError: If the directory holds no ``*.py`` files.
   """
   if max_bytes <= 0:
     raise ValueError(f"max_bytes must be positive, got {max_bytes}")
@@ -152,7 +152,7 @@ def load_text(
   Raises:
     ValueError: If either split is shorter than one window (raise
       `max_bytes`), or on invalid arguments.
-    FileNotFoundError: If the directory holds no *.py files.
+    FileNotFoundError: If the directory holds no ``*.py`` files.
   """
   train_bytes, test_bytes = load_stdlib_bytes(
     max_bytes, test_fraction, stdlib_dir
@@ -166,7 +166,16 @@ def load_text(
       )
     w = make_lm_windows(stream, seq_len, stride)
     splits += [np.ascontiguousarray(w[:, :-1]), np.ascontiguousarray(w[:, 1:])]
-  return Dataset(*splits, num_classes=VOCAB_SIZE, task="lm", name="text")
+  x_train, y_train, x_test, y_test = splits
+  return Dataset(
+    x_train,
+    y_train,
+    x_test,
+    y_test,
+    num_classes=VOCAB_SIZE,
+    task="lm",
+    name="text",
+  )
 
 
 #: Classes of :func:`byte_category`.

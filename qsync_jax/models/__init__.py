@@ -24,6 +24,7 @@ from typing import Any
 from flax import nnx
 import jax
 
+from qsync_jax.models.base import ModelClass
 from qsync_jax.models.bert import BertConfig
 from qsync_jax.models.bert import BertEncoderClassifier
 from qsync_jax.models.cnn import SmallCNN
@@ -40,7 +41,8 @@ from qsync_jax.models.vit import ViTConfig
 from qsync_jax.models.vit import ViTTiny
 from qsync_jax.task import calling
 
-MODELS: dict[str, type[nnx.Module]] = {
+#: The built-in models by name.
+MODELS: dict[str, ModelClass] = {
   "cnn": SmallCNN,
   "resnet18": ResNet18,
   "resnet50": ResNet50,
@@ -52,8 +54,9 @@ MODELS: dict[str, type[nnx.Module]] = {
 
 
 #: Config overrides that make a built-in model its paper size (QSync's
-#: workloads, reference qsync.md section 7.1): ResNet-50 on 224 x 224 ImageNet
-#: and BERT-base on 384-token SQuAD windows.
+#: workloads, arXiv 2407.02327, as QSync's official code, bytedance/QSync,
+#: runs them in ``benchmark_convs`` and ``benchmark_transformers``): ResNet-50
+#: on 224 x 224 ImageNet and BERT-base on 384-token SQuAD windows.
 PAPER_SIZE_KWARGS: dict[str, dict[str, Any]] = {
   "resnet50": {"image_size": 224, "cifar_stem": False, "num_classes": 1000},
   "bert": {
@@ -229,7 +232,8 @@ def build_model(
     return create_model(spec, rngs=rngs, **arguments)
   factory = load_model_factory(spec)
   try:
-    model = factory(rngs=rngs, **arguments)
+    # An NNX module, a Linen module or an (init, apply) pair.
+    model: object = factory(rngs=rngs, **arguments)
   except TypeError as err:
     # The call's signature does not fit: say which factory, not a traceback
     # from inside it.

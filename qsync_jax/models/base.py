@@ -9,7 +9,7 @@ sensitivity indicator and the predictor trace it without data.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from flax import nnx
 import jax
@@ -37,6 +37,17 @@ class Model(nnx.Module):
   def input_spec(self, batch_size: int) -> jax.ShapeDtypeStruct:
     """Returns the batch that ``__call__`` takes."""
     raise NotImplementedError
+
+
+class ModelClass(Protocol):
+  """A built-in model's class: ``cls(config, rngs=rngs)`` builds one."""
+
+  @property
+  def default_config(self) -> Any:
+    """The config used when the constructor gets none."""
+    ...
+
+  def __call__(self, config: Any = None, *, rngs: nnx.Rngs) -> Model: ...
 
 
 class ImageModel(Model):

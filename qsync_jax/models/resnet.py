@@ -86,6 +86,8 @@ class _Block(nnx.Module):
     config: ResNetConfig,
     rngs: nnx.Rngs,
   ):
+    self.proj: nnx.Conv | None
+    self.proj_norm: nnx.BatchNorm | None
     if strides != 1 or in_features != out_features:
       self.proj = _conv(in_features, out_features, 1, strides, rngs)
       self.proj_norm = _norm(out_features, config, rngs)
@@ -93,7 +95,10 @@ class _Block(nnx.Module):
       self.proj = self.proj_norm = None
 
   def _residual(self, x: jax.Array, y: jax.Array) -> jax.Array:
-    shortcut = x if self.proj is None else self.proj_norm(self.proj(x))
+    if self.proj is None or self.proj_norm is None:
+      shortcut = x
+    else:
+      shortcut = self.proj_norm(self.proj(x))
     # Add in float32: either branch may come back in low precision.
     return nnx.relu(y.astype(jnp.float32) + shortcut.astype(jnp.float32))
 

@@ -8,14 +8,12 @@ element for element.
 Why not ``ravel_pytree``: it builds the vector with one ``concatenate``, and
 XLA:CPU fuses the leaves' producers into that concatenate's loop. For a
 gradient, a producer is a layer's weight gradient, a ``dot`` whose
-contraction is the batch: fused, it runs as a naive loop instead of a GEMM.
-Measured with jax 0.10.2 on this project's CPU host, the gradient of a
-4.2M-parameter MLP at batch 16: 9 ms as a pytree, 360-430 ms raveled with
-``ravel_pytree`` (also behind ``lax.optimization_barrier``), 20 ms with
-:func:`ravel`, which writes each leaf into its slice of a zero vector with
-``lax.dynamic_update_slice``; XLA updates that buffer in place and keeps the
-dots as GEMMs. (``python -m experiments.trainer_bench``'s wide CNN case
-measures the trainer's step with it: 961 ms before, 194 ms after.)
+contraction is the batch: fused, it runs as a naive loop instead of a GEMM
+(also behind ``lax.optimization_barrier``). :func:`ravel` writes each leaf
+into its slice of a zero vector with ``lax.dynamic_update_slice``; XLA
+updates that buffer in place and keeps the dots as GEMMs.
+(``python -m experiments.trainer_bench``'s wide CNN case measures the
+trainer's step with it.)
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def _block_cols(cols: int) -> int | None:
   return block if block <= _MAX_BLOCK_COLS else None
 
 
-def _why_not(noise: str, shape: tuple[int, int]) -> str | None:
+def _why_not(noise: str, shape: tuple[int, ...]) -> str | None:
   """Why the kernel cannot encode buckets of ``shape``; None if it can."""
   if noise != "hash":
     return (
@@ -83,7 +83,7 @@ def _why_not(noise: str, shape: tuple[int, int]) -> str | None:
   return None
 
 
-def use_kernel(noise: str, shape: tuple[int, int]) -> bool:
+def use_kernel(noise: str, shape: tuple[int, ...]) -> bool:
   """Whether the encode of buckets of ``shape`` runs as the Pallas kernel.
 
   Args:

@@ -3,8 +3,9 @@
 Each op is a small frozen dataclass (hashable, so it can sit in a Flax module
 as static data) with the signature of its ``lax`` / ``jnp`` counterpart. It
 accepts and ignores extra keyword arguments such as the ``out_sharding`` that
-NNX layers pass. Numerics per precision (DESIGN.md, "Numerics"; QSync's
-LP-PyTorch, reference/qsync.md section 6.3):
+NNX layers pass. Numerics per precision (after QSync's LP-PyTorch backend,
+arXiv 2407.02327; QSync's official code, bytedance/QSync,
+``qsync/LpTorch/ops.py``):
 
 * ``int8``: both operands quantized (symmetric absmax scales, per tensor or
   per channel), int8 x int8 contraction accumulated in int32, dequantized to
@@ -27,7 +28,7 @@ varying manual axes: a per-worker operand's gradient stays per worker, a
 replicated one's is summed over the workers in float32, as jax's autodiff
 of the ``lax`` op gives.
 
-Kernel dispatch (issue #8). The forward contraction of an INT8 or FP8
+Kernel dispatch. The forward contraction of an INT8 or FP8
 ``dot_general`` (and so of ``Einsum``) can run as a Pallas kernel from
 :mod:`pallas_kernels` (``int8_matmul`` / ``fp8_matmul``: GEMM with the
 dequantize epilogue fused) instead of XLA's dot. The backend is
@@ -40,10 +41,8 @@ environment variable, else ``"auto"``:
   capability sm_80+ (int8) or sm_89+ (fp8), the Triton floor, but below
   sm_90, and the contraction reduces to GEMMs with M, N and K all >= 16
   (smaller ones would mostly be padding); XLA otherwise, so the same plan
-  runs everywhere. From Hopper (sm_90) on XLA's own dots are faster: on an
-  H100 (jax 0.11.2) an INT8 layer's forward at 8192 x 8192 x 8192 took
-  3.9 ms through XLA against 6.1 ms through the kernel, an FP8 one 1.3
-  against 3.5 ms (docs/RESULTS.md, issue 8).
+  runs everywhere. From Hopper (sm_90) on XLA's own INT8 and FP8 dots are
+  faster than the kernels.
 * ``"pallas"``: the kernel for every INT8 / FP8 ``dot_general`` whatever its
   shape (interpret mode off GPU; slow, for checking numerics); a GPU below
   the Triton floor raises ``ValueError``.
@@ -182,6 +181,7 @@ def _hashable(x):
 # Kernel dispatch: Pallas int8 / fp8 GEMMs for dot_general (module docstring).
 # --------------------------------------------------------------------------
 
+#: The kernel backends ``QSYNC_KERNELS`` and :func:`set_kernel_backend` take.
 KERNEL_BACKENDS = ("auto", "pallas", "xla")
 _KERNEL_ENV = "QSYNC_KERNELS"
 _kernel_backend: str | None = None  # None: QSYNC_KERNELS, else "auto"
@@ -355,12 +355,10 @@ def _kernel_contract(spec, compute: Precision, ql, sl, qr, sr):
     sx = jnp.transpose(sl, (*lb, *lfree, *lc)).reshape(b, m)
     sw = jnp.transpose(sr, (*rb, *rc, *rfree)).reshape(b, n)
   kernel = int8_matmul if compute is Precision.INT8 else fp8_matmul
-  blocks = dict(
-    block_m=kernel_common.pick_block(m),
-    block_n=kernel_common.pick_block(n),
-    block_k=kernel_common.pick_block(k),
+  bm, bn, bk = (kernel_common.pick_block(d) for d in (m, n, k))
+  gemm = lambda x, w, sx, sw: kernel(
+    x, w, sx, sw, block_m=bm, block_n=bn, block_k=bk
   )
-  gemm = lambda x, w, sx, sw: kernel(x, w, sx, sw, **blocks)
   if not lb:
     y = gemm(
       x[0], w[0], sx if per_tensor else sx[0], sw if per_tensor else sw[0]

@@ -17,6 +17,13 @@ class Precision(enum.Enum):
 
   The value is the name used in plans and JSON. ``bits`` orders precisions
   from lowest to highest (INT8 and FP8 are both 8 bits; BF16 and FP16 both 16).
+
+  Example:
+    >>> from qsync_jax import Precision
+    >>> Precision("int8"), Precision.parse("BF16")
+    (<Precision.INT8: 'int8'>, <Precision.BF16: 'bf16'>)
+    >>> Precision.INT8.bits < Precision.FP16.bits
+    True
   """
 
   FP8 = "fp8"

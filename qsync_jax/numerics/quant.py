@@ -1,18 +1,19 @@
 """Quantization primitives: scales, rounding, int8 and fp8 casts.
 
-Numerics follow QSync's LP-PyTorch backend (reference/qsync.md, section 6.2):
+Numerics follow QSync's LP-PyTorch backend (arXiv 2407.02327; QSync's
+official code, bytedance/QSync, ``qsync/LpTorch/quant.py``):
 symmetric quantization with zero point 0, ``scale = amax / 127`` for INT8,
 per tensor by default and per channel as an option. Rounding is
-round-to-nearest by default; ``truncate`` reproduces the reference CUDA kernel
-(``static_cast<int8_t>(x / scale)``) and ``stochastic`` rounds up with
+round-to-nearest by default; ``truncate`` reproduces QSync's CUDA kernel
+(``pytorch/quantization/minimax_cuda_kernel.cu``:
+``static_cast<int8_t>(x / scale)``) and ``stochastic`` rounds up with
 probability equal to the fractional part, which is unbiased.
 
-Stochastic rounding draws its noise from a counter-based hash of each
-element's index and bit pattern (``lowbias32``), not from ``jax.random``: it
-needs no key threaded through Flax layers, costs a few integer ops per element
-(Threefry is ~10x more on CPU, reference/jax_notes.md section 6), and is the
-same function the Pallas quantize kernel computes (it lives in
-:mod:`pallas_kernels.hashing`). Pass ``key`` to use
+Stochastic rounding draws its noise from a counter-based hash of each element's
+index and bit pattern (``lowbias32``), not from ``jax.random``: it needs no key
+threaded through Flax layers, costs a few integer ops per element (far fewer
+than Threefry's rounds), and is the same function the Pallas quantize kernel
+computes (it lives in :mod:`pallas_kernels.hashing`). Pass ``key`` to use
 ``jax.random`` instead.
 """
 
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 # rounding here and in the kernels then draws the same noise bit for bit.
 from pallas_kernels.hashing import hash_uniform_at
 
+#: The largest int8 code of symmetric quantization.
 INT8_MAX = 127
 
 

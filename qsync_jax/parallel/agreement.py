@@ -13,7 +13,7 @@ process 0's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 import hashlib
 import itertools
 import json
@@ -112,7 +112,7 @@ def _short(value: str) -> str:
   return value if len(value) <= _SHOWN else value[: _SHOWN - 3] + "..."
 
 
-def first_mismatch(table: list[Mapping[str, str]]) -> str | None:
+def first_mismatch(table: Sequence[Mapping[str, str]]) -> str | None:
   """The message for the first process and field differing from process 0.
 
   Args:

@@ -7,7 +7,8 @@ kind the spec names, so a plan's numerics run for real while timing claims
 about the named GPUs come from the predictor.
 
 This module also owns the dynamic-batch-sizing baseline's batch split (QSync's
-"DB", reference/qsync.md section 7.4): local batches proportional to device
+"DB", arXiv 2407.02327; QSync's official code, bytedance/QSync, its
+``DynamicBatching/`` sampler): local batches proportional to device
 speed with the global batch fixed.
 """
 
@@ -59,6 +60,14 @@ def parse_cluster(spec: str | ClusterSpec) -> ClusterSpec:
   Raises:
     ValueError: an empty spec, a malformed group, an unknown kind, or a
       count that is not a positive integer.
+
+  Example:
+    >>> import qsync_jax as qs
+    >>> cluster = qs.parse_cluster("v100:2,t4:2")
+    >>> cluster.kinds
+    ('v100', 'v100', 't4', 't4')
+    >>> cluster.num_workers, cluster.groups()
+    (4, {'v100': 2, 't4': 2})
   """
   if isinstance(spec, ClusterSpec):
     return spec
@@ -201,18 +210,18 @@ def dynamic_batch_sizes(
   Raises:
     ValueError: a non-positive speed, or fewer examples than workers.
   """
-  speeds = np.asarray(speeds, dtype=np.float64)
-  if speeds.size == 0 or np.any(speeds <= 0) or not np.all(np.isfinite(speeds)):
+  rates = np.asarray(speeds, dtype=np.float64)
+  if rates.size == 0 or np.any(rates <= 0) or not np.all(np.isfinite(rates)):
     raise ValueError(
-      f"speeds must be positive and finite, got {speeds.tolist()}"
+      f"speeds must be positive and finite, got {rates.tolist()}"
     )
-  n = speeds.size
+  n = rates.size
   if global_batch < n:
     raise ValueError(
       f"global batch {global_batch} is smaller than the {n} workers"
     )
   # Give each worker one example first so none is left empty.
-  share = (global_batch - n) * speeds / speeds.sum()
+  share = (global_batch - n) * rates / rates.sum()
   sizes = np.floor(share).astype(int)
   remainder = global_batch - n - sizes.sum()
   order = np.argsort(-(share - sizes), kind="stable")
@@ -226,6 +235,7 @@ def parse_speeds(spec: str | Mapping[str, float]) -> dict[str, float]:
   Raises:
     ValueError: malformed entries, unknown kinds or non-positive speeds.
   """
+  items: list[tuple[str, float | str]]
   if isinstance(spec, Mapping):
     items = list(spec.items())
   else:

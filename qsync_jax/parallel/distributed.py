@@ -89,9 +89,13 @@ def config_from_env(
   launch = launchers.from_qsync_env(environ)
   if launch is None:
     return None
-  return DistributedConfig(
-    launch.coordinator_address, launch.num_processes, launch.process_id
+  address, n, pid = (
+    launch.coordinator_address,
+    launch.num_processes,
+    launch.process_id,
   )
+  assert address is not None and n is not None and pid is not None
+  return DistributedConfig(address, n, pid)
 
 
 def initialize(
@@ -139,6 +143,7 @@ def initialize(
   """
   if jax.distributed.is_initialized():
     return True
+  launch: launchers.Launch | None
   if config is not None:
     launch = launchers.Launch(
       "explicit",
@@ -424,6 +429,7 @@ def launch(
       )
       if failed is not None:
         code = codes[failed]
+        assert code is not None
         n = kill_running()
         summary.append(
           f"error: process {failed} (pid {procs[failed].pid}) "

@@ -60,10 +60,10 @@ class GlobalQSGD(Reducing):
   ``max |w_i x_i|``, and rounds ``w_i x_i`` stochastically to the integer
   grid (unbiased). ``s = floor(qmax / n)`` levels per worker, so the sum of
   ``n`` codes, each ``|q_i| <= s``, never exceeds ``n s <= qmax`` and the
-  integer all-reduce cannot wrap. The reference code uses ``127 / n`` levels,
-  which rounds up to ``ceil(127 / n)`` and wraps (e.g. 4 workers at the
-  maximum sum to 128 with probability 0.75**4); a wrapped int8 ``psum`` is
-  silent in XLA as in NCCL.
+  integer all-reduce cannot wrap. The official code (sands-lab/global-qsgd,
+  ``standard_dithering_hook``) uses ``127 / n`` levels, which rounds up to
+  ``ceil(127 / n)`` and wraps (e.g. 4 workers at the maximum sum to 128 with
+  probability 0.75**4); a wrapped int8 ``psum`` is silent in XLA as in NCCL.
 
   Variance: with independent rounding the mean's per-element variance is at
   most ``n (M / s)**2 / 4``; the per-worker resolution coarsens as ``n``

@@ -331,15 +331,10 @@ def detect(
       )
     launch = Launch("explicit", None, None, None)
   address = coordinator_address or launch.coordinator_address
-  if (
-    address is None
-    and launch.source == "ompi5"
-    and (launch.num_processes or 0) > 1
-  ):
+  n = launch.num_processes
+  if address is None and launch.source == "ompi5" and n is not None and n > 1:
     # Derived only here: an explicit --coordinator_address makes it moot.
-    address = _ompi5_coordinator(
-      environ, launch.num_processes, launch.local_size
-    )
+    address = _ompi5_coordinator(environ, n, launch.local_size)
   launch = dataclasses.replace(
     launch,
     coordinator_address=address,

@@ -41,7 +41,7 @@ program's JSON output.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 import contextlib
 import dataclasses
 import os
@@ -51,6 +51,8 @@ import signal
 import socket
 import subprocess
 import threading
+import types
+from typing import Any
 
 from qsync_jax.parallel import link_probe
 
@@ -60,6 +62,8 @@ PREFIX = "qsl"
 SUBNET = "10.77.0"
 _NETNS_ETC = "/etc/netns"
 _CFS_PERIOD_US = 100_000
+#: A signal handler as ``signal.signal`` takes and returns it.
+_SignalHandler = Callable[[int, types.FrameType | None], Any] | int | None
 
 ENV_LINK = "QSYNC_LINK"
 ENV_LINK_RATE_BPS = "QSYNC_LINK_RATE_BPS"
@@ -421,7 +425,7 @@ class LinkEmulator:
     self.bridge_ns = f"{PREFIX}{self.tag}b"
     self._made: list[tuple[str, str]] = []
     self._cgroup_procs: list[str] = []
-    self._signals: dict[int, object] = {}
+    self._signals: dict[int, _SignalHandler] = {}
 
   def namespace(self, i: int) -> str:
     """Process ``i``'s network namespace."""
@@ -536,7 +540,7 @@ class LinkEmulator:
         f.write(f"127.0.0.1 localhost\n{self.address(i)} {hostname}\n")
     self._shape()
     if self.spec.cpu_quota is not None:
-      self._throttle()
+      self._throttle(self.spec.cpu_quota)
 
   def _shape(self) -> None:
     per_node = self.spec.topology == "per_node"
@@ -589,7 +593,7 @@ class LinkEmulator:
         "ifb0",
       )
 
-  def _throttle(self) -> None:
+  def _throttle(self, cpu_quota: Sequence[float]) -> None:
     root = _cpu_cgroup_root()
     if root is None:
       raise LinkUnavailableError(
@@ -599,7 +603,7 @@ class LinkEmulator:
     if version == 2:
       with open(os.path.join(where, "cgroup.subtree_control"), "w") as f:
         f.write("+cpu")
-    for i, quota in enumerate(self.spec.cpu_quota):
+    for i, quota in enumerate(cpu_quota):
       path = os.path.join(where, self.namespace(i))
       os.makedirs(path, exist_ok=True)
       self._made.append(("cgroup", path))
@@ -634,6 +638,6 @@ class LinkEmulator:
     finally:
       for s, handler in held.items():
         signal.signal(s, handler)
-      for s, handler in self._signals.items():
-        signal.signal(s, handler)
+      for num, old in self._signals.items():
+        signal.signal(num, old)
       self._signals = {}

@@ -50,15 +50,9 @@ gives a zero state, so the next call starts afresh. Without a key ``Q`` comes
 from ``seed``.
 
 Error feedback. The residual builds up to about ``1 / (captured fraction)``
-steps of gradient, and a stale update that large can destabilize momentum
-SGD; warm start captures more and so helps, but at a low rank not enough.
-Measured on the digits CNN (38K parameters, a 196 x 196 matrix; 4 workers,
-SGD momentum 0.9, learning rate 0.05, 200 steps; the commands are in
-docs/RESULTS.md), final test accuracy with warm start against without:
-rank 4 with error feedback 0.51 / 0.56 / 0.29 (seeds 0, 1, 2) against
-0.24 / 0.31 / 0.16; rank 16 with it 0.961 / 0.958 against 0.947 / 0.956;
-rank 4 without it 0.908 against 0.906 (float32 mean 0.972). Raise the rank
-before turning error feedback on: the reshaped flat vector is not the
+steps of gradient, and a stale update that large can destabilize momentum SGD;
+warm start captures more and so helps, but at a low rank not enough. Raise the
+rank before turning error feedback on: the reshaped flat vector is not the
 per-layer matrices the paper compresses, and its spectrum decays slowly.
 
 Matrix shape. The protocol hands over one flat vector (the whole model's
@@ -96,7 +90,7 @@ def _is_count(value) -> bool:
   return (
     isinstance(value, numbers.Integral)
     and not isinstance(value, bool)
-    and value >= 1
+    and int(value) >= 1
   )
 
 

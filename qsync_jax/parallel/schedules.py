@@ -14,7 +14,7 @@ Every schedule provides
 * ``is_sync_step(t) -> bool``: after step ``t`` every worker holds the same
   parameters. A step that averages gradients is a sync step; at a sync step
   that does not, the trainer averages the parameters (optimizer state stays
-  local, as in the QSR reference code);
+  local, as in QSR's official code, hmgxr128/QSR, ``LocalOptimizer``);
 * ``sync_steps(total_steps) -> list[int]``: every sync step in
   ``1..total_steps``, the same answers as ``is_sync_step``, known before
   training;
@@ -49,7 +49,10 @@ import numpy as np
 class Schedule(Protocol):
   """What the trainer needs from a synchronization schedule."""
 
-  name: str
+  @property
+  def name(self) -> str:
+    """The schedule's name."""
+    ...
 
   def averages_gradients_at(self, step: int) -> bool: ...
 
@@ -88,6 +91,10 @@ def _periodic_round(
 class _SyncTable:
   """Gives a schedule ``sync_table`` from its ``sync_steps``."""
 
+  def sync_steps(self, total_steps: int) -> list[int]:
+    """Every sync step in ``1..total_steps``, which every schedule defines."""
+    raise NotImplementedError
+
   def sync_table(self, total_steps: int) -> np.ndarray:
     """``table[t - 1] == is_sync_step(t)`` for ``t`` in ``1..total_steps``.
 
@@ -111,6 +118,10 @@ class _SyncTable:
 
 class _Stateless(_SyncTable):
   """Schedules that are a pure function of the step: no checkpoint state."""
+
+  def is_sync_step(self, step: int) -> bool:
+    """Whether step ``step`` ends a round, which every schedule defines."""
+    raise NotImplementedError
 
   def sync_steps(self, total_steps: int) -> list[int]:
     """Every sync step in ``1..total_steps``."""
@@ -261,7 +272,7 @@ def _float64_lr(value: Any, step: int) -> float:
     )
   if not ok:
     # Rounding in float32 moves (alpha / lr) ** gamma across integers, so
-    # the floor would not be the official rule's (issue 23).
+    # the floor would not be the official rule's.
     raise ValueError(
       f"QSR reads the learning rate in float64; the learning rate at step "
       f"{step} is {value!r} ({dtype or type(value).__name__}): give a "
@@ -294,7 +305,7 @@ class QSR(_SyncTable):
   training ends with an average. ``H`` is not
   revised inside a round, even when the LR drops (a step decay takes effect
   at the next sync). ``gamma = 2`` is QSR; 1 and 3 give the linear and cubic
-  rules the paper compares against. Unlike the reference code, the cap also
+  rules the paper compares against. Unlike the official code, the cap also
   applies to ``init_h``, so even a constant-H run (``alpha == 0``) ends
   with an average.
 
@@ -356,6 +367,8 @@ class QSR(_SyncTable):
     self.name = name
     if self.alpha > 0:
       self.learning_rate(0)  # refuse a float32 schedule before training
+    self._h: int
+    self._next_sync: int
     self.load_state_dict({})
 
   def learning_rate(self, step: int) -> float:
@@ -425,7 +438,8 @@ class QSR(_SyncTable):
 
   def _replay(self, total_steps: int) -> list[int]:
     """The sync steps in ``1..total_steps`` from a fresh start."""
-    steps, s = [], 0
+    steps: list[int] = []
+    s = 0
     while True:
       s += self.period(s)
       if s > total_steps:
@@ -495,6 +509,13 @@ def make_schedule(
   Raises:
     ValueError: an unknown name, or QSR without a learning rate or with
       ``alpha <= 0`` (which is constant ``H``: use ``"local"``).
+
+  Example:
+    >>> import qsync_jax as qs
+    >>> qs.make_schedule("local", total_steps=10, h_base=4).sync_steps(10)
+    [4, 8, 10]
+    >>> qs.make_schedule("dp", total_steps=10).sync_steps(10)[:3]
+    [1, 2, 3]
   """
   if name == "dp":
     return EveryStep()

@@ -42,7 +42,8 @@ class AveragedState(NamedTuple):
       worker; ``None`` for a stateless averager.
   """
 
-  count: jax.Array
+  # Named as optax names its states' counts; it shadows tuple.count.
+  count: jax.Array  # type: ignore[assignment]
   residual: Any
   averager_state: Any = None
 
@@ -123,7 +124,9 @@ def averaged(
       averager, flat, weight, axis_name, key, res_flat, state.averager_state
     )
     return unravel(mean.astype(flat.dtype)), state._replace(
-      residual=None if new_res is None else unravel_res(new_res),
+      residual=(
+        None if new_res is None or unravel_res is None else unravel_res(new_res)
+      ),
       averager_state=new_state,
     )
 

@@ -26,7 +26,10 @@ class Averager(Protocol):
   bytes each worker sends per call.
   """
 
-  name: str
+  @property
+  def name(self) -> str:
+    """The strategy's name."""
+    ...
 
   def __call__(
     self,
@@ -60,6 +63,11 @@ class Averager(Protocol):
     ...
 
   def wire_bytes(self, num_elements: int, num_workers: int) -> float: ...
+
+  def __hash__(self) -> int:
+    """Averagers are hashable (frozen dataclasses): compiled programs and
+    measurements are cached by them."""
+    ...
 
 
 class Stateful(Protocol):
@@ -106,6 +114,16 @@ class Stateful(Protocol):
 
 class Reducing:
   """Gives a strategy ``__call__`` from its ``reduce``."""
+
+  def reduce(
+    self,
+    x: jax.Array,
+    weight: jax.Array,
+    axis_name: str,
+    key: jax.Array | None = None,
+  ) -> tuple[jax.Array, jax.Array]:
+    """:meth:`Averager.reduce`, which every strategy defines."""
+    raise NotImplementedError
 
   def __call__(
     self,

@@ -256,11 +256,12 @@ def _concrete(data: Any) -> Any:
 
 
 def _nested_get(tree: dict, path: tuple[str, ...]) -> Any:
+  node: Any = tree
   for part in path:
-    tree = tree.get(part) if isinstance(tree, dict) else None
-    if tree is None:
+    node = node.get(part) if isinstance(node, dict) else None
+    if node is None:
       return None
-  return tree
+  return node
 
 
 class LinenModel(nnx.Module):
@@ -362,7 +363,8 @@ class LinenModel(nnx.Module):
     # Eager, not jitted: a compile per model costs more than the dispatch.
     with nn.intercept_methods(record):
       variables = flax_core.unfreeze(
-        init_fn(_rng_dict(rngs), *args, **kwargs, **mode)
+        # mypy matches **mode against Module.init's own keywords too.
+        init_fn(_rng_dict(rngs), *args, **kwargs, **mode)  # type: ignore[arg-type]
       )
     # Every collection becomes the nnx.Variable type flax registers for its
     # name ('params' -> Param, 'batch_stats' -> BatchStat, ...).
@@ -455,8 +457,8 @@ class LinenModel(nnx.Module):
       rngs = self.rngs  # eval draws none: its state stays untouched
     if self.passes_rngs and rngs is not None:
       kwargs["rngs"] = _rng_dict(rngs)
-    mutable = [c for c in self.linen_variables if c != "params"]
-    mutable = mutable if train and mutable and self.passes_mutable else False
+    held = [c for c in self.linen_variables if c != "params"]
+    mutable = held if train and held and self.passes_mutable else False
     if mutable:
       kwargs["mutable"] = mutable
     with nn.intercept_methods(self._interceptor()):

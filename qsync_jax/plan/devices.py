@@ -6,18 +6,18 @@ catalog figures (:class:`DeviceSpec`: peak FLOP/s per precision, memory size
 and bandwidth, links), which the predictor's roofline
 (:mod:`qsync_jax.predictor.roofline`) turns into layer times.
 
-Precisions follow QSync's per-architecture bit lists (``conf.py:
-config_ava_bits``: sm70 -> {16, 32}, sm75 -> {8, 16, 32}, sm80 -> {8, 16, 19,
-32}) extended with the tensor-core data types of the newer inference GPUs
-(reference/peers.md, section 6): BF16 needs Ampere, FP8 needs Ada or Hopper.
+Precisions follow QSync's per-architecture bit lists (QSync's official code,
+bytedance/QSync, ``qsync/LpTorch/conf.py: config_ava_bits``: sm70 -> {16, 32},
+sm75 -> {8, 16, 32}, sm80 -> {8, 16, 19, 32}) extended with the tensor-core
+data types of the newer inference GPUs (NVIDIA's datasheets): BF16 needs
+Ampere, FP8 needs Ada or Hopper.
 A CPU computes every precision (in software), which is what lets the numerics
 of any plan be tested on CPU; it has no catalog figures.
 
-Figures are vendor peaks at boost clock, dense (no 2:4 sparsity), as
-collected in reference/peers.md section 6 with the sources named there; each
-spec's ``source`` repeats them. Cells marked [R] there are not confirmed
-against the official datasheets. A precision without tensor-core support is
-given the FP32 vector rate (V100 and T4 INT8/BF16 are not in their precisions
+Figures are vendor peaks at boost clock, dense (no 2:4 sparsity); each spec's
+``source`` names where they come from, and marks "unchecked" the figures not yet
+checked against the official datasheet. A precision without tensor-core support
+is given the FP32 vector rate (V100 and T4 INT8/BF16 are not in their precisions
 anyway).
 """
 
@@ -97,7 +97,7 @@ _TABLE: dict[str, tuple[frozenset[Precision], DeviceSpec | None]] = {
       32,
       900,
       150,
-      "V100 SXM2 datasheet (peers.md 6, [R]); NVLink2 300 GB/s bidirectional",
+      "NVIDIA V100 SXM2 datasheet (unchecked); NVLink2 300 GB/s bidirectional",
     ),
   ),
   # Turing sm_75: FP16 and INT8 tensor cores; no BF16, TF32 or FP8.
@@ -114,8 +114,7 @@ _TABLE: dict[str, tuple[frozenset[Precision], DeviceSpec | None]] = {
       16,
       320,
       16,
-      "T4 datasheet via geektopia.es / sysrqmts.com (peers.md 6); "
-      "PCIe Gen3 x16 ~16 GB/s",
+      "NVIDIA T4 datasheet; PCIe Gen3 x16 ~16 GB/s",
     ),
   ),
   # Ampere sm_80 / sm_86: add TF32 and BF16.
@@ -132,7 +131,7 @@ _TABLE: dict[str, tuple[frozenset[Precision], DeviceSpec | None]] = {
       24,
       600,
       32,
-      "A10 datasheet (peers.md 6, tensor figures [R]); PCIe Gen4 x16",
+      "NVIDIA A10 datasheet (tensor figures unchecked); PCIe Gen4 x16",
     ),
   ),
   "a100": (
@@ -148,8 +147,7 @@ _TABLE: dict[str, tuple[frozenset[Precision], DeviceSpec | None]] = {
       80,
       2039,
       300,
-      "A100 SXM4 80 GB datasheet via glennklockwood.com "
-      "(peers.md 6); NVLink3 600 GB/s bidirectional",
+      "NVIDIA A100 SXM4 80 GB datasheet; NVLink3 600 GB/s bidirectional",
     ),
   ),
   # Ada sm_89 and Hopper sm_90: add FP8 (e4m3 / e5m2).
@@ -166,7 +164,7 @@ _TABLE: dict[str, tuple[frozenset[Precision], DeviceSpec | None]] = {
       24,
       300,
       32,
-      "L4 via fpsbench.com / grokipedia (peers.md 6); PCIe Gen4 x16",
+      "L4 via fpsbench.com / grokipedia; PCIe Gen4 x16",
     ),
   ),
   "l40s": (
@@ -182,7 +180,7 @@ _TABLE: dict[str, tuple[frozenset[Precision], DeviceSpec | None]] = {
       48,
       864,
       32,
-      "L40S via mullet.se (peers.md 6; INT8 [R]); PCIe Gen4 x16",
+      "L40S via mullet.se (INT8 unchecked); PCIe Gen4 x16",
     ),
   ),
   "h100": (
@@ -198,8 +196,7 @@ _TABLE: dict[str, tuple[frozenset[Precision], DeviceSpec | None]] = {
       80,
       3350,
       450,
-      "H100 SXM5 via glennklockwood.com (peers.md 6); "
-      "NVLink4 900 GB/s bidirectional",
+      "H100 SXM5 via glennklockwood.com; NVLink4 900 GB/s bidirectional",
     ),
   ),
 }
@@ -245,6 +242,13 @@ def supported_precisions(device_kind: str) -> frozenset[Precision]:
 
   Raises:
     ValueError: the device kind is unknown.
+
+  Example:
+    >>> import qsync_jax as qs
+    >>> sorted(p.value for p in qs.supported_precisions("T4"))
+    ['fp16', 'fp32', 'int8']
+    >>> qs.Precision.INT8 in qs.supported_precisions("v100")
+    False
   """
   kind = device_kind.strip().lower()
   if kind not in _TABLE:

@@ -114,7 +114,7 @@ class PlannedModule:
   ):
     if isinstance(module, PlannedModule):
       module = module.module  # a new plan replaces the old one
-    self.module = module
+    self.module: nn.Module = module
     self.plan = plan
     self.device_kind = device_kind
     self._precisions: dict[str, Precision] | None = None

@@ -60,7 +60,7 @@ _OP_ATTR: Mapping[type, tuple[str, Callable[..., Any]]] = {
 EMBEDDING_TYPES = (nnx.Embed, bridge.EmbedProxy)
 #: Layer types that never compute below 16 bits.
 SIXTEEN_BIT_FLOOR = (*EMBEDDING_TYPES, MatMul)
-ADDRESSABLE_TYPES = (*_OP_ATTR, *EMBEDDING_TYPES)
+ADDRESSABLE_TYPES: tuple[type[nnx.Module], ...] = (*_OP_ATTR, *EMBEDDING_TYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +106,8 @@ def weight_variable(module: nnx.Module) -> nnx.Variable | None:
   None for the attention matmuls, which have none."""
   if isinstance(module, MatMul):
     return None
-  return module.embedding if is_embedding(module) else module.kernel
+  # Attributes of the concrete layer types (Embed, Linear, Conv, proxies).
+  return module.embedding if is_embedding(module) else module.kernel  # type: ignore[attr-defined]
 
 
 def weight_paths(
@@ -143,7 +144,7 @@ def addressable_modules(model: nnx.Module) -> dict[str, nnx.Module]:
   (``"Linear"``). The layers of a :class:`~qsync_jax.plan.bridge.LinenModel`
   are its proxies, named by their Linen paths below the model's own path.
   """
-  found = {}
+  found: dict[str, nnx.Module] = {}
   for path, node in nnx.iter_graph(model):
     if isinstance(node, bridge.LinenModel):
       for linen_path, proxy in node.proxies.items():
@@ -248,6 +249,14 @@ def layer_paths(model: nnx.Module, sample_input: Any = None) -> list[str]:
   """Returns the paths of the model's addressable layers in forward order.
 
   See :func:`model_layers` for the arguments.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import qsync_jax as qs
+    >>> x = jax.ShapeDtypeStruct((1, 4), jnp.float32)
+    >>> qs.layer_paths(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), x)
+    ['Linear']
   """
   return [layer.path for layer in model_layers(model, sample_input)]
 
@@ -316,6 +325,26 @@ def apply_plan(
 
   Raises:
     PlanError: see :func:`effective_precisions`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import qsync_jax as qs
+    >>> class MLP(nnx.Module):
+    ...   def __init__(self, rngs):
+    ...     self.hidden = nnx.Linear(4, 8, rngs=rngs)
+    ...     self.out = nnx.Linear(8, 2, rngs=rngs)
+    ...   def __call__(self, x):
+    ...     return self.out(jax.nn.relu(self.hidden(x)))
+    >>> model, x = MLP(nnx.Rngs(0)), jax.ShapeDtypeStruct((1, 4), jnp.float32)
+    >>> qs.layer_paths(model, x)
+    ['hidden', 'out']
+    >>> plan = qs.PrecisionPlan([("hidden", "int8")])
+    >>> model = qs.apply_plan(model, plan, x, device_kind="t4")
+    >>> print(qs.describe(model, plan, x))  # the head stays FP32
+    layer   kind          precision
+    hidden  Linear        int8
+    out     Linear        fp32
   """
   layer_list = model_layers(model, sample_input)
   set_precisions(
@@ -332,7 +361,8 @@ def set_precisions(
     prec = precisions[layer.path]
     module = layer.module
     if is_embedding(module):
-      module.dtype = embed_dtype(prec, module.param_dtype)
+      # An Embed (or its proxy) holds its compute and parameter dtypes.
+      module.dtype = embed_dtype(prec, module.param_dtype)  # type: ignore[attr-defined]
     else:
       attr, op_cls = op_attribute(module)
       setattr(module, attr, op_cls(prec, quant))

@@ -19,8 +19,10 @@ from collections.abc import Iterable, Mapping, Sequence
 import dataclasses
 import json
 import re
-from re import _constants as sre_constants  # Python >= 3.11, like the parser.
-from re import _parser as sre_parse
+
+# Python >= 3.11, like the parser; typeshed has no stubs for these modules.
+from re import _constants as sre_constants  # type: ignore[attr-defined]
+from re import _parser as sre_parse  # type: ignore[attr-defined]
 
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
@@ -114,6 +116,14 @@ class PrecisionPlan:
     rules: the ``(regex, Precision)`` pairs, in priority order.
     default: the precision of layers that no rule matches.
     quant: how INT8 / FP8 layers quantize (scale granularity, rounding).
+
+  Example:
+    >>> import qsync_jax as qs
+    >>> plan = qs.PrecisionPlan([(r"conv\\d", "int8"), ("fc", "fp16")])
+    >>> plan.precision_of("conv2"), plan.precision_of("head")
+    (<Precision.INT8: 'int8'>, <Precision.FP32: 'fp32'>)
+    >>> qs.PrecisionPlan.from_json(plan.to_json()) == plan
+    True
   """
 
   rules: tuple[tuple[str, Precision], ...] = ()
@@ -236,7 +246,7 @@ class PrecisionPlan:
       }
     else:
       used = self.resolve(layer_paths, strict=False)
-    bad = {}
+    bad: dict[Precision, list[str]] = {}
     for where, prec in used.items():
       if prec not in supported:
         bad.setdefault(prec, []).append(where)

@@ -4,8 +4,8 @@ This module owns what does not depend on how a model is written: which
 precision-aware op replaces each injectable attribute of a layer
 (:data:`OP_FOR_ATTRIBUTE`), which dtype an embedding table is cast to
 (:func:`embed_dtype`), and the forced precisions (:func:`resolve_with_forced`,
-DESIGN.md "Numerics", after QSync's ``map_available_bit`` and
-``reject_name_list``):
+after ``map_available_bit`` and ``reject_name_list`` in QSync's official
+code, bytedance/QSync):
 
 * the classifier head (the last layer in forward order) computes in FP32
   unless a rule names it;

@@ -1,9 +1,9 @@
 """Predictor: the step time and memory of any per-device precision plan.
 
-QSync's replayer and cost mapper (arXiv 2407.02327; reference qsync.md
-section 4) in JAX. In the data flow it sits between the indicator and the
-allocator: a model and a cluster come in, a :class:`Prediction` per plan
-goes out. Read its modules in this order:
+QSync's replayer and cost mapper (arXiv 2407.02327; QSync's official code,
+bytedance/QSync, ``qsync/Predictor``) in JAX. In the data flow it sits between
+the indicator and the allocator: a model and a cluster come in, a
+:class:`Prediction` per plan goes out. Read its modules in this order:
 
 * :func:`trace_graph`: a model's layers in forward order, their operand
   shapes, data flow and dtype cascades (:mod:`.graph`);

@@ -51,15 +51,15 @@ def analytic_profile(
   supported = supported_precisions(device_kind)
   if precisions is None:
     precisions = [p for p in Precision if p in supported]
-  precisions = [Precision.parse(p) for p in precisions]
-  for p in precisions:
+  parsed = [Precision.parse(p) for p in precisions]
+  for p in parsed:
     roofline.sustained_flops(spec, p)  # raises for a precision it lacks
   casts = casting.analytic_cast_model(spec)
   layers = {}
   for node in g.nodes:
     layers[node.path] = {
       p.value: roofline_layer(node, p, spec, casts)
-      for p in precisions
+      for p in parsed
       if not (node.floored and p.bits < 16)
     }
   mem = (
@@ -72,7 +72,7 @@ def analytic_profile(
   bandwidth = roofline.sustained_bandwidth(spec)
   rest = {}
   kernels = 6 * len(g.nodes)  # bias, activation, norm: forward and backward
-  for dt in sorted({graph_lib.output_dtype(p) for p in precisions}):
+  for dt in sorted({graph_lib.output_dtype(p) for p in parsed}):
     scale = 1.0 if dt == "float32" else 0.75  # half the bytes up to a cast
     total = (
       mem.rest_bytes_accessed * scale / bandwidth
@@ -91,7 +91,7 @@ def analytic_profile(
       "jax": jax.__version__,
     },
     device_kind=device_kind,
-    precisions=[p.value for p in precisions],
+    precisions=[p.value for p in parsed],
   )
   return Profile(
     device_kind, "analytic", key, layers, rest, optimizer_s, casts, mem

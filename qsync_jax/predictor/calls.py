@@ -138,9 +138,11 @@ def concurrency_calls(
     slow each other down; 1: they run one after another).
   """
   calls = [make_call(d, i) for i, d in enumerate(local_devices)]
-  return {
-    k: (lambda k=k: [c() for c in calls[:k]]) for k in host_counts(len(calls))
-  }
+
+  def first(k: int) -> Callable[[], list[Any]]:
+    return lambda: [c() for c in calls[:k]]
+
+  return {k: first(k) for k in host_counts(len(calls))}
 
 
 def pass_concurrency_calls(
@@ -186,7 +188,7 @@ def allreduce_calls(
   sizes: Sequence[int] = (2**14, 2**18, 2**20, 2**22),
 ) -> dict[tuple[int, int], Callable[[], Any]]:
   """``{(k, elements): call}``: float32 ``psum`` over k host devices."""
-  calls = {}
+  calls: dict[tuple[int, int], Callable[[], Any]] = {}
   for k in range(2, len(local_devices) + 1):
     mesh = Mesh(np.array(local_devices[:k]), ("w",))
     f = jax.jit(
@@ -201,7 +203,7 @@ def allreduce_calls(
       x = jax.device_put(
         jnp.ones((k, n), jnp.float32), NamedSharding(mesh, P("w"))
       )
-      calls[(k, n)] = lambda f=f, x=x: f(x)
+      calls[(k, n)] = functools.partial(f, x)
   return calls
 
 
@@ -230,18 +232,16 @@ def _data_parallel(
   :mod:`qsync_jax.train.programs`): no loss scaling, the mean averager, equal
   weights. ``model`` is prepared as the trainer prepares it."""
   k = len(devices)
-  graphdefs, _, _, params, rest = step_lib.plan_graphdefs(
-    model, [(plan, "cpu")] * k, sample_input
-  )
-  flat, unravel = ravel_pytree(params)
+  split = step_lib.plan_graphdefs(model, [(plan, "cpu")] * k, sample_input)
+  flat, unravel = ravel_pytree(split.params)
   mesh = Mesh(np.array(devices), (layout.AXIS,))
   by_index = dict(enumerate(devices))
   weights = (np.ones(k) / k).astype(np.float32)
   return _DataParallel(
     by_index,
     NamedSharding(mesh, P(layout.AXIS)),
-    dict(enumerate(step_lib.grad_functions(graphdefs, unravel, loss_fn))),
-    {i: jax.device_put(rest, d) for i, d in by_index.items()},
+    dict(enumerate(step_lib.grad_functions(split.graphdefs, unravel, loss_fn))),
+    {i: jax.device_put(split.rest, d) for i, d in by_index.items()},
     programs.initial_state(
       mesh,
       by_index,
@@ -276,7 +276,7 @@ def _step_call(
   batches = {i: _batch_arrays(sample_batch, d) for i, d in dp.devices.items()}
   state = [dp.state]
 
-  def step():
+  def step() -> jax.Array:
     s = state[0]
     grads, _ = step_lib.local_gradients(
       grad_fns,
@@ -287,7 +287,7 @@ def _step_call(
       batches,
       dp.sharding,
     )
-    params, opt_state, scale, _, counter, residual, averager_state = dp.update(
+    out: programs.UpdateResult = dp.update(
       s.params,
       s.opt_state,
       s.loss_scale,
@@ -298,9 +298,15 @@ def _step_call(
       s.averager_state,
     )
     state[0] = programs.StackedState(
-      params, opt_state, scale, s.weights, counter, residual, averager_state
+      out.params,
+      out.opt_state,
+      out.loss_scale,
+      s.weights,
+      out.counter,
+      out.residual,
+      out.averager_state,
     )
-    return params
+    return out.params
 
   return step
 
@@ -328,8 +334,7 @@ def uniform_step_calls(
   so a pass shorter than that work costs the step nothing
   (:func:`.profiling.fit_step_overhead`). (Taken as the step's fixed part,
   the update program and a compute-free step, timed apart, counted the
-  update's dispatch twice and hid nothing: a step of about a millisecond
-  came out 15-38 % slow.)
+  update's dispatch twice and hid nothing, pricing short steps slow.)
 
   Args:
     model: the model.
@@ -378,6 +383,7 @@ def compute_free_step_calls(
       dp, dict.fromkeys(dp.grad_fns, _free_gradients), sample_batch
     )
   # The passes alone run on the largest count's state (all the devices).
+  assert dp is not None, "no local devices"
   rows = layout.rows(dp.state.params)
   scales = layout.rows(dp.state.loss_scale.scale)
 

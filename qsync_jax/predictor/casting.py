@@ -1,9 +1,9 @@
 """Cast costs: time = a * numel + b per (source, destination) dtype.
 
-This module owns :class:`CastModel` and the two ways to get one: fitted on
-the device at hand from micro-benchmarks (:func:`fit_cast_model`, with
-``scipy.optimize.curve_fit``, as QSync's ``casting_cost.py`` does; reference
-qsync.md section 4.2) or derived from a GPU's memory bandwidth
+This module owns :class:`CastModel` and the two ways to get one: fitted on the
+device at hand from micro-benchmarks (:func:`fit_cast_model`, with
+``scipy.optimize.curve_fit``, as QSync's official code does in bytedance/QSync,
+``Predictor/casting_cost.py``) or derived from a GPU's memory bandwidth
 (:func:`analytic_cast_model`). Besides float-to-float casts it covers
 quantization to int8 (an absmax reduction plus a rounding pass) and
 dequantization.

@@ -99,7 +99,7 @@ def abstract_args(
   )
 
 
-def _state_shape(averager: Averager, num_elements: int):
+def _state_shape(averager: Averager | None, num_elements: int) -> Any:
   """The averager's state's shapes and dtypes (None: it has none)."""
   return jax.eval_shape(lambda: averagers.init_state(averager, num_elements))
 
@@ -154,7 +154,7 @@ class CodecCost:
 # worker's program runs alone: one pass over the operand, no wire. ``met``
 # is None, or where the workers still meet (:func:`_meeting`), the one
 # value the stand-in waits for.
-_LOCAL_STAND_INS = {
+_LOCAL_STAND_INS: dict[str, Callable[..., Any]] = {
   "psum": lambda x, n, out, met: _summed(x, n, met),
   "psum_invariant": lambda x, n, out, met: _summed(x, n, met),
   "pmax": lambda x, n, out, met: _after(x, met),
@@ -173,12 +173,9 @@ _LOCAL_STAND_INS = {
 #: collective's stand-in in an all-reduce of its whole operands rather than
 #: of one element. A collective this small costs its fixed costs (round
 #: trips, and the wait for the slowest worker at each), which a one-element
-#: meeting and a line through large operands do not price: at 1 Gbit/s on
-#: four processes a 64 KiB float32 all-reduce took 4.9 ms alone, a
-#: one-element one 2.0 ms and the line 0.8 ms, and PowerSGD's average,
-#: whose two all-reduces are of that size, came out 10-16 % short
-#: (docs/RESULTS.md). Its time is then the encode/decode's, and it is not
-#: priced again (:func:`timed_in_codec`).
+#: meeting and a line through large operands do not price (PowerSGD's two
+#: all-reduces are of that size). Its time is then the encode/decode's, and
+#: it is not priced again (:func:`timed_in_codec`).
 SMALL_COLLECTIVE_BYTES = 1 << 18
 
 
@@ -221,13 +218,12 @@ def _meeting(operands, axis: str):
       for x in operands
     ]
     return sum(flags[1:], flags[0])
-  # One element, not a reduction over all: a reduction is a read pass of
-  # its own (the float32 mean's encode/decode doubled, 34 to 67 ms at 16M
-  # floats). But where the operand comes from an elementwise pass, XLA
-  # fuses the slice into it and computes the element first, so the workers
-  # meet before that pass, not after it. The flag is one XLA cannot fold
-  # for any type: ``x != x`` of integer codes folded to a constant, and the
-  # workers met before the encode that produced them.
+  # One element, not a reduction over all: a reduction is a read pass of its own
+  # (it would double the float32 mean's encode/decode). But where the operand
+  # comes from an elementwise pass, XLA fuses the slice into it and computes the
+  # element first, so the workers meet before that pass, not after it. The flag
+  # is one XLA cannot fold for any type: ``x != x`` of integer codes folded to a
+  # constant, and the workers met before the encode that produced them.
   flags = [
     _first_is_odd(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x)
     for x in operands
@@ -265,8 +261,8 @@ def _summed(x, n: int, met=None):
 
   Scaled in line, the sum fused into the passes on both sides and the
   encode/decode came out one pass short wherever the real program has a pass
-  on each side of its all-reduce: the bfloat16 mean (converted there, summed
-  in float32 by XLA:CPU, converted back) was 20-30% short at 10 Gbit/s.
+  on each side of its all-reduce, as the bfloat16 mean has (converted there,
+  summed in float32 by XLA:CPU, converted back).
   """
   taken = (
     jax.lax.optimization_barrier(jnp.bool_(True))
@@ -280,15 +276,13 @@ def _gathered(x, n: int, out, met=None):
   """n copies of ``x`` in the gather's output shape, made outside the
   program (a host callback), as a collective's receive buffer is.
 
-  Inside the program XLA:CPU fuses the copies into the decode that reads
-  them and runs it about 10 times slower than the real program does (QSGD at
-  1M floats, 4 workers: 80 ms against 10 ms), whatever barrier stands
-  between them; a buffer from outside keeps the decode as the real program
-  compiles it, for the cost of one copy of the gathered bytes, which the
+  Inside the program XLA:CPU fuses the copies into the decode that reads them
+  and runs it several times slower than the real program does, whatever barrier
+  stands between them; a buffer from outside keeps the decode as the real
+  program compiles it, for the cost of one copy of the gathered bytes, which the
   collective also writes. The callback returns a broadcast view, which jax
   copies into the result buffer: that one write. (Made contiguous in the
-  callback first, the copies were written twice: 192 against 172 ms for a
-  program around a gather of 4 x 16 MiB on one device.)
+  callback first, the copies would be written twice.)
   """
 
   def copies(v, *_):
@@ -314,9 +308,9 @@ def _received(x, n: int, met=None):
   into the program's result buffer (one write, as a receive's).
 
   The operand itself would let XLA simplify the exponential merge of two
-  equal values away. Over the workers the host callback cost about 19 ms
-  per 16 MiB more than a receive, and it priced that average 12-15 % long
-  at 10 Gbit/s (docs/RESULTS.md).
+  equal values away. Over the workers the permute stands in rather than the
+  host callback, which costs more than a receive and so would price the
+  average long.
   """
   if met is None:
     return jax.pure_callback(
@@ -331,8 +325,7 @@ def fit_sizes(num_elements: int) -> list[int]:
   """The sizes a cost at ``num_elements`` is fitted on: it and a quarter.
 
   Fitted at smaller sizes and extrapolated, the line misses what the host's
-  caches stop holding (QSGD's encode/decode at 16M floats, fitted at 1-4M,
-  came out 19% long; PowerSGD's 40% short).
+  caches stop holding.
   """
   lo = max(int(num_elements) // 4, 2)
   return [lo, max(int(num_elements), lo + 1)]
@@ -368,7 +361,7 @@ def _eval_local(jaxpr, consts, args, n: int, axis: str | None = None):
 
   With ``axis`` (the body runs in a ``shard_map`` over real workers), each
   stand-in first waits for the workers to meet (:func:`_meeting`)."""
-  env = {}
+  env: dict[Any, Any] = {}
 
   def read(v):
     return v.val if hasattr(v, "val") else env[v]
@@ -449,9 +442,7 @@ def local_program(
       operands where they are at most :data:`SMALL_COLLECTIVE_BYTES` per
       worker, :func:`timed_in_codec`). A collective waits
       for the slowest worker, so where the workers share a host's cores the
-      work between two collectives costs the slowest worker's time: with
-      four processes on two cores, PowerSGD's two small all-reduces
-      waited 50 ms of its 180 ms (docs/RESULTS.md).
+      work between two collectives costs the slowest worker's time.
     error_feedback: None for the averager's own call; True or False for
       the trainer's average (:func:`shard_body`).
 
@@ -632,8 +623,8 @@ def profile_codec(
   every collective replaced by a local pass over its operand, so the time is
   everything but the wire. (A ``jax.vmap`` over the workers' axis would be
   the obvious alternative, but it batches the per-worker PRNG keys, and
-  batched-key noise is several times slower than one worker's: it overstated
-  the exponential dithering's cost eightfold.)
+  batched-key noise is several times slower than one worker's, which would
+  overstate the dithering's cost.)
 
   The statistic is the one a run pays: the median over ``repeats`` blocks
   of ``calls`` back-to-back calls (:func:`qsync_jax.predictor.timing.
@@ -653,9 +644,9 @@ def profile_codec(
     sync: called before each block (a barrier across processes).
     sample: representative float32 data, such as one worker's raveled
       gradient, repeated to each size (default: standard normal). The data
-      matters on a CPU: the float16 mean's casts of the compression
-      bench's gradient-like data, whose small layers hold float16
-      subnormals, took 157 ms at 16M floats against 12 ms for normal data.
+      matters on a CPU: the float16 mean's casts are far slower on
+      gradient-like data, whose small layers hold float16 subnormals, than
+      on normal data.
     mesh: instead of ``device``, the run's mesh (one axis, one device per
       worker, every process calling this alike): the program runs on every
       worker and the workers meet where the average's collectives are
@@ -665,9 +656,8 @@ def profile_codec(
       encode at once, as workers sharing a host's cores do (processes
       launched on one machine, or fake CPU devices): one worker's program
       runs on each of them at the same time, and a call is the time until
-      all have finished. Alone on one device, the encode/decode of the
-      network study's four processes on two cores came out 19-25 % short
-      for Global-QSGD and 65 % for PowerSGD (docs/RESULTS.md). Processes
+      all have finished (timed alone on one device, the encode/decode of
+      workers sharing cores comes out short). Processes
       each run their own XLA thread pool, which fake devices of one process
       share: for processes, :func:`~qsync_jax.predictor.codec_processes.
       profile_codecs_in_processes` profiles over their mesh.
@@ -675,9 +665,7 @@ def profile_codec(
       compression bench times); True or False to time the trainer's average
       (:func:`qsync_jax.parallel.averagers.average`): with the averager's
       state where it carries one and with or without the error-feedback
-      residual. PowerSGD rank 16 at 10.6M floats over four processes took
-      275 ms as its own call and 508 ms as the trainer's average with
-      feedback and warm start (docs/RESULTS.md).
+      residual, which can cost far more than the averager's own call.
 
   Returns:
     The fitted :class:`CodecCost`.

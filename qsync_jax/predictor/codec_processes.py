@@ -6,10 +6,7 @@ run's mesh, the workers meeting where the collectives are) timed by
 ``num_processes`` localhost processes, one CPU device each, as a launched
 training run on one host has them. Where those processes share the host's
 cores, each has its own XLA thread pool, and that contention is not the one
-of fake devices in one process: the network study's PowerSGD encode/decode
-(rank 16, 10.6M floats, four processes on two cores) took 365 ms profiled
-so, against 196 ms on four fake devices of one process at once
-(docs/RESULTS.md).
+of fake devices in one process, which time the encode/decode short.
 
 Each of those processes runs :func:`worker_main`.
 """
@@ -155,6 +152,6 @@ def worker_main(spec_path: str, out_path: str) -> None:
     for name, averager in spec["averagers"].items()
   }
   if jax.process_index() == 0:
-    with open(out_path, "wb") as f:
-      pickle.dump(fits, f)
+    with open(out_path, "wb") as out_file:
+      pickle.dump(fits, out_file)
   distributed.shutdown()

@@ -8,9 +8,8 @@ of float32, ...) run alone over the run's mesh at small sizes and fitted as
 Why measure what the link's rate should give: where the host's CPU moves
 and reduces the bytes, as XLA:CPU's gloo collectives over TCP do, the wire
 is not the only cost per byte. gloo sums float16 in software, and the TCP
-stack copies every byte on cores the workers share. Priced at the link's
-measured rate alone, Global-QSGD's average at 16M floats over 1 Gbit/s was
-predicted 32% short and the float16 mean 61% short (docs/RESULTS.md). A fit
+stack copies every byte on cores the workers share, so pricing at the link's
+measured rate alone predicts such averages short. A fit
 of the plain collective on the very link carries those costs, as the bus
 bandwidth of NCCL's tests does on GPUs; the averager's own encode and decode
 stay with :func:`~qsync_jax.predictor.codec.profile_codec`.
@@ -20,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -119,6 +119,14 @@ def collective_program(
   )
 
 
+def _shard_operand(
+  np_dtype: np.dtype, elements: int, sample: Any, n: int, index: Any
+) -> np.ndarray:
+  """:func:`_operand`, as ``make_array_from_callback`` asks for each shard."""
+  del index
+  return _operand(np_dtype, elements, sample, n)
+
+
 def _operand(np_dtype: np.dtype, elements: int, sample, n: int) -> np.ndarray:
   """One worker's operand of a profiled collective (see
   :func:`profile_collectives`'s ``sample``)."""
@@ -156,7 +164,7 @@ def collective_programs(
     x = jax.make_array_from_callback(
       (n * elements,),
       sharding,
-      lambda index, e=elements: _operand(np_dtype, e, sample, n),
+      functools.partial(_shard_operand, np_dtype, elements, sample, n),
     )
     jax.block_until_ready(fn(x))  # compile, in step on every process
     programs.append((fn, (x,)))
@@ -193,9 +201,7 @@ def profile_collectives(
       floating operands are ``sample / n`` in their type, as the averagers
       send ``w_i x_i``; integer ones are ones. Without it, floating
       operands are ones too. gloo sums float16 in software, and its time
-      depends on the values: the float16 all-reduce of 16M elements over 1
-      Gbit/s took 985 ms with the compression bench's data against 724 ms
-      with ones.
+      depends on the values.
 
   Returns:
     The fitted :class:`CollectiveCost`.

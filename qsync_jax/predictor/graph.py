@@ -6,8 +6,9 @@ addressable layer's contraction (its operands' shapes, which layers produce
 them, whether the backward pass needs their gradient) in forward order, and
 how activation dtypes flow between layers.
 
-Cascade rules (QSync's "precision-dependent operator cascades", reference
-qsync.md section 4.4, as they hold for the JAX ops of
+Cascade rules (QSync's "precision-dependent operator cascades", arXiv
+2407.02327, and QSync's official code, bytedance/QSync, its function
+``change_dag_bit``, as they hold for the JAX ops of
 :mod:`qsync_jax.numerics.ops`):
 
 * a layer's output dtype follows its precision: FP16 and BF16 layers emit
@@ -297,7 +298,7 @@ def _flops(
   """Forward FLOPs of a layer's contraction at FP32, from XLA's cost model.
 
   ``Lowered.cost_analysis`` counts dot and convolution FLOPs exactly on
-  every backend before compilation (reference jax_notes.md section 9); an
+  every backend before compilation; an
   embedding's cast has none.
   """
   if kind == "Embed":
@@ -329,7 +330,7 @@ def _capture(
   arrays): records[i] holds the op's arguments, the positions of its array
   operands and its output aval.
   """
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
   leaves, treedef = jax.tree.flatten(params)
   sizes = [int(np.prod(leaf.shape)) for leaf in leaves]
   flat = jax.ShapeDtypeStruct(
@@ -356,7 +357,7 @@ def _capture(
     i for i, v in enumerate(rest_leaves) if isinstance(v, jax.ShapeDtypeStruct)
   ]
   rest_arrays = [rest_leaves[i] for i in array_at]
-  records: list[dict[str, Any]] = [None] * len(layer_list)
+  records: list[dict[str, Any] | None] = [None] * len(layer_list)
 
   def make_wrapper(i, layer, base):
     module = layer.module
@@ -442,7 +443,7 @@ def _walk(jaxpr, n_layers: int, n_state: int):
   info[params_var] = (frozenset(), True)
   for v in data_vars:  # every array of the traced data is model input
     info[v] = (frozenset([INPUT]), False)
-  inputs: list[list[tuple[frozenset, bool]]] = [None] * n_layers
+  inputs: list[list[tuple[frozenset, bool]] | None] = [None] * n_layers
 
   def get(v):
     if isinstance(v, jex_core.Literal):
@@ -457,7 +458,8 @@ def _walk(jaxpr, n_layers: int, n_state: int):
       for v in eqn.outvars:
         info[v] = (frozenset([i]), True)
       continue
-    deps, param = frozenset(), False
+    deps: frozenset = frozenset()
+    param = False
     for v in eqn.invars:
       d, p = get(v)
       deps |= d

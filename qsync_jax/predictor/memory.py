@@ -2,7 +2,8 @@
 
 This module owns :class:`MemoryModel`, :func:`residual_bytes` (what a layer
 saves for its backward pass at each precision: QSync's per-layer ``M_l``
-scaled by bits, reference qsync.md section 4.6) and
+scaled by bits, as QSync's official code, bytedance/QSync, estimates it in
+``Predictor/core.py: calculate_mem_occuupation``) and
 :func:`compiled_step_bytes` (what XLA reports for the compiled step:
 arguments + outputs + temporaries - aliased, from ``memory_analysis``).
 
@@ -45,6 +46,7 @@ from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor import pieces
 from qsync_jax.task import calling
 from qsync_jax.task.objective import as_objective
+from qsync_jax.task.objective import LossFn
 from qsync_jax.train import step as step_lib
 
 _BITS = {
@@ -190,7 +192,7 @@ def compiled_step_bytes(
   model: nnx.Module,
   precisions: Mapping[str, Precision],
   sample_batch,
-  loss_fn=None,
+  loss_fn: LossFn = None,
   tx: optax.GradientTransformation | None = None,
   quant: QuantConfig | None = None,
 ) -> float:
@@ -210,12 +212,12 @@ def compiled_step_bytes(
   """
   tx = tx or optax.adam(1e-3)
   objective = as_objective(loss_fn)
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
   copy = nnx.merge(graphdef, params, rest)
   batch = _abstract(sample_batch)
   layer_list = policy.model_layers(copy, objective.probe(batch))
   policy.set_precisions(layer_list, dict(precisions), quant or QuantConfig())
-  graphdef, params, rest = nnx.split(copy, nnx.Param, ...)
+  graphdef, params, rest = nnx.split(copy, nnx.Param, ...)  # type: ignore[misc]
   flat, unravel = ravel_pytree(params)
   opt_state = jax.eval_shape(tx.init, flat)
   step = train_step_function(graphdef, unravel, objective, tx)

@@ -188,10 +188,10 @@ def _edited_grad_function(
     ``grad_fn`` is :func:`qsync_jax.train.step.grad_function` (what the trainer
     runs).
   """
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
   copy = nnx.merge(graphdef, params, rest)
   edit(copy)
-  c_graphdef, c_params, c_rest = nnx.split(copy, nnx.Param, ...)
+  c_graphdef, c_params, c_rest = nnx.split(copy, nnx.Param, ...)  # type: ignore[misc]
   flat, unravel = ravel_pytree(c_params)
   return (
     step_lib.grad_function(c_graphdef, unravel, loss_fn),

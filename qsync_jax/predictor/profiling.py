@@ -57,6 +57,7 @@ from qsync_jax.predictor import pieces
 from qsync_jax.predictor import timing
 from qsync_jax.task import calling
 from qsync_jax.task.objective import as_objective
+from qsync_jax.task.objective import LossFn
 
 DEFAULT_PRECISIONS = (
   Precision.FP32,
@@ -253,7 +254,7 @@ def profile(
   device: jax.Device | None = None,
   device_kind: str = "cpu",
   precisions: Sequence[Precision | str] = DEFAULT_PRECISIONS,
-  loss_fn=None,
+  loss_fn: LossFn = None,
   call: calling.CallFn | None = None,
   tx: optax.GradientTransformation | None = None,
   optimizer_name: str = "adam",
@@ -301,11 +302,11 @@ def profile(
     ValueError: the device kind lacks one of ``precisions``.
   """
   device = device or jax.devices()[0]
-  precisions = [Precision.parse(p) for p in precisions]
-  if Precision.FP32 not in precisions:
-    precisions.insert(0, Precision.FP32)
+  parsed = [Precision.parse(p) for p in precisions]
+  if Precision.FP32 not in parsed:
+    parsed.insert(0, Precision.FP32)
   lacking = [
-    p.value for p in precisions if p not in supported_precisions(device_kind)
+    p.value for p in parsed if p not in supported_precisions(device_kind)
   ]
   if lacking:
     raise ValueError(
@@ -321,7 +322,7 @@ def profile(
     g,
     model_name or type(model).__name__,
     device_kind,
-    precisions,
+    parsed,
     optimizer_name,
   )
   host_devices = list(host_devices or [])
@@ -339,7 +340,7 @@ def profile(
     key,
     device=device,
     device_kind=device_kind,
-    precisions=precisions,
+    precisions=parsed,
     loss_fn=objective,
     tx=tx,
     host_devices=host_devices,
@@ -376,7 +377,7 @@ def profile_job(
   device: jax.Device,
   device_kind: str,
   precisions: Sequence[Precision],
-  loss_fn,
+  loss_fn: LossFn,
   tx: optax.GradientTransformation,
   host_devices: Sequence[jax.Device] = (),
   quant: QuantConfig | None = None,
@@ -416,11 +417,10 @@ def profile_job(
     calls[("rest", dt, "f")] = f
     calls[("rest", dt, "fb")] = fb
   calls[("optimizer",)] = calls_lib.optimizer_call(model, tx, device)
-  # The whole pass at each uniform precision, alone and (several workers
-  # on this host) as k copies at once. Copies of one isolated piece
-  # overstated the slowdown of sharing (ResNet-18 on 4 workers: predicted
-  # 18-27 % too slow): in real steps the workers are at different pieces,
-  # and one's serial stretch fills the cores another leaves idle.
+  # The whole pass at each uniform precision, alone and (several workers on this
+  # host) as k copies at once. Copies of one isolated piece overstate the
+  # slowdown of sharing: in real steps the workers are at different pieces, and
+  # one's serial stretch fills the cores another leaves idle.
   pass_devices = host_devices if len(host_devices) > 1 else [device]
   for p in precisions:
     for k, c in calls_lib.pass_concurrency_calls(
@@ -531,29 +531,24 @@ def fit_step_overhead(
 ) -> tuple[float, float]:
   """Fits ``step = fixed + max(pass, hidden)`` to uniform steps and passes.
 
-  The trainer dispatches a worker's gradient pass and goes on with the
-  host's work (stacking the gradients, preparing the update program's
-  dispatch) while it runs; the update then waits for the pass. A pass
-  shorter than that work (``hidden``) costs the step nothing more, and one
-  longer adds its excess: on a 2-core CPU a small ViT's INT8 pass took
-  0.5 ms more than its FP32 pass alone, and its step only 0.2 ms more.
+  The trainer dispatches a worker's gradient pass and goes on with the host's
+  work (stacking the gradients, preparing the update program's dispatch) while
+  it runs; the update then waits for the pass. A pass shorter than that work
+  (``hidden``) costs the step nothing more, and one longer adds its excess.
   ``fixed`` is what the step pays besides (dispatches, transfers, the update
-  program). Least squares over the steps, both parts non-negative; where
-  the data cannot tell a smaller ``hidden`` from a larger one (every pass
-  longer than it), the smallest is kept, which is the model without hiding:
-  one step and its pass give ``hidden = 0`` and ``fixed = step - pass``.
+  program). Least squares over the steps, both parts non-negative; where the
+  data cannot tell a smaller ``hidden`` from a larger one (every pass longer
+  than it), the smallest is kept, which is the model without hiding: one step
+  and its pass give ``hidden = 0`` and ``fixed = step - pass``.
 
-  Uniform passes alike in length cannot tell hidden host work from noise (a
-  CNN whose four passes took 18-22 ms came out with 22 ms of "hidden" work
-  and every plan alike), so ``max_hidden`` bounds it: the profile passes the
-  trainer's step whose passes compute nothing
-  (:func:`.calls.compute_free_step_calls`), since the host work a pass
-  hides cannot outlast a whole step without compute. That step is a bound,
-  not a point of the fit: the host work slows while a pass shares the cores
-  with it, so the compute-free step can be shorter than ``hidden + fixed``
-  (a small ViT's uniform steps took 2.0-2.2 ms for passes of 0.7-1.4 ms,
-  its compute-free step 1.3 ms; fitted as a point, it pulled ``hidden`` to
-  0.05 ms and priced the INT8 step 25 % slow).
+  Uniform passes alike in length cannot tell hidden host work from noise (the
+  fit can price every plan alike), so ``max_hidden`` bounds it: the profile
+  passes the trainer's step whose passes compute nothing
+  (:func:`.calls.compute_free_step_calls`), since the host work a pass hides
+  cannot outlast a whole step without compute. That step is a bound, not a point
+  of the fit: the host work slows while a pass shares the cores with it, so the
+  compute-free step can be shorter than ``hidden + fixed`` (fitted as a point,
+  it would pull ``hidden`` too low and price the slower passes' steps slow).
 
   Args:
     passes: the whole gradient pass at each uniform precision (seconds).

@@ -3,12 +3,12 @@
 This module owns the modelling choices that turn the device table's peak
 figures (:mod:`qsync_jax.plan.devices`) into times: sustained throughput is
 the peak times an efficiency, 0.7 for matmuls and convolutions and 0.8 for
-memory traffic (peers.md section 6: sustained GEMM is typically 60-80 % of
+memory traffic (sustained GEMM on data-center GPUs is typically 60-80 % of
 peak), plus a fixed kernel launch latency (:func:`roofline_time`); and the
 network between nodes when a cluster spans several.
 
 These are predictions for GPUs that are not present; the predictor's accuracy
-is measured only on the device at hand (docs/RESULTS.md).
+can be checked only on the device at hand.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ MATMUL_EFFICIENCY = 0.7
 MEMORY_EFFICIENCY = 0.8
 #: Per-kernel launch latency (seconds).
 KERNEL_LAUNCH_S = 5e-6
-#: Default bandwidth between nodes: 100 Gb/s Ethernet (peers.md 6.1: 25-100).
+#: Default bandwidth between nodes: 100 Gb/s Ethernet (inference-serving
+#: clusters typically have 25-100 Gb/s).
 NETWORK_BANDWIDTH = 100e9 / 8
 #: Default latency of one network hop (seconds).
 NETWORK_LATENCY_S = 10e-6

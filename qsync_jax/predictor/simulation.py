@@ -1,15 +1,15 @@
 """Timeline simulation of one synchronous step over hybrid workers.
 
-This module owns :func:`simulate` and :class:`Prediction`. Per worker, from
-its profile and plan: the forward pass (layers plus the non-layer rest, with
-the casts the plan's dtype changes insert, :func:`.graph.casts`), then the
-backward pass in reverse layer order, where each layer's weight gradient
-joins a gradient bucket; a bucket is all-reduced once it is full
-(``bucket_bytes``) and overlaps the rest of the backward pass. Across workers
-(reference qsync.md section 4.5) a bucket's all-reduce starts only when every
-worker has it ready and after the previous bucket's, and lasts as long as the
-slowest worker's link makes it; each worker then runs its optimizer update,
-and the step time is the maximum over workers.
+This module owns :func:`simulate` and :class:`Prediction`. Per worker, from its
+profile and plan: the forward pass (layers plus the non-layer rest, with the
+casts the plan's dtype changes insert, :func:`.graph.casts`), then the backward
+pass in reverse layer order, where each layer's weight gradient joins a gradient
+bucket; a bucket is all-reduced once it is full (``bucket_bytes``) and overlaps
+the rest of the backward pass. Across workers (as QSync's official code aligns
+them, bytedance/QSync, ``Predictor/cross_node_predict.py``) a bucket's
+all-reduce starts only when every worker has it ready and after the previous
+bucket's, and lasts as long as the slowest worker's link makes it; each worker
+then runs its optimizer update, and the step time is the maximum over workers.
 
 All-reduce times follow the alpha-beta model of a ring: ``2 (n-1) alpha + 2
 (n-1)/n bytes beta`` (:func:`ring_allreduce_time`), at 4 bytes per element.
@@ -205,16 +205,16 @@ def pass_factors(
   """How much to scale the pieces of each precision, with k workers sharing
   the host, so that uniform plans cost what their whole passes measured.
 
-  Isolated pieces miss what XLA does across layer boundaries in a whole
-  pass (fusing casts and element-wise work into neighbours, one dispatch),
-  and k copies of one piece overstate how k workers share the host's cores.
-  QSync's replayer builds a mixed plan on uniform-precision traces of the
-  model (reference qsync.md, "predictor / replayer"); likewise, the layers at
-  precision ``p`` are scaled by the factor that makes the uniform plan at
-  ``p`` add up to ``prof.passes[p]`` (at k copies). Uniform plans keep the
-  forced precisions (the head at FP32, 16-bit floors), so precisions are
-  solved from the widest down, each with its forced layers at the factors
-  already found. A precision the profile has no pass for keeps factor 1.
+  Isolated pieces miss what XLA does across layer boundaries in a whole pass
+  (fusing casts and element-wise work into neighbours, one dispatch), and k
+  copies of one piece overstate how k workers share the host's cores. QSync's
+  replayer builds a mixed plan on uniform-precision traces of the model (arXiv
+  2407.02327; bytedance/QSync, ``Predictor/core.py``); likewise, the layers at
+  precision ``p`` are scaled by the factor that makes the uniform plan at ``p``
+  add up to ``prof.passes[p]`` (at k copies). Uniform plans keep the forced
+  precisions (the head at FP32, 16-bit floors), so precisions are solved from
+  the widest down, each with its forced layers at the factors already found. A
+  precision the profile has no pass for keeps factor 1.
 
   Args:
     g: the model graph of the profile.
@@ -383,10 +383,13 @@ def simulate(
     r = float(ready[b].max())
     start = max(r, prev_end)
     if averager is None:
+      # Without an averager the link stays an alpha-beta pair.
+      assert link is not None and not isinstance(link, Link)
       dur = ring_allreduce_time(nbytes, n, *link)
     elif link is None or nbytes <= 0:  # an infinitely fast link
       dur = 0.0
     else:
+      assert isinstance(link, Link)  # made one above with an averager
       dur = averaging_time(
         averager,
         max(int(nbytes // 4), 1),
@@ -423,6 +426,7 @@ def simulate(
       # Processes sharing the host's cores (the profile's contention) whose
       # average also crosses the link: once, whole, after the backward pass,
       # as the trainer's update program runs it.
+      assert averager is not None and isinstance(link, Link)
       comm = averaging_time(
         averager,
         max(int(sum(grad_bytes) // 4), 1),

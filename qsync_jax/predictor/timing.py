@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 _OVERHEAD: dict[Any, float] = {}
+#: The keys of the calls :func:`interleaved` times.
+_K = TypeVar("_K", bound=Hashable)
 
 
 #: Calls per burst; a repeat is the fastest call of its burst.
@@ -193,7 +195,7 @@ class StealMeter:
 
 
 def interleaved(
-  calls: Mapping[Hashable, Callable[[], Any]],
+  calls: Mapping[_K, Callable[[], Any]],
   rounds: int = 9,
   device: jax.Device | None = None,
   subtract_overhead: bool = True,
@@ -201,7 +203,7 @@ def interleaved(
   max_steal: float = 0.05,
   retries: int = 3,
   meter: StealMeter | None = None,
-) -> dict[Hashable, float]:
+) -> dict[_K, float]:
   """Times many calls in round-robin: the median of each call's bursts.
 
   Each round runs one burst (:data:`BURST` calls, the fastest kept) of every
@@ -229,7 +231,7 @@ def interleaved(
   for fn in calls.values():  # compile and warm every call first
     jax.block_until_ready(fn())
     jax.block_until_ready(fn())
-  bursts: dict[Hashable, list[float]] = {k: [] for k in calls}
+  bursts: dict[_K, list[float]] = {k: [] for k in calls}
   for _ in range(rounds):
     for key, fn in calls.items():
       chosen, least = float("inf"), float("inf")

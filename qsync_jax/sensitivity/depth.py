@@ -1,15 +1,15 @@
 """Layer depths over the forward graph, as QSync's indicator uses them.
 
-This module owns :func:`forward_structure`: each addressable layer's depth,
-the breadth-first distance from the model input over the forward data-flow
-graph (the reference code's ``utils.get_depth_of_nodes``: BFS layers from
-the first node of the forward DAG; reference qsync.md section 3.2), and the
-output size of each embedding's lookup (its ``Dvv``).
+This module owns :func:`forward_structure`: each addressable layer's depth, the
+breadth-first distance from the model input over the forward data-flow graph
+(QSync's official code, bytedance/QSync, its function
+``utils.get_depth_of_nodes``: BFS layers from the first node of the forward
+DAG), and the output size of each embedding's lookup (its ``Dvv``).
 
 The graph is the traced forward pass (a jaxpr). Its nodes are the top-level
 equations, with each layer's op traced as one named call and every other
 call (an activation's ``custom_jvp``, a jitted helper) as one node, like the
-one op per call of the reference's PyTorch graph. Equations that read only
+one op per call of QSync's PyTorch graph. Equations that read only
 parameters or constants (weight casts) are off the activation path and are
 not nodes. Where a graph merges, BFS keeps the shortest path, so a layer
 behind identity skip connections is shallower than its forward index.
@@ -56,7 +56,7 @@ def forward_structure(
   Raises:
     ValueError: a layer is called inside a loop or a branch, or never called.
   """
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
 
   def make_wrapper(i, layer, base):
     if policy.is_embedding(layer.module):
@@ -114,7 +114,7 @@ def forward_structure(
       f"layers {missing} are never called in the forward "
       f"pass, so they have no depth"
     )
-  return [int(d) for d in walk.depths], walk.lookup
+  return [int(d) for d in walk.depths if d is not None], walk.lookup
 
 
 def _sub_jaxpr(eqn):
@@ -158,7 +158,8 @@ class _Walk:
         i = int(name[len(_MARK) :])
         # An embedding's table is its input: it starts a path at depth 0.
         depth = 0 if depth is None else depth
-        if self.depths[i] is None or depth < self.depths[i]:
+        known = self.depths[i]
+        if known is None or depth < known:
           self.depths[i] = depth
         if i in self.embeds:
           self.table_of[eqn.outvars[0]] = i

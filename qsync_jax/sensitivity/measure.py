@@ -32,11 +32,12 @@ from qsync_jax.sensitivity.scores import DEFAULT_PRECISIONS
 from qsync_jax.sensitivity.scores import Scores
 from qsync_jax.task import calling
 from qsync_jax.task.objective import as_objective
+from qsync_jax.task.objective import LossFn
 
 
 def measure(
   model: nnx.Module,
-  loss_fn: Any,
+  loss_fn: LossFn,
   batches: Sequence[Any],
   precisions: Sequence[Precision | str] = DEFAULT_PRECISIONS,
   *,
@@ -58,23 +59,23 @@ def measure(
     call: the call hook of the classification objectives.
 
   Returns:
-    ``{"loss": Scores, "grad": Scores}``: mean |loss change| and mean
+    ``{"loss": Scores, "grad": Scores}``: mean ``|loss change|`` and mean
     relative L2 error of the full gradient against FP32, over the batches.
 
   Raises:
     ValueError: no batches, batches the model cannot take, or a model with
       no addressable layer.
   """
-  precisions = [Precision.parse(p) for p in precisions]
+  parsed = [Precision.parse(p) for p in precisions]
   quant = quant or QuantConfig()
   objective = as_objective(loss_fn, call=call)
   batches = as_batches(batches)
   keys = [batch_key(seed, b) for b in range(len(batches))]
   layer_list = checked_layers(model, batches, objective)
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
   choices = [
     Precision.FP32,
-    *[p for p in precisions if p not in methods.ZERO_PRECISIONS],
+    *[p for p in parsed if p not in methods.ZERO_PRECISIONS],
   ]
   evaluate = _switch_fn(graphdef, layer_list, objective, choices, quant)
   start = time.perf_counter()
@@ -86,7 +87,7 @@ def measure(
   grad_values: dict[str, dict[str, float]] = {}
   for i, layer in enumerate(layer_list):
     loss_values[layer.path], grad_values[layer.path] = {}, {}
-    for p in methods.allowed_precisions(layer, precisions):
+    for p in methods.allowed_precisions(layer, parsed):
       select = jnp.zeros(n, jnp.int32).at[i].set(choices.index(p))
       dl, dg = [], []
       for batch, key, (l0, g0) in zip(batches, keys, ref):

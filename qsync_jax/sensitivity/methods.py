@@ -3,10 +3,11 @@ r"""The per-method formulas of the sensitivity indicator.
 This module owns what each method of :data:`METHODS` computes from its
 inputs, and which precisions a layer is scored at (:func:`allowed_precisions`):
 
-* ``qsync``: QSync's bi-directional indicator as the reference code computes
-  it (reference/qsync.md section 3.3; arXiv 2407.02327): plain (not squared)
-  norms, the 1/6 stochastic-rounding variance, k = 9, gamma = 4, and depth
-  scaling ``gamma (L - l) fwd + l bwd`` with ``l`` the layer's BFS depth
+* ``qsync``: QSync's bi-directional indicator (arXiv 2407.02327) as its official
+  code computes it (bytedance/QSync, its function
+  ``Predictor/indicator.py: gradient_variance_based_indicator``): plain (not
+  squared) norms, the 1/6 stochastic-rounding variance, k = 9, gamma = 4, and
+  depth scaling ``gamma (L - l) fwd + l bwd`` with ``l`` the layer's BFS depth
   over the forward graph (:mod:`qsync_jax.sensitivity.depth`), the weight
   gradient accumulated over the batches, and an embedding's table scored
   as its input (:func:`qsync_scores`, from the statistics the capture pass
@@ -50,8 +51,7 @@ where ``g = dL/dt`` and ``H_ii = d^2 L / dt_i^2``. Then
 
 The first-order terms of many elements mostly cancel, but the curvature term
 adds up over every element of the tensor. That is why the bias matters, and
-why a first-order-only version ranked layers worse in our study
-(docs/RESULTS.md).
+why the score keeps it rather than the first-order term alone.
 
 The quantities come from one pass per batch. Zero perturbations are added to
 each layer's operands and output. Their gradient gives every ``g``. One
@@ -80,6 +80,7 @@ from qsync_jax.numerics.quant import Rounding
 from qsync_jax.plan import policy
 from qsync_jax.plan.layers import MatMul
 
+#: The indicator methods :func:`~qsync_jax.sensitivity.compute` takes.
 METHODS = ("qsync", "qsync_var", "wvar", "hessian", "random")
 #: Full precision, the reference every score is measured against: scores 0.
 ZERO_PRECISIONS = (Precision.FP32, Precision.TF32)
@@ -169,10 +170,12 @@ def qsync_var_terms(
       if p in (Precision.FP16, Precision.BF16):  # the output is rounded
         terms.append((stats["y"].astype(jnp.float32), grads["y"], diag["y"]))
     bias = sum(
-      0.5 * jnp.sum(noise_variance(t, p, rounding) * h) for t, _, h in terms
+      (0.5 * jnp.sum(noise_variance(t, p, rounding) * h) for t, _, h in terms),
+      start=jnp.float32(0),
     )
     variance = sum(
-      jnp.sum(noise_variance(t, p, rounding) * gt**2) for t, gt, _ in terms
+      (jnp.sum(noise_variance(t, p, rounding) * gt**2) for t, gt, _ in terms),
+      start=jnp.float32(0),
     )
     var[p.value] = {"bias": bias, "variance": variance}
   return var
@@ -194,10 +197,11 @@ def qsync_scores(
   lookup_numel: Sequence[int | None],
   gamma: float = 4.0,
 ) -> dict[str, dict[str, float]]:
-  """QSync's GVAR formula, faithful to the reference code.
+  """QSync's GVAR formula, faithful to QSync's official code.
 
-  As the reference's ``gradient_variance_based_indicator`` and its profiler
-  (reference qsync.md sections 3.2 and 3.3):
+  As that code's ``gradient_variance_based_indicator`` and its profiler
+  (bytedance/QSync, ``Predictor/indicator.py`` and
+  ``Predictor/indicator_profiler.py: profile_stas``):
   * ``||grad W||`` and ``e_g`` come from the weight gradient accumulated
     over the batches (``stats[path]["gw"]``, their mean);
   * an embedding's table is its input (``profile_stas_emb``): ``Sv``,
@@ -383,7 +387,7 @@ def hessian_scores(
   :class:`qsync_jax.task.Objective`; batch ``b``'s RNG streams (dropout)
   come from ``key(seed + b)``, the same for every probe.
   """
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
   weight_of = {}
   for layer in layer_list:
     m = layer.module
@@ -424,6 +428,7 @@ def hessian_scores(
         node = node[part]
       trace = node[weight_of[layer.path]]
       w = weights[layer.path]
+      assert w is not None  # a layer in weight_of has a weight
       # E[dW^T H dW] / 2 with i.i.d. noise: tr(H) * mean noise variance / 2.
       noise = float(jnp.mean(noise_variance(w, p, quant.rounding)))
       row[p.value] = float(abs(trace) * noise / 2)

@@ -39,8 +39,10 @@ from qsync_jax.sensitivity import methods
 from qsync_jax.sensitivity.methods import METHODS
 from qsync_jax.task import calling
 from qsync_jax.task.objective import as_objective
+from qsync_jax.task.objective import LossFn
 from qsync_jax.task.objective import Objective
 
+#: The precisions scored by default.
 DEFAULT_PRECISIONS = (Precision.INT8, Precision.FP16, Precision.BF16)
 
 
@@ -103,7 +105,7 @@ class Scores:
 
 def compute(
   model: nnx.Module,
-  loss_fn: Any,
+  loss_fn: LossFn,
   batches: Sequence[Any],
   method: str = "qsync",
   precisions: Iterable[Precision | str] = DEFAULT_PRECISIONS,
@@ -144,7 +146,7 @@ def compute(
     raise ValueError(
       f"unknown indicator method {method!r}; valid: {', '.join(METHODS)}"
     )
-  precisions = [Precision.parse(p) for p in precisions]
+  parsed = [Precision.parse(p) for p in precisions]
   quant = quant or QuantConfig()
   objective = as_objective(loss_fn, call=call)
   batches = as_batches(batches)
@@ -152,12 +154,12 @@ def compute(
   start = time.perf_counter()
   steady_s = None
   if method in ("qsync", "qsync_var"):
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
     capture = _capture_fn(
       graphdef,
       layer_list,
       objective,
-      precisions,
+      parsed,
       quant.rounding,
       curvature=method == "qsync_var",
     )
@@ -177,26 +179,24 @@ def compute(
       depths, lookup = depth.forward_structure(
         model, layer_list, forward_probe(objective, batches[0])
       )
-      values = methods.qsync_scores(
-        stats, layer_list, precisions, depths, lookup
-      )
+      values = methods.qsync_scores(stats, layer_list, parsed, depths, lookup)
     else:
-      values = methods.qsync_var_scores(stats, layer_list, precisions)
+      values = methods.qsync_var_scores(stats, layer_list, parsed)
   elif method == "wvar":
-    values = methods.wvar_scores(model, layer_list, precisions, quant)
+    values = methods.wvar_scores(model, layer_list, parsed, quant)
   elif method == "hessian":
     values = methods.hessian_scores(
       model,
       layer_list,
       objective,
       batches,
-      precisions,
+      parsed,
       quant,
       hessian_probes,
       seed,
     )
   else:
-    values = methods.random_scores(layer_list, precisions, seed)
+    values = methods.random_scores(layer_list, parsed, seed)
   for row in values.values():
     for p in methods.ZERO_PRECISIONS:
       row[p.value] = 0.0

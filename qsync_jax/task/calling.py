@@ -111,7 +111,8 @@ def call_model(
     The model's outputs.
   """
   args, kwargs = split_inputs(inputs)
-  keywords = _call_keywords(type(model))
+  cls: type = type(model)
+  keywords = _call_keywords(cls)
   for name in ("train", "training"):
     if name in keywords:
       kwargs.setdefault(name, train)

@@ -92,6 +92,12 @@ class Objective:
     return calling.Probe(lambda model, b: self(model, b, train=True), batch)
 
 
+#: A loss in any form :func:`as_objective` takes: None (classification), an
+#: :class:`Objective`, ``loss_fn(logits, labels)`` or ``loss_fn(model, batch,
+#: rngs)``.
+LossFn = Objective | Callable[..., Any] | None
+
+
 def batch_size(batch: Any) -> int:
   """Examples in ``batch``: the leading dimension of its first array.
 
@@ -220,7 +226,7 @@ def _required_positional(fn: Callable[..., Any]) -> int | None:
 
 
 def as_objective(
-  loss_fn: Any = None, *, call: calling.CallFn | None = None
+  loss_fn: LossFn = None, *, call: calling.CallFn | None = None
 ) -> Objective:
   """The :class:`Objective` of whatever the user passed as a loss.
 

@@ -149,7 +149,7 @@ def array_digests(tree: Any) -> dict[str, dict[str, str]]:
     ``{leaf path: {shard index: hex digest}}`` over this process's
     addressable shards (a replicated shard is hashed once).
   """
-  out = {}
+  out: dict[str, dict[str, str]] = {}
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     shards = out.setdefault(jax.tree_util.keystr(path), {})
     for shard in leaf.addressable_shards:

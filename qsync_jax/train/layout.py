@@ -69,7 +69,8 @@ def local_scalar(x: jax.Array) -> Any:
 
 def is_key(a: Any) -> bool:
   """Whether ``a`` is an array of typed PRNG keys."""
-  return jnp.issubdtype(getattr(a, "dtype", None), jax.dtypes.prng_key)
+  dtype = getattr(a, "dtype", None)
+  return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _key_data(a: Any) -> Any:

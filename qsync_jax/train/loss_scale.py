@@ -1,7 +1,7 @@
 """Dynamic loss scaling for FP16 layers.
 
 Same semantics as ``flax.training.dynamic_scale.DynamicScale`` (the jmp
-package is unmaintained, reference/jax_notes.md section 7.4): the loss is
+package is unmaintained): the loss is
 multiplied by ``scale`` before differentiation; a step whose gradient is not
 finite is skipped and halves the scale; ``growth_interval`` finite steps in a
 row double it. The state is a pytree of arrays so it lives inside jitted

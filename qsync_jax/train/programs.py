@@ -76,7 +76,70 @@ class StackedState(NamedTuple):
   averager_state: Any = None
 
 
-def _shard_map(mesh: Mesh, fn: Callable, num_in: int) -> Callable:
+class LocalUpdateResult(NamedTuple):
+  """What a step's optimizer update returns, stacked over the workers
+  (:func:`local_update_program`).
+
+  Attributes:
+    params: ``(n, P)`` the updated flat parameters.
+    opt_state: the updated optimizer state.
+    loss_scale: the updated :class:`~qsync_jax.train.loss_scale.LossScale`.
+    finite: ``(n,)`` whether each worker's gradient was finite (the step
+      not skipped).
+  """
+
+  params: jax.Array
+  opt_state: Any
+  loss_scale: ls.LossScale
+  finite: jax.Array
+
+
+class UpdateResult(NamedTuple):
+  """What the data-parallel update returns (:func:`update_program`), stacked
+  over the workers.
+
+  Attributes:
+    params: ``(n, P)`` the updated flat parameters.
+    opt_state: the updated optimizer state.
+    loss_scale: the updated :class:`~qsync_jax.train.loss_scale.LossScale`.
+    finite: ``(n,)`` whether the averaged gradient was finite.
+    counter: ``(n,)`` averages so far, one more.
+    residual: ``(n, P)`` error-feedback residuals, or None without feedback.
+    averager_state: the averager's state for the next average, or None.
+  """
+
+  params: jax.Array
+  opt_state: Any
+  loss_scale: ls.LossScale
+  finite: jax.Array
+  counter: jax.Array
+  residual: jax.Array | None
+  averager_state: Any
+
+
+class AverageResult(NamedTuple):
+  """What a parameter average returns (:func:`average_params_program`),
+  stacked over the workers.
+
+  Attributes:
+    params: ``(n, P)`` the averaged flat parameters, the same on every
+      worker.
+    counter: ``(n,)`` averages so far, one more.
+    residual: ``(n, P)`` error-feedback residuals, or None without feedback.
+    averager_state: the averager's state for the next average, or None.
+    outer_state: the outer optimizer's state, or None without one.
+  """
+
+  params: jax.Array
+  counter: jax.Array
+  residual: jax.Array | None
+  averager_state: Any
+  outer_state: Any
+
+
+def _shard_map(
+  mesh: Mesh, fn: Callable[..., Any], num_in: int
+) -> jax.stages.Wrapped:
   """``fn`` jitted as a shard_map whose inputs and outputs are all stacked.
 
   The outputs' sharding is stated: on a one-device mesh jit would give an
@@ -100,7 +163,7 @@ def init_program(
   unravel: Unravel,
   tx: optax.GradientTransformation,
   init_scale: ls.LossScale,
-) -> Callable:
+) -> jax.stages.Wrapped:
   """``init(params) -> (params, opt_state, loss_scale)``, stacked per worker.
 
   The parameters come back as a copy made by the program: rows put from the
@@ -129,7 +192,7 @@ def initial_state(
   weights: np.ndarray,
   loss_scaling: bool,
   error_feedback: bool,
-  averager: Any = None,
+  averager: averagers.Averager | None = None,
 ) -> StackedState:
   """The state before the first step: the same parameters on every worker.
 
@@ -172,7 +235,7 @@ def initial_state(
 
 
 def _initial_averager_state(
-  mesh: Mesh, averager: Any, params: jax.Array
+  mesh: Mesh, averager: averagers.Averager | None, params: jax.Array
 ) -> Any:
   """The averager's initial state stacked per worker, or None (stateless)."""
   state = averagers.init_state(averager, params.shape[1])
@@ -187,8 +250,14 @@ def _row(x: Any) -> Any:
 
 
 def _average(
-  averager: Any, seed: int, x, weight, counter, residual, averager_state
-):
+  averager: averagers.Averager,
+  seed: int,
+  x: jax.Array,
+  weight: jax.Array,
+  counter: jax.Array,
+  residual: jax.Array | None,
+  averager_state: Any,
+) -> tuple[jax.Array, jax.Array | None, Any]:
   """``sum_i w_i x_i`` through the averager (:func:`.averagers.average`).
 
   Runs inside the shard_map programs on one worker's stacked rows of
@@ -208,18 +277,18 @@ def _average(
 def _apply(
   unravel: Unravel,
   tx: optax.GradientTransformation,
-  params,
-  opt_state,
-  scale,
-  g,
-):
+  params: jax.Array,
+  opt_state: Any,
+  scale: ls.LossScale,
+  g: jax.Array,
+) -> LocalUpdateResult:
   """:func:`.step.apply_update` on one worker's stacked rows, and the loss
   scale's update; returns the stacked ``(params, opt_state, scale,
   finite)``."""
   opt = _row(opt_state)
   new_p, new_opt, finite = step_lib.apply_update(unravel, tx, params[0], opt, g)
   new_scale = ls.update(_row(scale), finite)
-  return (
+  return LocalUpdateResult(
     new_p[None],
     jax.tree.map(_expand, new_opt),
     jax.tree.map(_expand, new_scale),
@@ -231,21 +300,21 @@ def update_program(
   mesh: Mesh,
   unravel: Unravel,
   tx: optax.GradientTransformation,
-  averager: Any,
+  averager: averagers.Averager,
   seed: int,
   error_feedback: bool,
-) -> Callable:
+) -> jax.stages.Wrapped:
   """The data-parallel step: average the gradients, then the optax update.
 
   Returns:
     ``update(params, opt_state, scale, grads, weight, counter, residual,
-    averager_state) -> (params, opt_state, scale, finite, counter, residual,
-    averager_state)``; ``grads`` are the scaled gradients, ``weight`` each
-    worker's share of the average, ``residual`` the error-feedback residual
-    (``None`` without feedback), ``averager_state`` the averager's stacked
-    state (:attr:`StackedState.averager_state`; ``None`` for a stateless
-    averager). A non-finite averaged gradient skips the step on every
-    worker and leaves the residual and the averager's state as they were.
+    averager_state) -> UpdateResult``; ``grads`` are the scaled gradients,
+    ``weight`` each worker's share of the average, ``residual`` the
+    error-feedback residual (``None`` without feedback), ``averager_state``
+    the averager's stacked state (:attr:`StackedState.averager_state`;
+    ``None`` for a stateless averager). A non-finite averaged gradient
+    skips the step on every worker and leaves the residual and the
+    averager's state as they were.
   """
 
   def update(
@@ -268,11 +337,11 @@ def update_program(
       unravel, tx, params, opt_state, scale, g if error_feedback else g / s
     )
     new_res, new_state = jax.tree.map(
-      lambda new, old: jnp.where(out[3][0], new, old),
+      lambda new, old: jnp.where(out.finite[0], new, old),
       (new_res, new_state),
       (res, averager_state),
     )
-    return (
+    return UpdateResult(
       *out,
       counter + 1,
       new_res if error_feedback else residual,
@@ -284,12 +353,12 @@ def update_program(
 
 def local_update_program(
   mesh: Mesh, unravel: Unravel, tx: optax.GradientTransformation
-) -> Callable:
+) -> jax.stages.Wrapped:
   """A local step: each worker applies its own gradient; no collective.
 
   Returns:
-    ``local_update(params, opt_state, scale, grads) -> (params, opt_state,
-    scale, finite)``.
+    ``local_update(params, opt_state, scale, grads) ->
+    LocalUpdateResult``.
   """
 
   def local_update(params, opt_state, scale, grads):
@@ -302,11 +371,11 @@ def local_update_program(
 
 def average_params_program(
   mesh: Mesh,
-  averager: Any,
+  averager: averagers.Averager,
   seed: int,
   outer_tx: optax.GradientTransformation | None = None,
   unravel: Unravel | None = None,
-) -> Callable:
+) -> jax.stages.Wrapped:
   """Averages the parameters' change since the last synchronization.
 
   Each worker sends its change since the anchor (a pseudo-gradient, whose
@@ -328,9 +397,9 @@ def average_params_program(
 
   Returns:
     ``average(params, anchor, weight, counter, residual, averager_state=None,
-    outer_state=None) -> (params, counter, residual, averager_state,
-    outer_state)``; ``averager_state`` is the averager's stacked state (as
-    for :func:`update_program`), ``outer_state`` the stacked state of
+    outer_state=None) -> AverageResult``; ``averager_state`` is the
+    averager's stacked state (as for :func:`update_program`),
+    ``outer_state`` the stacked state of
     :func:`initial_outer_state` (None without ``outer_tx``). Like a jitted
     function it has ``lower(...)`` with the same arguments.
 
@@ -353,7 +422,7 @@ def average_params_program(
       averager_state,
     )
     if outer_tx is None:
-      return (
+      return AverageResult(
         (anchor[0] + delta)[None],
         counter + 1,
         residual,
@@ -363,7 +432,7 @@ def average_params_program(
     state = _row(outer_state)
     updates, state = outer_tx.update(unravel(-delta), state, unravel(anchor[0]))
     new_p = anchor[0] + flatten.ravel(updates)
-    return (
+    return AverageResult(
       new_p[None],
       counter + 1,
       residual,
@@ -397,13 +466,30 @@ def average_params_program(
       outer_state,
     )
 
-  def run(*args, **kwargs):
-    return program(*checked(*args, **kwargs))
+  return _CheckedProgram(program, checked)
 
-  # As jit's own: lowers for the arguments a call would take (ahead-of-time
-  # compiles fill the cache the calls read).
-  run.lower = lambda *args, **kwargs: program.lower(*checked(*args, **kwargs))
-  return run
+
+class _CheckedProgram:
+  """A jitted ``program`` whose arguments ``check`` checks and completes
+  first, for calls and, as jit's own, for ``lower`` (ahead-of-time
+  compiles fill the cache the calls read)."""
+
+  def __init__(
+    self,
+    program: jax.stages.Wrapped,
+    check: Callable[..., tuple[Any, ...]],
+  ):
+    self._program = program
+    self._check = check
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return self._program(*self._check(*args, **kwargs))
+
+  def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+    return self._program.lower(*self._check(*args, **kwargs))
+
+  def trace(self, *args: Any, **kwargs: Any) -> jax.stages.Traced:
+    return self._program.trace(*self._check(*args, **kwargs))
 
 
 def initial_outer_state(
@@ -411,7 +497,7 @@ def initial_outer_state(
   unravel: Unravel,
   outer_tx: optax.GradientTransformation | None,
   params: jax.Array,
-  schedule: Any = None,
+  schedule: schedules.Schedule | None = None,
 ) -> Any:
   """``outer_tx``'s initial state, stacked per worker, or None without one.
 
@@ -487,7 +573,7 @@ def opt_field_mask(opt_state: Any, fields: Sequence[str]) -> Any:
 
 def opt_fields_program(
   mesh: Mesh, opt_state: Any, fields: Sequence[str]
-) -> tuple[Callable | None, int]:
+) -> tuple[jax.stages.Wrapped | None, int]:
   """Averages the named optimizer-state fields over the workers.
 
   The QSR code (``LocalOptimizer``, ``optim_fields_to_average``) averages
@@ -528,7 +614,7 @@ def opt_fields_program(
   return _shard_map(mesh, average, 2), size
 
 
-def mean_rest_program(mesh: Mesh) -> Callable:
+def mean_rest_program(mesh: Mesh) -> jax.stages.Wrapped:
   """``mean(tree)``: every floating leaf averaged over the workers (the
   BatchNorm statistics); other leaves (counters) as they are."""
 
@@ -543,7 +629,7 @@ def mean_rest_program(mesh: Mesh) -> Callable:
   return _shard_map(mesh, mean, 1)
 
 
-def mean_params_program(mesh: Mesh) -> Callable:
+def mean_params_program(mesh: Mesh) -> jax.stages.Wrapped:
   """``mean(params, weight)``: the workers' weighted mean parameters, on
   every worker (exact float32, outside the averager: no wire bytes)."""
   return _shard_map(mesh, lambda p, w: jax.lax.psum(p * w[0], AXIS), 2)

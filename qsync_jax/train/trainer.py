@@ -21,8 +21,9 @@ their parameters: each sends its change since the last synchronization (a
 pseudo-gradient, whose magnitudes suit the quantizing averagers of
 :mod:`qsync_jax.parallel.averagers` where the raw parameters would not) and adds
 the averaged change to the common starting point. Optimizer state stays local,
-as in the QSR reference code, except the fields named in
-``opt_fields_to_average`` (its ``optim_fields_to_average``), averaged too.
+as in QSR's official code (hmgxr128/QSR, ``LocalOptimizer``), except the
+fields named in ``opt_fields_to_average`` (that code's
+``optim_fields_to_average``), averaged too.
 
 State layout, chosen so a step costs few host operations:
 
@@ -123,14 +124,14 @@ def _grad_weights(
   n = len(workers)
   if grad_weights is None:
     sizes = np.array([w.batch_size for w in workers], np.float64)
-    grad_weights = sizes / sizes.sum()
-  grad_weights = np.asarray(grad_weights, np.float32)
-  if grad_weights.shape != (n,) or not np.isclose(grad_weights.sum(), 1.0):
+    weights = np.asarray(sizes / sizes.sum(), np.float32)
+  else:
+    weights = np.asarray(grad_weights, np.float32)
+  if weights.shape != (n,) or not np.isclose(weights.sum(), 1.0):
     raise ValueError(
-      f"grad_weights must be {n} numbers summing to 1, got "
-      f"{grad_weights.tolist()}"
+      f"grad_weights must be {n} numbers summing to 1, got {weights.tolist()}"
     )
-  return grad_weights
+  return weights
 
 
 class HybridTrainer:
@@ -181,9 +182,9 @@ class HybridTrainer:
     tx: optax.GradientTransformation,
     *,
     loss_fn: LossFn = None,
-    call: Any = None,
-    averager: Any = None,
-    schedule: Any = None,
+    call: calling.CallFn | None = None,
+    averager: averagers.Averager | None = None,
+    schedule: schedules.Schedule | None = None,
     grad_weights: Sequence[float] | None = None,
     loss_scaling: bool | str = "auto",
     sample_input: Any = None,
@@ -216,12 +217,11 @@ class HybridTrainer:
     self._devices = {i: workers[i].device for i in self.local_workers}
     self.grad_weights = _grad_weights(workers, grad_weights)
 
-    graphdefs, self.precisions, fp32_graphdef, params, rest = (
-      step_lib.plan_graphdefs(
-        model, [(w.plan, w.kind) for w in workers], sample_input
-      )
+    split = step_lib.plan_graphdefs(
+      model, [(w.plan, w.kind) for w in workers], sample_input
     )
-    flat, self._unravel = ravel_pytree(params)
+    self.precisions = split.precisions
+    flat, self._unravel = ravel_pytree(split.params)
     self.num_params = int(flat.size)
     self.loss_scaling = (
       bool(loss_scaling)
@@ -230,7 +230,7 @@ class HybridTrainer:
     )
 
     grad_fns = step_lib.grad_functions(
-      graphdefs, self._unravel, self.objective, self.seed
+      split.graphdefs, self._unravel, self.objective, self.seed
     )
     self._grad_fns = {i: grad_fns[i] for i in self.local_workers}
     self._update = programs.update_program(
@@ -248,23 +248,15 @@ class HybridTrainer:
       self.mesh, self.averager, self.seed, outer_tx, self._unravel
     )
     self._eval_fn = evaluation.eval_function(
-      fp32_graphdef, self._unravel, self.objective
+      split.fp32_graphdef, self._unravel, self.objective
     )
     self._bn_fn = evaluation.bn_function(
-      fp32_graphdef, self._unravel, model, bn_stats, self.objective
+      split.fp32_graphdef, self._unravel, model, bn_stats, self.objective
     )
     self._mean_rest = programs.mean_rest_program(self.mesh)
     self._mean_params = programs.mean_params_program(self.mesh)
 
-    (
-      self.params,
-      self.opt_state,
-      self.loss_scale,
-      self._weights,
-      self._counter,
-      self.residual,
-      self.averager_state,
-    ) = programs.initial_state(
+    state = programs.initial_state(
       self.mesh,
       self._devices,
       self._unravel,
@@ -275,11 +267,15 @@ class HybridTrainer:
       self.error_feedback,
       self.averager,
     )
+    self.params, self.opt_state = state.params, state.opt_state
+    self.loss_scale, self._weights = state.loss_scale, state.weights
+    self._counter, self.residual = state.counter, state.residual
+    self.averager_state = state.averager_state
     self.outer_state = programs.initial_outer_state(
       self.mesh, self._unravel, outer_tx, self.params, self.schedule
     )
     self.rest = {
-      i: jax.device_put(_worker_rest(rest, i), d)
+      i: jax.device_put(_worker_rest(split.rest, i), d)
       for i, d in self._devices.items()
     }
     self._average_opt, size = programs.opt_fields_program(
@@ -287,7 +283,7 @@ class HybridTrainer:
     )
     self._opt_bytes = averagers.MeanAverager().wire_bytes(size, len(workers))
     self._anchor = self.params
-    self._finite = None
+    self._finite: jax.Array | None = None
     self.step = self.sync_rounds = 0
     self.comm_bytes = 0.0
 
@@ -325,15 +321,7 @@ class HybridTrainer:
     )
     step = self.step + 1
     if self.schedule.averages_gradients_at(step):
-      (
-        self.params,
-        self.opt_state,
-        self.loss_scale,
-        self._finite,
-        self._counter,
-        self.residual,
-        self.averager_state,
-      ) = self._update(
+      out: programs.UpdateResult = self._update(
         self.params,
         self.opt_state,
         self.loss_scale,
@@ -343,20 +331,20 @@ class HybridTrainer:
         self.residual,
         self.averager_state,
       )
+      self.params, self.opt_state = out.params, out.opt_state
+      self.loss_scale, self._finite = out.loss_scale, out.finite
+      self._counter, self.residual = out.counter, out.residual
+      self.averager_state = out.averager_state
       synced = True
     else:
-      self.params, self.opt_state, self.loss_scale, self._finite = (
-        self._local_update(self.params, self.opt_state, self.loss_scale, grads)
+      local: programs.LocalUpdateResult = self._local_update(
+        self.params, self.opt_state, self.loss_scale, grads
       )
+      self.params, self.opt_state = local.params, local.opt_state
+      self.loss_scale, self._finite = local.loss_scale, local.finite
       synced = self.schedule.is_sync_step(step)
       if synced:
-        (
-          self.params,
-          self._counter,
-          self.residual,
-          self.averager_state,
-          self.outer_state,
-        ) = self._average_params(
+        avg: programs.AverageResult = self._average_params(
           self.params,
           self._anchor,
           self._weights,
@@ -365,6 +353,9 @@ class HybridTrainer:
           self.averager_state,
           self.outer_state,
         )
+        self.params, self._counter = avg.params, avg.counter
+        self.residual, self.averager_state = avg.residual, avg.averager_state
+        self.outer_state = avg.outer_state
         if self._average_opt is not None:
           self.opt_state = self._average_opt(self.opt_state, self._weights)
           self.comm_bytes += self._opt_bytes
@@ -489,14 +480,13 @@ def describe_workers(workers: Sequence[Worker]) -> list[dict[str, Any]]:
 def compile_programs(trainer: HybridTrainer, total_steps: int) -> None:
   """Compiles a trainer's update and averaging programs of the coming steps.
 
-  jit compiles a program at its first call. A data-parallel run calls its
-  update at the first step, but a local schedule's first parameter average
-  comes at its first sync step, in the middle of a timed run: on the network
-  study's 10.6M-parameter model that compile took 3-4 s of its training
-  clock. After this call, steps ``trainer.step + 1`` to ``total_steps``
-  compile only the workers' gradient functions, at the first step (their
-  inputs are the batches). Compiling does not run the programs, so nothing
-  changes and no worker waits for another.
+  jit compiles a program at its first call. A data-parallel run calls its update
+  at the first step, but a local schedule's first parameter average comes at its
+  first sync step, in the middle of a timed run, whose training clock would
+  count the compile. After this call, steps ``trainer.step + 1`` to
+  ``total_steps`` compile only the workers' gradient functions, at the first
+  step (their inputs are the batches). Compiling does not run the programs, so
+  nothing changes and no worker waits for another.
 
   Args:
     trainer: the trainer (``trainer.compile(total_steps)`` calls this).
