@@ -6,7 +6,7 @@ Usage:
       [--model=resnet18] [--cluster=v100:2,t4:2] [--plan=auto] [--resume]
 
 Besides --out_dir and --config (with its --config.FIELD=VALUE overrides),
-every flag is an alias of a config field (experiments.config_lib.FLAG_ALIASES);
+every flag is an alias of a config field (experiments.flag_aliases.FLAG_ALIASES);
 experiments.train_lib.main does the rest. The guide: docs/guides/main_job.md.
 """
 
@@ -17,7 +17,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from experiments import config_lib
+from experiments import flag_aliases
 from experiments import train_lib
 from qsync_jax import cli
 
@@ -33,7 +33,7 @@ _DEFINE = {
   "integer": flags.DEFINE_integer,
   "float": flags.DEFINE_float,
 }
-for _alias in config_lib.FLAG_ALIASES:
+for _alias in flag_aliases.FLAG_ALIASES:
   if _alias.type == "enum":
     flags.DEFINE_enum(_alias.flag, None, list(_alias.choices), _alias.help)
   elif _alias.type == "multi_string":
@@ -54,7 +54,7 @@ def main(argv):
   train_lib.main(
     FLAGS.config,
     out_dir=FLAGS.out_dir,
-    overrides={a.flag: FLAGS[a.flag].value for a in config_lib.FLAG_ALIASES},
+    overrides={a.flag: FLAGS[a.flag].value for a in flag_aliases.FLAG_ALIASES},
   )
 
 

@@ -35,6 +35,7 @@ import ml_collections
 import numpy as np
 
 from experiments import config_lib
+from experiments import flag_aliases
 from experiments import plans_lib
 from qsync_jax import cli
 from qsync_jax import data as data_lib
@@ -360,7 +361,7 @@ def main(
   """Runs the main job as ``python -m experiments.train`` does.
 
   Applies the shortcut flags' values to ``config``
-  (:func:`experiments.config_lib.apply_overrides`), checks the config and
+  (:func:`experiments.flag_aliases.apply_overrides`), checks the config and
   creates ``out_dir`` before anything starts, joins the multi-process run
   the launcher or ``config.distributed`` describes
   (:func:`qsync_jax.parallel.distributed.initialize`; a single process on
@@ -395,7 +396,7 @@ def main(
     config: the job's config; ``overrides`` are applied to it in place.
     out_dir: the run directory (``--out_dir``).
     overrides: ``{flag: value}`` of the shortcut flags
-      (:data:`experiments.config_lib.FLAG_ALIASES`); None values leave
+      (:data:`experiments.flag_aliases.FLAG_ALIASES`); None values leave
       their fields alone.
 
   Raises:
@@ -403,7 +404,7 @@ def main(
   """
   cli.start_binary()
   with cli.bad_input_exits():
-    config_lib.apply_overrides(config, overrides or {})
+    flag_aliases.apply_overrides(config, overrides or {})
     # Before anything starts (train_and_evaluate checks it again, for
     # library callers).
     config_lib.validate_config(config)
