@@ -158,9 +158,21 @@ def test_transformation_gives_every_worker_the_same_update(name):
     for a, b in zip(jax.tree.leaves(row(rows, i)), jax.tree.leaves(updates)):
       np.testing.assert_array_equal(a, b)
   want = jax.tree.map(lambda m: -0.1 * m, exact_mean(grads))
-  tol = 1e-6 if name == "mean" else 0.1
-  for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(want)):
-    np.testing.assert_allclose(a, b, atol=tol)
+  if name == "mean":
+    tol = 1e-6
+  else:
+    # The Global-QSGD bound of the mean (see the test above), times the
+    # learning rate; float32 rounding of the update on top.
+    flat = np.concatenate([np.ravel(x) for x in jax.tree.leaves(grads)])
+    levels = parallel.make_averager(name).levels(N)
+    tol = 0.1 * np.max(np.abs(flat)) / levels + 1e-7
+  errors = [
+    np.max(np.abs(np.asarray(a, np.float64) - b))
+    for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(want))
+  ]
+  assert max(errors) <= tol, (errors, tol)
+  if name == "gqsgd":
+    assert max(errors) > 0  # really quantized
   assert int(new_state[0].count) == 1
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from flax import nnx
 import jax
 import jax.numpy as jnp
+from jaxpr_utils import contractions_of
 import numpy as np
 import optax
 import pytest
@@ -150,6 +151,13 @@ def test_low_precision_layers_give_float32_logits(name):
   model.eval()
   x, _ = _batch(model)
   _lower_everything(model)
+  # Every contraction runs and returns bfloat16 ...
+  graphdef, state = nnx.split(model)
+  found = contractions_of(lambda s: nnx.merge(graphdef, s)(x), state)
+  assert found and {f[1:] for f in found} == {
+    (("bfloat16", "bfloat16"), "bfloat16")
+  }, found
+  # ... and the logits are float32.
   logits = nnx.jit(lambda m, x: m(x))(model, x)
   assert logits.dtype == jnp.float32
   assert bool(jnp.isfinite(logits).all())

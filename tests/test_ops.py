@@ -189,11 +189,15 @@ def test_einsum_runs_its_contraction_in_int8():
 
 def test_ops_accept_and_ignore_nnx_keyword_arguments():
   x, w = _data((4, 8), (8, 2))
+  xc, wc = _data((2, 6, 6, 3), (3, 3, 3, 5))
+  nnx_kwargs = dict(precision=None, preferred_element_type=None)
   for compute in ["int8", "fp32"]:
-    y = _dot(compute)(
-      x, w, DN, precision=None, preferred_element_type=None, out_sharding=None
-    )
-    assert y.shape == (4, 2)
+    y = _dot(compute)(x, w, DN, **nnx_kwargs, out_sharding=None)
+    assert y.shape == (4, 2) and y.dtype == jnp.float32
+    np.testing.assert_array_equal(y, _dot(compute)(x, w, DN))
+    op = ops.ConvGeneralDilated(Precision(compute))
+    y = op(xc, wc, (1, 1), "SAME", dimension_numbers=CONV_DN, **nnx_kwargs)
+    np.testing.assert_array_equal(y, _conv(compute)(xc, wc))
 
 
 def test_stochastic_rounding_option_reaches_the_operands():

@@ -1,5 +1,7 @@
 """Tests for applying precision plans to NNX models (qsync_jax.plan.policy)."""
 
+import collections
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -144,11 +146,23 @@ def test_int8_fp16_plan_gradients_stay_close_to_fp32(build, x, y):
     ],
     default="fp16",
   )
+  want = collections.Counter(qs.effective_precisions(model, plan).values())
+  assert want[Precision.INT8] > 0 and want[Precision.FP16] > 0, want
   qs.apply_plan(model, plan)
+  # The plan took effect: the INT8 layers contract int8 operands, the
+  # others (but the FP32 head) float16 ones.
+  operands = collections.Counter(
+    f[1] for f in contractions_of(lambda x: model(x), x[:2])
+  )
+  assert operands[("int8", "int8")] == want[Precision.INT8], operands
+  assert operands[("float16", "float16")] > 0, operands
   got = _grads(model, x, y)
   cos = _cos_tree(ref, got)
   print("gradient cosine", cos)
   assert cos > 0.98, cos
+  # ... and changed the gradients (close, not equal).
+  assert cos < 1 - 1e-6, cos
+  assert not all(np.array_equal(a, b) for a, b in zip(ref, got))
 
 
 def test_forced_precisions():
@@ -207,4 +221,10 @@ def test_bad_input_errors():
 
 def test_describe_lists_every_layer():
   text = qs.describe(_cnn(), qs.PrecisionPlan([("conv.*", "int8")]))
-  assert "conv1" in text and "int8" in text and "head" in text
+  assert [line.split() for line in text.splitlines()] == [
+    ["layer", "kind", "precision"],
+    ["conv1", "Conv", "int8"],
+    ["conv2", "Conv", "int8"],
+    ["fc", "Linear", "fp32"],
+    ["head", "Linear", "fp32"],
+  ]
