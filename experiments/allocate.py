@@ -7,7 +7,9 @@ Usage:
       --dataset=digits --cluster=v100:8,t4:8 --batch_size=32 \
       --indicator=qsync --out=plans/resnet50
 
-The indicator scores a model built with --score_model_kwargs (default: the
+The indicator (--indicator, default qsync_var, the method that ranks layers
+best within each precision in experiments.indicator_study; qsync is QSync's
+own formula) scores a model built with --score_model_kwargs (default: the
 same as --model_kwargs) on the first batches of --dataset; the timing model
 (--model_kwargs) is traced at --batch_size per worker and costed with the
 GPU catalog's analytic profiles for every kind of --cluster. Both must have
@@ -47,6 +49,7 @@ from experiments import train_lib
 from qsync_jax import cli
 from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
+from qsync_jax import sensitivity
 from qsync_jax.allocation import pipeline
 from qsync_jax.allocation import sync_methods
 from qsync_jax.numerics.precision import Precision
@@ -65,7 +68,11 @@ flags.DEFINE_string("dataset", "digits", "Dataset for the indicator.")
 flags.DEFINE_string("dataset_kwargs", "{}", "JSON dataset arguments.")
 flags.DEFINE_string("cluster", "v100:8,t4:8", "Cluster, kind:count,...")
 flags.DEFINE_integer("batch_size", 32, "Per-worker batch of the timing model.")
-flags.DEFINE_string("indicator", "qsync", "Indicator method.")
+flags.DEFINE_string(
+  "indicator",
+  sensitivity.DEFAULT_METHOD,
+  "Indicator method (qsync_jax.sensitivity.METHODS); qsync is QSync's.",
+)
 flags.DEFINE_enum(
   "method", "greedy", ["greedy", "memory", "ilp"], "Allocator search."
 )

@@ -18,10 +18,30 @@ A classification model on the byte-level text dataset classifies the byte
 after each window (0 letter, 1 digit, 2 whitespace, 3 punctuation, 4 other).
 
 Writes --out (JSON): {"layers": [...], "precisions": [...], "num_batches",
-"train_step_s", "measured": {"grad", "loss"}, "methods": {name:
-{"spearman_vs_measured", "spearman_vs_measured_loss", "time_s",
-"per_batch_s", "scores": {layer: {precision: score}}}}} and, next to it, a
-PNG bar chart of the scores per layer (one panel per method, normalized).
+"train_step_s", "model", "dataset", "measured": {"grad", "loss"},
+"methods": {name: {...}}} and, next to it, a PNG bar chart of the scores per
+layer (one panel per method, normalized, labelled with its correlations).
+Each method's entry holds:
+
+* "spearman_vs_measured", "spearman_vs_measured_loss": the Spearman
+  correlation of its scores with the measured gradient error and loss
+  change over all (layer, precision) pairs below FP32. It is dominated by
+  the precisions themselves: scores that rank every INT8 pair above every
+  FP16 pair reach a high figure whatever their order of the layers.
+* "within_precision": {precision: {"num_layers", "spearman_vs_measured",
+  "spearman_vs_measured_loss", "null_reasons"}}: the same correlations over
+  the layers scored at that precision only, which is what the allocator
+  acts on (it chooses which layers go to a precision).
+* "mean_within_vs_measured", "mean_within_vs_measured_loss": their mean
+  over the precisions.
+* "null_reasons": {key: reason} for the overall figures.
+* "time_s", "per_batch_s": the method's wall time, compilation included,
+  and its time per batch once compiled (null for the methods without a
+  capture pass); "scores": {layer: {precision: score}}.
+
+A correlation is null, never NaN, where it is undefined: fewer than 3
+layers at that precision, or a constant vector; "null_reasons" (overall, and
+in each within_precision entry) says which.
 """
 
 import dataclasses
@@ -64,6 +84,79 @@ def _batches(model, dataset, num_batches, batch_size):
   return pipeline.indicator_batches(dataset, num_batches, batch_size)
 
 
+def _fmt(rho) -> str:
+  return "  n/a" if rho is None else f"{rho:+.2f}"
+
+
+def _panel_title(r: dict, precisions: list[str]) -> str:
+  """A method's overall and within-precision correlations, for its panel."""
+  within = ", ".join(
+    f"{p} {_fmt(r['within_precision'][p]['spearman_vs_measured'])}"
+    for p in precisions
+    if p in r["within_precision"]
+  )
+  return (
+    f"Spearman vs gradient error: all pairs "
+    f"{_fmt(r['spearman_vs_measured'])}; within {within}"
+  )
+
+
+def table(result: dict) -> str:
+  """The printed table: Spearman vs gradient error (vs loss change).
+
+  One row per method: the overall figure, the figure within each precision
+  and their mean, then the method's time.
+  """
+  within = {
+    p for r in result["methods"].values() for p in r["within_precision"]
+  }
+  precs = [p for p in result["precisions"] if p in within]
+  head = ["method", "all", *[f"within {p}" for p in precs], "mean within"]
+  rows = [[*head, "time"]]
+  for name, r in result["methods"].items():
+    cells = [(r["spearman_vs_measured"], r["spearman_vs_measured_loss"])]
+    cells += [
+      (
+        r["within_precision"][p]["spearman_vs_measured"],
+        r["within_precision"][p]["spearman_vs_measured_loss"],
+      )
+      if p in r["within_precision"]
+      else (None, None)
+      for p in precs
+    ]
+    cells.append(
+      (r["mean_within_vs_measured"], r["mean_within_vs_measured_loss"])
+    )
+    per_batch = r["per_batch_s"]
+    cost = (
+      ""
+      if per_batch is None
+      else f", {per_batch / result['train_step_s']:.2f} steps/batch"
+    )
+    rows.append(
+      [
+        name,
+        *[f"{_fmt(g)} ({_fmt(l)})" for g, l in cells],
+        f"{r['time_s']:.1f} s{cost}",
+      ]
+    )
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+  nulls = [
+    f"{name} {p}: {reason}"
+    for name, r in result["methods"].items()
+    for p, w in r["within_precision"].items()
+    for reason in dict.fromkeys(w["null_reasons"].values())
+  ]
+  return "\n".join(
+    [
+      "Spearman vs measured gradient error (vs loss change)",
+      *[l.rstrip() for l in lines],
+      *[f"n/a: {n}" for n in nulls],
+    ]
+  )
+
+
 def plot(result: dict, path: str) -> None:
   """Bar chart: each method's scores per layer (INT8 or first precision)."""
   import matplotlib
@@ -88,8 +181,13 @@ def plot(result: dict, path: str) -> None:
       v = np.array([values[l].get(prec, 0.0) for l in layers])
       top = v.max() if v.max() > 0 else 1.0
       ax.bar(np.arange(len(layers)) + k * width, v / top, width, label=prec)
-    rho = result["methods"].get(name, {}).get("spearman_vs_measured")
-    ax.set_ylabel(name if rho is None else f"{name}\nrho={rho:.2f}", fontsize=8)
+    ax.set_ylabel(name, fontsize=8)
+    if name in result["methods"]:
+      ax.set_title(
+        _panel_title(result["methods"][name], result["precisions"]),
+        fontsize=8,
+        loc="left",
+      )
   axes[0].legend(fontsize=7)
   axes[-1].set_xticks(np.arange(len(layers)))
   axes[-1].set_xticklabels(layers, rotation=90, fontsize=7)
@@ -132,18 +230,7 @@ def main(argv):
       json.dump(result, f, indent=2)
     plot(result, FLAGS.out.rsplit(".", 1)[0] + ".png")
     print(f"train step {result['train_step_s'] * 1e3:.1f} ms")
-    for name, r in result["methods"].items():
-      per_batch = r["per_batch_s"]
-      cost = (
-        ""
-        if per_batch is None
-        else f", {per_batch / result['train_step_s']:.2f} train steps/batch"
-      )
-      print(
-        f"{name:10s} spearman {r['spearman_vs_measured']:+.3f} "
-        f"(loss {r['spearman_vs_measured_loss']:+.3f}), "
-        f"{r['time_s']:.1f} s{cost}"
-      )
+    print(table(result))
 
 
 if __name__ == "__main__":

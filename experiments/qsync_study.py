@@ -8,9 +8,10 @@ Usage:
 Trains four workers (v100:2,t4:2, fake CPU devices) per task (a ResNet-18 on
 digits, a 4-layer encoder classifying the next byte of Python source) under
 every configuration of experiments.studies.qsync.CONFIGS: all FP32, uniform
-INT8 on the T4s, the allocator's plan, dynamic batch sizing, and the ILP at a
-60% memory budget with three indicators. Then predicts each method's step
-time for ResNet-50 / BERT-base on v100:8,t4:8 (analytic profiles).
+INT8 on the T4s, the allocator's greedy plan (with QSync's, the qsync_var
+and a random indicator), dynamic batch sizing, and the ILP at a 60% memory
+budget with four indicators. Then predicts each method's step time for
+ResNet-50 / BERT-base on v100:8,t4:8 (analytic profiles).
 
 Writes --out/study.json {"tasks": {task: {"runs": [{config, seed,
 final_eval_accuracy, ...}], "accuracy": {config: {mean, std, n}},

@@ -528,3 +528,72 @@ def test_qsync_study_uniform_low_puts_the_t4s_in_int8_where_allowed():
   got = predictor.resolve_plan(g, plan, "t4")
   assert set(got.values()) == {Precision.INT8, Precision.FP32}
   assert got["head"] == Precision.FP32  # the policy keeps the head FP32
+
+
+def test_qsync_study_greedy_configs_name_their_own_indicator():
+  from experiments.configs import default as default_config
+  from experiments.studies import qsync as study
+
+  base = default_config.get_config()
+  base.allocator.indicator = "wvar"  # a default no greedy configuration uses
+  assert study.GREEDY_INDICATORS == {
+    "qsync": "qsync",
+    "qsync_var": "qsync_var",
+    "greedy_random": "random",
+  }
+  for name, indicator in study.GREEDY_INDICATORS.items():
+    assert name in study.CONFIGS
+    config = study.task_config(base, study.TASKS["cnn"], name, 0)
+    assert config.plan_mode == "auto"
+    assert config.allocator.method == "greedy"
+    assert config.allocator.indicator == indicator
+  assert base.allocator.indicator == "wvar"  # the base is left alone
+
+
+@pytest.mark.parametrize("name", ["qsync", "qsync_var", "greedy_random"])
+def test_qsync_study_greedy_plan_comes_from_its_own_indicators_scores(
+  name, tmp_path, monkeypatch
+):
+  from experiments import config_lib
+  from experiments import plans_lib
+  from experiments.configs import default as default_config
+  from experiments.studies import qsync as study
+  from qsync_jax import data
+  from qsync_jax.allocation import pipeline
+
+  asked, given = [], []
+  real = pipeline.compute_scores
+
+  def compute_scores(model, dataset, method, **kwargs):
+    asked.append(method)
+    # Random scores stand in for the indicator's (they cost no gradients).
+    given.append(real(model, dataset, "random", **kwargs))
+    return given[-1]
+
+  monkeypatch.setattr(pipeline, "compute_scores", compute_scores)
+  config = study.task_config(
+    default_config.get_config(), study.TASKS["cnn"], name, 0
+  )
+  dataset = data.load_dataset(config.dataset)
+  model = config_lib.build_model(config, dataset)
+  plans, result, _ = plans_lib.auto_plans(config, model, dataset)
+  indicator = study.GREEDY_INDICATORS[name]
+  assert asked == [indicator]
+  assert result.indicator == indicator
+  assert result.scores == dict(search.score_table(given[0].values))
+  assert result.allocation.method == "greedy"
+  # The study reads the plan's prediction on the deployment twin back.
+  pipeline.write(result, str(tmp_path / "allocation"))
+  assert study.twin_allocation(str(tmp_path)) == {
+    "indicator": indicator,
+    "twin_step_time_s": result.allocation.prediction.step_time_s,
+    "twin_target_s": result.allocation.target_s,
+  }
+  assert study.twin_allocation(str(tmp_path / "manual")) == {}
+  t4 = {p: v.value for p, v in result.allocation.precisions["t4"].items()}
+  counts = study.layer_counts(t4)
+  assert sum(counts.values()) == len(t4)
+  assert counts == {
+    p: sum(v == p for v in t4.values()) for p in sorted(set(t4.values()))
+  }
+  assert plans["t4"] == result.allocation.plans["t4"]

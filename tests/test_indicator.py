@@ -1,5 +1,7 @@
 """Tests for the sensitivity indicators and their measured ground truth."""
 
+import inspect
+
 from flax import nnx
 import jax
 from jax.flatten_util import ravel_pytree
@@ -11,6 +13,7 @@ from toy_models import NoLayers
 from experiments.studies import indicator as indicator_study
 from qsync_jax import models
 from qsync_jax import sensitivity
+from qsync_jax.allocation import pipeline
 from qsync_jax.plan import policy
 from qsync_jax.sensitivity import depth as sensitivity_depth
 from qsync_jax.task import losses
@@ -143,23 +146,130 @@ def test_bad_input_is_a_clear_error():
     )
 
 
-def test_study_reports_spearman_time_and_scores_per_method():
+def _resnet():
+  """ResNet-18 with one block per stage: 13 layers, enough to rank."""
+  return models.create_model(
+    "resnet18",
+    rngs=nnx.Rngs(0),
+    width=2,
+    in_channels=1,
+    image_size=8,
+    num_classes=10,
+    stage_sizes=(1, 1, 1, 1),
+  )
+
+
+def _rotated(values):
+  """The same scores given to other layers: each layer takes the row of the
+  layer half the network away (a fixed shuffle of the layer order)."""
+  layers = list(values)
+  half = len(layers) // 2
+  return {
+    l: values[layers[(i + half) % len(layers)]] for i, l in enumerate(layers)
+  }
+
+
+def test_study_ranks_layers_within_each_precision():
   result = indicator_study.study(
-    _cnn(),
+    _resnet(),
     losses.cross_entropy,
     _batches(),
     precisions=["int8", "fp16"],
     methods=["qsync_var", "random"],
   )
-  assert result["layers"] == ["conv1", "conv2", "fc", "head"]
-  assert result["precisions"] == ["int8", "fp16"]
+  layers = result["layers"]
+  assert len(layers) == 13 and result["precisions"] == ["int8", "fp16"]
   assert result["train_step_s"] > 0
   for name in ("qsync_var", "random"):
     r = result["methods"][name]
     assert -1 <= r["spearman_vs_measured"] <= 1
-    assert r["time_s"] >= 0 and set(r["scores"]) == set(result["layers"])
-  # On a tiny CNN the second-order variance already tracks the truth.
-  assert result["methods"]["qsync_var"]["spearman_vs_measured"] > 0.5
+    assert -1 <= r["spearman_vs_measured_loss"] <= 1
+    assert r["time_s"] >= 0 and set(r["scores"]) == set(layers)
+    assert list(r["within_precision"]) == ["int8", "fp16"]
+    for w in r["within_precision"].values():
+      assert w["num_layers"] == 13 and w["null_reasons"] == {}
+      assert -1 <= w["spearman_vs_measured_loss"] <= 1
+    assert r["mean_within_vs_measured"] == pytest.approx(
+      np.mean(
+        [w["spearman_vs_measured"] for w in r["within_precision"].values()]
+      )
+    )
+  # The allocator picks which layers go to a precision: the default method
+  # must order the layers of one precision as the measured gradient error
+  # does (the overall figure would also reward scores that only put INT8
+  # above FP16).
+  best = result["methods"][sensitivity.DEFAULT_METHOD]["within_precision"]
+  assert best["int8"]["spearman_vs_measured"] > 0.75, best
+  assert best["fp16"]["spearman_vs_measured"] > 0.5, best
+  # The threshold tells orders apart: the same scores on shuffled layers
+  # keep INT8 above FP16 and fall below it.
+  truth = {
+    k: sensitivity.Scores.from_dict(v) for k, v in result["measured"].items()
+  }
+  scores = result["methods"][sensitivity.DEFAULT_METHOD]["scores"]
+  shuffled = sensitivity.Scores(_rotated(scores), "shuffled")
+  within = indicator_study.within_precision(
+    shuffled, truth, truth["grad"].pairs()
+  )
+  assert within["int8"]["spearman_vs_measured"] < 0.75, within
+
+
+def test_one_default_method_for_the_indicator_and_the_allocator():
+  from experiments import allocate
+  from experiments.configs import default
+
+  assert sensitivity.DEFAULT_METHOD == "qsync_var"
+  assert sensitivity.DEFAULT_METHOD in sensitivity.METHODS
+  for fn, name in (
+    (sensitivity.compute, "method"),
+    (pipeline.compute_scores, "method"),
+    (pipeline.plan_cluster, "indicator_name"),
+  ):
+    default_value = inspect.signature(fn).parameters[name].default
+    assert default_value == sensitivity.DEFAULT_METHOD, fn
+  assert default.get_config().allocator.indicator == sensitivity.DEFAULT_METHOD
+  assert allocate.FLAGS["indicator"].default == sensitivity.DEFAULT_METHOD
+
+
+def test_within_precision_is_null_with_a_reason_where_undefined():
+  def table(rows):
+    return sensitivity.Scores(rows, "m")
+
+  truth = table(
+    {
+      "a": {"int8": 3.0, "fp16": 1.0, "bf16": 1.0},
+      "b": {"int8": 2.0, "fp16": 2.0, "bf16": 1.0},
+      "c": {"int8": 1.0, "fp16": 3.0},
+    }
+  )
+  scores = table(
+    {
+      "a": {"int8": 9.0, "fp16": 5.0, "bf16": 1.0},
+      "b": {"int8": 8.0, "fp16": 5.0, "bf16": 2.0},
+      "c": {"int8": 7.0, "fp16": 5.0},
+    }
+  )
+  within = indicator_study.within_precision(
+    scores, {"grad": truth, "loss": truth}, truth.pairs()
+  )
+  assert within["int8"]["spearman_vs_measured"] == pytest.approx(1.0)
+  assert within["int8"]["null_reasons"] == {}
+  assert within["fp16"]["spearman_vs_measured"] is None
+  assert within["fp16"]["null_reasons"] == {
+    "spearman_vs_measured": "constant scores",
+    "spearman_vs_measured_loss": "constant scores",
+  }
+  assert within["bf16"]["num_layers"] == 2
+  assert within["bf16"]["spearman_vs_measured_loss"] is None
+  assert (
+    "fewer than 3" in within["bf16"]["null_reasons"]["spearman_vs_measured"]
+  )
+  flat = table({l: {"int8": 1.0} for l in "abc"})
+  rho, reason = indicator_study.spearman(
+    scores.vector(flat.pairs()), flat.vector(flat.pairs())
+  )
+  assert rho is None and reason == "constant measured values"
+  assert indicator_study.mean_within(within, "spearman_vs_measured") == 1.0
 
 
 class _Skip(nnx.Module):

@@ -10,6 +10,8 @@ a T4 for real.
 
 import ml_collections
 
+from qsync_jax import sensitivity
+
 
 def get_config() -> ml_collections.ConfigDict:
   """Returns the default main-job config."""
@@ -32,7 +34,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.plan_mode = "auto"
   config.plans = ml_collections.ConfigDict()
   config.allocator = ml_collections.ConfigDict()
-  config.allocator.indicator = "qsync"
+  # The indicator method (qsync_jax.sensitivity.METHODS); the default,
+  # "qsync_var", ranks layers best within each precision in
+  # experiments.indicator_study; "qsync" is QSync's own formula.
+  config.allocator.indicator = sensitivity.DEFAULT_METHOD
   config.allocator.method = "greedy"  # or "memory", "ilp"
   config.allocator.num_batches = 4
   config.allocator.compression = ml_collections.config_dict.placeholder(float)

@@ -47,12 +47,23 @@ CONFIGS = {
   "fp32": "every worker FP32 (the T4s straggle)",
   "uniform_low": "T4 workers INT8 everywhere the policy allows",
   "qsync": "the allocator's greedy plan, QSync indicator",
+  "qsync_var": "the allocator's greedy plan, second-order variance "
+  "indicator (qsync_var)",
+  "greedy_random": "the allocator's greedy plan, random indicator",
   "dynamic_batch": "FP32, batches split by predicted FP32 speed",
   "ilp_qsync": "ILP at 60% compression, INT8/FP16, QSync indicator",
   "ilp_wvar": "ILP at 60% compression, INT8/FP16, weight-variance indicator",
   "ilp_random": "ILP at 60% compression, INT8/FP16, random indicator",
   "ilp_qsync_var": "ILP at 60% compression, INT8/FP16, second-order "
   "variance indicator (qsync_var)",
+}
+
+#: The configurations that train the allocator's greedy plan: the indicator
+#: each scores the layers with (named explicitly, not the config default).
+GREEDY_INDICATORS = {
+  "qsync": "qsync",
+  "qsync_var": "qsync_var",
+  "greedy_random": "random",
 }
 
 #: The two tasks. ``twin``: config overrides for the deployment twin the
@@ -173,6 +184,9 @@ def task_config(
     if name == "dynamic_batch":
       c.batch_mode = "dynamic"
       c.speeds = ",".join(f"{k}:{v:.6g}" for k, v in speeds.items())
+  elif name in GREEDY_INDICATORS:
+    c.allocator.method = "greedy"
+    c.allocator.indicator = GREEDY_INDICATORS[name]
   elif name.startswith("ilp_"):
     c.allocator.method = "ilp"
     c.allocator.indicator = name[len("ilp_") :]
@@ -191,28 +205,96 @@ def twin_speeds(task: Mapping[str, Any]) -> dict[str, float]:
   return allocator_lib.fp32_speeds(g, spec, profiles)
 
 
-def paper_prediction(task: Mapping[str, Any]) -> dict[str, Any]:
-  """The allocation summary for the paper-size model on v100:8,t4:8."""
+def paper_prediction(
+  task: Mapping[str, Any], configs: Sequence[str] = ()
+) -> dict[str, Any]:
+  """The allocation summary for the paper-size model on v100:8,t4:8.
+
+  Args:
+    task: an entry of :data:`TASKS`.
+    configs: names of :data:`CONFIGS`; each greedy one other than ``qsync``
+      (:data:`GREEDY_INDICATORS`) also gets the step of the greedy plan made
+      with its own indicator's scores (each indicator scored once), under
+      its name in ``predicted_step_time_s`` and in ``greedy``.
+
+  Returns:
+    The summary of the greedy plan with the QSync indicator and its
+    baselines (:meth:`~qsync_jax.allocation.pipeline.PlanningResult.summary`),
+    its ``plans``, and ``greedy``: ``{config: {"indicator",
+    "quantized_layers"}}``.
+  """
   paper = task["paper"]
   factory = models_lib.load_model_factory(paper["model"])
   scored = factory(rngs=nnx.Rngs(0), **paper["score_kwargs"])
   dataset = data_lib.load_dataset(task["dataset"], **task["dataset_kwargs"])
-  scores = pipeline.compute_scores(scored, dataset, "qsync")
   big = factory(
     rngs=nnx.Rngs(0), **models_lib.PAPER_SIZE_KWARGS[paper["model"]]
   )
-  result = pipeline.plan_cluster(
-    big, PAPER_CLUSTER, scores.values, paper["batch_size"]
-  )
+  scores: dict[str, Any] = {}
+
+  def plan(indicator: str, baselines: bool) -> pipeline.PlanningResult:
+    if indicator not in scores:
+      scores[indicator] = pipeline.compute_scores(scored, dataset, indicator)
+    return pipeline.plan_cluster(
+      big,
+      PAPER_CLUSTER,
+      scores[indicator].values,
+      paper["batch_size"],
+      indicator_name=indicator,
+      baselines=baselines,
+    )
+
+  result = plan("qsync", True)
+  summary = result.summary()
+  greedy = {}
+  for name in configs:
+    if name not in GREEDY_INDICATORS or name == "qsync":
+      continue
+    other = plan(GREEDY_INDICATORS[name], False).allocation
+    summary["predicted_step_time_s"][name] = other.prediction.step_time_s
+    greedy[name] = {
+      "indicator": GREEDY_INDICATORS[name],
+      "quantized_layers": dict(other.quantized_layers),
+    }
   return {
     "model": paper["model"],
     "model_kwargs": models_lib.PAPER_SIZE_KWARGS[paper["model"]],
     "batch_size": paper["batch_size"],
-    **result.summary(),
+    **summary,
     "plans": {
       k: {p: v.value for p, v in ps.items()}
       for k, ps in result.allocation.precisions.items()
     },
+    "greedy": greedy,
+  }
+
+
+def layer_counts(precisions: Mapping[str, str]) -> dict[str, int]:
+  """``{precision: number of layers}`` of one worker's plan."""
+  counts: dict[str, int] = {}
+  for p in precisions.values():
+    counts[p] = counts.get(p, 0) + 1
+  return dict(sorted(counts.items()))
+
+
+def twin_allocation(run_dir: str) -> dict[str, Any]:
+  """The allocator's prediction for a run's plans on the deployment twin.
+
+  Returns:
+    ``{"indicator", "twin_step_time_s", "twin_target_s"}`` from the run's
+    ``allocation/summary.json`` (the allocator's indicator, the predicted
+    step of its plans and the training devices' pace it aimed at), or
+    ``{}`` for a run whose plans did not come from the allocator.
+  """
+  path = os.path.join(run_dir, "allocation", "summary.json")
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    summary = json.load(f)
+  return {
+    "indicator": summary["indicator"],
+    "twin_step_time_s": summary["predicted_step_time_s"]["qsync"],
+    "twin_target_s": summary["target_s"],
   }
 
 
@@ -298,6 +380,8 @@ def run(
           "t4_precisions": summary["precisions"][-1],
           "batch_sizes": [w["batch_size"] for w in summary["workers"]],
           "wall_time_s": time.perf_counter() - start,
+          "t4_layers": layer_counts(summary["precisions"][-1]),
+          **twin_allocation(run_dir),
         }
         entry["runs"].append(row)
         logging.info(
@@ -312,7 +396,7 @@ def run(
         with open(path, "w") as f:
           json.dump(result, f, indent=2)
     if predict:
-      entry["paper"] = paper_prediction(task)
+      entry["paper"] = paper_prediction(task, configs)
     with open(path, "w") as f:
       json.dump(result, f, indent=2)
   plot(result, os.path.join(out_dir, "study.png"))

@@ -76,7 +76,7 @@ def indicator_batches(
 def compute_scores(
   model: nnx.Module,
   dataset: Dataset,
-  method: str = "qsync",
+  method: str = sensitivity.DEFAULT_METHOD,
   *,
   num_batches: int = 4,
   batch_size: int = 32,
@@ -87,8 +87,9 @@ def compute_scores(
 ) -> sensitivity.Scores:
   """Indicator scores of ``model`` on the first training batches.
 
+  ``method`` (default :data:`qsync_jax.sensitivity.DEFAULT_METHOD`),
   ``loss_fn`` and ``call`` are as in :func:`qsync_jax.sensitivity.compute`
-  (default: classification on ``(inputs, labels)``).
+  (default loss: classification on ``(inputs, labels)``).
   """
   return sensitivity.compute(
     model,
@@ -239,7 +240,7 @@ def plan_cluster(
   scores: search.ScoresLike,
   batch_size: int,
   *,
-  indicator_name: str = "qsync",
+  indicator_name: str = sensitivity.DEFAULT_METHOD,
   method: str = "greedy",
   memory_limits: Mapping[str, float] | None = None,
   compression: float | None = None,
@@ -257,7 +258,9 @@ def plan_cluster(
     cluster: e.g. ``"v100:8,t4:8"``; every kind must be in the GPU catalog.
     scores: indicator scores over the same layer paths.
     batch_size: the per-worker batch.
-    indicator_name: the scores' method, for the summary.
+    indicator_name: the scores' method, for the summary (default
+      :data:`qsync_jax.sensitivity.DEFAULT_METHOD`, what
+      :func:`compute_scores` uses by default).
     method: the allocator's search (``"greedy"``, ``"memory"``, ``"ilp"``).
     memory_limits: ``{kind: bytes}``.
     compression: instead of limits, give each weak kind the budget that

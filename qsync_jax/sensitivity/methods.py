@@ -82,6 +82,12 @@ from qsync_jax.plan.layers import MatMul
 
 #: The indicator methods :func:`~qsync_jax.sensitivity.compute` takes.
 METHODS = ("qsync", "qsync_var", "wvar", "hessian", "random")
+#: The method :func:`~qsync_jax.sensitivity.compute` and the allocator use
+#: when none is named: the one that ranks layers best within each precision
+#: against the measured gradient error (``experiments.indicator_study``,
+#: whose figures are on the results page). QSync's own formula stays
+#: available as ``"qsync"``.
+DEFAULT_METHOD = "qsync_var"
 #: Full precision, the reference every score is measured against: scores 0.
 ZERO_PRECISIONS = (Precision.FP32, Precision.TF32)
 _MANTISSA = {Precision.FP16: 10, Precision.BF16: 7, Precision.FP8: 3}

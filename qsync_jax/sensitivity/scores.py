@@ -36,6 +36,7 @@ from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.plan import policy
 from qsync_jax.sensitivity import depth
 from qsync_jax.sensitivity import methods
+from qsync_jax.sensitivity.methods import DEFAULT_METHOD
 from qsync_jax.sensitivity.methods import METHODS
 from qsync_jax.task import calling
 from qsync_jax.task.objective import as_objective
@@ -107,7 +108,7 @@ def compute(
   model: nnx.Module,
   loss_fn: LossFn,
   batches: Sequence[Any],
-  method: str = "qsync",
+  method: str = DEFAULT_METHOD,
   precisions: Iterable[Precision | str] = DEFAULT_PRECISIONS,
   *,
   quant: QuantConfig | None = None,
@@ -124,7 +125,9 @@ def compute(
       None (classification on ``(inputs, labels)``), ``loss_fn(logits,
       labels)``, ``loss_fn(model, batch, rngs)`` or an ``Objective``.
     batches: a few batches (any pytrees the objective takes).
-    method: one of :data:`METHODS`.
+    method: one of :data:`METHODS`; default :data:`DEFAULT_METHOD`
+      (``qsync_var``, the best ranking of layers within each precision in
+      ``experiments.indicator_study``; ``"qsync"`` is QSync's formula).
     precisions: candidate precisions (FP32 scores 0; embeddings and
       attention matmuls only get 16-bit ones).
     quant: the quantization (rounding mode) the ops use.
