@@ -169,8 +169,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   > 0, momentum in [0, 1), ...), every other number anywhere in the config
   (model and dataset arguments included) is finite, in manual plan mode
   every entry of ``config.plans`` names a device kind of ``config.cluster``,
-  and ``config.compress`` with ``config.compress_kwargs`` builds an
-  averager. Fields the config does not have are not checked.
+  ``config.compress`` with ``config.compress_kwargs`` builds an averager,
+  and the learning-rate and sync schedules build. Fields the config does
+  not have are not checked.
 
   Args:
     config: the job's config.
@@ -231,6 +232,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   opt_fields(config)  # a field the optimizer's state does not have
   make_averager(config)  # an unknown strategy or field; building is cheap
   make_outer_optimizer(config)  # an unknown one, or one dp would not use
+  if all(k in config for k in ("lr_schedule", "learning_rate", "steps")) and (
+    "warmup_steps" in config
+  ):
+    # The learning-rate schedule's fields (lr_decay_steps, ...) and the
+    # sync schedule that reads it.
+    make_schedule(config)
 
 
 def check_plan_kinds(

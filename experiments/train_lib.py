@@ -20,9 +20,13 @@ writing a summary, and ``make_out_dir`` refuses an output path that is a file.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+import contextlib
+import errno
+import fcntl
 import json
 import math
 import os
+import socket
 import sys
 import time
 from typing import Any
@@ -76,6 +80,100 @@ def make_out_dir(path: str, what: str = "output directory") -> None:
     raise ValueError(
       f"{what} {path!r} cannot be created: a parent of it is an existing file"
     ) from None
+
+
+#: The lock file in a run directory: the run that holds it (process 0 of a
+#: multi-process run) owns the directory; its text records the holder.
+LOCK_FILE = ".lock"
+
+
+class OutDirLock:
+  """An exclusive lock on a run directory, held for the run's lifetime.
+
+  ``fcntl.flock`` on ``<out_dir>/.lock``, without waiting: the kernel
+  releases it when the holder exits, even when killed, so a lock file left
+  by a killed run blocks nobody. The holder's pid and host go into the file
+  (:meth:`record`) once the run is past every check that can refuse it, and
+  are cleared at :meth:`release`.
+  """
+
+  def __init__(self, out_dir: str):
+    self.out_dir = out_dir
+    self.path = os.path.join(out_dir, LOCK_FILE)
+    self._fd: int | None = None
+    self._recorded = False
+
+  def acquire(self) -> None:
+    """Takes the lock; opening it leaves an existing lock file unchanged.
+
+    Raises:
+      ValueError: another run holds it (naming its pid and host).
+    """
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+        os.close(fd)
+        raise
+      holder = _lock_holder(fd)
+      os.close(fd)
+      raise ValueError(
+        f"--out_dir {self.out_dir} is in use by another run ({holder})"
+      ) from None
+    self._fd = fd
+
+  def record(self) -> None:
+    """Writes the holder's pid and host into the lock file."""
+    if self._fd is None or self._recorded:
+      return
+    text = json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
+    os.ftruncate(self._fd, 0)
+    os.pwrite(self._fd, (text + "\n").encode(), 0)
+    self._recorded = True
+
+  def release(self) -> None:
+    """Clears what :meth:`record` wrote and releases the lock."""
+    if self._fd is None:
+      return
+    try:
+      if self._recorded:
+        os.ftruncate(self._fd, 0)
+      fcntl.flock(self._fd, fcntl.LOCK_UN)
+    finally:
+      os.close(self._fd)
+      self._fd = None
+      self._recorded = False
+
+  def __enter__(self) -> OutDirLock:
+    self.acquire()
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.release()
+
+
+def _lock_holder(fd: int) -> str:
+  """Who holds the lock ``fd`` is a lock file of, in words."""
+  try:
+    holder = json.loads(os.pread(fd, 4096, 0).decode())
+    pid, host = int(holder["pid"]), str(holder["host"])
+  except (OSError, ValueError, TypeError, KeyError):
+    return "starting: its pid is not recorded yet"
+  if host == socket.gethostname() and not _pid_alive(pid):
+    # A killed run's record; the holder has not written its own yet.
+    return "starting: its pid is not recorded yet"
+  return f"pid {pid} on {host}"
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except OSError:  # another user's process
+    return True
+  return True
 
 
 def make_workers(
@@ -338,6 +436,8 @@ def train_and_evaluate(
   - ``checkpoints/``: orbax checkpoints; ``config.resume`` (``--resume``)
     continues the newest one.
   - ``PREEMPTED``: after a preemption, until a run finishes.
+  - ``.lock``: the :class:`OutDirLock` process 0 holds while it runs; a
+    second run into ``out_dir`` meanwhile is refused (``ValueError``).
 
   Returns:
     The summary written to ``summary.json``; after a preemption
@@ -349,8 +449,16 @@ def train_and_evaluate(
       no ``summary.json`` is written (a stale one is removed).
     qsync_jax.parallel.agreement.AgreementError: the processes disagree.
   """
-  with preemption.PreemptionWatch() as watch:
-    return _train_and_evaluate(config, out_dir, watch)
+  # Before anything is written into out_dir (the lock file aside).
+  config_lib.validate_config(config)
+  make_out_dir(out_dir)
+  # One run at a time in out_dir: process 0 holds its lock.
+  with contextlib.ExitStack() as stack:
+    lock = None
+    if jax.process_index() == 0:
+      lock = stack.enter_context(OutDirLock(out_dir))
+    watch = stack.enter_context(preemption.PreemptionWatch())
+    return _train_and_evaluate(config, out_dir, watch, lock)
 
 
 def main(
@@ -385,7 +493,8 @@ def main(
   ``<out_dir>/PREEMPTED``; the same command then resumes from it.
 
   Bad input (a bad config value, a plan for a kind not in the cluster, an
-  existing file as ``out_dir``, ...) ends the program before training with
+  existing file as ``out_dir``, an ``out_dir`` another run holds or one
+  with checkpoints but no ``--resume``, ...) ends the program before training with
   one line ``error: ...`` on stderr and exit status 1. So do a run whose
   final parameters or eval loss are not finite (it writes no
   ``summary.json``) and processes that disagree or fail while planning
@@ -441,8 +550,13 @@ def _train_and_evaluate(
   config: ml_collections.ConfigDict,
   out_dir: str,
   watch: preemption.PreemptionWatch,
+  lock: OutDirLock | None = None,
 ) -> dict[str, Any]:
-  """:func:`train_and_evaluate` with the preemption watch ``watch``."""
+  """:func:`train_and_evaluate` with the preemption watch ``watch``.
+
+  Every check that can refuse the run comes before the first write into
+  ``out_dir``; ``lock`` (process 0's) then records its holder.
+  """
   if str(config.get("cluster", "")).strip().lower() == cluster_lib.AUTO:
     # One worker per device of jax.devices() (every process's), on a copy:
     # the caller's config keeps "auto".
@@ -454,6 +568,27 @@ def _train_and_evaluate(
   config_lib.validate_config(config)
   writer = jax.process_index() == 0
   make_out_dir(out_dir)
+  checkpoints_dir = os.path.join(out_dir, "checkpoints")
+  preempted_path = os.path.join(out_dir, PREEMPTED)
+  was_preempted = os.path.exists(preempted_path)
+  # Opened here only where it exists: opening creates the directory.
+  checkpointer = (
+    Checkpointer(checkpoints_dir) if os.path.isdir(checkpoints_dir) else None
+  )
+  if (
+    not (config.resume or was_preempted)
+    and checkpointer is not None
+    and checkpointer.latest_step() is not None
+  ):
+    raise ValueError(
+      f"{out_dir} already holds checkpoints; pass --resume to "
+      "continue that run or use a new --out_dir"
+    )
+  schedule = config_lib.make_schedule(config)
+  optimizer = config_lib.make_optimizer(config)
+  loss_fn = config_lib.make_loss_fn(config)
+  averager = config_lib.make_averager(config)
+  outer_tx = config_lib.make_outer_optimizer(config)
   dataset = data_lib.load_dataset(
     config.dataset, **config_lib.to_plain(config.get("dataset_kwargs", {}))
   )
@@ -461,6 +596,7 @@ def _train_and_evaluate(
   check_agreement(config, model)
   plan_mode = config.get("plan_mode", "manual")
   profile_sources = None
+  result = None
   if (
     plan_mode == "auto"
     and len(cluster_lib.parse_cluster(config.cluster).groups()) == 1
@@ -487,8 +623,6 @@ def _train_and_evaluate(
         result.allocation.search_time_s,
         result.table(),
       )
-    if writer and result is not None:
-      pipeline.write(result, os.path.join(out_dir, "allocation"))
   elif plan_mode == "manual":
     plans = None
   else:
@@ -496,21 +630,20 @@ def _train_and_evaluate(
   workers = make_workers(config, plans=plans)
   digest = plans_lib.check_plans({w.kind: w.plan for w in workers})
   logging.info("plans %s on %d process(es)", digest[:12], jax.process_count())
-  schedule = config_lib.make_schedule(config)
   sample = batcher_sample(dataset, workers)
   trainer = HybridTrainer(
     model,
     workers,
-    config_lib.make_optimizer(config),
-    loss_fn=config_lib.make_loss_fn(config),
+    optimizer,
+    loss_fn=loss_fn,
     sample_batch=sample,
-    averager=config_lib.make_averager(config),
+    averager=averager,
     schedule=schedule,
     error_feedback=config.get("error_feedback", False),
     seed=config.seed,
     bn_stats=config.get("bn_stats", "reestimate"),
     opt_fields_to_average=config_lib.opt_fields(config),
-    outer_tx=config_lib.make_outer_optimizer(config),
+    outer_tx=outer_tx,
   )
   batcher = data_lib.WorkerBatcher(
     dataset.x_train,
@@ -519,24 +652,27 @@ def _train_and_evaluate(
     seed=config.seed,
   )
   metrics_path = os.path.join(out_dir, "metrics.jsonl")
-  checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"))
-  preempted_path = os.path.join(out_dir, PREEMPTED)
-  was_preempted = os.path.exists(preempted_path)
   if was_preempted:
     logging.info("%s was preempted: resuming from its checkpoint", out_dir)
-  if config.resume or was_preempted:
+  if (config.resume or was_preempted) and checkpointer is not None:
     meta = checkpointer.restore_latest(trainer)
     if meta is None:
       logging.info("no checkpoint in %s: starting from step 0", out_dir)
     else:
       logging.info("resumed from step %d", trainer.step)
+  elif config.resume or was_preempted:
+    logging.info("no checkpoint in %s: starting from step 0", out_dir)
+
+  # Past every check: the run's first writes into out_dir.
+  if lock is not None:
+    lock.record()
+  if checkpointer is None:
+    checkpointer = Checkpointer(checkpoints_dir)
+  if writer and result is not None:
+    pipeline.write(result, os.path.join(out_dir, "allocation"))
+  if config.resume or was_preempted:
     if writer:
       _truncate_metrics(metrics_path, trainer.step)
-  elif checkpointer.latest_step() is not None:
-    raise ValueError(
-      f"{out_dir} already holds checkpoints; pass --resume to "
-      "continue that run or use a new --out_dir"
-    )
   elif writer and os.path.exists(metrics_path):
     os.remove(metrics_path)
 

@@ -7,8 +7,10 @@ costs little more than the interpreter's start-up. ``validate_config`` and
 the locked config's ``compress_kwargs`` are also tested in-process.
 """
 
+import fcntl
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -332,6 +334,84 @@ def test_diverged_run_fails_and_writes_no_summary(tmp_path, user_models):
     "error: training diverged: the final eval loss is nan at step 1"
   ), last
   assert not (out / "summary.json").exists()
+
+
+_TINY_RUN = (
+  "--cluster=v100:1,t4:1",
+  "--plan=auto",
+  "--config.steps=2",
+  "--config.batch_size=8",
+  "--config.eval_every=2",
+  "--config.checkpoint_every=2",
+)
+
+
+def _files(root):
+  """{path: (bytes, mtime_ns)} of every file under ``root``."""
+  out = {}
+  for dirpath, _, names in os.walk(root):
+    for name in names:
+      path = os.path.join(dirpath, name)
+      with open(path, "rb") as f:
+        out[path] = (f.read(), os.stat(path).st_mtime_ns)
+  return out
+
+
+def test_train_refusals_leave_a_finished_run_unchanged(tmp_path):
+  out = tmp_path / "out"
+  first = _run("experiments.train", f"--out_dir={out}", *_TINY_RUN)
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert (out / "allocation" / "summary.json").exists()
+  before = _files(out)
+  last = _error_line(_run("experiments.train", f"--out_dir={out}", *_TINY_RUN))
+  assert last == (
+    f"error: {out} already holds checkpoints; pass --resume to continue "
+    "that run or use a new --out_dir"
+  ), last
+  last = _error_line(
+    _run(
+      "experiments.train",
+      f"--out_dir={out}",
+      *_TINY_RUN,
+      "--resume",
+      "--config.lr_schedule=step",
+      "--config.lr_decay_steps=0",
+    )
+  )
+  assert "lr_schedule=step needs lr_decay_steps" in last, last
+  assert _files(out) == before
+
+
+def test_train_out_dir_in_use_by_another_run(tmp_path):
+  out = tmp_path / "out"
+  out.mkdir()
+  lock = out / train_lib.LOCK_FILE
+  with open(lock, "w") as f:
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    f.flush()
+    last = _error_line(
+      _run("experiments.train", f"--out_dir={out}", *_TINY_RUN)
+    )
+  assert last == (
+    f"error: --out_dir {out} is in use by another run "
+    f"(pid {os.getpid()} on {socket.gethostname()})"
+  ), last
+  assert sorted(os.listdir(out)) == [train_lib.LOCK_FILE]
+
+
+def test_train_stale_lock_file_does_not_block(tmp_path):
+  out = tmp_path / "out"
+  out.mkdir()
+  # A killed run's lock file: its record stays, its lock went with it.
+  (out / train_lib.LOCK_FILE).write_text('{"pid": 1, "host": "elsewhere"}\n')
+  result = _run("experiments.train", f"--out_dir={out}", *_TINY_RUN)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert (out / "summary.json").exists()
+  # Released and cleared at exit: the next run (here resuming) may start.
+  assert (out / train_lib.LOCK_FILE).read_text() == ""
+  with train_lib.OutDirLock(str(out)):
+    pass
 
 
 # --------------------------------------------------------------------------
