@@ -77,17 +77,31 @@ def within_precision(
   out: dict[str, dict[str, Any]] = {}
   for prec in dict.fromkeys(p for _, p in pairs):
     sub = [pair for pair in pairs if pair[1] == prec]
-    row: dict[str, Any] = {"num_layers": len(sub), "null_reasons": {}}
-    for key, kind in (
-      ("spearman_vs_measured", "grad"),
-      ("spearman_vs_measured_loss", "loss"),
-    ):
-      rho, reason = spearman(scores.vector(sub), truth[kind].vector(sub))
-      row[key] = rho
-      if reason is not None:
-        row["null_reasons"][key] = reason
-    out[prec] = row
+    out[prec] = {"num_layers": len(sub), **correlations(scores, truth, sub)}
   return out
+
+
+def correlations(
+  scores: sensitivity.Scores,
+  truth: Mapping[str, sensitivity.Scores],
+  pairs: Sequence[tuple[str, str]],
+) -> dict[str, Any]:
+  """Spearman of ``scores`` with both measured truths over ``pairs``.
+
+  Returns:
+    ``{"spearman_vs_measured", "spearman_vs_measured_loss",
+    "null_reasons"}``: the correlations with the gradient error and the loss
+    change (None where undefined), and ``{key: reason}`` for each None.
+  """
+  row: dict[str, Any] = {"null_reasons": {}}
+  for key, kind in (
+    ("spearman_vs_measured", "grad"),
+    ("spearman_vs_measured_loss", "loss"),
+  ):
+    row[key], reason = spearman(scores.vector(pairs), truth[kind].vector(pairs))
+    if reason is not None:
+      row["null_reasons"][key] = reason
+  return row
 
 
 def mean_within(
@@ -175,15 +189,7 @@ def study(
     scores = sensitivity.compute(
       model, loss_fn, batches, method, precisions, quant=quant, seed=seed
     )
-    vec = scores.vector(pairs)
-    row: dict[str, Any] = {"null_reasons": {}}
-    for key, kind in (
-      ("spearman_vs_measured", "grad"),
-      ("spearman_vs_measured_loss", "loss"),
-    ):
-      row[key], reason = spearman(vec, truth[kind].vector(pairs))
-      if reason is not None:
-        row["null_reasons"][key] = reason
+    row = correlations(scores, truth, pairs)
     within = within_precision(scores, truth, pairs)
     within = {p: within[p] for p in out["precisions"] if p in within}
     out["methods"][method] = {
