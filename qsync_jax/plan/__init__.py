@@ -13,7 +13,9 @@ what training applies to each worker's model. The subpackage owns
   floor for embeddings and attention matmuls);
 * applying a plan to an NNX model (:mod:`.policy`: :func:`apply_plan`,
   :func:`layer_paths`, ...) with :class:`MatMul` for the attention matmuls
-  (:mod:`.layers`), and to a Linen model (:mod:`.linen`:
+  (:mod:`.layers`), the contractions modules compute with jax ops found by
+  interception and planned through their sites (:mod:`.intercept`:
+  :class:`DotSite`, :class:`ConvSite`), and to a Linen model (:mod:`.linen`:
   ``linen.apply_plan`` returns a :class:`PlannedModule`);
 * a Linen model as an NNX module the whole library works on
   (:mod:`.bridge`: :func:`from_linen` returns a :class:`LinenModel` whose
@@ -28,6 +30,9 @@ from qsync_jax.plan.devices import device_spec
 from qsync_jax.plan.devices import DEVICES
 from qsync_jax.plan.devices import DeviceSpec
 from qsync_jax.plan.devices import supported_precisions
+from qsync_jax.plan.intercept import ConvSite
+from qsync_jax.plan.intercept import DotSite
+from qsync_jax.plan.intercept import StackedLayerError
 from qsync_jax.plan.layers import MatMul
 from qsync_jax.plan.linen import PlannedModule
 from qsync_jax.plan.policy import apply_plan
@@ -41,15 +46,18 @@ from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.plan.rules import resolve_with_forced
 
 __all__ = [
+  "ConvSite",
   "DEVICES",
   "DEVICE_PRECISIONS",
   "DeviceSpec",
+  "DotSite",
   "Layer",
   "LinenModel",
   "MatMul",
   "PlanError",
   "PlannedModule",
   "PrecisionPlan",
+  "StackedLayerError",
   "apply_plan",
   "describe",
   "device_kinds",

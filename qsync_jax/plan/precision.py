@@ -216,7 +216,9 @@ class PrecisionPlan:
       if dead:
         raise PlanError(
           f"plan rule(s) {', '.join(repr(p) for p in dead)} match no layer; "
-          f"valid layer paths: {', '.join(layer_paths) or '(none)'}"
+          f"valid layer paths: {', '.join(layer_paths) or '(none)'} "
+          "(contractions of integer or complex operands, and those inside "
+          "jax's own functions, are not layers)"
         )
     return {path: self.precision_of(path) for path in layer_paths}
 

@@ -56,7 +56,11 @@ def embed_dtype(precision: Precision, param_dtype: Any) -> Any:
 
 
 def resolve_with_forced(
-  paths: list[str], floored: set[str], plan: PrecisionPlan
+  paths: list[str],
+  floored: set[str],
+  plan: PrecisionPlan,
+  *,
+  soft_floored: set[str] | frozenset[str] = frozenset(),
 ) -> dict[str, Precision]:
   """Resolves ``plan`` over ``paths`` and applies the forced precisions.
 
@@ -64,6 +68,9 @@ def resolve_with_forced(
     paths: layer paths in forward order (the last one is the head).
     floored: the paths that never compute below 16 bits.
     plan: the precision plan.
+    soft_floored: the paths that compute below 16 bits only where a rule
+      names them explicitly (the rule is the path itself): contractions of
+      two activations found by interception.
 
   Returns:
     ``{path: Precision}``: the head is FP32 unless a rule names it; a floored
@@ -79,6 +86,10 @@ def resolve_with_forced(
     named = any(re.fullmatch(rule, path) for rule, _ in plan.rules)
     if i == len(paths) - 1 and not named:
       prec = Precision.FP32
+    if path in soft_floored and prec.bits < 16:
+      explicit = any(rule in (path, re.escape(path)) for rule, _ in plan.rules)
+      if not explicit:
+        prec = Precision.FP16
     if path in floored and prec.bits < 16:
       if named:
         too_low.append(f"{path} ({prec.value})")

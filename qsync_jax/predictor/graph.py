@@ -40,7 +40,6 @@ from jax.extend import core as jex_core
 import jax.numpy as jnp
 import numpy as np
 
-from qsync_jax.numerics import ops
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.plan import policy
 from qsync_jax.task import calling
@@ -303,11 +302,7 @@ def _flops(
   """
   if kind == "Embed":
     return 0.0
-  op = (
-    ops.ConvGeneralDilated()
-    if kind == "Conv"
-    else (ops.Einsum() if kind in ("Einsum", "MatMul") else ops.DotGeneral())
-  )
+  op = policy.op_class(kind)()
   lowered = jax.jit(lambda *a: node_call(op, *a)).lower(*arrays)
   cost = lowered.cost_analysis()
   if isinstance(cost, (list, tuple)):  # older jax returns one per program
@@ -540,7 +535,7 @@ def trace_graph(model: nnx.Module, sample_input: Any = None) -> ModelGraph:
         weight_shape=weight_shape,
         out_shape=tuple(rec["out"].shape),
         flops=_flops(call, layer.kind, avals),
-        floored=isinstance(layer.module, policy.SIXTEEN_BIT_FLOOR),
+        floored=policy.is_floored(layer.module),
         call=call,
       )
     )

@@ -26,7 +26,6 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 
-from qsync_jax.numerics import ops
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.plan import policy
@@ -53,11 +52,7 @@ def layer_op(
   quant = quant or QuantConfig()
   if node.kind == "Embed":
     return _embed_cast(graph_lib.output_dtype(precision))
-  if node.kind == "Conv":
-    return ops.ConvGeneralDilated(precision, quant)
-  if node.kind in ("Einsum", "MatMul"):
-    return ops.Einsum(precision, quant)
-  return ops.DotGeneral(precision, quant)
+  return policy.op_class(node.kind)(precision, quant)
 
 
 def _grad_positions(node: graph_lib.LayerNode) -> list[int]:
