@@ -15,14 +15,17 @@ config (``cls.default_config`` when omitted) and exposes ``config``, ``task``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+import contextlib
 import dataclasses
 import functools
 import inspect
+import os
 from typing import Any
 
 from flax import nnx
 import jax
+import numpy as np
 
 from qsync_jax.models.base import ModelClass
 from qsync_jax.models.bert import BertConfig
@@ -40,6 +43,7 @@ from qsync_jax.models.vgg import VGGConfig
 from qsync_jax.models.vit import ViTConfig
 from qsync_jax.models.vit import ViTTiny
 from qsync_jax.task import calling
+from qsync_jax.task import sharding
 
 #: The built-in models by name.
 MODELS: dict[str, ModelClass] = {
@@ -206,6 +210,10 @@ def build_model(
 ) -> nnx.Module:
   """Builds the model of ``spec``, sized for the data.
 
+  A factory's parameters may carry flax sharding annotations, with or
+  without a mesh in context: they are applied as far as that mesh keeps them
+  (:mod:`qsync_jax.task.sharding`).
+
   Args:
     spec: a built-in model name or ``"package.module:factory"``. A factory
       returns an NNX module, a Linen module, an ``(init, apply)`` pair or
@@ -224,17 +232,86 @@ def build_model(
 
   Raises:
     ValueError: a bad spec (see :func:`load_model_factory`), a keyword the
-      model does not take, a factory that fails on its arguments, or one
-      that returns something else than a model.
+      model does not take, a factory that fails on its arguments, one that
+      returns something else than a model, or a size argument below 1
+      (``hidden=0``, ``widths=[4, 0]``) the build fails on, naming it.
   """
   arguments = model_arguments(spec, data_kwargs, kwargs)
+  with _sizes_named(spec, arguments):
+    return _build(spec, rngs, sample_input, arguments)
+
+
+#: What a layer of size zero or below raises while it is built (initializer
+#: fans divide by it; a negative shape is refused).
+_SIZE_ERRORS = (ZeroDivisionError, TypeError, ValueError)
+# Where a size error comes from when a size argument, not the code, is wrong.
+_LIBRARY_DIRS = tuple(
+  os.path.dirname(m.__file__ or "") + os.sep for m in (jax, nnx, np, calling)
+) + (os.path.dirname(os.path.dirname(__file__)) + os.sep,)
+
+
+def _not_sizes(arguments: Mapping[str, Any]) -> list[str]:
+  """``name=value`` of the integer arguments (or entries) below 1."""
+
+  def small(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v < 1
+
+  return [
+    f"{k}={v!r}"
+    for k, v in arguments.items()
+    if small(v) or (isinstance(v, (list, tuple)) and any(map(small, v)))
+  ]
+
+
+def _raised_in_library(err: BaseException) -> bool:
+  """Whether ``err`` was raised in jax, flax, numpy or this package."""
+  tb = err.__traceback__
+  if tb is None:
+    return False
+  while tb.tb_next is not None:
+    tb = tb.tb_next
+  return tb.tb_frame.f_code.co_filename.startswith(_LIBRARY_DIRS)
+
+
+@contextlib.contextmanager
+def _sizes_named(spec: str, arguments: Mapping[str, Any]) -> Iterator[None]:
+  """Turns the error a size argument below 1 causes into one naming it.
+
+  A layer built with a zero width fails deep in jax (an initializer's fan
+  divides by it); the argument that asked for it is the news. An error
+  raised in a user's own code, or with every size argument >= 1, is left
+  as it is.
+  """
+  try:
+    yield
+  except _SIZE_ERRORS as err:
+    bad = _not_sizes(arguments)
+    if not bad or not _raised_in_library(err):
+      raise
+    first = (str(err).strip().splitlines() or [""])[0]
+    raise ValueError(
+      f"model {spec!r} cannot be built with {', '.join(bad)}: sizes must "
+      f"be >= 1 ({type(err).__name__}: {first})"
+    ) from err
+
+
+def _build(
+  spec: str, rngs: nnx.Rngs, sample_input: Any, arguments: dict[str, Any]
+) -> nnx.Module:
+  """:func:`build_model` once the arguments are known."""
   if spec in MODELS:
     return create_model(spec, rngs=rngs, **arguments)
   factory = load_model_factory(spec)
   try:
-    # An NNX module, a Linen module or an (init, apply) pair.
-    model: object = factory(rngs=rngs, **arguments)
+    # An NNX module, a Linen module or an (init, apply) pair. Its
+    # parameters' sharding annotations are applied once it is built, as far
+    # as the mesh in context keeps them (flax's own eager sharding fails
+    # without a mesh or on an axis the mesh lacks).
+    with sharding.creating():
+      model: object = factory(rngs=rngs, **arguments)
   except TypeError as err:
+    if _not_sizes(arguments) and _raised_in_library(err):
+      raise  # a size argument below 1 (_sizes_named says which)
     # The call's signature does not fit: say which factory, not a traceback
     # from inside it.
     args = ", ".join(["rngs", *arguments])
@@ -249,6 +326,7 @@ def build_model(
     # (initialised afresh from the same rngs, as the factory did).
     model = model.to_nnx__module
   elif isinstance(model, nnx.Module):
+    sharding.place(model)
     return model
   if bridge.is_linen(model):
     if sample_input is None:

@@ -42,8 +42,10 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from qsync_jax.plan import intercept
 from qsync_jax.plan import linen as linen_plan
 from qsync_jax.task import calling
+from qsync_jax.task import sharding
 
 # Call keywords that carry a Linen module's mode, and whether they are the
 # negation of "train" (flax's Dropout / BatchNorm conventions).
@@ -264,6 +266,27 @@ def _nested_get(tree: dict, path: tuple[str, ...]) -> Any:
   return node
 
 
+def _linen_var(variable: nnx.Variable) -> Any:
+  """A variable as the Linen module reads it.
+
+  A sharding box (``nn.Partitioned``, ``nn.LogicallyPartitioned``) names
+  only the axes the mesh in context keeps (:mod:`qsync_jax.task.sharding`),
+  so Linen's constraint on reading it names no axis the mesh lacks; a box
+  that keeps none is its bare value.
+  """
+  if (
+    variable.get_metadata("linen_meta_type", None) is None
+    or variable.get_metadata("out_sharding", None) is None
+  ):
+    return bridge_vars.to_linen_var(variable)
+  names = sharding.kept_names(variable)
+  if names is None:
+    return variable.get_value()
+  if names != tuple(variable.get_metadata("out_sharding")):
+    variable = variable.replace(out_sharding=names)
+  return bridge_vars.to_linen_var(variable)
+
+
 class LinenModel(nnx.Module):
   """An NNX module that runs a Linen model on variables it holds.
 
@@ -361,23 +384,26 @@ class LinenModel(nnx.Module):
       return next_fun(*call_args, **call_kwargs)
 
     # Eager, not jitted: a compile per model costs more than the dispatch.
-    with nn.intercept_methods(record):
+    # Sharding annotations are not applied while the variables are created
+    # (no mesh, or one that lacks their axes, would fail): place() applies
+    # their kept parts below.
+    with nn.intercept_methods(record), sharding.creating():
       variables = flax_core.unfreeze(
         # mypy matches **mode against Module.init's own keywords too.
         init_fn(_rng_dict(rngs), *args, **kwargs, **mode)  # type: ignore[arg-type]
       )
-    # Every collection becomes the nnx.Variable type flax registers for its
-    # name ('params' -> Param, 'batch_stats' -> BatchStat, ...).
-    self.linen_variables = nnx.data(
-      {
-        col: jax.tree.map(
-          functools.partial(bridge_vars.to_nnx_var, col),
-          tree,
-          is_leaf=lambda x: not isinstance(x, dict),
-        )
-        for col, tree in variables.items()
-      }
-    )
+      # Every collection becomes the nnx.Variable type flax registers for
+      # its name ('params' -> Param, 'batch_stats' -> BatchStat, ...).
+      self.linen_variables = nnx.data(
+        {
+          col: jax.tree.map(
+            functools.partial(bridge_vars.to_nnx_var, col),
+            tree,
+            is_leaf=lambda x: not isinstance(x, dict),
+          )
+          for col, tree in variables.items()
+        }
+      )
     params = self.linen_variables.get("params", {})
     # NNX walks attributes in sorted order and 'linen_variables' sorts
     # before 'proxies': the shared weights keep their Linen paths in
@@ -397,6 +423,7 @@ class LinenModel(nnx.Module):
       }
     )
     self.rngs = rngs.fork()
+    sharding.place(self)
 
   def _mode_kwargs(self, train: bool) -> dict[str, bool]:
     if self.train_kwarg is None:
@@ -414,7 +441,8 @@ class LinenModel(nnx.Module):
           return next_fun(*call_args, **call_kwargs)
       proxy = (
         proxies.get("/".join(layer.path))
-        if context.method_name == "__call__"
+        # An embedding's attend (a tied head) casts to the table's dtype.
+        if context.method_name in ("__call__", "attend")
         and isinstance(layer, linen_plan.ADDRESSABLE_TYPES)
         else None
       )
@@ -426,9 +454,10 @@ class LinenModel(nnx.Module):
     return intercept
 
   def linen_vars(self) -> dict[str, Any]:
-    """The variables as Linen takes them: ``{collection: nested arrays}``."""
+    """The variables as Linen takes them: ``{collection: nested arrays}``
+    (boxed where the Linen module boxed them, see :func:`_linen_var`)."""
     return jax.tree.map(
-      bridge_vars.to_linen_var,
+      _linen_var,
       dict(self.linen_variables),
       is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
@@ -461,7 +490,7 @@ class LinenModel(nnx.Module):
     mutable = held if train and held and self.passes_mutable else False
     if mutable:
       kwargs["mutable"] = mutable
-    with nn.intercept_methods(self._interceptor()):
+    with nn.intercept_methods(self._interceptor()), intercept.linen_scope(self):
       out = self.apply_fn(self.linen_vars(), *args, **kwargs)
     if not mutable:
       return out
@@ -495,6 +524,11 @@ def from_linen(
   train_kwarg: str | None = "auto",
 ) -> LinenModel:
   """Wraps a Linen model as an NNX module the whole library works on.
+
+  Parameters boxed with sharding annotations (``nn.with_partitioning``,
+  ``nn.with_logical_partitioning``) need no mesh: each keeps its annotation
+  and is sharded over the axes of it the mesh in context has, if any
+  (:mod:`qsync_jax.task.sharding`).
 
   Args:
     module_or_pair: a ``flax.linen.Module``, or an ``(init, apply)`` pair

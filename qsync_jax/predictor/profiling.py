@@ -46,6 +46,7 @@ import numpy as np
 import optax
 from scipy import optimize
 
+from qsync_jax import host_memory
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.plan.devices import supported_precisions
@@ -56,6 +57,7 @@ from qsync_jax.predictor import memory
 from qsync_jax.predictor import pieces
 from qsync_jax.predictor import timing
 from qsync_jax.task import calling
+from qsync_jax.task import sharding
 from qsync_jax.task.objective import as_objective
 from qsync_jax.task.objective import LossFn
 
@@ -247,6 +249,110 @@ def _cache_path(cache_dir: str, key: dict) -> str:
   )
 
 
+#: How much host memory a measured profile holds, in units of what its
+#: buffers add up to (:func:`estimated_bytes`): XLA's temporaries while a
+#: call runs, its compiled programs, and the blocks the host allocator keeps
+#: for reuse (:mod:`qsync_jax.host_malloc`). Measured on XLA:CPU with two
+#: host devices and three precisions: 2.7 for a CNN of 4M parameters, and
+#: more than 2 for CNNs of 17M and 67M (the 67M one grew past 22 GB).
+PROFILE_OVERHEAD = 3.0
+# A timed burst's entry: a float in a list.
+_TIMING_BYTES = 32
+
+
+def estimated_bytes(
+  g: graph_lib.ModelGraph,
+  precisions: Sequence[Precision | str],
+  host_devices: int = 0,
+  repeats: int = 9,
+  optimizer_state_copies: int = 2,
+) -> float:
+  """The host memory :func:`profile` takes on a CPU, from shapes alone.
+
+  A profile builds every call it times before it times the first, each with
+  its own buffers: every layer's operands, weight and cotangent per
+  precision; the model's parameters and batch for the stand-in step at each
+  output dtype, for the whole pass at each precision on each host device,
+  and with the optimizer state for the update and (with host devices) the
+  trainer's step at each precision and without compute; the pass's
+  activations while it runs; and a timing per call and round. Their sum
+  times :data:`PROFILE_OVERHEAD`.
+
+  Args:
+    g: the model's graph at the profiled batch.
+    precisions: the precisions profiled (FP32 is added).
+    host_devices: the host devices of co-located workers (0: none).
+    repeats: the timed rounds.
+    optimizer_state_copies: float32 copies of the parameters the optimizer
+      keeps (2: Adam).
+
+  Returns:
+    Bytes.
+  """
+  parsed = {Precision.parse(p) for p in precisions} | {Precision.FP32}
+  n = len(parsed)
+  params = 4.0 * g.num_params
+  batch = float(g.batch_bytes)
+  state = params * (2 + optimizer_state_copies)
+  unique = {pieces.piece_signature(node): node for node in g.nodes}.values()
+  layers = n * sum(
+    4.0 * (sum(op.numel for op in node.operands) + node.weight_numel)
+    + 4.0 * node.out_numel
+    for node in unique
+  )
+  activations = memory.analytic_memory_model(
+    g, 0.0, optimizer_state_copies
+  ).base_bytes - (state + batch)
+  k = max(host_devices, 1)
+  dtypes = len({graph_lib.output_dtype(p) for p in parsed})
+  total = (
+    params  # the model itself
+    + layers
+    + dtypes * (params + batch)  # the stand-in steps
+    + n * k * (params + batch)  # the whole passes
+    + state  # the optimizer update
+    + (n + 1) * host_devices * (state + batch)  # the trainer's steps
+    + k * max(activations, 0.0)  # k passes running at once
+  )
+  calls = 2 * len(unique) * n + 2 * dtypes + 1 + n * k * (n + 1)
+  return PROFILE_OVERHEAD * total + repeats * calls * _TIMING_BYTES
+
+
+def check_fits(
+  g: graph_lib.ModelGraph,
+  device: Any,
+  device_kind: str,
+  precisions: Sequence[Precision | str],
+  host_devices: int = 0,
+  repeats: int = 9,
+  optimizer_state_copies: int = 2,
+) -> None:
+  """Refuses a profile on a CPU device that this host's memory cannot
+  hold (:func:`estimated_bytes`); a GPU's own memory bounds a profile
+  there.
+
+  Raises:
+    ValueError: naming the profile, its estimate and the host's memory.
+  """
+  if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+    raise ValueError(
+      f"profile repeats must be an integer >= 1, got {repeats!r}"
+    )
+  if getattr(device, "platform", "cpu") != "cpu":
+    return
+  host_memory.check(
+    f"a measured {device_kind} profile on {device} of the model at batch "
+    f"{g.batch_size} ({g.num_params} "
+    f"parameters, {len(g.nodes)} layers, {repeats} repeats)",
+    estimated_bytes(
+      g, precisions, host_devices, repeats, optimizer_state_copies
+    ),
+    f"every timed call's buffers at {len(precisions)} precision(s)"
+    + (f" on {host_devices} host devices" if host_devices else ""),
+  )
+
+
+@sharding.without_mesh
 def profile(
   model: nnx.Module,
   sample_batch: Any,
@@ -266,6 +372,8 @@ def profile(
   graph: graph_lib.ModelGraph | None = None,
 ) -> Profile:
   """Measures a model's profile on the device at hand.
+
+  It runs on ``device`` alone, with no mesh of the caller's in context.
 
   Args:
     model: the NNX model (FP32 parameters; left unchanged, its mode
@@ -332,6 +440,7 @@ def profile(
     cached = Profile.load(path)
     if cached.key == key:
       return cached
+  check_fits(g, device, device_kind, parsed, len(host_devices), repeats)
 
   job = profile_job(
     model,

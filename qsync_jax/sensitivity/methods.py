@@ -78,7 +78,6 @@ from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.numerics.quant import Rounding
 from qsync_jax.plan import policy
-from qsync_jax.plan.layers import MatMul
 
 #: The indicator methods :func:`~qsync_jax.sensitivity.compute` takes.
 METHODS = ("qsync", "qsync_var", "wvar", "hessian", "random")
@@ -110,7 +109,7 @@ def allowed_precisions(
   below 16 bits for the layers the policy floors at 16 bits (embeddings and
   attention matmuls).
   """
-  floor16 = isinstance(layer.module, policy.SIXTEEN_BIT_FLOOR)
+  floor16 = policy.is_floored(layer.module)
   return [
     p
     for p in precisions
@@ -286,12 +285,8 @@ def _layer_weights(model, layer_list) -> dict[str, jax.Array | None]:
   weights = {}
   for layer in layer_list:
     m = layer.module
-    if policy.is_embedding(m):
-      weights[layer.path] = m.embedding[...]
-    elif isinstance(m, MatMul):
-      weights[layer.path] = None
-    else:
-      weights[layer.path] = m.kernel[...]
+    var = policy.weight_variable(m)
+    weights[layer.path] = None if var is None else var[...]
   return weights
 
 
@@ -366,16 +361,6 @@ def hutchinson_traces(
   return jax.tree.map(lambda t: t.mean(), per_probe)
 
 
-def _state_paths(model: nnx.Module) -> dict[int, tuple]:
-  """``{id(module): its path in the model's state}`` (``()`` for the root,
-  which a bare layer as the model is)."""
-  return {
-    id(node): tuple(path)
-    for path, node in nnx.iter_graph(model)
-    if isinstance(node, nnx.Module)
-  }
-
-
 def hessian_scores(
   model: nnx.Module,
   layer_list: Sequence[policy.Layer],
@@ -394,14 +379,9 @@ def hessian_scores(
   come from ``key(seed + b)``, the same for every probe.
   """
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
-  weight_of = {}
-  for layer in layer_list:
-    m = layer.module
-    if isinstance(m, MatMul):
-      continue
-    weight_of[layer.path] = (
-      "embedding" if policy.is_embedding(m) else ("kernel")
-    )
+  # The state path of each layer's weight (a Linen layer's is inside the
+  # LinenModel's variables, not under its proxy); None: no weight.
+  weight_path = policy.weight_paths(model, list(layer_list))
 
   @jax.jit
   def traces(params, batch, key):
@@ -421,20 +401,19 @@ def hessian_scores(
   ]
   mean_trace = jax.tree.map(lambda *t: float(np.mean(t)), *per_batch)
   weights = _layer_weights(model, layer_list)
-  state_path = _state_paths(model)
   values = {}
   for layer in layer_list:
     row = {}
     for p in allowed_precisions(layer, precisions):
-      if layer.path not in weight_of:
+      path = weight_path[layer.path]
+      if path is None:
         row[p.value] = 0.0
         continue
-      node = mean_trace
-      for part in state_path[id(layer.module)]:
-        node = node[part]
-      trace = node[weight_of[layer.path]]
+      trace = mean_trace
+      for part in path:
+        trace = trace[part]
       w = weights[layer.path]
-      assert w is not None  # a layer in weight_of has a weight
+      assert w is not None  # a layer with a weight path has a weight
       # E[dW^T H dW] / 2 with i.i.d. noise: tr(H) * mean noise variance / 2.
       noise = float(jnp.mean(noise_variance(w, p, quant.rounding)))
       row[p.value] = float(abs(trace) * noise / 2)

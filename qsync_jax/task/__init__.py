@@ -3,8 +3,10 @@
 :mod:`.calling` owns how a model is called (inputs, train/eval mode, rngs)
 and the :class:`Probe` every tracer runs; :mod:`.objective` owns the
 :class:`Objective` (loss and metrics on a batch) built from a user's
-``loss_fn``; :mod:`.losses` the float32 losses and metrics. The package sits
-below every other part of the library, which all call models through it.
+``loss_fn``; :mod:`.losses` the float32 losses and metrics; :mod:`.sharding`
+what the library does with the parameters' sharding annotations. The package
+sits below every other part of the library, which all call models through
+it.
 """
 
 from qsync_jax.task.calling import abstract

@@ -69,6 +69,7 @@ from qsync_jax.parallel import schedules
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.task import calling
 from qsync_jax.task import objective as objective_lib
+from qsync_jax.task import sharding
 from qsync_jax.train import evaluation
 from qsync_jax.train import layout
 from qsync_jax.train import programs
@@ -165,6 +166,12 @@ class HybridTrainer:
     outer_tx: an optax outer optimizer (DiLoCo) stepping the anchor by
       ``anchor - mean`` at each parameter average; None: plain averaging.
 
+  The trainer runs on its own mesh of the workers' devices (one axis,
+  ``workers``), one full replica of the parameters per worker; a mesh in
+  context (``jax.set_mesh``) does not move it, and the parameters' sharding
+  annotations (:mod:`qsync_jax.task.sharding`) stay on the model, applied
+  by none of its programs.
+
   With local steps and loss scaling, each worker keeps its own loss scale
   and skips only its own non-finite steps; :attr:`skipped_steps` and
   :attr:`current_loss_scale` report the first local worker.
@@ -175,6 +182,7 @@ class HybridTrainer:
     qsync_jax.PlanError: a plan does not fit the model or its device kind.
   """
 
+  @sharding.without_mesh
   def __init__(
     self,
     model: nnx.Module,
@@ -291,6 +299,7 @@ class HybridTrainer:
   # Training.
   # ------------------------------------------------------------------
 
+  @sharding.without_mesh
   def train_step(
     self, batches: dict[int, Any]
   ) -> dict[int, dict[str, jax.Array]]:
@@ -368,6 +377,7 @@ class HybridTrainer:
       )
     return metrics
 
+  @sharding.without_mesh
   def compile(self, total_steps: int) -> None:
     """:func:`compile_programs` of this trainer, up to ``total_steps``."""
     compile_programs(self, total_steps)
@@ -408,6 +418,7 @@ class HybridTrainer:
   def _first_device(self) -> jax.Device:
     return self.workers[self.local_workers[0]].device
 
+  @sharding.without_mesh
   def worker_params(self, index: int | None = None) -> Any:
     """Returns a worker's parameters as a pytree (default: first local)."""
     i = self.local_workers[0] if index is None else index
@@ -428,6 +439,7 @@ class HybridTrainer:
       self.sharding,
     )
 
+  @sharding.without_mesh
   def evaluate(
     self, data: Any, batch_size: int = 256, train_batches: Any = None
   ) -> dict[str, float]:
