@@ -10,8 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 import contextlib
 import sys
+import traceback
 
 from qsync_jax import host_malloc
+from qsync_jax.numerics import ops
+from qsync_jax.parallel import links
 
 #: Exceptions that mean "the input is wrong", as raised by the library.
 BAD_INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError)
@@ -19,10 +22,17 @@ BAD_INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError)
 
 @contextlib.contextmanager
 def bad_input_exits() -> Iterator[None]:
-  """Turns bad-input exceptions into ``error: <message>`` and exit status 1."""
+  """Turns bad-input exceptions into ``error: <message>`` and exit status 1.
+
+  An error whose ``show_cause`` is true (a user's factory raised, e.g.
+  :class:`qsync_jax.data.FactoryError`) has the traceback of its cause, the
+  user's exception, printed above the line.
+  """
   try:
     yield
   except BAD_INPUT_ERRORS as e:
+    if getattr(e, "show_cause", False) and e.__cause__ is not None:
+      traceback.print_exception(e.__cause__, file=sys.stderr)
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(1) from None
 
@@ -30,10 +40,16 @@ def bad_input_exits() -> Iterator[None]:
 def start_binary() -> None:
   """What every binary of this project does first: applies the host
   allocator mode ``$QSYNC_HOST_MALLOC`` names (:mod:`qsync_jax.host_malloc`;
-  ``reuse`` when unset), ending the program with one line if it names none.
+  ``reuse`` when unset) and checks the other variables the library reads
+  (``QSYNC_KERNELS``, the launcher's ``QSYNC_LINK_*``), ending the program
+  with one line naming the first that is malformed.
   """
   with bad_input_exits():
     host_malloc.configure_from_env()
+    # Read only where a layer runs INT8 or FP8, or where a run writes its
+    # summary: a typo would surface late, or never.
+    ops.kernel_backend_from_env()
+    links.link_info_from_env()
 
 
 def check_names(what: str, names: Sequence[str], valid: Iterable[str]) -> None:

@@ -26,18 +26,23 @@ class Dataset:
     y_test: Test targets.
     num_classes: Width of the model's output head: the number of classes for
       "classification", the vocabulary size for "lm", and the target
-      dimension for "regression".
+      dimension for "regression"; None where the data does not tell it
+      without a full pass (a streamed dataset's classes).
     task: One of "classification", "regression" or "lm".
     name: Short identifier of the source, e.g. "digits".
+    streamed: The arrays are the first examples of a streamed dataset
+      (:meth:`qsync_jax.data.StreamedDataset.head`), not all of them:
+      :meth:`model_kwargs` gives only the facts one example shows.
   """
 
   x_train: np.ndarray
   y_train: np.ndarray
   x_test: np.ndarray
   y_test: np.ndarray
-  num_classes: int
+  num_classes: int | None
   task: str
   name: str
+  streamed: bool = False
 
   def __post_init__(self):
     # Catch loader bugs at construction instead of deep inside a train step.
@@ -73,24 +78,28 @@ class Dataset:
     """What a model needs to know to fit this dataset.
 
     Returns:
-      ``input_shape`` (one example) and ``num_classes`` (the head's width)
-      always; for images (``(H, W, C)`` float inputs) ``image_size`` (when
-      square) and ``in_channels``; for integer token inputs ``max_len`` and
+      ``input_shape`` (one example) always and ``num_classes`` (the head's
+      width) where it is known; for images (``(H, W, C)`` float inputs)
+      ``image_size`` (when square) and ``in_channels``; for integer token
+      inputs ``max_len`` and, unless the dataset is streamed,
       ``vocab_size`` (the largest token id plus one, train and test, and at
       least ``num_classes`` for language modelling).
     """
-    out: dict[str, object] = {
-      "input_shape": self.input_shape,
-      "num_classes": int(self.num_classes),
-    }
+    out: dict[str, object] = {"input_shape": self.input_shape}
+    if self.num_classes is not None:
+      out["num_classes"] = int(self.num_classes)
     shape = self.input_shape
     if np.issubdtype(self.x_train.dtype, np.integer) and len(shape) == 1:
-      vocab = (
-        int(max(self.x_train.max(initial=0), self.x_test.max(initial=0))) + 1
-      )
-      if self.task == "lm":
-        vocab = max(vocab, int(self.num_classes))
-      out.update(max_len=shape[0], vocab_size=vocab)
+      out["max_len"] = shape[0]
+      # The largest token id needs every example: a streamed dataset's
+      # model takes vocab_size from its kwargs.
+      if not self.streamed:
+        vocab = (
+          int(max(self.x_train.max(initial=0), self.x_test.max(initial=0))) + 1
+        )
+        if self.task == "lm" and self.num_classes is not None:
+          vocab = max(vocab, int(self.num_classes))
+        out["vocab_size"] = vocab
     elif len(shape) == 3:
       if shape[0] == shape[1]:
         out["image_size"] = shape[0]

@@ -5,15 +5,69 @@ each step's global batch is `sum(batch_sizes)` distinct examples taken from a
 per-epoch permutation and split into consecutive per-worker slices. A step's
 batches are a pure function of `(seed, step)`, so a resumed run sees exactly
 the batches the original run would have, without replaying earlier steps.
+The examples are read by index: from arrays, or from any
+:class:`IndexedExamples` (a Grain ``MapDataset``, read per step). It also
+owns the evaluation batches (:func:`eval_batches`: arrays sliced in order, or
+a :class:`BatchStream` read once).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np
+
+
+class IndexedExamples(Protocol):
+  """Examples read by index: what :meth:`WorkerBatcher.over` deals.
+
+  ``len()`` is the number of examples; ``read(indices)`` returns the
+  ``(inputs, labels)`` arrays of those examples, in that order.
+  """
+
+  def __len__(self) -> int: ...
+
+  def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+class ArrayExamples:
+  """:class:`IndexedExamples` over in-memory arrays.
+
+  Args:
+    x: Inputs, leading axis is the example axis.
+    y: Targets with the same leading length as `x`.
+
+  Raises:
+    ValueError: If `x` and `y` differ in length.
+  """
+
+  def __init__(self, x: np.ndarray, y: np.ndarray):
+    if len(x) != len(y):
+      raise ValueError(f"x has {len(x)} examples but y has {len(y)}")
+    self.x, self.y = x, y
+
+  def __len__(self) -> int:
+    return len(self.x)
+
+  def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The examples at ``indices``, by numpy indexing."""
+    return self.x[indices], self.y[indices]
+
+
+def check_batch_sizes(batch_sizes: Sequence[int]) -> tuple[int, ...]:
+  """``batch_sizes`` as ints, checked.
+
+  Raises:
+    ValueError: If `batch_sizes` is empty or has a non-positive entry.
+  """
+  sizes = tuple(int(b) for b in batch_sizes)
+  if not sizes:
+    raise ValueError("batch_sizes must name at least one worker")
+  if any(b <= 0 for b in sizes):
+    raise ValueError(f"every batch size must be positive, got {sizes}")
+  return sizes
 
 
 class WorkerBatcher:
@@ -21,7 +75,8 @@ class WorkerBatcher:
 
   Examples left over after `steps_per_epoch` full global batches are skipped
   for that epoch; since each epoch uses a fresh permutation, different
-  examples are skipped in different epochs.
+  examples are skipped in different epochs. The position in the data is the
+  step itself, so a checkpoint needs none (:meth:`state_dict` is empty).
 
   Attributes:
     batch_sizes: Per-worker batch sizes.
@@ -50,23 +105,52 @@ class WorkerBatcher:
       ValueError: If `x` and `y` differ in length, `batch_sizes` is empty or
         has a non-positive entry, or the global batch exceeds the dataset.
     """
-    if len(x) != len(y):
-      raise ValueError(f"x has {len(x)} examples but y has {len(y)}")
-    sizes = tuple(int(b) for b in batch_sizes)
-    if not sizes:
-      raise ValueError("batch_sizes must name at least one worker")
-    if any(b <= 0 for b in sizes):
-      raise ValueError(f"every batch size must be positive, got {sizes}")
-    if sum(sizes) > len(x):
+    self._setup(ArrayExamples(x, y), batch_sizes, seed)
+
+  @classmethod
+  def over(
+    cls,
+    examples: IndexedExamples,
+    batch_sizes: Sequence[int],
+    seed: int = 0,
+  ) -> WorkerBatcher:
+    """A batcher that reads ``examples`` by index, step by step.
+
+    The same permutations and slices as over arrays: examples that hold the
+    same data as arrays give the same batches.
+
+    Args:
+      examples: the training examples (e.g. a Grain ``MapDataset`` wrapped
+        by :class:`qsync_jax.data.StreamedDataset`).
+      batch_sizes: Number of examples per worker per step.
+      seed: Seed of the per-epoch permutations.
+
+    Returns:
+      The batcher.
+
+    Raises:
+      ValueError: If `batch_sizes` is empty or has a non-positive entry, or
+        the global batch exceeds the examples.
+    """
+    batcher = cls.__new__(cls)
+    batcher._setup(examples, batch_sizes, seed)
+    return batcher
+
+  def _setup(
+    self, examples: IndexedExamples, batch_sizes: Sequence[int], seed: int
+  ) -> None:
+    sizes = check_batch_sizes(batch_sizes)
+    n = len(examples)
+    if sum(sizes) > n:
       raise ValueError(
         f"global batch size {sum(sizes)} (sum of {sizes}) exceeds the "
-        f"{len(x)} available examples"
+        f"{n} available examples"
       )
-    self.x, self.y = x, y
+    self.examples = examples
     self.seed = seed
     self.batch_sizes = sizes
     self.global_batch_size = sum(sizes)
-    self.steps_per_epoch = len(x) // self.global_batch_size
+    self.steps_per_epoch = n // self.global_batch_size
     self._offsets = np.cumsum(sizes)[:-1]
     # One-entry cache: consecutive steps share an epoch's permutation.
     self._perm: np.ndarray | None
@@ -82,7 +166,8 @@ class WorkerBatcher:
       # Seeding with (seed, epoch) makes each epoch's order independent of
       # every other epoch, hence computable directly.
       rng = np.random.default_rng([self.seed, epoch])
-      self._perm, self._perm_epoch = rng.permutation(len(self.x)), epoch
+      self._perm = rng.permutation(len(self.examples))
+      self._perm_epoch = epoch
     assert self._perm is not None
     return self._perm
 
@@ -117,7 +202,66 @@ class WorkerBatcher:
     Raises:
       ValueError: If `step` is negative.
     """
-    return [(self.x[i], self.y[i]) for i in self.step_indices(step)]
+    return [self.examples.read(i) for i in self.step_indices(step)]
+
+  def worker_batches(
+    self, step: int, workers: Sequence[int]
+  ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """The batches of ``workers`` at ``step``, reading only theirs.
+
+    Args:
+      step: Global step, counted from 0 across epochs.
+      workers: Worker indices (a process's local workers).
+
+    Returns:
+      ``{worker: (x, y)}``.
+
+    Raises:
+      ValueError: If `step` is negative.
+    """
+    indices = self.step_indices(step)
+    return {i: self.examples.read(indices[i]) for i in workers}
+
+  def upcoming(
+    self, step: int, count: int, workers: Sequence[int]
+  ) -> Iterator[dict[int, tuple[np.ndarray, np.ndarray]]]:
+    """The batches of steps ``step`` to ``step + count - 1``, lazily.
+
+    Reading them changes nothing: training still gets them at their steps.
+
+    Args:
+      step: The first step.
+      count: How many steps.
+      workers: Worker indices.
+
+    Returns:
+      A generator of :meth:`worker_batches` results.
+    """
+    for s in range(step, step + count):
+      yield self.worker_batches(s, workers)
+
+  def state_dict(self) -> dict[str, Any]:
+    """The data position a checkpoint holds: none, the step is it."""
+    return {}
+
+  def load_state_dict(self, state: Mapping[str, Any] | None, step: int) -> None:
+    """Restores :meth:`state_dict` output: nothing to restore.
+
+    Args:
+      state: what :meth:`state_dict` returned (or None: a checkpoint from
+        before data positions were saved).
+      step: the restored step.
+    """
+    del state, step
+
+
+@runtime_checkable
+class BatchStream(Protocol):
+  """An evaluation set read batch by batch in order, once per pass (a
+  streamed dataset's test split): what :func:`eval_batches` takes besides
+  arrays."""
+
+  def batches(self, batch_size: int) -> Iterator[Any]: ...
 
 
 def eval_batches(data: Any, batch_size: int) -> Iterator[Any]:
@@ -125,7 +269,7 @@ def eval_batches(data: Any, batch_size: int) -> Iterator[Any]:
 
   Args:
     data: a pytree of arrays (``(x, y)`` for classification) whose leading
-      axis is the example axis.
+      axis is the example axis, or a :class:`BatchStream`.
     batch_size: Examples per batch; the last batch may be smaller.
 
   Returns:
@@ -137,6 +281,8 @@ def eval_batches(data: Any, batch_size: int) -> Iterator[Any]:
   """
   if batch_size <= 0:
     raise ValueError(f"batch_size must be positive, got {batch_size}")
+  if isinstance(data, BatchStream):
+    return data.batches(batch_size)
   lengths = {len(a) for a in jax.tree.leaves(data)}
   if len(lengths) != 1:
     raise ValueError(

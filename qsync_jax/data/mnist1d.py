@@ -37,13 +37,27 @@ def default_cache_dir(
   Returns:
     `cache_dir` if given, else $QSYNC_JAX_CACHE if set and non-empty, else
     ~/.cache/qsync_jax.
+
+  Raises:
+    ValueError: the directory, or one of its parents, is an existing file
+      (naming $QSYNC_JAX_CACHE where it came from there).
   """
   if cache_dir is not None:
-    return pathlib.Path(cache_dir).expanduser()
-  env = os.environ.get(CACHE_ENV_VAR)
-  if env:
-    return pathlib.Path(env).expanduser()
-  return pathlib.Path.home() / ".cache" / "qsync_jax"
+    path, what = pathlib.Path(cache_dir).expanduser(), "cache_dir"
+  elif os.environ.get(CACHE_ENV_VAR):
+    path = pathlib.Path(os.environ[CACHE_ENV_VAR]).expanduser()
+    what = CACHE_ENV_VAR
+  else:
+    return pathlib.Path.home() / ".cache" / "qsync_jax"
+  for part in (path, *path.parents):
+    if part.exists():
+      if not part.is_dir():
+        raise ValueError(
+          f"{what}={str(path)!r} cannot be the dataset cache directory: "
+          f"{str(part)!r} is a file"
+        )
+      break
+  return path
 
 
 def _generate(args: Any) -> dict[str, np.ndarray]:
