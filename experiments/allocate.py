@@ -34,25 +34,30 @@ predictor costs (2: Adam, 1: SGD with momentum, 0: plain SGD).
 
 Bad input (a malformed or wrongly shaped --scores file, a batch size below 1,
 an existing file as --out, ...) ends the binary with one line `error: ...`
-and exit status 1 before anything is computed.
+and exit status 1 before anything is computed. So does a size this host's
+memory cannot hold (a built-in dataset's arrays, --total_steps with --link,
+the scored model's step from its shapes), checked before it is allocated.
 """
 
 import math
-import os
+import sys
 
 from absl import app
 from absl import flags
 from flax import nnx
 
 from experiments import config_lib
+from experiments import limits_lib
 from experiments import train_lib
 from qsync_jax import cli
 from qsync_jax import data as data_lib
+from qsync_jax import host_memory
 from qsync_jax import models as models_lib
 from qsync_jax import sensitivity
 from qsync_jax.allocation import pipeline
 from qsync_jax.allocation import sync_methods
 from qsync_jax.numerics.precision import Precision
+from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.parallel import links
 from qsync_jax.predictor import communication
 
@@ -154,6 +159,40 @@ def _check_numeric_flags():
     raise ValueError(f"--compression must be a fraction in [0, 1], got {c}")
 
 
+# Flags that only take effect with another: (flag, the flag it needs, why).
+_NEEDS = (
+  ("latency", "link", "it is the link's delay"),
+  ("topology", "link", "it is the link's layout"),
+  ("sync_period", "link", "only the sync-method comparison reads it"),
+  ("total_steps", "link", "only the sync-method comparison reads it"),
+)
+# Flags that only shape the scores the binary computes: --scores loads them.
+_SCORING = ("score_model_kwargs", "num_batches", "score_batch_size")
+
+
+def _check_flag_combinations():
+  """Raises ``ValueError`` for a flag that needs a flag not given, and for
+  --cluster=auto (a run's devices; this binary plans named kinds); says in
+  one warning line which flags --scores makes this binary ignore."""
+  for name, needs, why in _NEEDS:
+    if FLAGS[name].present and getattr(FLAGS, needs) is None:
+      raise ValueError(f"--{name} needs --{needs} ({why}); add --{needs}")
+  if FLAGS.scores is not None:
+    given = [f"--{n}" for n in _SCORING if FLAGS[n].present]
+    if given:
+      print(
+        f"warning: {', '.join(given)} not used: "
+        + ("it shapes" if len(given) == 1 else "they shape")
+        + " the scores this binary computes, and --scores loads them",
+        file=sys.stderr,
+      )
+  if FLAGS.cluster.strip().lower() == "auto":
+    raise ValueError(
+      "--cluster=auto (the devices a run sees) is experiments.train's; "
+      "name the kinds to plan for, e.g. --cluster=v100:8,t4:8"
+    )
+
+
 def _kwargs_flag(name):
   """The JSON object of flag ``--name``: keyword arguments."""
   value = config_lib.read_json(getattr(FLAGS, name), f"--{name}")
@@ -172,11 +211,10 @@ def _load_scores(path):
     FileNotFoundError: no such file.
     ValueError: malformed JSON or not the scores' shape.
   """
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"--scores file {path!r} does not exist")
   what = f"--scores file {path!r}"
-  with open(path) as f:
-    loaded = config_lib.read_json(f.read(), what)
+  loaded = config_lib.read_json(
+    config_lib.read_file(path, "--scores file"), what
+  )
   if not isinstance(loaded, dict):
     raise ValueError(f"{what} holds a {type(loaded).__name__}; {_SCORES_SHAPE}")
   values = loaded.get("values", loaded)
@@ -215,6 +253,10 @@ def _memory_limits(values):
   limits = {}
   for value in values:
     kind, sep, gib = value.partition("=")
+    if kind.strip().lower() in limits:
+      raise ValueError(
+        f"--memory_limit gives {kind.strip().lower()} two limits; give one"
+      )
     try:
       gib = float(gib)
     except ValueError:
@@ -231,6 +273,81 @@ def _memory_limits(values):
   return limits
 
 
+def _check_sizes(model_kwargs, score_kwargs, dataset_kwargs):
+  """Checks the sizes the flags give, before anything is built.
+
+  The models' size arguments are positive integers; the cluster names at
+  most :data:`qsync_jax.parallel.cluster.MAX_WORKERS` workers; a built-in
+  dataset's arrays and, with ``--link``, each sync method's table of
+  ``--total_steps`` fit this host's memory; the indicator's batches fit the
+  dataset.
+
+  Raises:
+    ValueError: naming the flag, what it needs and the limit.
+  """
+  limits_lib.check_model_kwargs(FLAGS.model, model_kwargs, "--model_kwargs")
+  limits_lib.check_model_kwargs(
+    FLAGS.model, score_kwargs, "--score_model_kwargs"
+  )
+  cluster_lib.parse_cluster(FLAGS.cluster)
+  if FLAGS.link:
+    host_memory.check(
+      f"--total_steps={FLAGS.total_steps}",
+      FLAGS.total_steps * limits_lib.STEP_BYTES,
+      "each sync method's table of steps, "
+      f"{limits_lib.STEP_BYTES} bytes a step",
+    )
+  if FLAGS.scores and FLAGS.model in models_lib.MODELS:
+    return  # no dataset is loaded
+  size = limits_lib.dataset_size(
+    FLAGS.dataset, dataset_kwargs, "--dataset_kwargs"
+  )
+  if size is None:
+    return
+  host_memory.check(
+    f"--dataset={FLAGS.dataset} with {dataset_kwargs or 'its defaults'}",
+    size.bytes,
+    "its arrays while the loader makes them",
+  )
+  need = FLAGS.num_batches * FLAGS.score_batch_size
+  if not FLAGS.scores and need > size.train:
+    raise ValueError(
+      f"--num_batches={FLAGS.num_batches} of --score_batch_size="
+      f"{FLAGS.score_batch_size} need {need} training examples, more than "
+      f"the {size.train} of dataset {FLAGS.dataset!r}"
+    )
+
+
+def _check_score_model(dataset, score_kwargs):
+  """Checks, before it is built, that the scored model's step fits this
+  host's memory (its shapes from ``nnx.eval_shape``).
+
+  Raises:
+    ValueError: naming the model, its arguments and batch, the estimate
+      and the limit.
+  """
+  model = models_lib.without_weights(
+    lambda: models_lib.build_model(
+      FLAGS.model,
+      rngs=nnx.Rngs(FLAGS.seed),
+      data_kwargs=dataset.model_kwargs(),
+      sample_input=dataset.x_train[:2],
+      **score_kwargs,
+    )
+  )
+  step = limits_lib.step_memory(
+    model, dataset, FLAGS.score_batch_size, optimizer_state_copies=0
+  )
+  host_memory.check(
+    f"--model={FLAGS.model} with --score_model_kwargs "
+    f"{score_kwargs or 'of --model_kwargs'} at --score_batch_size="
+    f"{FLAGS.score_batch_size}",
+    step.at(FLAGS.score_batch_size)
+    + float(dataset.x_train.nbytes + dataset.x_test.nbytes),
+    "the scored model's parameters, gradients and activations, and the dataset",
+  )
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -238,6 +355,7 @@ def main(argv):
   with cli.bad_input_exits():
     # Every flag is checked before the models are built.
     _check_numeric_flags()
+    _check_flag_combinations()
     link = (
       communication.Link.parse(FLAGS.link, FLAGS.latency, FLAGS.topology)
       if FLAGS.link
@@ -254,7 +372,7 @@ def main(argv):
     scores, name = (
       _load_scores(FLAGS.scores) if FLAGS.scores else (None, FLAGS.indicator)
     )
-    train_lib.make_out_dir(FLAGS.out, "--out")
+    _check_sizes(model_kwargs, score_kwargs, dataset_kwargs)
     # Only the timing model's shapes are used: built without its weights.
     timing_model = models_lib.without_weights(
       lambda: models_lib.build_model(
@@ -276,6 +394,9 @@ def main(argv):
       if dataset is None or callable(getattr(timing_model, "input_spec", None))
       else dataset.x_train[:1]
     )
+    if scores is None:
+      _check_score_model(dataset, score_kwargs)
+    train_lib.make_out_dir(FLAGS.out, "--out")
     if scores is None:
       score_model = models_lib.build_model(
         FLAGS.model,

@@ -37,6 +37,8 @@ from qsync_jax.parallel import averagers
 from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.parallel import launchers
 from qsync_jax.parallel import schedules
+from qsync_jax.plan import devices as devices_lib
+from qsync_jax.plan.precision import PlanError
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.train import evaluation
 from qsync_jax.train import programs
@@ -57,14 +59,41 @@ def load_plan(spec: Any) -> PrecisionPlan:
     return PrecisionPlan.from_dict(spec)
   text, what = spec, "plan JSON"
   if isinstance(spec, str) and not spec.lstrip().startswith("{"):
-    if not os.path.exists(spec):
-      raise FileNotFoundError(f"plan file {spec!r} does not exist")
-    with open(spec) as f:
-      text, what = f.read(), f"plan file {spec!r}"
+    text, what = read_file(spec, "plan file"), f"plan file {spec!r}"
   try:
     return PrecisionPlan.from_json(text)
   except RecursionError:
     raise ValueError(f"{what} is nested too deeply") from None
+  except ValueError as e:  # PlanError, or not JSON: say which plan
+    if what == "plan JSON":
+      raise
+    raise (PlanError if isinstance(e, PlanError) else ValueError)(
+      f"{what}: {e}"
+    ) from None
+
+
+def read_file(path: str, what: str) -> str:
+  """The UTF-8 text of the file ``path`` a user named.
+
+  Raises:
+    FileNotFoundError: no such file.
+    ValueError: ``path`` is a directory, unreadable, or not UTF-8 text
+      (the message names ``what`` and ``path``).
+  """
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{what} {path!r} does not exist")
+  if os.path.isdir(path):
+    raise ValueError(f"{what} {path!r} is a directory, not a JSON file")
+  try:
+    with open(path, encoding="utf-8") as f:
+      return f.read()
+  except UnicodeDecodeError as e:
+    raise ValueError(
+      f"{what} {path!r} is not UTF-8 text (byte {e.start} is "
+      f"{e.object[e.start : e.start + 1]!r}); expected a JSON file"
+    ) from None
+  except OSError as e:
+    raise ValueError(f"{what} {path!r} cannot be read: {e.strerror}") from None
 
 
 def read_json(text: str, what: str) -> Any:
@@ -210,6 +239,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       to_plain(config.get("plans", {})) or {},
       cluster_lib.parse_cluster(config.cluster),
     )
+  if config.get("plan_mode", "manual") == "manual":
+    # Read now, so that an unreadable plan file stops the run before it
+    # writes anything.
+    for plan in (to_plain(config.get("plans", {})) or {}).values():
+      load_plan(plan)
   bn_stats = config.get("bn_stats", "reestimate")
   if bn_stats not in evaluation.BN_STATS:
     raise ValueError(
@@ -229,6 +263,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       f"config.allocator.profiles must be one of "
       f"{', '.join(sharing.SOURCES)}, got {source!r}"
     )
+  check_auto_plan_kinds(config)
   opt_fields(config)  # a field the optimizer's state does not have
   make_averager(config)  # an unknown strategy or field; building is cheap
   make_outer_optimizer(config)  # an unknown one, or one dp would not use
@@ -254,6 +289,36 @@ def check_plan_kinds(
     raise ValueError(
       f"plan(s) given for device kind(s) {', '.join(outside)}, which the "
       f"cluster {spec} does not have (its kinds: {', '.join(kinds)})"
+    )
+
+
+def check_auto_plan_kinds(config: ml_collections.ConfigDict) -> None:
+  """Raises ``ValueError`` if ``--plan=auto`` would profile a kind no GPU is.
+
+  With ``config.allocator.profiles="auto"`` a kind gets the GPU catalog's
+  analytic profile or, where a device of that kind runs, a measured one. A
+  kind outside the catalog (``cpu``) would be measured on this host's CPU
+  at the timing model's deployment size, which takes many times the host
+  memory the run itself needs; such a kind needs a plan of its own (or
+  ``profiles="measured"``, which bounds what it measures). A cluster of one
+  kind allocates nothing and is left alone.
+  """
+  if config.get("plan_mode", "manual") != "auto" or "cluster" not in config:
+    return
+  if config.cluster.strip().lower() == cluster_lib.AUTO:
+    return
+  if config.get("allocator", {}).get("profiles", "auto") != "auto":
+    return
+  kinds = cluster_lib.parse_cluster(config.cluster).groups()
+  outside = [k for k in kinds if k not in devices_lib.DEVICES]
+  if len(kinds) > 1 and outside:
+    kind = outside[0]
+    raise ValueError(
+      f"--plan=auto cannot plan device kind {kind}: it is not a GPU, so "
+      "the GPU catalog has no figures for it, and "
+      "config.allocator.profiles=auto measures none but GPUs; give it a "
+      f"plan: --plan={kind}=FILE.json, or a uniform one such as "
+      f'--plan={kind}=\'{{"default": "fp32"}}\''
     )
 
 
@@ -616,3 +681,171 @@ def build_model(
     sample_input=dataset.x_train[:2],
     **kwargs,
   )
+
+
+def check_model_fits(
+  config: ml_collections.ConfigDict,
+  model: nnx.Module,
+  dataset: data_lib.Dataset,
+) -> None:
+  """Checks, abstractly, that ``model`` and the loss fit ``dataset``.
+
+  Before training: with the built-in objective on class labels, the model's
+  output has a logit for every class the labels use (fewer makes the loss
+  NaN, which would pass for a learning rate too high); and the objective's
+  loss is a scalar (a user's loss_fn that returns one loss per example is
+  named with its shape).
+
+  Raises:
+    ValueError: naming the model's number of outputs and the dataset's
+      number of classes, or the loss and its shape.
+  """
+  loss_fn = make_loss_fn(config)
+  objective = task.as_objective(loss_fn)
+  n = max(1, min(int(config.get("batch_size", 2)), len(dataset.x_train)))
+  batch = task.abstract((dataset.x_train[:n], dataset.y_train[:n]))
+  graphdef, state = nnx.split(model)
+
+  def run(state, batch):
+    model = nnx.merge(graphdef, state)
+    if loss_fn is None and dataset.task != "regression":
+      _check_logits(config, objective.forward(model, batch), dataset, n)
+    objective(model, batch)
+
+  jax.eval_shape(run, state, batch)
+
+
+def _check_logits(
+  config: ml_collections.ConfigDict,
+  logits: Any,
+  dataset: data_lib.Dataset,
+  n: int,
+) -> None:
+  """Raises ``ValueError`` unless ``logits`` has a logit per class.
+
+  A streamed dataset's classes are not known without a full pass: its first
+  examples' labels stand for them.
+  """
+  labels = (n, *dataset.y_train.shape[1:])
+  top = int(
+    max(np.max(dataset.y_train, initial=0), np.max(dataset.y_test, initial=0))
+  )
+  classes = max(top + 1, int(dataset.num_classes or 0))
+  shape = getattr(logits, "shape", None)
+  if shape is None or tuple(shape[:-1]) != labels:
+    got = f"shape {tuple(shape)}" if shape is not None else "no array"
+    raise ValueError(
+      f"model {config.model!r} outputs {got} for labels of shape {labels}; "
+      f"the built-in loss needs logits of shape "
+      f"{(*labels, classes)} (or set config.loss_fn)"
+    )
+  if shape[-1] < classes:
+    raise ValueError(
+      f"model {config.model!r} outputs {shape[-1]} classes but dataset "
+      f"{dataset.name!r} has {classes} (labels 0..{top}): give the model a "
+      f"head of {classes} (num_classes)"
+    )
+
+
+# Settings only some choices read: (field, the choice's field, the values of
+# it that read the setting). A setting away from the default config's value
+# that the chosen value would not read is said at start.
+_READ_ONLY_BY: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
+  ("momentum", "optimizer", ("sgd",)),
+  ("lr_decay_steps", "lr_schedule", ("step",)),
+  ("lr_decay_factor", "lr_schedule", ("step",)),
+  ("lr_round_base", "lr_schedule", ("cosine_step",)),
+  ("final_learning_rate", "lr_schedule", ("cosine", "linear", "cosine_step")),
+  ("h_base", "sync", ("local", "postlocal", "qsr")),
+  ("alpha", "sync", ("qsr",)),
+  ("gamma", "sync", ("qsr",)),
+  ("switch_step", "sync", ("postlocal",)),
+  ("opt_fields_to_average", "sync", ("local", "postlocal", "qsr")),
+  ("outer_lr", "outer_optimizer", ("diloco",)),
+  ("outer_momentum", "outer_optimizer", ("diloco",)),
+  ("speeds", "batch_mode", ("dynamic",)),
+  ("bn_batches", "bn_stats", ("reestimate",)),
+  (
+    "error_feedback",
+    "compress",
+    ("fp16", "bf16", "gqsgd", "gqsgd_exp", "qsgd", "powersgd"),
+  ),
+  ("allocator", "plan_mode", ("auto",)),
+  ("plans", "plan_mode", ("manual",)),
+)
+
+
+def unused_settings(config: ml_collections.ConfigDict) -> list[str]:
+  """The settings of ``config`` the run will not read, each in one line.
+
+  A setting counts as given where it differs from the default config's
+  (``experiments/configs/default.py``); it is unused where the choice that
+  reads it chose otherwise (``momentum`` with ``optimizer=adam``, ``alpha``
+  with ``sync=dp``, ...). Also: ``lr_decay_steps`` at or past the last
+  step (they never decay), ``warmup_steps`` with the constant learning rate
+  (only QSR's period reads it then) and ``final_learning_rate`` with the
+  step schedule and no warmup.
+
+  Returns:
+    One sentence per unused setting, for a ``warning:`` line at start.
+  """
+  from experiments.configs import default  # local: the defaults' values
+
+  plain = to_plain(config)
+  defaults = to_plain(default.get_config())
+  out = []
+  for field, choice, readers in _READ_ONLY_BY:
+    if field not in plain or choice not in plain:
+      continue
+    value = plain[field]
+    if value == defaults.get(field) or value in ((), [], None, {}):
+      continue
+    if plain[choice] in readers or (
+      # final_learning_rate starts the warmup of every schedule but constant.
+      field == "final_learning_rate"
+      and plain[choice] == "step"
+      and plain.get("warmup_steps")
+    ):
+      continue
+    given = {field: value}
+    if isinstance(value, Mapping):  # each setting of a section its own line
+      known = defaults.get(field) or {}
+      given = {f"{field}.{k}": v for k, v in value.items() if v != known.get(k)}
+    out.extend(
+      f"config.{name}={_shown(v)} is not used with "
+      f"{choice}={plain[choice]!r} (only with "
+      f"{' or '.join(map(repr, readers))})"
+      for name, v in given.items()
+    )
+  name, steps = plain.get("lr_schedule"), plain.get("steps")
+  late = [
+    d
+    for d in plain.get("lr_decay_steps") or ()
+    if isinstance(d, int) and isinstance(steps, int) and d >= steps
+  ]
+  if name == "step" and late:
+    out.append(
+      f"config.lr_decay_steps {', '.join(map(str, late))} "
+      f"{'is' if len(late) == 1 else 'are'} at or past the last step "
+      f"(config.steps={steps}): the learning rate never decays there"
+    )
+  if (
+    name == "constant"
+    and plain.get("warmup_steps")
+    and plain.get("sync") != "qsr"
+  ):
+    out.append(
+      f"config.warmup_steps={plain['warmup_steps']} is not used with "
+      "lr_schedule='constant' (no warmup; only sync='qsr' reads it, for "
+      "its period)"
+    )
+  return out
+
+
+def _shown(value: Any) -> str:
+  text = (
+    ",".join(map(str, value))
+    if isinstance(value, (list, tuple))
+    else str(value)
+  )
+  return text if len(text) <= 48 else text[:45] + "..."

@@ -154,11 +154,18 @@ def _plan_values(values: list[str]) -> dict[str, str]:
       )
     kind, sep, path = value.partition("=")
     if not sep or not kind or not path:
+      named_file = not sep and ("/" in value or value.endswith(".json"))
       raise ValueError(
-        f"--plan={value!r}: expected KIND=PLAN.json, e.g. "
-        "--plan=t4=plans/t4.json"
+        f"--plan={value!r}: expected KIND=PLAN.json, the device kind the "
+        "plan is for and the plan, e.g. --plan=t4="
+        + (value if named_file else "plans/t4.json")
       )
-    plans[kind.strip().lower()] = path
+    kind = kind.strip().lower()
+    if kind in plans:
+      raise ValueError(
+        f"--plan gives two plans for {kind}: {plans[kind]!r} and {path!r}"
+      )
+    plans[kind] = path
   return plans
 
 

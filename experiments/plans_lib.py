@@ -27,6 +27,7 @@ import ml_collections
 import numpy as np
 
 from experiments import config_lib
+from experiments import limits_lib
 from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
 from qsync_jax import predictor
@@ -38,6 +39,7 @@ from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.parallel import coordination
 from qsync_jax.plan.devices import supported_precisions
 from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.predictor import profiling
 
 
 def timing_batch(
@@ -151,17 +153,27 @@ def auto_plans(
     timing_model, pipeline.sample_at(timing_model, sample, batch_size)
   )
   candidates = tuple(a.get("candidates", ("int8", "fp16", "fp32")))
-  batch = timing_batch(timing_model, dataset, batch_size, config.seed)
 
   def measure(kind: str, device: Any, local: Sequence[Any]):
     logging.info("profiling %s on %s", kind, device)
     supported = supported_precisions(kind)
+    precisions = [p for p in candidates if p in {q.value for q in supported}]
+    # Before the deployment-sized model and its batch are made.
+    profiling.check_fits(
+      graph,
+      device,
+      kind,
+      precisions,
+      len(local) if len(local) > 1 else 0,
+      a.get("profile_repeats", 5),
+      limits_lib.optimizer_state_copies(config),
+    )
     return predictor.profile(
       concrete_timing_model(),
-      batch,
+      timing_batch(timing_model, dataset, batch_size, config.seed),
       device=device,
       device_kind=kind,
-      precisions=[p for p in candidates if p in {q.value for q in supported}],
+      precisions=precisions,
       loss_fn=loss_fn,
       tx=config_lib.make_optimizer(config),
       optimizer_name=config.optimizer,
@@ -228,6 +240,18 @@ def check_plans(plans: dict[str, PrecisionPlan]) -> str:
     qsync_jax.parallel.agreement.AgreementError: a process has other plans
       (the message names it), or did not report in time.
   """
-  digest = sharing.plans_digest(plans)
-  agreement.check({"plans": digest})
-  return digest
+  facts = plan_facts(plans)
+  agreement.check(facts)
+  return facts["plans"]
+
+
+def plan_facts(plans: dict[str, PrecisionPlan]) -> dict[str, str]:
+  """What processes compare of their plans: the digest, and the plans'
+  settings as :func:`qsync_jax.parallel.agreement.details`, so that a
+  mismatch names the kind and the rule or default that differ."""
+  return {
+    "plans": sharing.plans_digest(plans),
+    **agreement.details(
+      "plans", {kind: plan.to_dict() for kind, plan in plans.items()}
+    ),
+  }

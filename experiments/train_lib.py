@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 import contextlib
 import errno
 import fcntl
+import io
 import json
 import math
 import os
@@ -40,7 +41,9 @@ import numpy as np
 
 from experiments import config_lib
 from experiments import flag_aliases
+from experiments import limits_lib
 from experiments import plans_lib
+from experiments import run_files
 from qsync_jax import cli
 from qsync_jax import data as data_lib
 from qsync_jax import host_malloc
@@ -70,7 +73,9 @@ def make_out_dir(path: str, what: str = "output directory") -> None:
     what: what it is, for the message (e.g. ``"--out"``).
 
   Raises:
-    ValueError: ``path`` or one of its parents is an existing file.
+    ValueError: ``path`` or one of its parents is an existing file, or
+      ``path`` cannot be created or written (a read-only file system, no
+      permission).
   """
   if os.path.exists(path) and not os.path.isdir(path):
     raise ValueError(f"{what} {path!r} is an existing file, not a directory")
@@ -80,6 +85,38 @@ def make_out_dir(path: str, what: str = "output directory") -> None:
     raise ValueError(
       f"{what} {path!r} cannot be created: a parent of it is an existing file"
     ) from None
+  except OSError as e:
+    raise ValueError(
+      f"{what} {path!r} cannot be created: {e.strerror}"
+    ) from None
+  if not os.access(path, os.W_OK | os.X_OK):
+    # Root may write anywhere but on a read-only mount: say which it is.
+    read_only = os.statvfs(path).f_flag & os.ST_RDONLY
+    raise ValueError(
+      f"{what} {path!r} is not writable: "
+      + ("a read-only file system" if read_only else "permission denied")
+    )
+
+
+@contextlib.contextmanager
+def _refusal_leaves_no_dir(out_dir: str) -> Iterator[None]:
+  """Removes ``out_dir`` again if the run that created it fails empty.
+
+  A refused run writes nothing, but by then it has made the directory and
+  the lock file in it; they go, unless the directory holds anything else.
+  """
+  made = not os.path.lexists(out_dir)
+  try:
+    yield
+  except BaseException:
+    lock = os.path.join(out_dir, LOCK_FILE)
+    with contextlib.suppress(OSError):
+      if made and os.listdir(out_dir) == [LOCK_FILE]:
+        if os.path.getsize(lock) == 0:
+          os.remove(lock)
+      if made:
+        os.rmdir(out_dir)
+    raise
 
 
 #: The lock file in a run directory: the run that holds it (process 0 of a
@@ -268,21 +305,6 @@ def check_agreement(
   )
 
 
-def _write_json(path: str, value: Any) -> None:
-  with open(path, "w") as f:
-    json.dump(value, f, indent=2)
-
-
-def _truncate_metrics(path: str, last_step: int) -> None:
-  """Drops rows a killed run logged after its last checkpoint."""
-  if not os.path.exists(path):
-    return
-  with open(path) as f:
-    rows = [line for line in f if json.loads(line)["step"] <= last_step]
-  with open(path, "w") as f:
-    f.writelines(rows)
-
-
 def plot_curves(metrics_path: str, png_path: str) -> None:
   """Writes a PNG of training loss and, where logged, accuracy (train and
   eval)."""
@@ -320,13 +342,15 @@ def plot_curves(metrics_path: str, png_path: str) -> None:
     ax_acc.set(xlabel="step", ylabel="accuracy")
     ax_acc.legend()
   fig.tight_layout()
-  fig.savefig(png_path, dpi=100)
+  png = io.BytesIO()
+  fig.savefig(png, format="png", dpi=100)
   plt.close(fig)
+  run_files.write_bytes(png_path, png.getvalue())
 
 
 def bn_batches(
   config: ml_collections.ConfigDict,
-  batcher: data_lib.WorkerBatcher,
+  batcher: data_lib.WorkerBatcher | data_lib.StreamBatcher,
   trainer: HybridTrainer,
 ) -> Iterator[dict[int, Any]]:
   """The training batches evaluation re-estimates BatchNorm statistics on.
@@ -337,9 +361,7 @@ def bn_batches(
   generator: a model without BatchNorm reads none.
   """
   k = max(1, config.get("bn_batches", 128) // trainer.num_workers)
-  for step in range(trainer.step, trainer.step + k):
-    batches = batcher.step_batches(step)
-    yield {i: batches[i] for i in trainer.local_workers}
+  yield from batcher.upcoming(trainer.step, k, trainer.local_workers)
 
 
 def _check_finite_result(
@@ -385,6 +407,47 @@ def _check_finite_result(
     f"training diverged: {problem} at step {trainer.step} (try a lower "
     "learning rate); no summary.json written"
   )
+
+
+def _check_resume_files(
+  config: ml_collections.ConfigDict, out_dir: str, step: int | None
+) -> tuple[bytes | None, dict[str, Any] | None]:
+  """:func:`experiments.run_files.check_resume` on process 0, for all.
+
+  Process 0 alone writes (and may alone see) the run's files; its verdict,
+  or its error, reaches every process, so that all refuse the run or all
+  go on.
+
+  Returns:
+    ``(metrics, finished)``: the bytes to write back to ``metrics.jsonl``
+    (process 0; None elsewhere), and the summary of a run already finished
+    at ``config.steps`` (on every process), else None.
+
+  Raises:
+    ValueError: process 0's refusal (one process).
+    qsync_jax.parallel.coordination.CoordinationError: the same, on every
+      process of a multi-process run.
+  """
+  if jax.process_count() == 1:
+    return run_files.check_resume(out_dir, step, config.steps)
+  store, key = coordination.client(), "qsync_resume_files"
+  if jax.process_index() != 0:
+    finished = coordination.share(
+      store,
+      key,
+      source=0,
+      process_index=jax.process_index(),
+      what="its check of the run directory",
+    )
+    return None, finished
+  try:
+    metrics, finished = run_files.check_resume(out_dir, step, config.steps)
+  except ValueError as e:
+    # Raises the error on process 0 too, once the others have it.
+    coordination.share(store, key, source=0, process_index=0, error=str(e))
+    raise
+  coordination.share(store, key, finished, source=0, process_index=0)
+  return metrics, finished
 
 
 def _finish_step(trainer: HybridTrainer, out: Any) -> None:
@@ -444,13 +507,21 @@ def train_and_evaluate(
     ``{"preempted": True, "steps": step}`` (no summary is written).
 
   Raises:
-    ValueError: a bad config (see ``validate_config``) or output directory.
+    ValueError: a bad config (see ``validate_config``) or output directory;
+      with ``config.resume``, a checkpoint of another model, optimizer or
+      workers, one past ``config.steps``, a damaged ``metrics.jsonl`` line
+      other than its last, or a finished run without checkpoints. Each
+      comes before the run writes into ``out_dir``. A run already finished
+      at ``config.steps`` returns its ``summary.json`` and writes nothing.
+    OSError: the file system refused a write (no space, read-only), naming
+      the file; a failed checkpoint save leaves the earlier ones intact.
     FloatingPointError: the final parameters or eval loss are not finite;
       no ``summary.json`` is written (a stale one is removed).
     qsync_jax.parallel.agreement.AgreementError: the processes disagree.
   """
   # Before anything is written into out_dir (the lock file aside).
   config_lib.validate_config(config)
+  limits_lib.check_sizes(config)
   make_out_dir(out_dir)
   # One run at a time in out_dir: process 0 holds its lock.
   with contextlib.ExitStack() as stack:
@@ -499,7 +570,11 @@ def main(
   final parameters or eval loss are not finite (it writes no
   ``summary.json``) and processes that disagree or fail while planning
   (``error: process K disagrees with process 0 on FIELD: ...``, the same
-  line on every process).
+  line on every process). A resume that does not fit ``out_dir`` (another
+  model or optimizer, fewer steps than its checkpoint, a damaged
+  ``metrics.jsonl``: :func:`train_and_evaluate`) is such a line too, and a
+  full or read-only disk while the run writes is one line naming the path
+  (:func:`experiments.run_files.disk_errors_exit`).
 
   Args:
     config: the job's config; ``overrides`` are applied to it in place.
@@ -512,11 +587,17 @@ def main(
     SystemExit: status 1 after the ``error:`` line.
   """
   cli.start_binary()
-  with cli.bad_input_exits():
+  # A full or read-only disk under out_dir: one line, naming the path.
+  with (
+    _refusal_leaves_no_dir(out_dir),
+    cli.bad_input_exits(),
+    run_files.disk_errors_exit(out_dir),
+  ):
     flag_aliases.apply_overrides(config, overrides or {})
     # Before anything starts (train_and_evaluate checks it again, for
     # library callers).
     config_lib.validate_config(config)
+    limits_lib.check_sizes(config)
     make_out_dir(out_dir, "--out_dir")
     auto = config.cluster.strip().lower() == cluster_lib.AUTO
     dist = config.get("distributed", {})
@@ -533,7 +614,12 @@ def main(
       # Single process: one fake CPU device per worker when running on CPU
       # (before the backend starts; it does not affect GPU backends).
       workers = cluster_lib.parse_cluster(config.cluster).num_workers
+      limits_lib.check_fake_devices(config)
       jax.config.update("jax_num_cpu_devices", workers)
+    cluster_lib.devices()  # JAX starts here, or names what stops it
+    if jax.process_index() == 0:  # once per run
+      for line in config_lib.unused_settings(config):
+        print(f"warning: {line}", file=sys.stderr, flush=True)
     try:
       train_and_evaluate(config, out_dir)
     except FloatingPointError as e:  # diverged: not bad input, still a fail
@@ -568,6 +654,7 @@ def _train_and_evaluate(
   config_lib.validate_config(config)
   writer = jax.process_index() == 0
   make_out_dir(out_dir)
+  run_files.check_layout(out_dir)
   checkpoints_dir = os.path.join(out_dir, "checkpoints")
   preempted_path = os.path.join(out_dir, PREEMPTED)
   was_preempted = os.path.exists(preempted_path)
@@ -589,10 +676,25 @@ def _train_and_evaluate(
   loss_fn = config_lib.make_loss_fn(config)
   averager = config_lib.make_averager(config)
   outer_tx = config_lib.make_outer_optimizer(config)
-  dataset = data_lib.load_dataset(
-    config.dataset, **config_lib.to_plain(config.get("dataset_kwargs", {}))
+  # A built-in name or a user's factory; a user's Grain dataset is read as
+  # training goes, and its first examples size and plan the model.
+  source = data_lib.open_dataset(
+    config.dataset,
+    integer_labels=not config.get("loss_fn"),
+    **config_lib.to_plain(config.get("dataset_kwargs", {})),
   )
+  dataset = data_lib.examples_in_memory(
+    source,
+    config.batch_size
+    * max(
+      cluster_lib.parse_cluster(config.cluster).num_workers,
+      config.get("allocator", {}).get("num_batches", 1),
+    ),
+  )
+  # Before the model is built: its workers' steps fit where they run.
+  limits_lib.check_model_memory(config, dataset)
   model = config_lib.build_model(config, dataset)
+  config_lib.check_model_fits(config, model, dataset)
   check_agreement(config, model)
   plan_mode = config.get("plan_mode", "manual")
   profile_sources = None
@@ -645,23 +747,43 @@ def _train_and_evaluate(
     opt_fields_to_average=config_lib.opt_fields(config),
     outer_tx=outer_tx,
   )
-  batcher = data_lib.WorkerBatcher(
-    dataset.x_train,
-    dataset.y_train,
-    [w.batch_size for w in workers],
-    seed=config.seed,
+  batcher = data_lib.training_batcher(
+    source, [w.batch_size for w in workers], seed=config.seed
   )
   metrics_path = os.path.join(out_dir, "metrics.jsonl")
   if was_preempted:
     logging.info("%s was preempted: resuming from its checkpoint", out_dir)
+  resumed_step = None
   if (config.resume or was_preempted) and checkpointer is not None:
     meta = checkpointer.restore_latest(trainer)
     if meta is None:
       logging.info("no checkpoint in %s: starting from step 0", out_dir)
     else:
+      # A streamed dataset reads on from the checkpoint's position.
+      batcher.load_state_dict(meta.get("data"), trainer.step)
       logging.info("resumed from step %d", trainer.step)
+      resumed_step = trainer.step
   elif config.resume or was_preempted:
     logging.info("no checkpoint in %s: starting from step 0", out_dir)
+  kept_metrics = None
+  if config.resume or was_preempted:
+    if resumed_step is not None and resumed_step > config.steps:
+      raise ValueError(
+        f"--resume: the checkpoint in {checkpoints_dir} is at step "
+        f"{resumed_step}, past config.steps={config.steps}; pass "
+        f"--config.steps={resumed_step} or more to continue that run, or "
+        "use a new --out_dir"
+      )
+    kept_metrics, finished = _check_resume_files(config, out_dir, resumed_step)
+    if finished is not None:
+      if checkpointer is not None:
+        checkpointer.close()
+      logging.info(
+        "%s already holds this run, finished at step %d: nothing to do",
+        out_dir,
+        resumed_step,
+      )
+      return finished
 
   # Past every check: the run's first writes into out_dir.
   if lock is not None:
@@ -671,16 +793,18 @@ def _train_and_evaluate(
   if writer and result is not None:
     pipeline.write(result, os.path.join(out_dir, "allocation"))
   if config.resume or was_preempted:
-    if writer:
-      _truncate_metrics(metrics_path, trainer.step)
+    if writer and kept_metrics is not None:
+      # Rows logged after the checkpoint go; a torn last one too.
+      run_files.write_bytes(metrics_path, kept_metrics)
   elif writer and os.path.exists(metrics_path):
     os.remove(metrics_path)
 
   if writer:
     os.makedirs(os.path.join(out_dir, "plans"), exist_ok=True)
     for w in workers:
-      with open(os.path.join(out_dir, "plans", f"{w.kind}.json"), "w") as f:
-        f.write(w.plan.to_json())
+      run_files.write_text(
+        os.path.join(out_dir, "plans", f"{w.kind}.json"), w.plan.to_json()
+      )
   for i, w in enumerate(workers):
     logging.info(
       "worker %d: %s on %s, batch %d, plan %s",
@@ -712,8 +836,9 @@ def _train_and_evaluate(
   excluded = 0.0
   while trainer.step < config.steps:
     step = trainer.step
-    all_batches = batcher.step_batches(step)
-    out = trainer.train_step({i: all_batches[i] for i in trainer.local_workers})
+    out = trainer.train_step(
+      batcher.worker_batches(step, trainer.local_workers)
+    )
     done = trainer.step
     if done == start_step + 1:
       # The training clock starts once the first step (which compiles the
@@ -758,7 +883,7 @@ def _train_and_evaluate(
       eval_start = time.perf_counter()
       train_time = eval_start - train_start - excluded
       ev = trainer.evaluate(
-        (dataset.x_test, dataset.y_test),
+        data_lib.eval_set(source),
         train_batches=bn_batches(config, batcher, trainer),
       )
       last_eval = {"step": done, **ev}
@@ -770,23 +895,22 @@ def _train_and_evaluate(
       }
       logging.info("step %d eval %s", done, _metrics_text(ev))
     if row is not None and writer:
-      with open(metrics_path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+      run_files.append_line(metrics_path, json.dumps(row))
     if config.checkpoint_every and (
       done % config.checkpoint_every == 0 or done == config.steps
     ):
       _finish_step(trainer, out)
       save_start = time.perf_counter()
-      checkpointer.save(trainer)
+      checkpointer.save(trainer, {"data": batcher.state_dict()})
       excluded += time.perf_counter() - save_start
       saved_step = done
     if watch.reached(done):
       # Every process reaches this at the same step (PreemptionWatch).
       if saved_step != done:
-        checkpointer.save(trainer)
+        checkpointer.save(trainer, {"data": batcher.state_dict()})
       checkpointer.close()
       if writer:
-        _write_json(preempted_path, {"step": done})
+        run_files.write_json(preempted_path, {"step": done})
       logging.info(
         "preempted: checkpointed step %d; the same command resumes it", done
       )
@@ -810,7 +934,7 @@ def _train_and_evaluate(
     else {
       "step": trainer.step,
       **trainer.evaluate(
-        (dataset.x_test, dataset.y_test),
+        data_lib.eval_set(source),
         train_batches=bn_batches(config, batcher, trainer),
       ),
     }
@@ -862,7 +986,7 @@ def _train_and_evaluate(
     ],
   }
   if writer:
-    _write_json(os.path.join(out_dir, "summary.json"), summary)
+    run_files.write_json(os.path.join(out_dir, "summary.json"), summary)
     if os.path.exists(preempted_path):
       os.remove(preempted_path)
     if os.path.exists(metrics_path):

@@ -19,6 +19,7 @@ itself lives in :mod:`qsync_jax.parallel.distributed` and
 from __future__ import annotations
 
 from collections.abc import Sequence
+import math
 import os
 import sys
 
@@ -27,6 +28,7 @@ from absl import flags
 
 from qsync_jax import cli
 from qsync_jax.parallel import links
+from qsync_jax.parallel.distributed import check_program
 from qsync_jax.parallel.distributed import launch
 
 
@@ -71,6 +73,33 @@ def _define_flags() -> None:
   )
 
 
+#: The flags that only shape an emulated link: each needs --link.
+_LINK_FLAGS = ("latency", "topology", "cpu_quota", "link_probe_s")
+
+
+def _check_flags(opts: flags.FlagValues) -> None:
+  """Raises ``ValueError`` naming a duration out of range, or a link flag
+  given without ``--link`` (it would be ignored)."""
+  for name, least in (("timeout_s", 0), ("link_probe_s", 0)):
+    value = opts[name].value
+    if value is not None and not (math.isfinite(value) and value > least):
+      raise ValueError(f"--{name} must be a finite number > 0, got {value}")
+  wait = opts.dead_peer_timeout_s
+  if not (math.isfinite(wait) and wait >= 0):
+    raise ValueError(
+      f"--dead_peer_timeout_s must be a finite number >= 0, got {wait}"
+    )
+  if opts.link is None:
+    given = [f"--{name}" for name in _LINK_FLAGS if opts[name].present]
+    if given:
+      raise ValueError(
+        f"{', '.join(given)} only "
+        + ("shapes" if len(given) == 1 else "shape")
+        + " an emulated link: add --link=RATE (e.g. --link=1gbit), or "
+        "leave " + ("it" if len(given) == 1 else "them") + " out"
+      )
+
+
 def _main(argv: Sequence[str]) -> None:
   opts = flags.FLAGS
   with cli.bad_input_exits():
@@ -83,14 +112,15 @@ def _main(argv: Sequence[str]) -> None:
         "no command to launch; put it after --, as in "
         "-- python -m experiments.train"
       )
+    _check_flags(opts)
+    # Before any namespace is built for it.
+    check_program(argv[1], os.environ)
     kwargs = dict(
       port=opts.port,
       timeout_s=opts.timeout_s,
       dead_peer_timeout_s=opts.dead_peer_timeout_s,
     )
     if opts.link is None:
-      if opts.cpu_quota:
-        raise ValueError("--cpu_quota needs --link (it shares the set-up)")
       sys.exit(launch(argv[1:], opts.num_processes, **kwargs))
     spec = links.LinkSpec.parse(
       opts.link, opts.latency, opts.topology, opts.cpu_quota, opts.num_processes

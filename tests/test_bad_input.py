@@ -465,7 +465,9 @@ def test_allocate_scores_of_the_wrong_shape(tmp_path, scores, message):
 
 def test_allocate_unreadable_scores_files(tmp_path):
   last = _error_line(_allocate(tmp_path, f"--scores={tmp_path}"))
-  assert "does not exist" in last, last
+  assert last == (
+    f"error: --scores file '{tmp_path}' is a directory, not a JSON file"
+  ), last
   path = tmp_path / "deep.json"
   path.write_text(_DEEP)
   last = _error_line(_allocate(tmp_path, f"--scores={path}"))

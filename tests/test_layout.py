@@ -27,7 +27,15 @@ ALLOWED = {
   "parallel": {"numerics", "plan"},
   "train": {"numerics", "plan", "parallel", "data", "task"},
   "sensitivity": {"numerics", "plan", "task"},
-  "predictor": {"numerics", "plan", "parallel", "train", "task", "host_malloc"},
+  "predictor": {
+    "numerics",
+    "plan",
+    "parallel",
+    "train",
+    "task",
+    "host_malloc",
+    "host_memory",
+  },
   "allocation": {
     "numerics",
     "plan",
@@ -38,8 +46,9 @@ ALLOWED = {
     "data",
     "task",
   },
-  "cli": {"host_malloc"},
+  "cli": {"host_malloc", "numerics", "parallel"},
   "host_malloc": set(),
+  "host_memory": set(),
   "distributed": {"cli", "parallel"},
   "version": set(),
   "__init__": {

@@ -413,18 +413,38 @@ def plan_cluster(
   )
 
 
+def _write_whole(path: str, text: str) -> None:
+  # A temporary file renamed into place: a process killed mid-write leaves
+  # the old file or the new one, never part of one.
+  tmp = f"{path}.{os.getpid()}.tmp"
+  try:
+    with open(tmp, "w") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except OSError as e:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise OSError(e.errno, e.strerror, path) from None
+
+
 def write(result: PlanningResult, out_dir: str) -> dict[str, Any]:
   """Writes ``<kind>.json`` per device kind, ``summary.json`` and
-  ``scores.json`` to ``out_dir``; returns the summary."""
+  ``scores.json`` to ``out_dir``, each whole or not at all; returns the
+  summary.
+
+  Raises:
+    OSError: a file could not be written (naming it); it keeps its old
+      content.
+  """
   os.makedirs(out_dir, exist_ok=True)
   for kind, plan in result.allocation.plans.items():
-    with open(os.path.join(out_dir, f"{kind}.json"), "w") as f:
-      f.write(plan.to_json())
+    _write_whole(os.path.join(out_dir, f"{kind}.json"), plan.to_json())
   summary = result.summary()
-  with open(os.path.join(out_dir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  with open(os.path.join(out_dir, "scores.json"), "w") as f:
-    json.dump(
-      {"method": result.indicator, "values": result.scores}, f, indent=2
-    )
+  _write_whole(
+    os.path.join(out_dir, "summary.json"), json.dumps(summary, indent=2)
+  )
+  _write_whole(
+    os.path.join(out_dir, "scores.json"),
+    json.dumps({"method": result.indicator, "values": result.scores}, indent=2),
+  )
   return summary

@@ -61,7 +61,7 @@ read when an op is traced: functions already jitted keep their choice.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 import contextlib
 import dataclasses
 import math
@@ -200,12 +200,26 @@ def _check_backend(name: str, source: str) -> str:
   return name
 
 
+def kernel_backend_from_env(environ: Mapping[str, str] | None = None) -> str:
+  """The backend ``$QSYNC_KERNELS`` names (``"auto"`` when unset).
+
+  Every binary calls it at start (:func:`qsync_jax.cli.start_binary`), so
+  a typo fails there, not at the first INT8 or FP8 layer.
+
+  Raises:
+    ValueError: a value not in :data:`KERNEL_BACKENDS`, naming the variable,
+      the value and the valid ones.
+  """
+  environ = os.environ if environ is None else environ
+  env = environ.get(_KERNEL_ENV, "").strip().lower()
+  return _check_backend(env, _KERNEL_ENV) if env else "auto"
+
+
 def get_kernel_backend() -> str:
   """The kernel backend in force: set, else ``$QSYNC_KERNELS``, else auto."""
   if _kernel_backend is not None:
     return _kernel_backend
-  env = os.environ.get(_KERNEL_ENV, "").strip().lower()
-  return _check_backend(env, _KERNEL_ENV) if env else "auto"
+  return kernel_backend_from_env()
 
 
 def set_kernel_backend(name: str | None) -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 import dataclasses
+import os
+import re
 
 import jax
 import numpy as np
@@ -25,6 +27,70 @@ from qsync_jax.plan.devices import supported_precisions
 
 #: The cluster spec that means "the devices JAX sees" (:func:`resolve_cluster`).
 AUTO = "auto"
+#: The most workers a cluster spec may name. Every worker is a device and an
+#: entry of every per-worker table the library builds (its kind here, its
+#: batch, its predicted step); no cluster comes near this, and a spec past
+#: it is refused before those tables are made. The binaries check smaller
+#: counts against what the run can hold.
+MAX_WORKERS = 2**20
+
+_FORCE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\S*)")
+
+
+def cpu_device_count_problem(
+  environ: Mapping[str, str] | None = None,
+) -> str | None:
+  """Why JAX's CPU backend would start with no device, or None.
+
+  ``jax_num_cpu_devices`` (``JAX_NUM_CPU_DEVICES``) below 1, or, with it
+  unset, ``XLA_FLAGS``' ``--xla_force_host_platform_device_count`` below 1:
+  JAX then fails to start with an unrelated message, or (a negative count)
+  starts one device as if the setting were absent.
+
+  Args:
+    environ: the environment the settings came from (default os.environ).
+  """
+  environ = os.environ if environ is None else environ
+  n = jax.config.jax_num_cpu_devices  # type: ignore[attr-defined]
+  if n == -1:  # unset: XLA_FLAGS decides, else one device
+    counts = _FORCE_COUNT.findall(environ.get("XLA_FLAGS", ""))
+    if counts and not (counts[-1].isdigit() and int(counts[-1]) >= 1):
+      return (
+        f"XLA_FLAGS sets --xla_force_host_platform_device_count={counts[-1]}"
+        ": JAX's CPU backend needs at least 1 device"
+      )
+    return None
+  if n < 1:
+    name = "JAX_NUM_CPU_DEVICES"
+    setting = (
+      f"{name}={environ[name]}"
+      if name in environ
+      else f"jax_num_cpu_devices={n}"
+    )
+    return f"{setting}: JAX's CPU backend needs at least 1 device"
+  return None
+
+
+def devices() -> list[jax.Device]:
+  """``jax.devices()``, starting JAX's backends if they have not started.
+
+  Raises:
+    ValueError: a setting stops JAX from starting (no CPU device asked for,
+      ``JAX_PLATFORMS`` naming a platform this machine lacks), naming it.
+  """
+  problem = cpu_device_count_problem()
+  if problem is not None:
+    raise ValueError(problem)
+  try:
+    return list(jax.devices())
+  except RuntimeError as e:
+    if "Unable to initialize backend" not in str(e):
+      raise
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    raise ValueError(
+      f"JAX cannot start (JAX_PLATFORMS={platforms!r}): "
+      f"{str(e).splitlines()[0]}"
+    ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +124,9 @@ def parse_cluster(spec: str | ClusterSpec) -> ClusterSpec:
   A :class:`ClusterSpec` is returned as it is.
 
   Raises:
-    ValueError: an empty spec, a malformed group, an unknown kind, or a
-      count that is not a positive integer.
+    ValueError: an empty spec, a malformed group, an unknown kind, a
+      count that is not a positive integer, or more than
+      :data:`MAX_WORKERS` workers.
 
   Example:
     >>> import qsync_jax as qs
@@ -73,7 +140,7 @@ def parse_cluster(spec: str | ClusterSpec) -> ClusterSpec:
     return spec
   if not spec or not spec.strip():
     raise ValueError("empty cluster spec; expected e.g. 'v100:2,t4:2'")
-  kinds: list[str] = []
+  groups: list[tuple[str, int]] = []
   for group in spec.split(","):
     parts = group.strip().split(":")
     if len(parts) != 2 or not parts[0].strip():
@@ -93,8 +160,14 @@ def parse_cluster(spec: str | ClusterSpec) -> ClusterSpec:
       raise ValueError(
         f"cluster group {group.strip()!r}: count must be positive, got {n}"
       )
-    kinds.extend([kind] * n)
-  return ClusterSpec(tuple(kinds))
+    groups.append((kind, n))
+  total = sum(n for _, n in groups)
+  if total > MAX_WORKERS:  # before the list of workers is made
+    raise ValueError(
+      f"cluster {spec!r} names {total} workers, more than the "
+      f"{MAX_WORKERS} a cluster spec may name"
+    )
+  return ClusterSpec(tuple(kind for kind, n in groups for _ in range(n)))
 
 
 def cluster_from_devices(
@@ -118,10 +191,14 @@ def cluster_from_devices(
   Raises:
     ValueError: no devices, or a device kind the table does not know.
   """
-  devices = list(jax.devices() if devices is None else devices)
+  devices = _devices_or_all(devices)
   if not devices:
     raise ValueError("cannot build a cluster spec from an empty device list")
   return ClusterSpec(tuple(device_kind_of(d) for d in devices))
+
+
+def _devices_or_all(given: Sequence[jax.Device] | None) -> list[jax.Device]:
+  return devices() if given is None else list(given)
 
 
 def resolve_cluster(
@@ -184,7 +261,7 @@ def assign_devices(
   Raises:
     ValueError: the cluster needs more devices than exist.
   """
-  devices = list(jax.devices() if devices is None else devices)
+  devices = _devices_or_all(devices)
   if cluster.num_workers > len(devices):
     raise ValueError(
       f"cluster {cluster} needs {cluster.num_workers} devices but only "

@@ -29,6 +29,7 @@ import ctypes
 import dataclasses
 import errno
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -242,6 +243,39 @@ def check_port_free(port: int) -> None:
       ) from None
 
 
+def check_program(program: str, env: Mapping[str, str]) -> str:
+  """The path of ``program`` as ``exec`` would find it (``PATH`` of ``env``).
+
+  Checked before any process starts, so a typo is one line naming the
+  program instead of the first ``Popen``'s traceback.
+
+  Raises:
+    FileNotFoundError: no such file (on ``PATH``, for a bare name).
+    ValueError: it is a directory, or not executable.
+  """
+  if os.sep in program:
+    path = program
+    if not os.path.exists(program):
+      raise FileNotFoundError(
+        f"the command to launch, {program!r}, does not exist"
+      )
+  else:
+    found = shutil.which(program, path=env.get("PATH", os.defpath))
+    if found is None:
+      raise FileNotFoundError(
+        f"the command to launch, {program!r}, is not on PATH"
+      )
+    path = found
+  if os.path.isdir(path):
+    raise ValueError(f"the command to launch, {program!r}, is a directory")
+  if not os.access(path, os.X_OK):
+    raise ValueError(
+      f"the command to launch, {program!r}, is not executable (chmod +x it, "
+      "or run it through its interpreter, e.g. -- python script.py)"
+    )
+  return path
+
+
 def _die_with_parent() -> Callable[[], None] | None:
   """Returns a ``preexec_fn`` that ties a child's life to the launcher's.
 
@@ -333,12 +367,15 @@ def launch(
     when the launcher is interrupted.
 
   Raises:
-    ValueError: ``command`` is empty, ``num_processes`` or ``port`` is out
-      of range, or ``port`` is in use.
+    ValueError: ``command`` is empty, its program is a directory or not
+      executable, ``num_processes`` or ``port`` is out of range, or
+      ``port`` is in use.
     FileNotFoundError: The program does not exist.
   """
   if not command:
     raise ValueError("no command to launch")
+  base_env = dict(os.environ if env is None else env)
+  check_program(command[0], base_env)
   if num_processes < 1:
     raise ValueError(f"num_processes must be >= 1, got {num_processes}")
   if port is None:
@@ -347,7 +384,6 @@ def launch(
     raise ValueError(f"port must be in [1, 65535], got {port}")
   else:
     check_port_free(port)
-  base_env = dict(os.environ if env is None else env)
   base_env.update(
     {
       ENV_COORDINATOR_ADDRESS: f"{coordinator_host}:{port}",

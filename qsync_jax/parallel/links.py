@@ -44,6 +44,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import shutil
@@ -71,6 +72,13 @@ ENV_LINK_LATENCY_S = "QSYNC_LINK_LATENCY_S"
 ENV_LINK_TOPOLOGY = "QSYNC_LINK_TOPOLOGY"
 ENV_LINK_MEASURED_BPS = "QSYNC_LINK_MEASURED_BPS"
 ENV_CPU_QUOTA = "QSYNC_CPU_QUOTA"
+_LINK_DETAILS = (
+  ENV_LINK_RATE_BPS,
+  ENV_LINK_LATENCY_S,
+  ENV_LINK_TOPOLOGY,
+  ENV_LINK_MEASURED_BPS,
+  ENV_CPU_QUOTA,
+)
 
 _RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
@@ -138,8 +146,10 @@ def parse_cpu_quota(text: str, num_processes: int) -> tuple[float, ...]:
       f"cpu quota needs one value per process "
       f"({num_processes}), got {len(quota)} in {text!r}"
     )
-  if any(not q > 0 for q in quota):
-    raise ValueError(f"cpu quota values must be positive, got {text!r}")
+  if any(not (q > 0 and math.isfinite(q)) for q in quota):
+    raise ValueError(
+      f"cpu quota values must be positive finite numbers of CPUs, got {text!r}"
+    )
   return quota
 
 
@@ -367,21 +377,51 @@ def leftovers(tag: int | None = None) -> list[str]:
 def link_info_from_env(environ: Mapping[str, str] = os.environ) -> dict | None:
   """The link the launcher emulates, read from ``QSYNC_LINK_*``.
 
+  Every binary reads them at start (:func:`qsync_jax.cli.start_binary`), so
+  a malformed one fails there, not in the run's last record.
+
   Returns:
     {link, rate_bps, latency_s, topology, measured_bps, cpu_quota} for a
     JSON record, or None when the run has no emulated link.
+
+  Raises:
+    ValueError: a variable that is not a number (a list of them for
+      ``QSYNC_CPU_QUOTA``), naming it and its value; or ``QSYNC_LINK_*``
+      set without ``QSYNC_LINK`` (they would be ignored).
   """
+
+  def number(name: str, default: str | None) -> float | None:
+    text = environ.get(name) or default
+    if text is None:
+      return None
+    try:
+      return float(text)
+    except ValueError:
+      raise ValueError(f"{name} must be a number, got {text!r}") from None
+
   if not environ.get(ENV_LINK):
+    stray = [n for n in _LINK_DETAILS if environ.get(n)]
+    if stray:
+      raise ValueError(
+        f"{', '.join(stray)} set without {ENV_LINK}: the launcher sets "
+        "them together (python -m qsync_jax.distributed --link=...); "
+        "unset them"
+      )
     return None
-  measured = environ.get(ENV_LINK_MEASURED_BPS)
   quota = environ.get(ENV_CPU_QUOTA)
+  try:
+    cpu_quota = [float(q) for q in quota.split(",")] if quota else None
+  except ValueError:
+    raise ValueError(
+      f"{ENV_CPU_QUOTA} must be comma-separated numbers, got {quota!r}"
+    ) from None
   return {
     "link": environ[ENV_LINK],
-    "rate_bps": float(environ.get(ENV_LINK_RATE_BPS, "nan")),
-    "latency_s": float(environ.get(ENV_LINK_LATENCY_S, "0")),
+    "rate_bps": number(ENV_LINK_RATE_BPS, "nan"),
+    "latency_s": number(ENV_LINK_LATENCY_S, "0"),
     "topology": environ.get(ENV_LINK_TOPOLOGY),
-    "measured_bps": float(measured) if measured else None,
-    "cpu_quota": [float(q) for q in quota.split(",")] if quota else None,
+    "measured_bps": number(ENV_LINK_MEASURED_BPS, None),
+    "cpu_quota": cpu_quota,
   }
 
 

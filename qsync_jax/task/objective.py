@@ -123,6 +123,43 @@ def _first(batch: Any) -> Any:
   )
 
 
+def loss_name(fn: Callable[..., Any]) -> str:
+  """How messages name a user's loss: ``'package.module:name'``."""
+  name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+  module = getattr(fn, "__module__", None)
+  return repr(f"{module}:{name}" if module and name else fn)
+
+
+def _scalar_loss(loss: Any, fn: Callable[..., Any]) -> Any:
+  """``loss``, checked to be the scalar a gradient needs.
+
+  Raises:
+    ValueError: ``loss`` is not a scalar (a per-example loss not reduced
+      over the batch), naming ``fn`` and the shape.
+  """
+  shape = getattr(loss, "shape", None)
+  if shape is None and not isinstance(loss, (int, float)):
+    raise ValueError(
+      f"loss_fn {loss_name(fn)} returned a {type(loss).__name__}, not a "
+      "scalar loss"
+    )
+  if shape:
+    raise ValueError(
+      f"loss_fn {loss_name(fn)} returned a loss of shape {tuple(shape)}, "
+      "not a scalar: reduce it over the batch (e.g. its .mean())"
+    )
+  dtype = getattr(loss, "dtype", None)
+  if isinstance(loss, int) or (
+    dtype is not None and not jnp.issubdtype(dtype, jnp.inexact)
+  ):
+    raise ValueError(
+      f"loss_fn {loss_name(fn)} returned a loss of type "
+      f"{dtype or type(loss).__name__}, not a float: an integer has no "
+      "gradient, so training would not move"
+    )
+  return loss
+
+
 def _logit_metrics(
   logits: jax.Array, labels: jax.Array, metrics: Mapping[str, MetricFn]
 ) -> dict[str, jax.Array]:
@@ -148,24 +185,28 @@ def classification(
     metrics: ``{name: metric(logits, labels)}``; default argmax accuracy.
 
   Returns:
-    The objective.
+    The objective. Calling it raises ``ValueError`` (naming ``loss``) where
+    ``loss`` returns something other than a float scalar.
   """
   metrics = dict(DEFAULT_METRICS if metrics is None else metrics)
 
   def score(model, batch, rngs, train):
     inputs, labels = _first(batch), batch[1]
     logits = call(model, inputs, train=train, rngs=rngs)
-    return (loss(logits, labels), _logit_metrics(logits, labels, metrics))
+    return (
+      _scalar_loss(loss(logits, labels), loss),
+      _logit_metrics(logits, labels, metrics),
+    )
 
   return Objective(score, _first, call)
 
 
-def _scalar_metrics(aux: Any) -> dict[str, jax.Array]:
+def _scalar_metrics(aux: Any, fn: Callable[..., Any]) -> dict[str, jax.Array]:
   if aux is None:
     return {}
   if not isinstance(aux, Mapping):
-    raise TypeError(
-      "loss_fn(model, batch, rngs) must return (loss, aux) with aux a dict "
+    raise ValueError(
+      f"loss_fn {loss_name(fn)} must return (loss, aux) with aux a dict "
       f"of scalar metrics or None, got aux of type {type(aux).__name__}"
     )
   # Metrics are scalars; other auxiliary outputs (logits, ...) are the
@@ -195,21 +236,41 @@ def from_loss_fn(
     metrics: the classification metrics for a ``(logits, labels)`` return.
 
   Returns:
-    The objective.
+    The objective. Calling it raises ``ValueError`` (naming ``loss_fn``)
+    where ``loss_fn`` returns another form, a loss that is not a scalar, or
+    an integer loss.
   """
   metrics = dict(DEFAULT_METRICS if metrics is None else metrics)
 
   def score(model, batch, rngs, train):
     del train  # the model's mode attributes say it
-    first, second = loss_fn(model, batch, rngs)
+    out = loss_fn(model, batch, rngs)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+      raise ValueError(
+        f"loss_fn {loss_name(loss_fn)} must return (loss, aux) or (logits, "
+        f"labels), got {_described(out)}"
+      )
+    first, second = out
+    if second is None or isinstance(second, Mapping):
+      # (loss, aux): the loss must be a scalar.
+      return _scalar_loss(first, loss_fn), _scalar_metrics(second, loss_fn)
     if jnp.ndim(first) == 0:
-      return first, _scalar_metrics(second)
+      return first, _scalar_metrics(second, loss_fn)
     return (
       losses.cross_entropy(first, second),
       _logit_metrics(first, second, metrics),
     )
 
   return Objective(score, inputs)
+
+
+def _described(value: Any) -> str:
+  """A user's return value in words: its type, and its shape or length."""
+  if hasattr(value, "shape"):
+    return f"an array of shape {tuple(value.shape)}"
+  if isinstance(value, (tuple, list)):
+    return f"a {type(value).__name__} of {len(value)}"
+  return f"a {type(value).__name__}"
 
 
 def _required_positional(fn: Callable[..., Any]) -> int | None:

@@ -18,24 +18,40 @@ restore verifies both on what it read; a corrupt checkpoint (checksum
 mismatch, unreadable, truncated, empty, no metadata) is skipped with one
 warning line for the newest intact one, and set aside so that the resumed run
 can save that step again. It never loads state that failed its check.
+
+A checkpoint of another run's model or optimizer is not a corrupt one: before
+any array is read, the shapes the checkpoint records (each parameter's, and
+orbax's tree of the saved arrays) are compared with the trainer's, and the
+first difference is a ``ValueError`` naming it; such a checkpoint is left
+where it is. A save that fails for a reason of the file system (no space,
+read-only, no permission) raises one ``OSError`` naming the step's directory;
+the partial step is removed and the checkpoints before it stay intact.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
+import shutil
 import sys
+import threading
+import time
 from typing import Any
 
 from absl import logging
+from etils import epath
 import jax
 from jax.experimental import multihost_utils
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from qsync_jax.task import sharding
 from qsync_jax.train import layout
 from qsync_jax.train import loss_scale as ls
 from qsync_jax.train import step as step_lib
@@ -82,15 +98,195 @@ def state_meta(trainer: HybridTrainer) -> dict[str, Any]:
     "comm_bytes": trainer.comm_bytes,
     "schedule": trainer.schedule.state_dict(),
     "in_sync": trainer.in_sync,
+    "sync": trainer.schedule.name,
     "plans": [w.plan.to_dict() for w in trainer.workers],
     "kinds": [w.kind for w in trainer.workers],
     "optimizer_state": _optimizer_state_layout(trainer),
+    "param_shapes": param_specs(trainer),
   }
 
 
 def _optimizer_state_layout(trainer: HybridTrainer) -> str:
   """``"flat"`` for an optimizer declared elementwise, else ``"pytree"``."""
   return "flat" if step_lib.is_elementwise(trainer.tx) else "pytree"
+
+
+def _path_name(path: tuple[Any, ...]) -> str:
+  """A pytree key path as dotted names, e.g. ``opt_state.0.mu``."""
+  parts = []
+  for key in path:
+    for attr in ("key", "name", "idx"):  # DictKey, GetAttrKey, SequenceKey
+      if hasattr(key, attr):
+        parts.append(str(getattr(key, attr)))
+        break
+    else:
+      parts.append(str(key))
+  return ".".join(parts)
+
+
+def _describe(spec: tuple[tuple[int, ...], str] | None) -> str:
+  return "absent" if spec is None else f"{spec[0]} {spec[1]}"
+
+
+def param_specs(trainer: HybridTrainer) -> list[list[Any]]:
+  """Each model parameter's path, shape and dtype, in the flat vector's order.
+
+  A checkpoint's parameters are one flat vector per worker; these name what
+  its entries are, so that a resume with another model can name the first
+  parameter that differs.
+
+  Returns:
+    ``[[path, shape, dtype], ...]``, e.g. ``["conv1.kernel", [3, 3, 1, 16],
+    "float32"]`` (JSON).
+  """
+  shapes = jax.eval_shape(
+    trainer._unravel,
+    jax.ShapeDtypeStruct((trainer.num_params,), jnp.float32),
+  )
+  return [
+    [_path_name(path).removesuffix(".value"), list(x.shape), str(x.dtype)]
+    for path, x in jax.tree_util.tree_leaves_with_path(shapes)
+  ]
+
+
+#: What each top-level entry of :func:`state_tree` belongs to, for messages:
+#: the config field that changes it, in words.
+_STATE_OWNERS = {
+  "params": "model",
+  "anchor": "model",
+  "rest": "model",
+  "opt_state": "optimizer",
+  "residual": "error-feedback setting",
+  "averager_state": "averager",
+  "outer_state": "outer optimizer",
+}
+
+
+def _array_specs(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+  """``{dotted path: (shape, dtype)}`` of the array leaves of ``tree``."""
+  return {
+    _path_name(path).removesuffix(".value"): (
+      tuple(int(n) for n in leaf.shape),
+      str(leaf.dtype),
+    )
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+  }
+
+
+def _structure_mismatch(
+  meta: dict[str, Any], saved: Any, trainer: HybridTrainer
+) -> tuple[str, str] | None:
+  """How the trainer's state differs from a checkpoint's, or None.
+
+  Args:
+    meta: the checkpoint's JSON metadata.
+    saved: orbax's metadata tree of its arrays (shapes and dtypes).
+    trainer: the trainer to restore into.
+
+  Returns:
+    ``(what, difference)``: what differs (``"model"``, ``"optimizer"``, ...)
+    and the first entry that does, with both shapes.
+  """
+  if isinstance(meta.get("param_shapes"), list):
+    theirs = {p[0]: (tuple(p[1]), p[2]) for p in meta["param_shapes"]}
+    ours = {p[0]: (tuple(p[1]), p[2]) for p in param_specs(trainer)}
+    for path in [*ours, *(p for p in theirs if p not in ours)]:
+      if theirs.get(path) != ours.get(path):
+        return "model", (
+          f"parameter {path} is {_describe(theirs.get(path))} in the "
+          f"checkpoint and {_describe(ours.get(path))} in this run"
+        )
+  theirs = _array_specs(saved)
+  ours = _array_specs(state_tree(trainer))
+  for path in [*ours, *(p for p in theirs if p not in ours)]:
+    if theirs.get(path) != ours.get(path):
+      what = _STATE_OWNERS.get(path.split(".")[0], "trainer state")
+      return what, (
+        f"{path} is {_describe(theirs.get(path))} in the checkpoint and "
+        f"{_describe(ours.get(path))} in this run"
+      )
+  return None
+
+
+#: File-system errors of a save: the disk is full, or not writable.
+WRITE_ERRNOS = (
+  errno.ENOSPC,
+  errno.EDQUOT,
+  errno.EROFS,
+  errno.EACCES,
+  errno.EPERM,
+)
+
+
+def write_errno(error: BaseException) -> int | None:
+  """The file-system errno behind a failed write, or None.
+
+  Orbax raises Python's ``OSError`` for what it does itself, and
+  tensorstore a ``ValueError`` whose text carries the OS error code (e.g.
+  ``RESOURCE_EXHAUSTED: ... No space left on device [os_error_code='28']``);
+  both are looked for along the exception's causes.
+
+  Returns:
+    One of :data:`WRITE_ERRNOS`, or None for any other error.
+  """
+  seen: set[int] = set()
+  todo: list[BaseException | None] = [error]
+  while todo:
+    e = todo.pop()
+    if e is None or id(e) in seen:
+      continue
+    seen.add(id(e))
+    if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:
+      return e.errno
+    for code in re.findall(r"os_error_code='?(\d+)", str(e)):
+      if int(code) in WRITE_ERRNOS:
+        return int(code)
+    todo += [e.__cause__, e.__context__]
+  return None
+
+
+def _join_orbax_threads(timeout_s: float = 10.0) -> None:
+  """Waits for the threads of a failed orbax call to end.
+
+  The first failing write ends the save while orbax's other threads may
+  still be failing theirs; each logs its traceback as it ends, so the caller
+  waits for them under :func:`_quiet`.
+  """
+  deadline = time.monotonic() + timeout_s
+  for thread in threading.enumerate():
+    if thread is not threading.current_thread() and type(
+      thread
+    ).__module__.startswith("orbax."):
+      thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _drop_late_callbacks() -> None:
+  """Silences what orbax's writes print after a failed save is raised.
+
+  When one write of a save fails (a full disk), orbax closes its event loop
+  while tensorstore still finishes the other writes: each of their
+  callbacks raises ``RuntimeError('Event loop is closed')``, and at exit the
+  abandoned write coroutines fail to close. Python prints every one as an
+  unraisable exception, dozens of tracebacks after the failure itself was
+  raised (:meth:`Checkpointer.save`). This filter on ``sys.unraisablehook``
+  drops those two kinds and passes everything else on; installed once.
+  """
+  previous = sys.unraisablehook
+  if getattr(previous, "qsync_drops_late_callbacks", False):
+    return
+
+  def hook(unraisable: Any) -> None:
+    error = unraisable.exc_value
+    code = getattr(unraisable.object, "cr_code", None)
+    if (
+      isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+    ) or f"{os.sep}orbax{os.sep}" in getattr(code, "co_filename", ""):
+      return
+    previous(unraisable)
+
+  hook.qsync_drops_late_callbacks = True  # type: ignore[attr-defined]
+  sys.unraisablehook = hook
 
 
 def load_state(
@@ -207,11 +403,36 @@ def _check_workers(trainer: HybridTrainer, meta: dict[str, Any]) -> None:
   # Raises the ValueError of load_state before any array is read.
   plans = [w.plan.to_dict() for w in trainer.workers]
   kinds = [w.kind for w in trainer.workers]
-  if meta.get("plans") != plans or meta.get("kinds") != kinds:
+  if meta.get("kinds") == kinds and meta.get("plans") != plans:
+    # The same workers: name the first plan that differs.
+    saved = meta.get("plans") or []
+    i = next(
+      (i for i, p in enumerate(plans) if i >= len(saved) or saved[i] != p), 0
+    )
+    raise ValueError(
+      "the checkpoint was written by a run with other workers or plans "
+      f"(worker {i}, {kinds[i]}: plan {saved[i] if i < len(saved) else None} "
+      f"vs {plans[i]}); resume with the same cluster and plans, or start a "
+      "new run directory"
+    )
+  if meta.get("kinds") != kinds:
     raise ValueError(
       "the checkpoint was written by a run with other workers or plans "
       f"(kinds {meta.get('kinds')} vs {kinds}); resume with the same "
       "cluster and plans, or start a new run directory"
+    )
+  saved_sync = meta.get("sync", "a schedule that averages parameters")
+  if not meta.get("in_sync", True) and trainer.schedule.averages_gradients_at(
+    int(meta["step"]) + 1
+  ):
+    # Averaged gradients keep equal parameters equal; they would keep these
+    # apart for good.
+    raise ValueError(
+      f"the checkpoint was saved mid-round of sync {saved_sync!r}, its "
+      "workers' parameters apart, and this run's sync "
+      f"{trainer.schedule.name!r} averages gradients at step "
+      f"{int(meta['step']) + 1}, which needs them equal; resume with the "
+      "schedule it was saved with, or start a new run directory"
     )
   # Checkpoints from before the declaration existed hold pytree states.
   saved = meta.get("optimizer_state", "pytree")
@@ -227,6 +448,13 @@ def _check_workers(trainer: HybridTrainer, meta: dict[str, Any]) -> None:
 class Checkpointer:
   """Saves and restores a :class:`HybridTrainer` under ``directory``.
 
+  A checkpoint holds values, not the parameters' sharding annotations
+  (:mod:`qsync_jax.task.sharding`): those belong to the model, which the
+  resumed run builds again from its code, and the arrays are the trainer's
+  own layout (a row per worker over its ``workers`` axis) whatever the
+  annotations say. A model annotated differently, or not at all, resumes
+  the same values. A mesh in context does not move the trainer's state.
+
   Args:
     directory: where checkpoints live (one subdirectory per step).
     max_to_keep: how many recent checkpoints to keep.
@@ -234,12 +462,18 @@ class Checkpointer:
 
   def __init__(self, directory: str, max_to_keep: int = 2):
     self.directory = os.path.abspath(directory)
+    _drop_late_callbacks()
     # ERROR: orbax warns about a damaged step here; restore_latest says it.
     with _quiet(logging.ERROR):
       self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
-          max_to_keep=max_to_keep, create=True
+          max_to_keep=max_to_keep,
+          create=True,
+          # A save blocks until done anyway; saved synchronously, a failed
+          # write is raised at once, with no background thread left
+          # waiting for a step directory that was never made.
+          enable_async_checkpointing=False,
         ),
       )
 
@@ -247,6 +481,7 @@ class Checkpointer:
     """The step of the newest complete checkpoint, or None."""
     return self._manager.latest_step()
 
+  @sharding.without_mesh
   def save(
     self, trainer: HybridTrainer, extra_meta: dict | None = None
   ) -> None:
@@ -258,6 +493,12 @@ class Checkpointer:
     Args:
       trainer: the trainer to save.
       extra_meta: more JSON to store beside the host state.
+
+    Raises:
+      OSError: the file system refused the write (no space, read-only, no
+        permission: :data:`WRITE_ERRNOS`), naming the step's directory; the
+        partial step is removed (single process) and the checkpoints before
+        it are intact.
     """
     tree = state_tree(trainer)
     # Through JSON first, so the digest covers what a restore reads back.
@@ -267,15 +508,54 @@ class Checkpointer:
       "meta": meta_digest(meta),
       "arrays": {str(k): d for k, d in enumerate(digests)},
     }
-    with _quiet():
-      self._manager.save(
-        trainer.step,
-        args=ocp.args.Composite(
-          state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)
-        ),
+    previous = self._manager.latest_step()
+    try:
+      # FATAL: a failed save is raised below; orbax's threads would also log
+      # its traceback several times over.
+      with _quiet(logging.FATAL):
+        try:
+          self._manager.save(
+            trainer.step,
+            args=ocp.args.Composite(
+              state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)
+            ),
+          )
+          self._manager.wait_until_finished()
+        except Exception:
+          _join_orbax_threads()
+          raise
+    except Exception as e:  # pylint: disable=broad-except
+      code = write_errno(e)
+      if code is None:
+        raise
+      self._discard_partial(trainer.step)
+      kept = (
+        "there is none before it"
+        if previous is None
+        else f"step {previous} before it is intact"
       )
-      self._manager.wait_until_finished()
+      raise OSError(
+        code,
+        f"{os.strerror(code)}; checkpoint step {trainer.step} was not saved "
+        f"({kept})",
+        os.path.join(self.directory, str(trainer.step)),
+      ) from None
 
+  def _discard_partial(self, step: int) -> None:
+    """Removes what a failed save of ``step`` left, to free its space.
+
+    Only a single process may: in a multi-process run another one may still
+    be writing there, and the next run's orbax ignores the leftover.
+    """
+    if jax.process_count() > 1:
+      return
+    prefix = f"{step}.orbax-checkpoint-tmp"
+    with contextlib.suppress(OSError):
+      for name in os.listdir(self.directory):
+        if name.startswith(prefix):
+          shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+  @sharding.without_mesh
   def restore_latest(self, trainer: HybridTrainer) -> dict[str, Any] | None:
     """Restores the newest intact checkpoint into ``trainer``.
 
@@ -288,8 +568,9 @@ class Checkpointer:
       The checkpoint's JSON metadata, or None when there is no checkpoint.
 
     Raises:
-      ValueError: the checkpoint does not match the trainer's workers, or no
-        checkpoint under the directory is intact.
+      ValueError: the checkpoint does not match the trainer's workers, model
+        or optimizer (left in place), or no checkpoint under the directory
+        is intact.
     """
     with _quiet(logging.ERROR):
       self._manager.reload()
@@ -342,7 +623,8 @@ class Checkpointer:
     """Reads and verifies one checkpoint: (tree, meta, problem or None).
 
     Raises:
-      ValueError: the checkpoint was written for other workers or plans.
+      ValueError: the checkpoint was written for other workers or plans, or
+        is of another model or optimizer (its arrays' shapes differ).
     """
     # Orbax and tensorstore raise many kinds of errors on missing, truncated
     # or garbled files; each of them means this checkpoint is unreadable.
@@ -361,6 +643,20 @@ class Checkpointer:
     if record and meta_digest(meta) != record.get("meta"):
       return None, None, "checksum mismatch in its metadata"
     _check_workers(trainer, meta)
+    try:
+      saved = ocp.StandardCheckpointHandler().metadata(
+        epath.Path(self.directory) / str(step) / "state"
+      )
+    except Exception as e:  # pylint: disable=broad-except
+      return None, None, f"its arrays' metadata is unreadable ({_one_line(e)})"
+    mismatch = _structure_mismatch(meta, saved.tree, trainer)
+    if mismatch is not None:
+      what, difference = mismatch
+      raise ValueError(
+        f"checkpoint step {step} in {self.directory} is of another {what}: "
+        f"{difference}; resume with the {what} it was saved with, or start "
+        "a new run directory"
+      )
     try:
       with _quiet(logging.ERROR):
         tree = self._manager.restore(
