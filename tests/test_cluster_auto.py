@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("NVIDIA L4", "l4"),
     ("NVIDIA A10", "a10"),
     ("NVIDIA L40S", "l40s"),
+    ("NVIDIA H200", "h200"),
     ("cpu", "cpu"),
   ],
 )
@@ -47,7 +48,7 @@ def test_jax_cpu_devices_are_cpu():
 
 
 @pytest.mark.parametrize(
-  "name", ["NVIDIA H200", "Tesla K80", "NVIDIA L40", "NVIDIA A10G", ""]
+  "name", ["NVIDIA B200", "Tesla K80", "NVIDIA L40", "NVIDIA A10G", ""]
 )
 def test_unknown_device_kind_is_one_line_listing_the_kinds(name):
   with pytest.raises(ValueError) as info:

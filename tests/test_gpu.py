@@ -40,6 +40,33 @@ def test_int8_kernel_compiles_and_is_bit_exact_on_the_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(
+  strict=True,
+  reason="measured on an H200 with jax 0.11.2: the XLA INT8 dot of a "
+  "quantized pair is right op by op (relative error 0.011) and wrong under "
+  "jax.jit (1.003); the int8 dot alone is exact both ways",
+)
+def test_an_int8_dot_under_jit_matches_op_by_op_on_the_gpu():
+  from jax import lax
+
+  from qsync_jax.numerics import ops
+  from qsync_jax.numerics.precision import Precision
+
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(8, 8, 8)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)
+  dn = (((2,), (0,)), ((), ()))
+  reference = lax.dot_general(x, w, dn, precision="highest")
+  op = ops.DotGeneral(Precision.INT8)
+
+  def error(y):
+    return float(jnp.linalg.norm(y - reference) / jnp.linalg.norm(reference))
+
+  assert error(op(x, w, dn)) < 0.05
+  assert error(jax.jit(lambda a, b: op(a, b, dn))(x, w)) < 0.05
+
+
+@pytest.mark.gpu
 def test_the_gpu_is_a_catalog_kind_and_auto_cluster_names_it():
   kind = devices_lib.device_kind_of(jax.devices("gpu")[0])
   assert kind in devices_lib.DEVICES

@@ -42,6 +42,7 @@ def test_capability_table_matches_the_hardware():
     "l4",
     "a100",
     "h100",
+    "h200",
     "l40s",
   }
   with pytest.raises(ValueError, match="unknown device kind 'k80'"):

@@ -414,7 +414,7 @@ def test_launcher_ends_a_training_run_whose_worker_dies(tmp_path):
     (
       ["--cluster=cpu:1,t4:1", "--config.allocator.profiles=analytic"],
       "cannot profile cpu: analytic profiles were asked for, and the GPU "
-      "catalog (a10, a100, h100, l4, l40s, t4, v100) has no figures for it",
+      "catalog (a10, a100, h100, h200, l4, l40s, t4, v100) has no figures for it",
     ),
     (
       ["--config.allocator.profiles=never"],

@@ -418,6 +418,10 @@ def _forward(spec, compute, config, lhs, rhs):
     )
     return y, (ql, sl, qr, sr)
   acc_type = jnp.int32 if compute is Precision.INT8 else jnp.float32
+  if isinstance(spec, _ConvSpec) and jax.default_backend() == "gpu":
+    # cuDNN's integer convolution accumulates in int32 but emits s8 or f32
+    # only (XLA refuses an s32 output): take the f32 it converts to.
+    acc_type = jnp.float32
   acc = spec.apply(ql, qr, preferred_element_type=acc_type)
   y = acc.astype(jnp.float32) * spec.out_scale(sl, sr, lhs.ndim, rhs.ndim)
   return y, (ql, sl, qr, sr)

@@ -199,6 +199,23 @@ _TABLE: dict[str, tuple[frozenset[Precision], DeviceSpec | None]] = {
       "H100 SXM5 via glennklockwood.com; NVLink4 900 GB/s bidirectional",
     ),
   ),
+  "h200": (
+    _ALL,
+    _spec(
+      "h200",
+      67,
+      494.7,
+      989.5,
+      989.5,
+      1979,
+      1979,
+      141,
+      4800,
+      450,
+      "NVIDIA H200 SXM datasheet (dense figures, half the sparse ones); "
+      "NVLink4 900 GB/s bidirectional",
+    ),
+  ),
 }
 
 #: jax ``device_kind`` regex -> kind of the table, searched in order in the
@@ -213,6 +230,7 @@ DEVICE_KIND_PATTERNS: tuple[tuple[str, str], ...] = (
   (r"\bl40s\b", "l40s"),  # NVIDIA L40S
   (r"\bl4\b", "l4"),  # NVIDIA L4
   (r"\bh100\b", "h100"),  # NVIDIA H100 80GB HBM3, H100 PCIe
+  (r"\bh200\b", "h200"),  # NVIDIA H200
 )
 
 #: Precisions each device kind computes natively (tensor cores or SIMD units).
