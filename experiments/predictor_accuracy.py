@@ -4,6 +4,8 @@ Usage:
   python -m experiments.predictor_accuracy --out=predictor_accuracy.json
   python -m experiments.predictor_accuracy --model=mypkg.models:make_net \
       --out=mine.json
+  python -m experiments.predictor_accuracy --model=examples.gpt:make_gpt \
+      --datasets='{"examples.gpt:make_gpt": "text"}' --out=gpt.json
 
 For each model (default: the small CNN, the BERT-style encoder and a
 ResNet-18 that nothing was tuned on) and each of 8 plans (uniform FP32, BF16,
@@ -13,8 +15,13 @@ host) and measures those steps in the same interleaved timing rounds (one
 phase per worker count and --plans_per_phase plans).
 
 --model takes built-in names or package.module:factory specs (a callable
-taking rngs and the --model_kwargs entry of that spec, returning an NNX module
-with input_spec(batch_size) and a `task` attribute).
+taking rngs and the --model_kwargs entry of that spec, returning a model).
+A model named in --datasets (a built-in dataset or package.module:factory, as
+the main job's --config.dataset) is sized for that data, as the main job
+sizes it, and steps on its first training examples with the loss of
+--loss_fns (default cross-entropy): it needs no special method. Any other
+model needs input_spec(batch_size) (and a `task` attribute for language
+modelling) and steps on a random batch.
 
 Writes --out (JSON): {"cases": [{"model", "plan", "workers", "predicted_s",
 "measured_s", "rel_error", "predicted_memory_bytes", "measured_memory_bytes",
@@ -50,6 +57,20 @@ flags.DEFINE_string(
   "JSON {model spec: config overrides} (merged over the built-in defaults).",
 )
 flags.DEFINE_string("batch_sizes", "{}", "JSON {model spec: batch size}.")
+flags.DEFINE_string(
+  "datasets",
+  "{}",
+  "JSON {model spec: dataset}: a built-in dataset or package.module:factory "
+  "the model is sized for and steps on.",
+)
+flags.DEFINE_string(
+  "dataset_kwargs", "{}", "JSON {model spec: the dataset's keyword arguments}."
+)
+flags.DEFINE_string(
+  "loss_fns",
+  "{}",
+  "JSON {model spec: package.module:fn}, the loss (default cross-entropy).",
+)
 flags.DEFINE_list("workers", ["1", "4"], "Worker counts (fake devices).")
 flags.DEFINE_integer("rounds", 15, "Interleaved timing rounds.")
 flags.DEFINE_integer("burst", 5, "Calls per burst (the fastest counts).")
@@ -79,6 +100,9 @@ def main(argv):
       FLAGS.model,
       model_kwargs=json.loads(FLAGS.model_kwargs),
       batch_sizes=json.loads(FLAGS.batch_sizes),
+      datasets=json.loads(FLAGS.datasets),
+      dataset_kwargs=json.loads(FLAGS.dataset_kwargs),
+      loss_fns=json.loads(FLAGS.loss_fns),
       workers=workers,
       rounds=FLAGS.rounds,
       burst=FLAGS.burst,

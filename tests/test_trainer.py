@@ -240,7 +240,8 @@ def test_checkpoint_restore_continues_bit_identically(tmp_path):
   for b in batches[3:]:
     resumed.train_step(b)
   assert resumed.params_digest() == straight.params_digest()
-  other = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2))
+  # The same workers with other plans: refused (other kinds reshard).
+  other = HybridTrainer(_cnn(), _workers(sizes, kinds=kinds), optax.adam(1e-2))
   with pytest.raises(ValueError, match="other workers or plans"):
     ckpt.restore_latest(other)
   ckpt.close()
@@ -309,6 +310,23 @@ def test_trainer_overhead_benchmark_reports_both_step_times():
   )
   assert r["hybrid_step_s"] > 0 and r["spmd_step_s"] > 0
   assert r["ratio"] == pytest.approx(r["hybrid_step_s"] / r["spmd_step_s"])
+
+
+def test_trainer_overhead_benchmark_times_a_factory_model_from_its_example():
+  # A user's factory has no input_spec: the example's shape stands for it.
+  from experiments.benches import trainer_overhead
+
+  r = trainer_overhead.trainer_overhead(
+    "user_models:bare_linear",
+    4,
+    num_workers=2,
+    rounds=1,
+    steps_per_round=2,
+    model_kwargs={"input_shape": (8,), "num_classes": 3},
+    example_spec=jax.ShapeDtypeStruct((8,), np.float32),
+  )
+  assert r["model"] == "user_models:bare_linear"
+  assert r["hybrid_step_s"] > 0 and r["spmd_step_s"] > 0
 
 
 # ----------------------------------------------------------------------

@@ -16,6 +16,7 @@ hybrid trainer's extras are part of what the comparison measures.
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -33,6 +34,9 @@ from qsync_jax.predictor.timing import seconds_per_call
 from qsync_jax.task import losses
 from qsync_jax.train.trainer import HybridTrainer
 from qsync_jax.train.trainer import Worker
+
+#: The shortest round the default ``steps_per_round`` gives, in seconds.
+MIN_ROUND_S = 0.5
 
 
 def _spmd_step_fn(model: nnx.Module, tx: optax.GradientTransformation):
@@ -58,37 +62,56 @@ def trainer_overhead(
   *,
   num_workers: int = 4,
   rounds: int = 7,
-  steps_per_round: int = 10,
+  steps_per_round: int | None = None,
   model_kwargs: dict[str, Any] | None = None,
+  example_spec: jax.ShapeDtypeStruct | None = None,
   seed: int = 0,
 ) -> dict[str, Any]:
   """Returns median step times of the hybrid trainer and a plain SPMD step.
 
   Args:
-    model_name: a built-in model without BatchNorm (``cnn``, ``bert``, ``lm``,
-      ``vit_tiny``): the SPMD step would synchronize BatchNorm statistics,
-      which the hybrid trainer (like DDP) does not.
+    model_name: a model without BatchNorm, built in (``cnn``, ``bert``,
+      ``lm``, ``vit_tiny``) or a ``package.module:factory``
+      (:func:`qsync_jax.models.build_model`): the SPMD step would
+      synchronize BatchNorm statistics, which the hybrid trainer (like DDP)
+      does not.
     batch_per_worker: the local batch size.
     num_workers: workers (devices) used by both.
     rounds: interleaved measurement rounds.
     steps_per_round: steps per round, timed together (dispatch pipelines
-      as in training).
-    model_kwargs: config overrides of the model.
+      as in training); default enough for a round of the hybrid trainer to
+      last :data:`MIN_ROUND_S` (at least 10): on a shared host a short
+      round is one preemption away from a wrong figure.
+    model_kwargs: config overrides of a built-in model, or the factory's
+      keyword arguments.
+    example_spec: the shape and dtype of one input example, for a model
+      without ``input_spec`` (integer inputs are token ids below 8);
+      default the model's ``input_spec``.
     seed: parameter and data seed.
 
   Returns:
     {model, num_workers, batch_per_worker, hybrid_step_s, spmd_step_s,
-     ratio (hybrid / spmd), rounds, steps_per_round}.
+     ratio (hybrid / spmd, of the medians), round_ratio (the median of each
+     round's ratio: the two sides of a round ran back to back, so a change
+     of the host's load between rounds cancels), hybrid_rounds_s and
+     spmd_rounds_s (each round's seconds per step), rounds,
+     steps_per_round}.
   """
   devices = jax.devices()[:num_workers]
   if len(devices) < num_workers:
     raise ValueError(f"need {num_workers} devices, have {len(devices)}")
   tx = optax.adam(1e-3)
-  make = lambda: models_lib.create_model(
+  make = lambda: models_lib.build_model(
     model_name, rngs=nnx.Rngs(seed), **(model_kwargs or {})
   )
   model = make()
-  spec = model.input_spec(batch_per_worker * num_workers)
+  global_batch = batch_per_worker * num_workers
+  if example_spec is None:
+    spec = model.input_spec(global_batch)
+  else:
+    spec = jax.ShapeDtypeStruct(
+      (global_batch, *example_spec.shape), example_spec.dtype
+    )
   rng = np.random.default_rng(seed)
   if np.issubdtype(spec.dtype, np.integer):
     x = rng.integers(0, 8, size=spec.shape).astype(spec.dtype)
@@ -101,6 +124,13 @@ def trainer_overhead(
     make(),
     [Worker(d, "cpu", PrecisionPlan(), batch_per_worker) for d in devices],
     tx,
+    sample_input=(
+      None
+      if example_spec is None
+      else jax.ShapeDtypeStruct(
+        (batch_per_worker, *example_spec.shape), example_spec.dtype
+      )
+    ),
   )
   b = batch_per_worker
   # Both sides get their batches already on the devices: the comparison is
@@ -133,6 +163,9 @@ def trainer_overhead(
 
   run_hybrid(2)  # compile and warm up both
   run_spmd(2)
+  if steps_per_round is None:
+    warm = seconds_per_call(run_hybrid, 3)
+    steps_per_round = max(10, math.ceil(MIN_ROUND_S / warm))
   hybrid, spmd = [], []
   for _ in range(rounds):
     hybrid.append(seconds_per_call(run_hybrid, steps_per_round))
@@ -145,6 +178,9 @@ def trainer_overhead(
     "hybrid_step_s": h,
     "spmd_step_s": s,
     "ratio": h / s,
+    "round_ratio": statistics.median(hh / ss for hh, ss in zip(hybrid, spmd)),
+    "hybrid_rounds_s": hybrid,
+    "spmd_rounds_s": spmd,
     "rounds": rounds,
     "steps_per_round": steps_per_round,
   }

@@ -25,7 +25,9 @@ import numpy as np
 import optax
 
 from experiments import progress
+from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
+from qsync_jax import task
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.plan import policy
 from qsync_jax.plan.precision import PrecisionPlan
@@ -131,11 +133,92 @@ def sample_batch(model: nnx.Module, batch_size: int, seed: int = 0):
   return x, y
 
 
+def model_and_batch(
+  spec: str,
+  model_kwargs: Mapping[str, Any],
+  batch_size: int,
+  dataset: str | None = None,
+  dataset_kwargs: Mapping[str, Any] | None = None,
+  loss_fn: str | None = None,
+) -> tuple[nnx.Module, tuple[Any, Any], Any, Any]:
+  """A model of the check, a batch it trains on, its loss and trace input.
+
+  Without ``dataset`` the model is built from ``model_kwargs`` alone and
+  must have ``input_spec(batch_size)`` (the built-in models); the batch is
+  random (:func:`sample_batch`). With ``dataset`` (a built-in name or
+  ``package.module:factory``, as the main job takes it) the model is sized
+  for the data as the main job sizes it, the batch is the first
+  ``batch_size`` training examples, and the model is traced through the
+  loss on that batch: a model written the usual way needs no special
+  method.
+
+  Args:
+    spec: a built-in model name or ``package.module:factory``.
+    model_kwargs: the model's keyword arguments (config overrides).
+    batch_size: examples per worker.
+    dataset: the data the model trains on (None: ``input_spec``).
+    dataset_kwargs: the dataset's keyword arguments.
+    loss_fn: ``package.module:fn``, the loss in any form
+      :func:`qsync_jax.task.as_objective` takes (None: cross-entropy).
+
+  Returns:
+    ``(model, (x, y), loss, sample)``: ``sample`` is what the graph is
+    traced on (the model's ``input_spec`` or the loss's probe).
+
+  Raises:
+    ValueError: without a dataset, a model that its kwargs alone do not
+      build or that has no ``input_spec``; a bad spec; or a dataset with
+      fewer training examples than ``batch_size``.
+  """
+  loss: Any = losses.cross_entropy
+  if loss_fn:
+    loss = task.as_objective(
+      task.load_callable(loss_fn, "loss_fn", "expected 'package.module:fn'")
+    )
+  if dataset is None:
+    factory = models_lib.load_model_factory(spec)
+    try:
+      model = factory(rngs=nnx.Rngs(0), **model_kwargs)
+    except TypeError as err:  # it takes the data's facts (in_channels...)
+      raise ValueError(
+        f"model {spec!r} cannot be built from its model_kwargs alone "
+        f"({err}): name the data it trains on (--datasets)"
+      ) from None
+    if not callable(getattr(model, "input_spec", None)):
+      raise ValueError(
+        f"model {spec!r} has no input_spec(batch_size): name the data it "
+        "trains on (--datasets)"
+      )
+    batch = sample_batch(model, batch_size)
+    return model, batch, loss, model.input_spec(batch_size)
+  data = data_lib.examples_in_memory(
+    data_lib.open_dataset(
+      dataset, integer_labels=not loss_fn, **(dataset_kwargs or {})
+    ),
+    batch_size,
+  )
+  if len(data.x_train) < batch_size:
+    raise ValueError(
+      f"dataset {dataset!r} has {len(data.x_train)} training examples, "
+      f"fewer than a batch of {batch_size}"
+    )
+  model = models_lib.build_model(
+    spec,
+    rngs=nnx.Rngs(0),
+    data_kwargs=data.model_kwargs(),
+    sample_input=data.x_train[:2],
+    **model_kwargs,
+  )
+  batch = (data.x_train[:batch_size], data.y_train[:batch_size])
+  sample = task.as_objective(loss).probe(task.abstract(batch))
+  return model, batch, loss, sample
+
+
 def _step_call(
-  model, plan: PrecisionPlan, devices, batch, tx
+  model, plan: PrecisionPlan, devices, batch, tx, loss, sample
 ) -> Callable[[], Any]:
   workers = [Worker(d, "cpu", plan, batch[0].shape[0]) for d in devices]
-  trainer = HybridTrainer(model, workers, tx)
+  trainer = HybridTrainer(model, workers, tx, loss_fn=loss, sample_input=sample)
   batches = {
     i: (jax.device_put(batch[0], w.device), jax.device_put(batch[1], w.device))
     for i, w in enumerate(workers)
@@ -153,6 +236,9 @@ def evaluate(
   *,
   model_kwargs: Mapping[str, Mapping] | None = None,
   batch_sizes: Mapping[str, int] | None = None,
+  datasets: Mapping[str, str] | None = None,
+  dataset_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+  loss_fns: Mapping[str, str] | None = None,
   workers: Sequence[int] = (1, 4),
   rounds: int = 15,
   burst: int = 5,
@@ -178,6 +264,13 @@ def evaluate(
       :data:`DEFAULT_MODEL_KWARGS` for built-in names).
     batch_sizes: batch per worker per model spec (default 32, or
       :data:`DEFAULT_BATCH`).
+    datasets: the data per model spec (a built-in name or
+      ``package.module:factory``): the model is sized for it and traced on
+      its examples (:func:`model_and_batch`); a model not named here needs
+      ``input_spec``.
+    dataset_kwargs: the dataset's keyword arguments per model spec.
+    loss_fns: ``package.module:fn`` per model spec, the loss its profile,
+      memory and real steps use (default cross-entropy).
     workers: worker counts to check (fake devices of this host).
     rounds: interleaved timing rounds.
     burst: calls per burst (the fastest counts).
@@ -202,7 +295,9 @@ def evaluate(
 
   Raises:
     ValueError: no model or no worker count, more workers than local
-      devices, a bad model spec, an unknown plan name or
+      devices, a bad model spec, a model without ``input_spec`` and no
+      dataset, an entry of ``datasets``, ``dataset_kwargs`` or ``loss_fns``
+      for a model not checked, an unknown plan name or
       ``plans_per_phase < 1``.
   """
   if not models or not workers:
@@ -220,6 +315,19 @@ def evaluate(
     raise ValueError(
       f"plans_per_phase must be at least 1, got {plans_per_phase}"
     )
+  datasets, dataset_kwargs = dict(datasets or {}), dict(dataset_kwargs or {})
+  loss_fns = dict(loss_fns or {})
+  for what, given in (
+    ("datasets", datasets),
+    ("dataset_kwargs", dataset_kwargs),
+    ("loss_fns", loss_fns),
+  ):
+    unknown = sorted(set(given) - set(models))
+    if unknown:
+      raise ValueError(
+        f"{what} names model(s) {unknown} that are not checked; models: "
+        f"{list(models)}"
+      )
   kwargs_of = dict(DEFAULT_MODEL_KWARGS)
   kwargs_of.update(model_kwargs or {})
   batch_of = dict(DEFAULT_BATCH)
@@ -240,10 +348,15 @@ def evaluate(
   all_steal: list[tuple[int, int]] = []
   casts = casting.fit_cast_model(devices[0])  # the device's, not a model's
   for spec in models:
-    factory = models_lib.load_model_factory(spec)
-    model = factory(rngs=nnx.Rngs(0), **kwargs_of.get(spec, {}))
-    batch = sample_batch(model, batch_of.get(spec, 32))
-    g = graph_lib.trace_graph(model, model.input_spec(batch[0].shape[0]))
+    model, batch, loss, sample = model_and_batch(
+      spec,
+      kwargs_of.get(spec, {}),
+      batch_of.get(spec, 32),
+      datasets.get(spec),
+      dataset_kwargs.get(spec),
+      loss_fns.get(spec),
+    )
+    g = graph_lib.trace_graph(model, sample)
     key = profile_lib.profile_key(g, spec, "cpu", precisions, "adam")
     plans = plans_for(g)
     if plan_names is not None:
@@ -257,13 +370,11 @@ def evaluate(
       for name, plan in plans.items()
     }
     measured_mem = {
-      name: memory.compiled_step_bytes(
-        model, eff, batch, losses.cross_entropy, tx
-      )
+      name: memory.compiled_step_bytes(model, eff, batch, loss, tx)
       for name, eff in effective.items()
     }
     memory_model = memory.measure_memory_model(
-      model, g, batch, losses.cross_entropy, tx, precisions
+      model, g, batch, loss, tx, precisions
     )
     log(f"{spec}: {len(g.nodes)} layers, {g.num_params} parameters")
     names = list(plans)
@@ -280,14 +391,16 @@ def evaluate(
           device=devices[0],
           device_kind="cpu",
           precisions=precisions,
-          loss_fn=losses.cross_entropy,
+          loss_fn=loss,
           tx=tx,
           host_devices=devices[:n],
           casts=casts,
           memory_model=memory_model,
         )
         steps = {
-          ("step", name): _step_call(model, plans[name], devices[:n], batch, tx)
+          ("step", name): _step_call(
+            model, plans[name], devices[:n], batch, tx, loss, sample
+          )
           for name in group
         }
         start = time.perf_counter()

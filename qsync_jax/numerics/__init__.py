@@ -11,7 +11,10 @@ The subpackage owns
   and fp8 casts, :class:`QuantConfig`;
 * the precision-aware ``dot_general``, ``conv_general_dilated`` and
   ``einsum`` with QSync's backward pass (:mod:`.ops`), and the choice of
-  backend for their forward contraction (Pallas kernels or XLA).
+  backend for their forward contraction (Pallas kernels or XLA);
+* the weight gradient of a plain FP32 / TF32 matmul as a library GEMM on
+  XLA:CPU (:mod:`.cpu_gemm`, a switch the trainer's gradient function
+  traces under).
 """
 
 from qsync_jax.numerics.ops import conv_general_dilated

@@ -19,7 +19,10 @@ arXiv 2407.02327; QSync's official code, bytedance/QSync,
   incoming gradient is quantized to e5m2 (scaled) and both gradients are
   accumulated in float32 from the fp8 values.
 * ``tf32`` / ``fp32``: the plain ``lax`` op at ``Precision.DEFAULT`` (TF32 on
-  Ampere and later) or ``Precision.HIGHEST`` (true FP32); autodiff as usual.
+  Ampere and later) or ``Precision.HIGHEST`` (true FP32); autodiff as usual,
+  except that under :func:`.cpu_gemm.gemm_gradients` on XLA:CPU (the
+  trainer's gradient function) a plain matmul's weight gradient contracts a
+  transposed copy of its input (:mod:`.cpu_gemm`).
 
 Gradients always come back in the primal dtype (float32 master weights), so
 every worker's gradient has the same shapes and dtype whatever its plan.
@@ -76,6 +79,7 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels import _common as kernel_common
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.int8_matmul import int8_matmul
+from qsync_jax.numerics import cpu_gemm
 from qsync_jax.numerics import quant as q
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import Granularity
@@ -540,6 +544,8 @@ class DotGeneral:
     del unused_kwargs  # e.g. out_sharding from NNX layers
     dn = _hashable(dimension_numbers)
     if self.compute in _LAX_PRECISION:
+      if cpu_gemm.applies(lhs, rhs, dn, preferred_element_type):
+        return cpu_gemm.dot_general(lhs, rhs, dn, _LAX_PRECISION[self.compute])
       return lax.dot_general(
         lhs,
         rhs,

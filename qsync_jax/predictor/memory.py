@@ -37,6 +37,7 @@ from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 import optax
 
+from qsync_jax.numerics import cpu_gemm
 from qsync_jax.numerics import flatten
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
@@ -170,9 +171,11 @@ def train_step_function(
 
   def step(flat, opt_state, rest, batch, ids):
     m = nnx.merge(graphdef, unravel(flat), rest)
-    loss, grads = nnx.value_and_grad(
-      lambda m: objective(m, batch, step_lib.step_rngs(0, ids), train=True)[0]
-    )(m)
+    # As the trainer's gradient function traces it.
+    with cpu_gemm.gemm_gradients():
+      loss, grads = nnx.value_and_grad(
+        lambda m: objective(m, batch, step_lib.step_rngs(0, ids), train=True)[0]
+      )(m)
     g = flatten.ravel(grads)
     updates, opt_state = tx.update(g, opt_state, flat)
     new_rest = nnx.split(m, nnx.Param, ...)[2]

@@ -26,6 +26,7 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 
+from qsync_jax.numerics import cpu_gemm
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
 from qsync_jax.plan import policy
@@ -89,8 +90,11 @@ def layer_functions(
         full[p] = a
       return f(*full)
 
-    out, vjp = jax.vjp(g, *[arrays[p] for p in positions])
-    return out, vjp(ct)
+    # Traced as the trainer's step traces its layers (its weight gradients
+    # as library GEMMs on XLA:CPU).
+    with cpu_gemm.gemm_gradients():
+      out, vjp = jax.vjp(g, *[arrays[p] for p in positions])
+      return out, vjp(ct)
 
   return jax.jit(f), jax.jit(fb)
 

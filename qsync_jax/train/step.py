@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding
 import numpy as np
 import optax
 
+from qsync_jax.numerics import cpu_gemm
 from qsync_jax.numerics import flatten
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.plan import policy
@@ -155,8 +156,10 @@ def grad_function(
       return loss * scale_row[0], {"loss": loss, **metrics}
 
     # nnx.grad carries the BatchNorm statistics' (and RNG counts') updates
-    # back to `model`.
-    grads, metrics = nnx.grad(scaled_loss, has_aux=True)(model)
+    # back to `model`. Weight gradients as library GEMMs on XLA:CPU, which
+    # would otherwise run them through Eigen (numerics.cpu_gemm).
+    with cpu_gemm.gemm_gradients():
+      grads, metrics = nnx.grad(scaled_loss, has_aux=True)(model)
     new_rest = nnx.split(model, nnx.Param, ...)[2]
     return flatten.ravel(grads)[None], new_rest, metrics
 
