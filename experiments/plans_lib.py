@@ -12,22 +12,33 @@ This module owns how ``experiments.train`` gets one plan per device kind:
 * either way, :func:`check_plans`: before the first collective every
   process compares the digest of the plans it will train with, so a process
   that read another plan (a plan file that differs per node) stops the run
-  with one line.
+  with one line;
+* :class:`PlanCache`: what planning again in the same run directory (a
+  resume onto other workers) reuses: the indicator scores and each kind's
+  measured profile, which do not depend on the workers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+import contextlib
 import functools
+import json
+import os
+import time
 from typing import Any
 
 from absl import logging
+from flax import nnx
 import jax
+import jaxlib
 import ml_collections
 import numpy as np
 
 from experiments import config_lib
 from experiments import limits_lib
+from experiments import run_files
+import qsync_jax
 from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
 from qsync_jax import predictor
@@ -89,8 +100,198 @@ def _store() -> Any:
   return coordination.client() if jax.process_count() > 1 else None
 
 
+#: The run directory's measured profiles, ``<kind>.json`` each.
+PROFILES_DIR = "profiles"
+#: Beside ``allocation/scores.json``: the digest of what they depend on.
+SCORES_KEY = "scores_key.json"
+
+
+def _versions() -> dict[str, str]:
+  """What a cached score or profile was computed with, besides its inputs."""
+  return {
+    "qsync_jax": qsync_jax.__version__,
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "profile_format": str(profiling.PROFILE_FORMAT),
+    "QSYNC_KERNELS": os.environ.get("QSYNC_KERNELS", ""),
+    "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+  }
+
+
+def _read_json(path: str) -> Any:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+class PlanCache:
+  """What planning again in a run directory reuses.
+
+  A run that plans again (``--plan=auto`` resumed onto other workers) needs
+  the indicator scores and each kind's measured profile, neither of which
+  depends on the workers. Each is reused where the digest of what it
+  depends on, recorded beside it, is this run's: the scores from
+  ``allocation/scores.json`` (the model's initial parameters, the
+  indicator's batches and settings: ``allocation/scores_key.json``), a
+  profile from ``profiles/<kind>.json`` (the timing model's graph and
+  settings, the timing batch, the kind and the device measuring it, the
+  library's versions). One that is stale (another digest) or unreadable is
+  computed again, never reused; every outcome is logged. Analytic profiles
+  cost next to nothing and are not kept.
+
+  Reads happen while the run plans, on any process; :meth:`save` writes,
+  on process 0 once the run is past its checks.
+
+  Args:
+    run_dir: the run directory.
+  """
+
+  def __init__(self, run_dir: str):
+    self.run_dir = run_dir
+    self._scores_digest: str | None = None
+    self._profile_digests: dict[str, str] = {}
+    self._reused: set[str] = set()
+
+  def _scores_path(self, name: str = "scores.json") -> str:
+    return os.path.join(self.run_dir, "allocation", name)
+
+  def profile_path(self, kind: str) -> str:
+    """Where ``kind``'s measured profile is kept."""
+    return os.path.join(self.run_dir, PROFILES_DIR, f"{kind}.json")
+
+  def scores(
+    self, inputs: Mapping[str, Any], compute: Callable[[], Any]
+  ) -> Mapping[str, Mapping[str, float]]:
+    """The indicator scores: the cached ones, or ``compute()``'s values.
+
+    Args:
+      inputs: what the scores depend on (JSON).
+      compute: computes them (a :class:`qsync_jax.sensitivity.Scores`).
+
+    Returns:
+      ``{layer: {precision: score}}``.
+    """
+    digest = agreement.json_digest({**inputs, **_versions()})
+    self._scores_digest = digest
+    path = self._scores_path()
+    key = _read_json(self._scores_path(SCORES_KEY))
+    cached = _read_json(path)
+    why = "none cached"
+    if isinstance(key, dict):
+      if key.get("digest") != digest:
+        why = f"the ones in {path} are stale (computed from other inputs)"
+      elif (
+        isinstance(cached, dict)
+        and cached.get("method") == inputs.get("indicator")
+        and isinstance(cached.get("values"), dict)
+      ):
+        logging.info("indicator scores: reused from %s", path)
+        return cached["values"]
+      else:
+        why = f"{path} is unreadable"
+    start = time.perf_counter()
+    values = compute().values
+    logging.info(
+      "indicator scores: computed in %.2f s (%s)",
+      time.perf_counter() - start,
+      why,
+    )
+    return values
+
+  def expect_profile(self, kind: str, inputs: Mapping[str, Any]) -> None:
+    """Records what ``kind``'s measured profile depends on.
+
+    Raises:
+      ValueError: a file stands where the run keeps its profiles.
+    """
+    where = os.path.dirname(self.profile_path(kind))
+    if os.path.lexists(where) and not os.path.isdir(where):
+      raise ValueError(
+        f"{where} is a file, where the run keeps its {PROFILES_DIR} "
+        "directory; move it away or use a new --out_dir"
+      )
+    self._profile_digests[kind] = agreement.json_digest(
+      {**inputs, "kind": kind, **_versions()}
+    )
+
+  def profile(
+    self, kind: str, measure: Callable[[], profiling.Profile]
+  ) -> profiling.Profile:
+    """``kind``'s profile: the cached one, or ``measure()``'s.
+
+    Args:
+      kind: the device kind (:meth:`expect_profile` recorded its inputs).
+      measure: measures it.
+
+    Returns:
+      The profile.
+    """
+    digest = self._profile_digests[kind]
+    path = self.profile_path(kind)
+    cached = _read_json(path)
+    why = "none cached"
+    if isinstance(cached, dict):
+      why = f"the one in {path} is stale (measured from other inputs)"
+      if cached.get("digest") == digest:
+        try:
+          prof = profiling.Profile.from_dict(cached["profile"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+          why = f"{path} is unreadable"
+        else:
+          logging.info("profile of %s: reused from %s", kind, path)
+          self._reused.add(kind)
+          return prof
+    start = time.perf_counter()
+    prof = measure()
+    logging.info(
+      "profile of %s: measured in %.2f s (%s)",
+      kind,
+      time.perf_counter() - start,
+      why,
+    )
+    return prof
+
+  def save(self, result: pipeline.PlanningResult) -> None:
+    """Writes the allocation (``allocation/``) and what the cache keeps.
+
+    Raises:
+      OSError: a file could not be written (naming it).
+    """
+    key = self._scores_path(SCORES_KEY)
+    # The key goes first and comes back last: a run killed in between
+    # leaves scores without a key, which are computed again.
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(key)
+    pipeline.write(result, os.path.dirname(key))
+    if self._scores_digest is not None:
+      run_files.write_json(
+        key, {"digest": self._scores_digest, "method": result.indicator}
+      )
+    self.save_profiles(result.profiles)
+
+  def save_profiles(self, profiles: Mapping[str, profiling.Profile]) -> None:
+    """Writes the measured ones of ``profiles`` not read from the cache.
+
+    Raises:
+      OSError: a file could not be written (naming it).
+    """
+    for kind, digest in self._profile_digests.items():
+      prof = profiles.get(kind)
+      if kind in self._reused or prof is None or prof.source != "measured":
+        continue
+      os.makedirs(os.path.dirname(self.profile_path(kind)), exist_ok=True)
+      run_files.write_json(
+        self.profile_path(kind), {"digest": digest, "profile": prof.to_dict()}
+      )
+
+
 def auto_plans(
-  config: ml_collections.ConfigDict, model: Any, dataset: data_lib.Dataset
+  config: ml_collections.ConfigDict,
+  model: Any,
+  dataset: data_lib.Dataset,
+  cache: PlanCache | None = None,
 ) -> tuple[
   dict[str, PrecisionPlan], pipeline.PlanningResult | None, dict[str, str]
 ]:
@@ -101,12 +302,15 @@ def auto_plans(
   worker) is profiled where each kind runs (``config.allocator.profiles``,
   :data:`qsync_jax.allocation.sharing.SOURCES`); process 0 scores
   ``model`` with ``config.allocator.indicator`` on the first training
-  batches and runs the allocator; every process gets its plans.
+  batches and runs the allocator; every process gets its plans. With a
+  ``cache``, the scores and measured profiles it holds for the same inputs
+  are reused.
 
   Args:
     config: the job's config.
-    model: the model to train (scored by the indicator).
+    model: the model to train (scored by the indicator), as initialized.
     dataset: the job's dataset.
+    cache: the run directory's :class:`PlanCache`, or None.
 
   Returns:
     ``(plans, result, sources)``: ``{kind: PrecisionPlan}`` on every
@@ -153,8 +357,47 @@ def auto_plans(
     timing_model, pipeline.sample_at(timing_model, sample, batch_size)
   )
   candidates = tuple(a.get("candidates", ("int8", "fp16", "fp32")))
+  common = {
+    "model": config.model,
+    "model_kwargs": config_lib.to_plain(config.get("model_kwargs", {})),
+    "dataset": config.dataset,
+    "dataset_kwargs": config_lib.to_plain(config.get("dataset_kwargs", {})),
+    "loss_fn": config.get("loss_fn", ""),
+  }
+  if cache is not None:
+    for kind, device in sites.items():
+      if device is None:
+        continue  # analytic
+      local = [
+        d
+        for k, d in zip(spec.kinds, devices)
+        if k == kind and d.process_index == device.process_index
+      ]
+      cache.expect_profile(
+        kind,
+        {
+          **common,
+          "timing_model_kwargs": config_lib.to_plain(
+            a.get("timing_model_kwargs", {})
+          ),
+          "graph": graph.fingerprint(),
+          "batch_shape": list(graph.input_shape),
+          "timing_batch_size": batch_size,
+          "candidates": list(candidates),
+          "optimizer": config.optimizer,
+          "momentum": config.get("momentum", 0.0),
+          "repeats": a.get("profile_repeats", 5),
+          "device": [device.platform, device.device_kind],
+          "host_devices": len(local) if len(local) > 1 else 0,
+        },
+      )
 
   def measure(kind: str, device: Any, local: Sequence[Any]):
+    if cache is not None:
+      return cache.profile(kind, lambda: measure_here(kind, device, local))
+    return measure_here(kind, device, local)
+
+  def measure_here(kind: str, device: Any, local: Sequence[Any]):
     logging.info("profiling %s on %s", kind, device)
     supported = supported_precisions(kind)
     precisions = [p for p in candidates if p in {q.value for q in supported}]
@@ -200,7 +443,8 @@ def auto_plans(
 
   def allocate():
     nonlocal result
-    scores = pipeline.compute_scores(
+    score = functools.partial(
+      pipeline.compute_scores,
       model,
       dataset,
       a.indicator,
@@ -209,10 +453,29 @@ def auto_plans(
       seed=config.seed,
       loss_fn=loss_fn,
     )
+    if cache is None:
+      scores = score().values
+    else:
+      # The scores are of the model as initialized, on the first batches.
+      batches = pipeline.indicator_batches(
+        dataset, a.num_batches, config.batch_size
+      )
+      scores = cache.scores(
+        {
+          **common,
+          "indicator": a.indicator,
+          "num_batches": a.num_batches,
+          "batch_size": config.batch_size,
+          "seed": config.seed,
+          "params": agreement.tree_digest(nnx.state(model, nnx.Param)),
+          "batches": agreement.tree_digest(batches),
+        },
+        score,
+      )
     result = pipeline.plan_cluster(
       timing_model,
       spec,
-      scores.values,
+      scores,
       batch_size,
       indicator_name=a.indicator,
       method=a.method,
@@ -229,6 +492,55 @@ def auto_plans(
     allocate, store=store, process_index=jax.process_index(), timeout_s=timeout
   )
   return plans, result, sharing.describe_sites(sites)
+
+
+def job_plans(
+  config: ml_collections.ConfigDict,
+  model: Any,
+  dataset: data_lib.Dataset,
+  cache: PlanCache | None = None,
+) -> tuple[
+  dict[str, Any] | None, pipeline.PlanningResult | None, dict[str, str] | None
+]:
+  """The plans the main job trains with, per ``config.plan_mode``.
+
+  ``"manual"``: None (:func:`experiments.train_lib.make_workers` reads
+  ``config.plans``); ``"auto"``: FP32 for a cluster of one kind (nothing
+  to allocate), else :func:`auto_plans`, logged.
+
+  Returns:
+    ``(plans, result, sources)`` as :func:`auto_plans` returns them
+    (``result`` and ``sources`` None where nothing was allocated).
+
+  Raises:
+    ValueError: an unknown plan mode; what :func:`auto_plans` raises.
+  """
+  plan_mode = config.get("plan_mode", "manual")
+  if plan_mode == "manual":
+    return None, None, None
+  if plan_mode != "auto":
+    raise ValueError(f"unknown plan_mode {plan_mode!r}; valid: auto, manual")
+  if len(cluster_lib.parse_cluster(config.cluster).groups()) == 1:
+    logging.info(
+      "one device kind in %s: nothing to allocate, FP32", config.cluster
+    )
+    return {}, None, None
+  plans, result, sources = auto_plans(config, model, dataset, cache)
+  logging.info(
+    "profiles: %s", ", ".join(f"{k} {v}" for k, v in sources.items())
+  )
+  if result is None:
+    logging.info("plans from process 0's allocator")
+  else:
+    logging.info(
+      "allocator (%s, %s indicator) on %s in %.2f s:\n%s",
+      result.allocation.method,
+      result.indicator,
+      config.cluster,
+      result.allocation.search_time_s,
+      result.table(),
+    )
+  return plans, result, sources
 
 
 def check_plans(plans: dict[str, PrecisionPlan]) -> str:

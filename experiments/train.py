@@ -8,10 +8,24 @@ Usage:
 Besides --out_dir and --config (with its --config.FIELD=VALUE overrides),
 every flag is an alias of a config field (experiments.flag_aliases.FLAG_ALIASES);
 experiments.train_lib.main does the rest. The guide: docs/guides/main_job.md.
+
+Exit status: 0 when the run is done; 1 for bad input or a failed run (one
+``error:`` line); 75 (MEMBERSHIP_CHANGED_EXIT_CODE of
+qsync_jax.parallel.membership) when SIGTERM made it checkpoint the step every
+process agreed on: the same command resumes it, and an elastic launcher
+starts its next world.
 """
 
 import os
+import signal
 import sys
+
+if __name__ == "__main__" and os.environ.get("QSYNC_ELASTIC_SLOTS"):
+  # In an elastic world a reclaim notice (SIGTERM) may come while this
+  # process starts, and would kill it. Blocked before any import starts a
+  # thread (threads inherit the mask), it stays pending until the training
+  # loop's PreemptionWatch unblocks it and takes it at the first step.
+  signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
 from absl import app
 from absl import flags

@@ -42,17 +42,18 @@ import numpy as np
 from experiments import config_lib
 from experiments import flag_aliases
 from experiments import limits_lib
+from experiments import membership_lib
 from experiments import plans_lib
 from experiments import run_files
 from qsync_jax import cli
 from qsync_jax import data as data_lib
 from qsync_jax import host_malloc
-from qsync_jax.allocation import pipeline
 from qsync_jax.parallel import agreement
 from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.parallel import coordination
 from qsync_jax.parallel import distributed
 from qsync_jax.parallel import links
+from qsync_jax.parallel import membership
 from qsync_jax.parallel import preemption
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.train import trainer as trainer_lib
@@ -62,7 +63,7 @@ from qsync_jax.train.trainer import Worker
 
 #: The file a preempted run leaves in its directory: the same command then
 #: resumes from the checkpoint it wrote, without --resume.
-PREEMPTED = "PREEMPTED"
+PREEMPTED = membership_lib.PREEMPTED
 
 
 def make_out_dir(path: str, what: str = "output directory") -> None:
@@ -217,6 +218,7 @@ def make_workers(
   config: ml_collections.ConfigDict,
   devices=None,
   plans: Mapping[str, Any] | None = None,
+  batch_sizes: list[int] | None = None,
 ) -> list[Worker]:
   """Builds the workers of ``config.cluster`` with their plans and batches.
 
@@ -225,7 +227,9 @@ def make_workers(
   and a kind the cluster does not have is an error. ``config.batch_mode``
   is ``"equal"`` (``config.batch_size`` each) or ``"dynamic"`` (QSync's DB
   baseline: the global batch ``batch_size * num_workers`` split in
-  proportion to ``config.speeds``).
+  proportion to ``config.speeds``); ``batch_sizes``, one per worker, are
+  used instead where given (a resume keeps its checkpoint's global batch:
+  :func:`experiments.membership_lib.resume_batch_sizes`).
 
   Raises:
     ValueError: a bad cluster spec, too few devices, a plan for a kind not in
@@ -242,21 +246,12 @@ def make_workers(
     else PrecisionPlan()
     for kind in spec.groups()
   }
-  n = spec.num_workers
-  if config.batch_mode == "equal":
-    sizes = [config.batch_size] * n
-  elif config.batch_mode == "dynamic":
-    speeds = cluster_lib.parse_speeds(config.speeds)
-    missing = sorted(set(spec.kinds) - set(speeds))
-    if missing:
-      raise ValueError(f"config.speeds has no speed for {missing}")
-    sizes = cluster_lib.dynamic_batch_sizes(
-      config.batch_size * n, [speeds[k] for k in spec.kinds]
-    )
-  else:
-    raise ValueError(
-      f"unknown batch_mode {config.batch_mode!r}; valid: equal, dynamic"
-    )
+  sizes = batch_sizes or membership_lib.split_batch(
+    config.batch_size * spec.num_workers,
+    spec.kinds,
+    config.batch_mode,
+    config.get("speeds", ""),
+  )
   return [
     Worker(d, k, plan_of[k], b) for d, k, b in zip(devices, spec.kinds, sizes)
   ]
@@ -472,11 +467,17 @@ def train_and_evaluate(
   step they agree on and return early; the ``PREEMPTED`` file it leaves makes
   the next call with the same directory resume, as ``config.resume`` does.
 
+  Elastic runs and resumes onto other workers: :mod:`experiments
+  .membership_lib` (an elastic pool's ``config.cluster`` names one worker
+  per slot; a later world resumes by itself; the global batch is kept;
+  ``--plan=auto`` plans again, reusing :class:`experiments.plans_lib
+  .PlanCache`; each change is recorded).
+
   Args:
     config: the job's config.
-    out_dir: the run directory. With ``config.resume``, or after a
-      preemption, a run continues from the newest checkpoint in
-      ``out_dir/checkpoints``.
+    out_dir: the run directory. With ``config.resume``, after a
+      preemption, or in an elastic world after the first, a run continues
+      from the newest checkpoint in ``out_dir/checkpoints``.
 
   Writes to ``out_dir`` (process 0 only):
 
@@ -488,31 +489,41 @@ def train_and_evaluate(
     num_processes, plans_sha256, profiles (where each kind's profile came
     from, with auto plans), link (the launcher's --link and its measured
     rate, or null), host_malloc, workers [{kind, device, batch_size,
-    plan}], precisions (per worker: {layer: precision}).
+    plan}], precisions (per worker: {layer: precision}), membership (one
+    entry per membership change of the run directory, see
+    :class:`~experiments.membership_lib.MembershipRecord`).
   - ``metrics.jsonl``: one row per log/eval step (step, loss, accuracy,
     examples_per_s, loss_scale, H (the period of the step's round),
-    sync_rounds, comm_bytes, eval_loss, eval_accuracy).
+    sync_rounds, comm_bytes, num_workers, eval_loss, eval_accuracy).
   - ``plans/<kind>.json``: each device kind's PrecisionPlan.
   - ``allocation/``: with ``config.plan_mode="auto"`` (``--plan=auto``),
-    the allocator's summary, scores and plans.
+    the allocator's summary, scores (and their inputs' digest) and plans;
+    ``profiles/<kind>.json``: each measured profile, with its inputs'
+    digest.
   - ``curves.png``: training loss and accuracy, eval accuracy.
   - ``checkpoints/``: orbax checkpoints; ``config.resume`` (``--resume``)
     continues the newest one.
-  - ``PREEMPTED``: after a preemption, until a run finishes.
+  - ``PREEMPTED``: after a preemption, until a run finishes: the agreed
+    step, when it was agreed and its checkpoint's seconds.
   - ``.lock``: the :class:`OutDirLock` process 0 holds while it runs; a
     second run into ``out_dir`` meanwhile is refused (``ValueError``).
 
   Returns:
     The summary written to ``summary.json``; after a preemption
-    ``{"preempted": True, "steps": step}`` (no summary is written).
+    ``{"preempted": True, "steps": step}`` (no summary is written;
+    :func:`main` exits with
+    :data:`~qsync_jax.parallel.membership.MEMBERSHIP_CHANGED_EXIT_CODE`).
 
   Raises:
     ValueError: a bad config (see ``validate_config``) or output directory;
-      with ``config.resume``, a checkpoint of another model, optimizer or
-      workers, one past ``config.steps``, a damaged ``metrics.jsonl`` line
-      other than its last, or a finished run without checkpoints. Each
-      comes before the run writes into ``out_dir``. A run already finished
-      at ``config.steps`` returns its ``summary.json`` and writes nothing.
+      malformed ``QSYNC_ELASTIC_*`` variables, or a ``config.cluster``
+      that does not name one worker per slot of the elastic pool; with
+      ``config.resume``, a checkpoint of another model, optimizer or plans,
+      one past ``config.steps``, one whose global batch has fewer examples
+      than this run has workers, a damaged ``metrics.jsonl`` line other
+      than its last, or a finished run without checkpoints. Each comes
+      before the run writes into ``out_dir``. A run already finished at
+      ``config.steps`` returns its ``summary.json`` and writes nothing.
     OSError: the file system refused a write (no space, read-only), naming
       the file; a failed checkpoint save leaves the earlier ones intact.
     FloatingPointError: the final parameters or eval loss are not finite;
@@ -560,14 +571,19 @@ def main(
 
   Before training the processes check that they agree (versions,
   XLA_FLAGS, config, initial parameters, data seed). SIGTERM makes every
-  process checkpoint the step they agree on and exit 0, leaving
-  ``<out_dir>/PREEMPTED``; the same command then resumes from it.
+  process checkpoint the step they agree on and exit with status
+  :data:`~qsync_jax.parallel.membership.MEMBERSHIP_CHANGED_EXIT_CODE` (75,
+  "start again": an elastic launcher starts the next world), leaving
+  ``<out_dir>/PREEMPTED``; the same command then resumes from it. Under an
+  elastic launcher (``QSYNC_ELASTIC_*``) ``--cluster`` names its pool, one
+  worker per slot (or ``auto``), and each world trains on its slots' kinds.
 
   Bad input (a bad config value, a plan for a kind not in the cluster, an
   existing file as ``out_dir``, an ``out_dir`` another run holds or one
-  with checkpoints but no ``--resume``, ...) ends the program before training with
-  one line ``error: ...`` on stderr and exit status 1. So do a run whose
-  final parameters or eval loss are not finite (it writes no
+  with checkpoints but no ``--resume``, a ``--cluster`` that does not name
+  one worker per slot of an elastic pool, ...) ends the program before
+  training with one line ``error: ...`` on stderr and exit status 1. So do
+  a run whose final parameters or eval loss are not finite (it writes no
   ``summary.json``) and processes that disagree or fail while planning
   (``error: process K disagrees with process 0 on FIELD: ...``, the same
   line on every process). A resume that does not fit ``out_dir`` (another
@@ -584,7 +600,8 @@ def main(
       their fields alone.
 
   Raises:
-    SystemExit: status 1 after the ``error:`` line.
+    SystemExit: status 1 after the ``error:`` line; status 75 after a
+      preemption.
   """
   cli.start_binary()
   # A full or read-only disk under out_dir: one line, naming the path.
@@ -600,6 +617,10 @@ def main(
     limits_lib.check_sizes(config)
     make_out_dir(out_dir, "--out_dir")
     auto = config.cluster.strip().lower() == cluster_lib.AUTO
+    # An elastic pool's --cluster names one worker per slot: checked now.
+    world_cluster = membership_lib.world_config(
+      config, membership.from_env()
+    ).cluster
     dist = config.get("distributed", {})
     multi = distributed.initialize(
       timeout_s=dist.get("initialization_timeout_s", 300),
@@ -613,7 +634,7 @@ def main(
     if not multi and not auto:
       # Single process: one fake CPU device per worker when running on CPU
       # (before the backend starts; it does not affect GPU backends).
-      workers = cluster_lib.parse_cluster(config.cluster).num_workers
+      workers = cluster_lib.parse_cluster(world_cluster).num_workers
       limits_lib.check_fake_devices(config)
       jax.config.update("jax_num_cpu_devices", workers)
     cluster_lib.devices()  # JAX starts here, or names what stops it
@@ -621,7 +642,7 @@ def main(
       for line in config_lib.unused_settings(config):
         print(f"warning: {line}", file=sys.stderr, flush=True)
     try:
-      train_and_evaluate(config, out_dir)
+      result = train_and_evaluate(config, out_dir)
     except FloatingPointError as e:  # diverged: not bad input, still a fail
       print(f"error: {e}", file=sys.stderr)
       raise SystemExit(1) from None
@@ -630,6 +651,9 @@ def main(
       # line on every process.
       print(f"error: {e}", file=sys.stderr, flush=True)
       raise SystemExit(1) from None
+  if result.get("preempted"):
+    # Checkpointed on a notice: "start again", not done.
+    raise SystemExit(membership.MEMBERSHIP_CHANGED_EXIT_CODE)
 
 
 def _train_and_evaluate(
@@ -643,6 +667,8 @@ def _train_and_evaluate(
   Every check that can refuse the run comes before the first write into
   ``out_dir``; ``lock`` (process 0's) then records its holder.
   """
+  world = membership.from_env()
+  config = membership_lib.world_config(config, world)
   if str(config.get("cluster", "")).strip().lower() == cluster_lib.AUTO:
     # One worker per device of jax.devices() (every process's), on a copy:
     # the caller's config keeps "auto".
@@ -657,20 +683,9 @@ def _train_and_evaluate(
   run_files.check_layout(out_dir)
   checkpoints_dir = os.path.join(out_dir, "checkpoints")
   preempted_path = os.path.join(out_dir, PREEMPTED)
-  was_preempted = os.path.exists(preempted_path)
-  # Opened here only where it exists: opening creates the directory.
-  checkpointer = (
-    Checkpointer(checkpoints_dir) if os.path.isdir(checkpoints_dir) else None
-  )
-  if (
-    not (config.resume or was_preempted)
-    and checkpointer is not None
-    and checkpointer.latest_step() is not None
-  ):
-    raise ValueError(
-      f"{out_dir} already holds checkpoints; pass --resume to "
-      "continue that run or use a new --out_dir"
-    )
+  start = membership_lib.RunStart.open(config, out_dir, world)
+  checkpointer, resuming = start.checkpointer, start.resuming
+  batch_sizes = start.batch_sizes
   schedule = config_lib.make_schedule(config)
   optimizer = config_lib.make_optimizer(config)
   loss_fn = config_lib.make_loss_fn(config)
@@ -683,55 +698,31 @@ def _train_and_evaluate(
     integer_labels=not config.get("loss_fn"),
     **config_lib.to_plain(config.get("dataset_kwargs", {})),
   )
+  # The data and memory a resume's (re-split) batches need.
+  sized = membership_lib.sized_for(config, batch_sizes)
   dataset = data_lib.examples_in_memory(
     source,
-    config.batch_size
+    sized.batch_size
     * max(
       cluster_lib.parse_cluster(config.cluster).num_workers,
       config.get("allocator", {}).get("num_batches", 1),
     ),
   )
   # Before the model is built: its workers' steps fit where they run.
-  limits_lib.check_model_memory(config, dataset)
+  limits_lib.check_model_memory(sized, dataset)
   model = config_lib.build_model(config, dataset)
   config_lib.check_model_fits(config, model, dataset)
   check_agreement(config, model)
-  plan_mode = config.get("plan_mode", "manual")
-  profile_sources = None
-  result = None
-  if (
-    plan_mode == "auto"
-    and len(cluster_lib.parse_cluster(config.cluster).groups()) == 1
-  ):
-    plans = {}
-    logging.info(
-      "one device kind in %s: nothing to allocate, FP32", config.cluster
-    )
-  elif plan_mode == "auto":
-    plans, result, profile_sources = plans_lib.auto_plans(
-      config, model, dataset
-    )
-    logging.info(
-      "profiles: %s", ", ".join(f"{k} {v}" for k, v in profile_sources.items())
-    )
-    if result is None:
-      logging.info("plans from process 0's allocator")
-    else:
-      logging.info(
-        "allocator (%s, %s indicator) on %s in %.2f s:\n%s",
-        result.allocation.method,
-        result.indicator,
-        config.cluster,
-        result.allocation.search_time_s,
-        result.table(),
-      )
-  elif plan_mode == "manual":
-    plans = None
-  else:
-    raise ValueError(f"unknown plan_mode {plan_mode!r}; valid: auto, manual")
-  workers = make_workers(config, plans=plans)
+  record = membership_lib.MembershipRecord(world)
+  record.mark("plan")
+  plan_cache = plans_lib.PlanCache(out_dir)
+  plans, result, profile_sources = plans_lib.job_plans(
+    config, model, dataset, plan_cache
+  )
+  workers = make_workers(config, plans=plans, batch_sizes=batch_sizes)
   digest = plans_lib.check_plans({w.kind: w.plan for w in workers})
   logging.info("plans %s on %d process(es)", digest[:12], jax.process_count())
+  record.mark("restore")
   sample = batcher_sample(dataset, workers)
   trainer = HybridTrainer(
     model,
@@ -751,10 +742,12 @@ def _train_and_evaluate(
     source, [w.batch_size for w in workers], seed=config.seed
   )
   metrics_path = os.path.join(out_dir, "metrics.jsonl")
-  if was_preempted:
-    logging.info("%s was preempted: resuming from its checkpoint", out_dir)
+  if start.was_preempted or start.restarted:
+    why = "was preempted" if start.was_preempted else "is a later elastic world"
+    logging.info("%s %s: resuming from its checkpoint", out_dir, why)
   resumed_step = None
-  if (config.resume or was_preempted) and checkpointer is not None:
+  if resuming and checkpointer is not None:
+    # Onto other workers than the checkpoint's: restored onto these.
     meta = checkpointer.restore_latest(trainer)
     if meta is None:
       logging.info("no checkpoint in %s: starting from step 0", out_dir)
@@ -763,10 +756,11 @@ def _train_and_evaluate(
       batcher.load_state_dict(meta.get("data"), trainer.step)
       logging.info("resumed from step %d", trainer.step)
       resumed_step = trainer.step
-  elif config.resume or was_preempted:
+      record.resumed(meta, [w.kind for w in workers], start.previous)
+  elif resuming:
     logging.info("no checkpoint in %s: starting from step 0", out_dir)
   kept_metrics = None
-  if config.resume or was_preempted:
+  if resuming:
     if resumed_step is not None and resumed_step > config.steps:
       raise ValueError(
         f"--resume: the checkpoint in {checkpoints_dir} is at step "
@@ -791,8 +785,8 @@ def _train_and_evaluate(
   if checkpointer is None:
     checkpointer = Checkpointer(checkpoints_dir)
   if writer and result is not None:
-    pipeline.write(result, os.path.join(out_dir, "allocation"))
-  if config.resume or was_preempted:
+    plan_cache.save(result)
+  if resuming:
     if writer and kept_metrics is not None:
       # Rows logged after the checkpoint go; a torn last one too.
       run_files.write_bytes(metrics_path, kept_metrics)
@@ -849,6 +843,7 @@ def _train_and_evaluate(
       if jax.process_count() > 1:
         multihost_utils.sync_global_devices("qsync training clock")
       train_start = time.perf_counter()
+      record.first_step_done()
     row = None
     if done % config.log_every == 0 or done == config.steps:
       now = time.perf_counter()
@@ -867,6 +862,7 @@ def _train_and_evaluate(
         "H": schedule.round_length(done),
         "sync_rounds": trainer.sync_rounds,
         "comm_bytes": trainer.comm_bytes,
+        "num_workers": trainer.num_workers,
       }
       logging.info(
         "step %d/%d %s %.0f examples/s",
@@ -901,16 +897,19 @@ def _train_and_evaluate(
     ):
       _finish_step(trainer, out)
       save_start = time.perf_counter()
-      checkpointer.save(trainer, {"data": batcher.state_dict()})
+      checkpointer.save(trainer, record.checkpoint_meta(batcher.state_dict()))
       excluded += time.perf_counter() - save_start
       saved_step = done
     if watch.reached(done):
       # Every process reaches this at the same step (PreemptionWatch).
+      agreed, save_start = time.time(), time.perf_counter()
       if saved_step != done:
-        checkpointer.save(trainer, {"data": batcher.state_dict()})
+        checkpointer.save(trainer, record.checkpoint_meta(batcher.state_dict()))
       checkpointer.close()
       if writer:
-        run_files.write_json(preempted_path, {"step": done})
+        membership_lib.write_preempted(
+          preempted_path, done, agreed, time.perf_counter() - save_start
+        )
       logging.info(
         "preempted: checkpointed step %d; the same command resumes it", done
       )
@@ -984,6 +983,8 @@ def _train_and_evaluate(
     "precisions": [
       {k: v.value for k, v in eff.items()} for eff in trainer.precisions
     ],
+    # One entry per membership change (membership_lib.MembershipRecord).
+    "membership": record.entries,
   }
   if writer:
     run_files.write_json(os.path.join(out_dir, "summary.json"), summary)

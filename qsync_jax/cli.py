@@ -15,6 +15,7 @@ import traceback
 from qsync_jax import host_malloc
 from qsync_jax.numerics import ops
 from qsync_jax.parallel import links
+from qsync_jax.parallel import membership
 
 #: Exceptions that mean "the input is wrong", as raised by the library.
 BAD_INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError)
@@ -41,8 +42,9 @@ def start_binary() -> None:
   """What every binary of this project does first: applies the host
   allocator mode ``$QSYNC_HOST_MALLOC`` names (:mod:`qsync_jax.host_malloc`;
   ``reuse`` when unset) and checks the other variables the library reads
-  (``QSYNC_KERNELS``, the launcher's ``QSYNC_LINK_*``), ending the program
-  with one line naming the first that is malformed.
+  (``QSYNC_KERNELS``, the launcher's ``QSYNC_LINK_*`` and the elastic
+  launcher's ``QSYNC_ELASTIC_*``), ending the program with one line naming
+  the first that is malformed.
   """
   with bad_input_exits():
     host_malloc.configure_from_env()
@@ -50,6 +52,7 @@ def start_binary() -> None:
     # summary: a typo would surface late, or never.
     ops.kernel_backend_from_env()
     links.link_info_from_env()
+    membership.from_env()
 
 
 def check_names(what: str, names: Sequence[str], valid: Iterable[str]) -> None:

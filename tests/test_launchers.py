@@ -25,6 +25,7 @@ from experiments import train_lib
 from qsync_jax.parallel import agreement
 from qsync_jax.parallel import coordination
 from qsync_jax.parallel import launchers
+from qsync_jax.parallel import membership
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A short run: 12 steps of the CNN on two workers, no evaluation on the way.
@@ -622,9 +623,15 @@ def test_sigterm_checkpoints_and_the_same_command_resumes(
   # The last line before the loop: the first step compiles for seconds.
   procs.wait_for("sync rounds planned")
   procs.procs[0].send_signal(signal.SIGTERM)
-  assert procs.wait() == [0], procs.output()
+  # "Start again": checkpointed, not done.
+  assert procs.wait() == [membership.MEMBERSHIP_CHANGED_EXIT_CODE], (
+    procs.output()
+  )
   assert "preempted: checkpointed step" in procs.output()
-  assert (tmp_path / train_lib.PREEMPTED).exists()
+  notice = json.loads((tmp_path / train_lib.PREEMPTED).read_text())
+  assert sorted(notice) == ["checkpoint_s", "step", "time"]
+  assert 0 < notice["step"] < 12 and notice["checkpoint_s"] > 0
+  assert time.time() - 400 < notice["time"] < time.time()
   assert not (tmp_path / "summary.json").exists()
   resumed = subprocess.run(
     _train_cmd(tmp_path),
@@ -656,7 +663,9 @@ def test_sigterm_to_one_mpirun_rank_checkpoints_every_rank(
   # SLURM and Kubernetes signal every task; one is enough to test that the
   # runtime tells the others and all agree on the step.
   os.kill(int(ranks[1]), signal.SIGTERM)
-  assert procs.wait() == [0], procs.output()
+  assert procs.wait() == [membership.MEMBERSHIP_CHANGED_EXIT_CODE], (
+    procs.output()
+  )
   assert procs.output().count("preempted: checkpointed step") == 2
   assert not (tmp_path / "summary.json").exists()
   resumed = subprocess.run(

@@ -10,7 +10,8 @@ never leaves one behind: when any process dies, the others are SIGKILLed
 block forever in the next collective). Each process runs in its own process
 group, which the launcher SIGKILLs when it stops or is interrupted, and on
 Linux it also dies when the launcher dies, even by SIGKILL (the parent-death
-signal).
+signal). :class:`Processes` and :func:`stop_signals` hold these guarantees;
+the elastic launcher (:mod:`qsync_jax.parallel.elastic`) reuses them.
 
 Usage:
   python -m qsync_jax.distributed --num_processes=4 [--port=N] \
@@ -24,7 +25,8 @@ a signal) when one fails, and with 124 when --timeout_s runs out.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -50,7 +52,8 @@ ENV_PROCESS_ID = launchers.ENV_PROCESS_ID
 #: Exit status of a launch that ran past its timeout (as timeout(1) uses).
 TIMEOUT_EXIT_CODE = 124
 
-_POLL_INTERVAL_S = 0.2
+#: How often a launcher looks at its processes.
+POLL_INTERVAL_S = 0.2
 
 # From <linux/prctl.h>: deliver a signal to this process when its parent dies.
 _PR_SET_PDEATHSIG = 1
@@ -316,13 +319,237 @@ def _relay(
         stream.flush()
 
 
-def _describe_exit(code: int) -> str:
+def describe_exit(code: int) -> str:
+  """How a process ended, for one line: ``exited with code 3`` or ``was
+  killed by SIGKILL (code -9)`` (``code`` as ``Popen.returncode`` has it)."""
   if code < 0:
     try:
       return f"was killed by {signal.Signals(-code).name} (code {code})"
     except ValueError:
       pass
   return f"exited with code {code}"
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[list[int]]:
+  """Records SIGINT and SIGTERM sent to the launcher instead of dying of them.
+
+  A launcher's loop reads the list this yields and kills its processes
+  itself, so that none is left behind. The handlers are installed only in
+  the main thread (elsewhere the list stays empty), and the previous ones
+  come back on exit.
+
+  Yields:
+    The signal numbers received, in order.
+  """
+  received: list[int] = []
+
+  def on_signal(signum, frame):
+    del frame
+    received.append(signum)
+
+  previous = {}
+  if threading.current_thread() is threading.main_thread():
+    previous = {
+      s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)
+    }
+  try:
+    yield received
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+
+
+class Processes:
+  """The processes a launcher started, and the guarantee that none outlives it.
+
+  Each process leads its own process group, so that a terminal's Ctrl-C
+  reaches only the launcher and every kill takes whatever the process
+  started too. Its stdout and stderr lines are relayed with a prefix; a
+  thread per process records its exit status and wall time as it exits. On
+  Linux a process also gets SIGKILL when the thread that started it ends
+  (the parent-death signal), so start them all from one thread that lives
+  as long as the launcher. :meth:`close` SIGKILLs whatever still runs.
+  """
+
+  def __init__(
+    self, dead_peer_timeout_s: float = 60, lock: threading.Lock | None = None
+  ):
+    """No process yet.
+
+    Args:
+      dead_peer_timeout_s: The longest to wait for SIGKILLed processes to
+        be reaped (SIGKILL makes this near-instant).
+      lock: Held while a whole line is written to the launcher's streams;
+        share one between several of these and the launcher's own lines.
+    """
+    self.dead_peer_timeout_s = dead_peer_timeout_s
+    self.procs: list[subprocess.Popen] = []
+    self.names: list[str] = []
+    self._codes: list[int | None] = []
+    self._exit_times: list[float | None] = []
+    self._waiters: list[threading.Thread] = []
+    self._relays: list[threading.Thread] = []
+    self._killed: set[int] = set()
+    self._state = threading.Lock()
+    self.lock = threading.Lock() if lock is None else lock
+    self._preexec = _die_with_parent()
+
+  def start(
+    self, argv: Sequence[str], env: Mapping[str, str], name: str, prefix: str
+  ) -> int:
+    """Starts one process.
+
+    Args:
+      argv: The command to run.
+      env: Its whole environment.
+      name: How error lines name it, e.g. ``"process 1"``.
+      prefix: Put before each of its relayed lines, e.g. ``"[p1] "``.
+
+    Returns:
+      Its index in :attr:`procs`.
+    """
+    p = subprocess.Popen(
+      list(argv),
+      env=dict(env),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      process_group=0,
+      preexec_fn=self._preexec,
+    )
+    index = len(self.procs)
+    self.procs.append(p)
+    self.names.append(name)
+    self._codes.append(None)
+    self._exit_times.append(None)
+    waiter = threading.Thread(target=self._wait, args=(index,), daemon=True)
+    waiter.start()
+    self._waiters.append(waiter)
+    for pipe, out in ((p.stdout, "stdout"), (p.stderr, "stderr")):
+      t = threading.Thread(
+        target=_relay, args=(pipe, out, prefix, self.lock), daemon=True
+      )
+      t.start()
+      self._relays.append(t)
+    return index
+
+  def _wait(self, index: int) -> None:
+    code = self.procs[index].wait()
+    exited = time.time()
+    with self._state:
+      self._codes[index] = code
+      self._exit_times[index] = exited
+
+  def returncodes(self) -> list[int | None]:
+    """Each process's exit status (``Popen.returncode``), None while it runs."""
+    with self._state:
+      return list(self._codes)
+
+  def exit_times(self) -> list[float | None]:
+    """Each process's ``time.time()`` when it exited, None while it runs."""
+    with self._state:
+      return list(self._exit_times)
+
+  def killed(self, index: int) -> bool:
+    """Whether :meth:`kill_running` SIGKILLed process ``index``."""
+    return index in self._killed
+
+  def send(self, index: int, signum: int) -> None:
+    """Sends ``signum`` to process ``index`` alone (not its group), if it
+    still runs."""
+    if self.returncodes()[index] is None:
+      try:
+        self.procs[index].send_signal(signum)
+      except ProcessLookupError:
+        pass
+
+  def kill_running(self) -> int:
+    """SIGKILLs every process still running, reaps it; returns the count."""
+    codes = self.returncodes()
+    running = [i for i, c in enumerate(codes) if c is None]
+    for i in running:
+      self._killed.add(i)
+      p = self.procs[i]
+      # SIGKILL, as a JAX worker ignores SIGTERM; to the whole group, so
+      # that whatever the process started goes too.
+      try:
+        os.killpg(p.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        p.kill()
+    deadline = time.monotonic() + self.dead_peer_timeout_s
+    for i in running:
+      self._waiters[i].join(timeout=max(0.0, deadline - time.monotonic()))
+      if self._waiters[i].is_alive():
+        self.print(
+          f"error: {self.names[i]} (pid {self.procs[i].pid}) survived SIGKILL"
+        )
+    return len(running)
+
+  def join_output(self, timeout_s: float = 2.0) -> None:
+    """Waits for the relayed output of the processes that exited.
+
+    Bounded: a grandchild may still hold a pipe open.
+    """
+    deadline = time.monotonic() + timeout_s
+    for t in self._relays:
+      t.join(timeout=max(0.0, deadline - time.monotonic()))
+    self._relays = [t for t in self._relays if t.is_alive()]
+
+  def print(self, line: str) -> None:
+    """Writes ``line`` to stderr between relayed lines, never inside one."""
+    with self.lock:
+      print(line, file=sys.stderr, flush=True)
+
+  def close(self) -> None:
+    """SIGKILLs whatever still runs and waits for the relayed output."""
+    self.kill_running()
+    self.join_output()
+
+
+def launch_env(
+  base: Mapping[str, str], coordinator_address: str, num_processes: int
+) -> dict[str, str]:
+  """The environment every process of one localhost run shares.
+
+  ``base`` plus the ``QSYNC_*`` variables ``initialize()`` reads (all but
+  the process id), one CPU device per process, and unbuffered Python, so
+  relayed lines arrive as they are printed.
+  """
+  env = dict(base)
+  env.update(
+    {
+      ENV_COORDINATOR_ADDRESS: coordinator_address,
+      ENV_NUM_PROCESSES: str(num_processes),
+      "JAX_NUM_CPU_DEVICES": "1",
+    }
+  )
+  env.setdefault("PYTHONUNBUFFERED", "1")
+  return env
+
+
+def check_launch(
+  command: Sequence[str],
+  num_processes: int,
+  port: int | None,
+  env: Mapping[str, str],
+) -> None:
+  """Checks a launch's arguments before any process starts.
+
+  Raises:
+    ValueError: ``command`` is empty, its program is a directory or not
+      executable, ``num_processes`` or ``port`` is out of range, or
+      ``port`` is in use.
+    FileNotFoundError: The program does not exist.
+  """
+  if not command:
+    raise ValueError("no command to launch")
+  check_program(command[0], env)
+  if num_processes < 1:
+    raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+  if port is not None:
+    if not 0 < port < 65536:
+      raise ValueError(f"port must be in [1, 65535], got {port}")
+    check_port_free(port)
 
 
 def launch(
@@ -347,6 +574,8 @@ def launch(
   Each process leads its own process group, and every kill goes to the whole
   group. On Linux a process also gets SIGKILL when the thread that called
   ``launch`` ends, so a launcher killed by SIGKILL leaves no process behind.
+  (:class:`Processes` holds these guarantees; the elastic launcher,
+  :mod:`qsync_jax.parallel.elastic`, reuses them.)
 
   Args:
     command: The program and its arguments, run as is by every process.
@@ -372,124 +601,51 @@ def launch(
       ``port`` is in use.
     FileNotFoundError: The program does not exist.
   """
-  if not command:
-    raise ValueError("no command to launch")
   base_env = dict(os.environ if env is None else env)
-  check_program(command[0], base_env)
-  if num_processes < 1:
-    raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+  check_launch(command, num_processes, port, base_env)
   if port is None:
     port = free_port()
-  elif not 0 < port < 65536:
-    raise ValueError(f"port must be in [1, 65535], got {port}")
-  else:
-    check_port_free(port)
-  base_env.update(
-    {
-      ENV_COORDINATOR_ADDRESS: f"{coordinator_host}:{port}",
-      ENV_NUM_PROCESSES: str(num_processes),
-      "JAX_NUM_CPU_DEVICES": "1",
-    }
-  )
-  # Unbuffered children, so relayed lines arrive as they are printed.
-  base_env.setdefault("PYTHONUNBUFFERED", "1")
-
-  procs: list[subprocess.Popen] = []
-  relays: list[threading.Thread] = []
-  lock = threading.Lock()
-  received: list[int] = []
+  base_env = launch_env(base_env, f"{coordinator_host}:{port}", num_processes)
+  procs = Processes(dead_peer_timeout_s)
   summary = []  # The one error line, printed after the relayed output.
-
-  def on_signal(signum, frame):
-    del frame
-    received.append(signum)
-
-  handled = (signal.SIGINT, signal.SIGTERM)
-  previous = {}
-  if threading.current_thread() is threading.main_thread():
-    previous = {s: signal.signal(s, on_signal) for s in handled}
-
-  def kill_running() -> int:
-    """SIGKILLs every process still running, reaps it; returns the count."""
-    running = [p for p in procs if p.poll() is None]
-    for p in running:
-      # SIGKILL, as a JAX worker ignores SIGTERM; to the whole group, so
-      # that whatever the process started goes too.
-      try:
-        os.killpg(p.pid, signal.SIGKILL)
-      except ProcessLookupError:
-        p.kill()
-    deadline = time.monotonic() + dead_peer_timeout_s
-    for p in running:
-      try:
-        p.wait(timeout=max(0.0, deadline - time.monotonic()))
-      except subprocess.TimeoutExpired:
-        print(
-          f"error: process {procs.index(p)} (pid {p.pid}) survived SIGKILL",
-          file=sys.stderr,
-        )
-    return len(running)
-
-  preexec = _die_with_parent()
   start = time.monotonic()
-  try:
-    for i in range(num_processes):
-      # Own process group (pgid = pid): a terminal's Ctrl-C reaches only
-      # the launcher, which then kills each group as a whole.
-      argv = list(command) if wrap is None else wrap(i, list(command))
-      p = subprocess.Popen(
-        argv,
-        env={**base_env, ENV_PROCESS_ID: str(i)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        process_group=0,
-        preexec_fn=preexec,
-      )
-      procs.append(p)
-      for pipe, out in ((p.stdout, "stdout"), (p.stderr, "stderr")):
-        t = threading.Thread(
-          target=_relay, args=(pipe, out, f"[p{i}] ", lock), daemon=True
+  with stop_signals() as received:
+    try:
+      for i in range(num_processes):
+        argv = list(command) if wrap is None else wrap(i, list(command))
+        procs.start(
+          argv, {**base_env, ENV_PROCESS_ID: str(i)}, f"process {i}", f"[p{i}] "
         )
-        t.start()
-        relays.append(t)
-
-    while True:
-      if received:
-        n = kill_running()
-        name = signal.Signals(received[0]).name
-        summary.append(f"error: launcher got {name}; killed {n} processes")
-        return 128 + received[0]
-      codes = [p.poll() for p in procs]
-      failed = next(
-        (i for i, c in enumerate(codes) if c not in (None, 0)), None
-      )
-      if failed is not None:
-        code = codes[failed]
-        assert code is not None
-        n = kill_running()
-        summary.append(
-          f"error: process {failed} (pid {procs[failed].pid}) "
-          f"{_describe_exit(code)}; killed {n} other "
-          f"process{'' if n == 1 else 'es'}"
+      while True:
+        if received:
+          n = procs.kill_running()
+          name = signal.Signals(received[0]).name
+          summary.append(f"error: launcher got {name}; killed {n} processes")
+          return 128 + received[0]
+        codes = procs.returncodes()
+        failed = next(
+          (i for i, c in enumerate(codes) if c not in (None, 0)), None
         )
-        return code if code > 0 else 1
-      if all(c == 0 for c in codes):
-        return 0
-      if timeout_s is not None and time.monotonic() - start >= timeout_s:
-        n = kill_running()
-        summary.append(
-          f"error: timed out after {timeout_s:g} s; killed {n} processes"
-        )
-        return TIMEOUT_EXIT_CODE
-      time.sleep(_POLL_INTERVAL_S)
-  finally:
-    kill_running()  # Nothing is left running, whatever went wrong above.
-    for s, handler in previous.items():
-      signal.signal(s, handler)
-    # Bounded: a grandchild may still hold a pipe open.
-    relay_deadline = time.monotonic() + 2
-    for t in relays:
-      t.join(timeout=max(0.0, relay_deadline - time.monotonic()))
-    for line in summary:
-      with lock:
-        print(line, file=sys.stderr, flush=True)
+        if failed is not None:
+          code = codes[failed]
+          assert code is not None
+          n = procs.kill_running()
+          summary.append(
+            f"error: process {failed} (pid {procs.procs[failed].pid}) "
+            f"{describe_exit(code)}; killed {n} other "
+            f"process{'' if n == 1 else 'es'}"
+          )
+          return code if code > 0 else 1
+        if all(c == 0 for c in codes):
+          return 0
+        if timeout_s is not None and time.monotonic() - start >= timeout_s:
+          n = procs.kill_running()
+          summary.append(
+            f"error: timed out after {timeout_s:g} s; killed {n} processes"
+          )
+          return TIMEOUT_EXIT_CODE
+        time.sleep(POLL_INTERVAL_S)
+    finally:
+      procs.close()  # Nothing is left running, whatever went wrong above.
+      for line in summary:
+        procs.print(line)

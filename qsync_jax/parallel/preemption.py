@@ -43,6 +43,11 @@ class PreemptionWatch:
     ):
       self._previous = signal.signal(signal.SIGTERM, self._on_signal)
       self._installed = True
+    if threading.current_thread() is threading.main_thread():
+      # A notice a binary held back while it started (SIGTERM blocked
+      # before its imports, experiments/train.py) arrives now, to the
+      # handler above or to jax.distributed's notifier.
+      signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     return self
 
   def __exit__(self, *exc_info) -> None:

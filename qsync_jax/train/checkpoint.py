@@ -26,6 +26,20 @@ first difference is a ``ValueError`` naming it; such a checkpoint is left
 where it is. A save that fails for a reason of the file system (no space,
 read-only, no permission) raises one ``OSError`` naming the step's directory;
 the partial step is removed and the checkpoints before it stay intact.
+
+A checkpoint resumes onto other workers than those that wrote it (another
+count, or other device kinds; :mod:`.resharding` owns the mapping): its
+arrays are read whole on every process at their saved shapes, checked
+against every process's checksums, and every worker starts from the mean:
+each floating array (parameters, optimizer state, loss scale, BatchNorm
+statistics, residuals, the averager's and the outer optimizer's state) is
+the float64 mean of the saved workers' rows, cast back, on every new
+worker; integer leaves come from saved worker 0; the workers are in sync.
+The model and optimizer must still match (everything but the workers axis),
+and the same kinds with other plans is still refused. The metadata records
+each worker's batch size (``batch_sizes``), and
+:meth:`Checkpointer.latest_meta` reads the newest metadata alone, so that a
+caller can build the new workers before the trainer exists.
 """
 
 from __future__ import annotations
@@ -54,6 +68,7 @@ import orbax.checkpoint as ocp
 from qsync_jax.task import sharding
 from qsync_jax.train import layout
 from qsync_jax.train import loss_scale as ls
+from qsync_jax.train import resharding
 from qsync_jax.train import step as step_lib
 from qsync_jax.train.trainer import HybridTrainer
 
@@ -101,6 +116,7 @@ def state_meta(trainer: HybridTrainer) -> dict[str, Any]:
     "sync": trainer.schedule.name,
     "plans": [w.plan.to_dict() for w in trainer.workers],
     "kinds": [w.kind for w in trainer.workers],
+    "batch_sizes": [w.batch_size for w in trainer.workers],
     "optimizer_state": _optimizer_state_layout(trainer),
     "param_shapes": param_specs(trainer),
   }
@@ -175,7 +191,10 @@ def _array_specs(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def _structure_mismatch(
-  meta: dict[str, Any], saved: Any, trainer: HybridTrainer
+  meta: dict[str, Any],
+  saved: Any,
+  trainer: HybridTrainer,
+  per_worker: bool = False,
 ) -> tuple[str, str] | None:
   """How the trainer's state differs from a checkpoint's, or None.
 
@@ -183,6 +202,8 @@ def _structure_mismatch(
     meta: the checkpoint's JSON metadata.
     saved: orbax's metadata tree of its arrays (shapes and dtypes).
     trainer: the trainer to restore into.
+    per_worker: compare each array without its leading workers axis (a
+      resume onto another number of workers).
 
   Returns:
     ``(what, difference)``: what differs (``"model"``, ``"optimizer"``, ...)
@@ -199,8 +220,12 @@ def _structure_mismatch(
         )
   theirs = _array_specs(saved)
   ours = _array_specs(state_tree(trainer))
+
+  def row(spec: tuple[tuple[int, ...], str] | None) -> Any:
+    return spec if spec is None or not per_worker else (spec[0][1:], spec[1])
+
   for path in [*ours, *(p for p in theirs if p not in ours)]:
-    if theirs.get(path) != ours.get(path):
+    if row(theirs.get(path)) != row(ours.get(path)):
       what = _STATE_OWNERS.get(path.split(".")[0], "trainer state")
       return what, (
         f"{path} is {_describe(theirs.get(path))} in the checkpoint and "
@@ -295,14 +320,27 @@ def load_state(
   """Restores :func:`state_tree` and :func:`state_meta` output into
   ``trainer``.
 
+  Args:
+    trainer: the trainer to restore into.
+    tree: the arrays: global arrays over the trainer's workers, or, when
+      the checkpoint's workers are of other kinds
+      (:func:`.resharding.reshards`), the saved rows as numpy, mapped by
+      :func:`.resharding.reshard`.
+    meta: the host state.
+
   Raises:
-    ValueError: the checkpoint was written for other workers or plans.
+    ValueError: the checkpoint was written for the same kinds of workers
+      with other plans.
   """
   _check_workers(trainer, meta)
+  resharded = resharding.reshards(trainer, meta)
+  if resharded:
+    tree = resharding.reshard(trainer, tree, state_tree(trainer), meta)
   trainer.params = tree["params"]
-  # A synced checkpoint's anchor is its params: keep them one array.
+  # A synced checkpoint's anchor is its params: keep them one array. The
+  # workers of a reshard all start from the mean, in sync.
   trainer._anchor = (
-    trainer.params if meta.get("in_sync", True) else tree["anchor"]
+    trainer.params if resharded or meta.get("in_sync", True) else tree["anchor"]
   )
   trainer._counter = tree["counter"]
   if trainer.residual is not None:
@@ -415,15 +453,13 @@ def _check_workers(trainer: HybridTrainer, meta: dict[str, Any]) -> None:
       f"vs {plans[i]}); resume with the same cluster and plans, or start a "
       "new run directory"
     )
-  if meta.get("kinds") != kinds:
-    raise ValueError(
-      "the checkpoint was written by a run with other workers or plans "
-      f"(kinds {meta.get('kinds')} vs {kinds}); resume with the same "
-      "cluster and plans, or start a new run directory"
-    )
+  # Other kinds of workers reshard (.resharding): their parameters are
+  # averaged, so a round saved mid-way needs no parameter-averaging schedule.
   saved_sync = meta.get("sync", "a schedule that averages parameters")
-  if not meta.get("in_sync", True) and trainer.schedule.averages_gradients_at(
-    int(meta["step"]) + 1
+  if (
+    meta.get("kinds") == kinds
+    and not meta.get("in_sync", True)
+    and trainer.schedule.averages_gradients_at(int(meta["step"]) + 1)
   ):
     # Averaged gradients keep equal parameters equal; they would keep these
     # apart for good.
@@ -480,6 +516,26 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     """The step of the newest complete checkpoint, or None."""
     return self._manager.latest_step()
+
+  def latest_meta(self) -> dict[str, Any] | None:
+    """The JSON metadata of the newest checkpoint whose metadata is intact.
+
+    No array is read (cheap, and possible before the trainer exists, e.g.
+    to build the workers from the saved ``batch_sizes``). A checkpoint whose
+    metadata fails its check is passed over for an older one and left where
+    it is; :meth:`restore_latest` checks the arrays too, and may restore an
+    older step than this one's when they are damaged.
+
+    Returns:
+      The metadata, or None when no checkpoint has intact metadata.
+    """
+    with _quiet(logging.ERROR):
+      self._manager.reload()
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      meta, problem = self._read_meta(step)
+      if problem is None:
+        return meta
+    return None
 
   @sharding.without_mesh
   def save(
@@ -564,13 +620,18 @@ class Checkpointer:
     resumed run can save that step again. A checkpoint without checksums
     (written before they existed) is restored with a warning.
 
+    A checkpoint written by workers of other kinds (another count, or a
+    kind that differs) is resharded onto the trainer's workers: each starts
+    from the saved workers' mean (:mod:`.resharding`), in sync.
+
     Returns:
-      The checkpoint's JSON metadata, or None when there is no checkpoint.
+      The checkpoint's JSON metadata (its ``kinds`` are the saving
+      workers'), or None when there is no checkpoint.
 
     Raises:
-      ValueError: the checkpoint does not match the trainer's workers, model
-        or optimizer (left in place), or no checkpoint under the directory
-        is intact.
+      ValueError: the checkpoint was written by the same kinds of workers
+        with other plans, or is of another model or optimizer (left in
+        place), or no checkpoint under the directory is intact.
     """
     with _quiet(logging.ERROR):
       self._manager.reload()
@@ -622,40 +683,42 @@ class Checkpointer:
   ) -> tuple[Any, Any, str | None]:
     """Reads and verifies one checkpoint: (tree, meta, problem or None).
 
+    A checkpoint of other kinds of workers (:func:`.resharding.reshards`)
+    is read as numpy at its saved shapes, whole on every process.
+
     Raises:
-      ValueError: the checkpoint was written for other workers or plans, or
-        is of another model or optimizer (its arrays' shapes differ).
+      ValueError: the checkpoint was written for the same kinds of workers
+        with other plans, or is of another model or optimizer (its arrays'
+        shapes differ).
     """
-    # Orbax and tensorstore raise many kinds of errors on missing, truncated
-    # or garbled files; each of them means this checkpoint is unreadable.
-    try:
-      with _quiet(logging.ERROR):
-        meta = self._manager.restore(
-          step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-        )["meta"]
-    except Exception as e:  # pylint: disable=broad-except
-      return None, None, f"its metadata is unreadable ({_one_line(e)})"
-    if not isinstance(meta, dict):
-      return None, None, "it has no metadata"
-    record = meta.get(INTEGRITY, {})
-    if not isinstance(record, dict):
-      return None, None, "its checksum record is not a JSON object"
-    if record and meta_digest(meta) != record.get("meta"):
-      return None, None, "checksum mismatch in its metadata"
+    meta, problem = self._read_meta(step)
+    if meta is None:
+      return None, None, problem
     _check_workers(trainer, meta)
+    reshard = resharding.reshards(trainer, meta)
     try:
       saved = ocp.StandardCheckpointHandler().metadata(
         epath.Path(self.directory) / str(step) / "state"
       )
     except Exception as e:  # pylint: disable=broad-except
       return None, None, f"its arrays' metadata is unreadable ({_one_line(e)})"
-    mismatch = _structure_mismatch(meta, saved.tree, trainer)
+    mismatch = _structure_mismatch(meta, saved.tree, trainer, reshard)
     if mismatch is not None:
       what, difference = mismatch
       raise ValueError(
         f"checkpoint step {step} in {self.directory} is of another {what}: "
         f"{difference}; resume with the {what} it was saved with, or start "
         "a new run directory"
+      )
+    if reshard:
+      # Every process needs every saved row for the mean: numpy targets
+      # read the arrays whole, at the shapes they were saved with.
+      specs = _array_specs(saved.tree)
+      abstract = jax.tree_util.tree_map_with_path(
+        lambda path, a: np.empty(
+          specs[_path_name(path).removesuffix(".value")][0], a.dtype
+        ),
+        state_tree(trainer),
       )
     try:
       with _quiet(logging.ERROR):
@@ -666,10 +729,35 @@ class Checkpointer:
     except Exception as e:  # pylint: disable=broad-except
       return None, None, f"its arrays are unreadable ({_one_line(e)})"
     if INTEGRITY in meta:
-      problem = _array_problem(meta, tree)
+      problem = (
+        resharding.digest_problem(tree, meta[INTEGRITY].get("arrays"))
+        if reshard
+        else _array_problem(meta, tree)
+      )
       if problem:
         return None, None, problem
     return tree, meta, None
+
+  def _read_meta(self, step: int) -> tuple[Any, str | None]:
+    """Reads and verifies one checkpoint's JSON metadata: (meta or None,
+    problem or None)."""
+    # Orbax and tensorstore raise many kinds of errors on missing, truncated
+    # or garbled files; each of them means this checkpoint is unreadable.
+    try:
+      with _quiet(logging.ERROR):
+        meta = self._manager.restore(
+          step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+        )["meta"]
+    except Exception as e:  # pylint: disable=broad-except
+      return None, f"its metadata is unreadable ({_one_line(e)})"
+    if not isinstance(meta, dict):
+      return None, "it has no metadata"
+    record = meta.get(INTEGRITY, {})
+    if not isinstance(record, dict):
+      return None, "its checksum record is not a JSON object"
+    if record and meta_digest(meta) != record.get("meta"):
+      return None, "checksum mismatch in its metadata"
+    return meta, None
 
   def _set_aside(self, steps: list[int]) -> list[str]:
     """Moves corrupt checkpoints out of orbax's way; returns their names."""
