@@ -49,12 +49,14 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging as std_logging
 import os
 import re
 import shutil
 import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 from absl import logging
@@ -312,6 +314,18 @@ def _drop_late_callbacks() -> None:
 
   hook.qsync_drops_late_callbacks = True  # type: ignore[attr-defined]
   sys.unraisablehook = hook
+  # The same abandoned writes, when garbage-collected, are logged by asyncio
+  # as "Task exception was never retrieved" with the write's traceback.
+  std_logging.getLogger("asyncio").addFilter(_drop_abandoned_orbax_tasks)
+
+
+def _drop_abandoned_orbax_tasks(record: std_logging.LogRecord) -> bool:
+  """False (drop) for asyncio's record of a failed save's abandoned write."""
+  if "exception was never retrieved" not in record.getMessage():
+    return True
+  tb = record.exc_info[2] if record.exc_info else None
+  files = [f.filename for f in traceback.extract_tb(tb)] if tb else []
+  return not any(f"{os.sep}orbax{os.sep}" in f for f in files)
 
 
 def load_state(
