@@ -86,7 +86,8 @@ class Launch:
   detection: str | None = None
 
 
-def _int(environ: Mapping[str, str], name: str) -> int:
+def env_int(environ: Mapping[str, str], name: str) -> int:
+  """``environ[name]`` as an int; a ValueError naming it otherwise."""
   try:
     return int(environ[name])
   except ValueError:
@@ -143,15 +144,15 @@ def from_qsync_env(environ: Mapping[str, str]) -> Launch | None:
   address = check_address(
     environ[ENV_COORDINATOR_ADDRESS], ENV_COORDINATOR_ADDRESS
   )
-  n = _int(environ, ENV_NUM_PROCESSES)
+  n = env_int(environ, ENV_NUM_PROCESSES)
   # The localhost launcher puts every process on this host, one device each.
   return _check_rank(
     Launch(
       "qsync",
       n,
-      _int(environ, ENV_PROCESS_ID),
+      env_int(environ, ENV_PROCESS_ID),
       address,
-      _int(environ, ENV_PROCESS_ID),
+      env_int(environ, ENV_PROCESS_ID),
       n,
     ),
     ENV_NUM_PROCESSES,
@@ -183,10 +184,10 @@ def _from_slurm(environ: Mapping[str, str]) -> Launch | None:
   return _check_rank(
     Launch(
       "slurm",
-      _int(environ, "SLURM_NTASKS"),
-      _int(environ, "SLURM_PROCID"),
+      env_int(environ, "SLURM_NTASKS"),
+      env_int(environ, "SLURM_PROCID"),
       None,
-      _int(environ, "SLURM_LOCALID"),
+      env_int(environ, "SLURM_LOCALID"),
       _slurm_tasks_on_node(environ),
       "slurm",
     ),
@@ -223,11 +224,11 @@ def _ompi5_coordinator(
 def _from_ompi(environ: Mapping[str, str]) -> Launch | None:
   if "OMPI_COMM_WORLD_SIZE" not in environ:
     return None
-  n = _int(environ, "OMPI_COMM_WORLD_SIZE")
-  rank = _int(environ, "OMPI_COMM_WORLD_RANK")
-  local_rank = _int(environ, "OMPI_COMM_WORLD_LOCAL_RANK")
+  n = env_int(environ, "OMPI_COMM_WORLD_SIZE")
+  rank = env_int(environ, "OMPI_COMM_WORLD_RANK")
+  local_rank = env_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK")
   local_size = (
-    _int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    env_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE")
     if "OMPI_COMM_WORLD_LOCAL_SIZE" in environ
     else None
   )
@@ -263,14 +264,14 @@ def _from_k8s(environ: Mapping[str, str]) -> Launch | None:
     "JOB_COMPLETION_INDEX" not in environ
   ):
     return None
-  index = _int(environ, "JOB_COMPLETION_INDEX")
+  index = env_int(environ, "JOB_COMPLETION_INDEX")
   if "JOB_GLOBAL_INDEX" in environ and "GLOBAL_REPLICAS" in environ:
     # One pod per Job of the JobSet: the Job's global index is the rank.
     return _check_rank(
       Launch(
         "k8s",
-        _int(environ, "GLOBAL_REPLICAS"),
-        _int(environ, "JOB_GLOBAL_INDEX"),
+        env_int(environ, "GLOBAL_REPLICAS"),
+        env_int(environ, "JOB_GLOBAL_INDEX"),
         _k8s_coordinator(environ),
         0,
         1,

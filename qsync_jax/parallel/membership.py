@@ -20,6 +20,8 @@ import math
 import os
 from typing import Any
 
+from qsync_jax.parallel import launchers
+
 #: Exit status of a process that checkpointed a step all processes agreed on
 #: because a worker was told to leave (SIGTERM) or a slot came back: "start
 #: again with the new membership". sysexits.h's EX_TEMPFAIL ("try again").
@@ -159,15 +161,6 @@ class ElasticWorld:
     return [pool[s] for s in self.slots]
 
 
-def _int(environ: Mapping[str, str], name: str) -> int:
-  try:
-    return int(environ[name])
-  except ValueError:
-    raise ValueError(
-      f"{name} must be an integer, got {environ[name]!r}"
-    ) from None
-
-
 def from_env(environ: Mapping[str, str] = os.environ) -> ElasticWorld | None:
   """The world the elastic launcher's variables describe.
 
@@ -213,7 +206,7 @@ def from_env(environ: Mapping[str, str] = os.environ) -> ElasticWorld | None:
       raise ValueError(f"{ENV_CHANGE}: {e}") from None
   return ElasticWorld(
     slots=slots,
-    pool_size=_int(environ, ENV_POOL_SIZE),
-    restart=_int(environ, ENV_RESTART),
+    pool_size=launchers.env_int(environ, ENV_POOL_SIZE),
+    restart=launchers.env_int(environ, ENV_RESTART),
     change=change,
   )
