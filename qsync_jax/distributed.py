@@ -136,6 +136,14 @@ def _define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     "With --elastic: the most worlds after the first.",
     flag_values=fv,
   )
+  flags.DEFINE_bool(
+    "compilation_cache",
+    True,
+    "With --elastic: give the processes a persistent XLA compilation cache "
+    "for the job, so that restarted worlds load what earlier ones compiled "
+    "(unless JAX_COMPILATION_CACHE_DIR names one already).",
+    flag_values=fv,
+  )
   flags.DEFINE_float(
     "grace_s",
     60,
@@ -154,6 +162,7 @@ _ELASTIC_FLAGS = (
   "rejoin_after",
   "max_restarts",
   "grace_s",
+  "compilation_cache",
 )
 
 
@@ -205,6 +214,7 @@ def _elastic_options(opts: flags.FlagValues) -> elastic.ElasticOptions:
     rejoin_after_s=opts.rejoin_after,
     max_restarts=opts.max_restarts,
     grace_s=opts.grace_s,
+    compilation_cache=opts.compilation_cache,
   )
 
 

@@ -50,7 +50,9 @@ log(event="start", process=i, slots=slots,
     pool=int(os.environ["QSYNC_ELASTIC_POOL_SIZE"]),
     coordinator=os.environ["QSYNC_COORDINATOR_ADDRESS"],
     change=json.loads(os.environ.get("QSYNC_ELASTIC_CHANGE") or "null"),
-    netns=os.readlink("/proc/self/ns/net"), cgroup=cgroup)
+    netns=os.readlink("/proc/self/ns/net"), cgroup=cgroup,
+    cache=os.environ.get("JAX_COMPILATION_CACHE_DIR"),
+    cache_min_s=os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"))
 print(f"slot {slot} started", flush=True)
 time.sleep(cfg.get("init_s", 0))  # A runtime starting.
 stop = os.path.join(d, f"stop{restart}")
@@ -220,6 +222,51 @@ def test_reclaim_and_return_follow_the_availability_file(tmp_path, capsys):
   assert lines[2].startswith("elastic: world 3: slots 0,1,2 (slot 1 returned")
   assert second["detail"] in lines[1] and third["detail"] in lines[2]
   _assert_nothing_left(tmp_path)
+
+
+def test_the_job_keeps_one_compilation_cache_across_worlds(tmp_path):
+  # The suite's own cache (tests/conftest.py) left out of the environment.
+  env = {k: v for k, v in _env().items() if not k.startswith("JAX_PERSIST")}
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+
+  def run(name, steps, options, env=env):
+    path = tmp_path / name
+    path.mkdir()
+    code = elastic.launch_elastic(
+      _command(path, steps), options, env=env, timeout_s=40
+    )
+    return code, [r for r in _log(path) if r["event"] == "start"]
+
+  # Slot 1 out and back: three worlds.
+  code, starts = run("a", 40, _options(2, 1, {"1": [[1.0, 2.0]]}))
+  assert code == 0
+  assert sorted((r["restart"], r["slot"]) for r in starts) == [
+    (0, 0),
+    (0, 1),
+    (1, 0),
+    (2, 0),
+    (2, 1),
+  ]
+  # One directory for every process of every world, which the launcher
+  # removed at the end; every compile is kept.
+  (cache,) = {r["cache"] for r in starts}
+  assert cache is not None and "qsync_elastic_xla_" in cache
+  assert not os.path.exists(cache)
+  assert {r["cache_min_s"] for r in starts} == {"0"}
+
+  # A cache the environment names is kept, for every slot.
+  mine = str(tmp_path / "my_cache")
+  code, starts = run(
+    "b", 10, _options(2), {**env, "JAX_COMPILATION_CACHE_DIR": mine}
+  )
+  assert code == 0 and len(starts) == 2
+  assert {r["cache"] for r in starts} == {mine}
+  assert {r["cache_min_s"] for r in starts} == {None}
+
+  # Without the launcher's cache (--nocompilation_cache) none is set.
+  code, starts = run("c", 10, _options(2, compilation_cache=False))
+  assert code == 0 and len(starts) == 2
+  assert {r["cache"] for r in starts} == {None}
 
 
 def _pids_when_started(tmp_path, restart, count, within_s=20):

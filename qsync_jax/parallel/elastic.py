@@ -58,6 +58,16 @@ job started; process ``i`` in slot ``s`` has its lines relayed as
 ``[p<i> s<s>] ``. SIGINT and SIGTERM to the launcher kill every process and
 end it with 128 + the signal; ``timeout_s`` bounds the whole job (status
 124).
+
+The job's processes share a persistent XLA compilation cache for its
+lifetime (``JAX_COMPILATION_CACHE_DIR``: a temporary directory the launcher
+removes at the end; every program kept however fast it compiled), so that a
+restarted world loads what earlier worlds compiled instead of compiling it
+again. jax writes entries from process 0 only and every process reads them:
+process 0's programs, the programs every process compiles alike (the update
+across workers) and, on GPUs, where device assignments are left out of the
+key, every program equal to one of process 0's. An environment that names
+its own cache keeps it.
 """
 
 from __future__ import annotations
@@ -67,8 +77,10 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -78,6 +90,11 @@ from qsync_jax.parallel import membership
 
 #: How often the supervisor looks at its processes and the pool.
 _TICK_S = 0.05
+#: JAX's variable naming its persistent compilation cache directory.
+COMPILATION_CACHE_VAR = "JAX_COMPILATION_CACHE_DIR"
+#: JAX's variable: the shortest compile the cache keeps (seconds). Its
+#: default (1 s) would leave out the many short compiles of a start.
+CACHE_MIN_COMPILE_TIME_VAR = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 #: Which cause names a change that had several: the least orderly wins.
 _PRECEDENCE = ("died", "reclaimed", "returned")
 
@@ -197,6 +214,9 @@ class ElasticOptions:
       when an availability interval of it ends.
     max_restarts: the most worlds started after the first.
     grace_s: seconds a world has to exit after a notice.
+    compilation_cache: give the processes a persistent XLA compilation
+      cache that lasts the job (:data:`COMPILATION_CACHE_VAR`), unless the
+      environment names one already.
   """
 
   pool_size: int
@@ -205,6 +225,7 @@ class ElasticOptions:
   rejoin_after_s: float | None = None
   max_restarts: int = 100
   grace_s: float = 60.0
+  compilation_cache: bool = True
 
   def __post_init__(self) -> None:
     if self.pool_size < 1:
@@ -465,6 +486,18 @@ class Supervisor:
     self.lock = threading.Lock()
     self.received: list[int] = []
     self._t0 = time.monotonic()
+    #: The job's compilation cache directory, while the job runs.
+    self.cache_dir: str | None = None
+
+  def cache_env(self) -> dict[str, str]:
+    """The compilation cache variables of the processes ({} without the
+    launcher's cache)."""
+    if self.cache_dir is None:
+      return {}
+    env = {COMPILATION_CACHE_VAR: self.cache_dir}
+    if CACHE_MIN_COMPILE_TIME_VAR not in self.base_env:
+      env[CACHE_MIN_COMPILE_TIME_VAR] = "0"
+    return env
 
   def now(self) -> float:
     """Seconds since the job started."""
@@ -478,6 +511,11 @@ class Supervisor:
   def run(self) -> int:
     """Runs the job; returns the launcher's exit status."""
     world: _World | None = None
+    if (
+      self.options.compilation_cache
+      and COMPILATION_CACHE_VAR not in self.base_env
+    ):
+      self.cache_dir = tempfile.mkdtemp(prefix="qsync_elastic_xla_")
     try:
       with distributed.stop_signals() as self.received:
         restart = 0
@@ -508,6 +546,8 @@ class Supervisor:
     finally:
       if world is not None:
         world.procs.close()  # Nothing is left running, whatever happened.
+      if self.cache_dir is not None:
+        shutil.rmtree(self.cache_dir, ignore_errors=True)
 
   def _check_stop(self) -> None:
     if self.received:
@@ -616,7 +656,7 @@ class Supervisor:
         argv = self.command if self.wrap is None else self.wrap(s, self.command)
         world.procs.start(
           argv,
-          {**env, distributed.ENV_PROCESS_ID: str(i)},
+          {**env, **self.cache_env(), distributed.ENV_PROCESS_ID: str(i)},
           f"process {i} (slot {s})",
           f"[p{i} s{s}] ",
         )
