@@ -7,8 +7,10 @@ study's bookkeeping runs in-process; its runs need root and minutes.
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -80,6 +82,47 @@ def test_a_reclaim_study_trains_every_step_and_records_the_change(tmp_path):
     line.startswith("[2/2] reclaim seed 0 reclaimed") for line in lines
   )
   assert any(line.startswith("accuracy difference") for line in lines)
+
+
+_HOLDS_ON = """\
+import os, signal, sys, time
+def on_term(signum, frame):
+  open(sys.argv[1], "w").close()
+  sys.exit(143)
+signal.signal(signal.SIGTERM, on_term)
+open(sys.argv[1] + ".ready", "w").close()
+time.sleep(60)
+"""
+
+_STUDY = """\
+import sys
+from experiments.studies import elastic
+elastic.launch([sys.executable, sys.argv[1], sys.argv[2]], sys.argv[3],
+               timeout_s=60)
+"""
+
+
+def test_a_study_stopped_by_sigterm_stops_its_launcher(tmp_path):
+  launcher = tmp_path / "launcher.py"
+  launcher.write_text(_HOLDS_ON)
+  stopped = tmp_path / "stopped"
+  run_dir = tmp_path / "run"
+  env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+  study = subprocess.Popen(
+    [sys.executable, "-c", _STUDY, str(launcher), str(stopped), str(run_dir)],
+    env=env,
+  )
+  try:
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "stopped.ready").exists():
+      assert time.monotonic() < deadline, "the launcher did not start"
+      time.sleep(0.1)
+    study.send_signal(signal.SIGTERM)
+    assert study.wait(timeout=30) == 128 + signal.SIGTERM
+    # The launcher was told to stop, and has.
+    assert stopped.exists()
+  finally:
+    study.kill()
 
 
 def test_trace_intervals_cover_the_fraction_inside_the_window():

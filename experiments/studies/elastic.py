@@ -48,6 +48,7 @@ from experiments import run_files
 from experiments.configs import default
 from experiments.studies import network
 from qsync_jax.parallel import cluster as cluster_lib
+from qsync_jax.parallel import distributed
 from qsync_jax.parallel import links
 from qsync_jax.parallel import membership
 
@@ -187,6 +188,10 @@ def launch(
 
   Returns:
     What happened; the caller judges the exit status.
+
+  Raises:
+    SystemExit: status 128 + the signal when this process gets SIGINT or
+      SIGTERM, after the launcher, sent SIGTERM, has stopped its processes.
   """
   metrics = os.path.join(run_dir, "metrics.jsonl")
   seen: dict[str, float] = {}
@@ -213,14 +218,19 @@ def launch(
     reader = threading.Thread(target=relay, daemon=True)
     reader.start()
     stopped = False
-    while proc.poll() is None:
-      now = time.monotonic() - start
-      if now > timeout_s and not stopped:
-        proc.terminate()
-        stopped = True
-      _stamp_rows(metrics, seen, now)
-      time.sleep(POLL_S)
+    # Stopped itself, the study stops its launcher, which stops the job's
+    # processes: nothing outlives the study.
+    with distributed.stop_signals() as received:
+      while proc.poll() is None:
+        now = time.monotonic() - start
+        if (now > timeout_s or received) and not stopped:
+          proc.terminate()
+          stopped = True
+        _stamp_rows(metrics, seen, now)
+        time.sleep(POLL_S)
     reader.join()
+    if received:
+      raise SystemExit(128 + received[0])
   wall = time.monotonic() - start
   # Rows written between the last poll and the exit.
   _stamp_rows(metrics, seen, wall)
