@@ -84,13 +84,9 @@ def _model_kwargs():
 
 
 def _run_reclaim(elastic):
-  given = [f"--{n}" for n in _TRACE_ONLY if FLAGS[n].present]
-  if given:
-    raise ValueError(
-      f"{', '.join(given)} only "
-      + ("applies" if len(given) == 1 else "apply")
-      + " to --study=trace"
-    )
+  cli.check_flags_need(
+    [f"--{n}" for n in _TRACE_ONLY if FLAGS[n].present], "to --study=trace"
+  )
   kwargs = {}
   if FLAGS.steps is not None:
     kwargs["steps"] = FLAGS.steps

@@ -69,6 +69,38 @@ def check_names(what: str, names: Sequence[str], valid: Iterable[str]) -> None:
     raise ValueError(f"unknown {what}(s) {unknown}; valid: {', '.join(valid)}")
 
 
+def check_flags_need(
+  given: Sequence[str],
+  what: str,
+  *,
+  verbs: tuple[str, str] = ("applies", "apply"),
+  fix: str | None = None,
+) -> None:
+  """Raises ``ValueError`` for flags given where they would be ignored.
+
+  Args:
+    given: the flags given (``["--latency"]``); none: nothing to say.
+    what: what they need, after the verb (``"to an elastic pool"``).
+    verbs: the verb for one flag and for several.
+    fix: how to give what they need (``"add --elastic"``); the message then
+      also offers to leave them out.
+
+  Example:
+    >>> check_flags_need([], "to --study=trace")
+    >>> check_flags_need(["--a", "--b"], "to X", fix="add --x")
+    Traceback (most recent call last):
+    ...
+    ValueError: --a, --b only apply to X: add --x, or leave them out
+  """
+  if not given:
+    return
+  one = len(given) == 1
+  line = f"{', '.join(given)} only {verbs[0] if one else verbs[1]} {what}"
+  if fix:
+    line += f": {fix}, or leave {'it' if one else 'them'} out"
+  raise ValueError(line)
+
+
 def exit_on_bad_override(error: Exception, argv: Sequence[str]) -> None:
   """Reports a ``--config.a.b=...`` override of a field the config lacks.
 

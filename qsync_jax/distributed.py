@@ -179,24 +179,18 @@ def _check_flags(opts: flags.FlagValues) -> None:
       f"--dead_peer_timeout_s must be a finite number >= 0, got {wait}"
     )
   if opts.link is None:
-    given = [f"--{name}" for name in _LINK_FLAGS if opts[name].present]
-    if given:
-      raise ValueError(
-        f"{', '.join(given)} only "
-        + ("shapes" if len(given) == 1 else "shape")
-        + " an emulated link: add --link=RATE (e.g. --link=1gbit), or "
-        "leave " + ("it" if len(given) == 1 else "them") + " out"
-      )
+    cli.check_flags_need(
+      [f"--{name}" for name in _LINK_FLAGS if opts[name].present],
+      "an emulated link",
+      verbs=("shapes", "shape"),
+      fix="add --link=RATE (e.g. --link=1gbit)",
+    )
   if not opts.elastic:
-    given = [f"--{name}" for name in _ELASTIC_FLAGS if opts[name].present]
-    if given:
-      raise ValueError(
-        f"{', '.join(given)} only "
-        + ("applies" if len(given) == 1 else "apply")
-        + " to an elastic pool: add --elastic, or leave "
-        + ("it" if len(given) == 1 else "them")
-        + " out"
-      )
+    cli.check_flags_need(
+      [f"--{name}" for name in _ELASTIC_FLAGS if opts[name].present],
+      "to an elastic pool",
+      fix="add --elastic",
+    )
 
 
 def _elastic_options(opts: flags.FlagValues) -> elastic.ElasticOptions:

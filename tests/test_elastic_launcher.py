@@ -505,6 +505,11 @@ def test_bad_flags_are_refused_before_anything_starts(tmp_path):
     ),
     (["--elastic", f"--availability={bad_json}"], "is not JSON"),
     (["--elastic", f"--availability={outside}"], "names slot '4'"),
+    (
+      ["--nocompilation_cache"],
+      "--compilation_cache only applies to an elastic pool: add --elastic, "
+      "or leave it out",
+    ),
   ]
   for args, message in cases:
     fv = _parse_flags(*args)
@@ -517,6 +522,10 @@ def test_bad_flags_are_refused_before_anything_starts(tmp_path):
   )
   assert (options.pool_size, options.min_processes) == (4, 2)
   assert options.rejoin_after_s == 3.0 and options.grace_s == 60
+  assert options.compilation_cache
+  assert not launcher_cli._elastic_options(
+    _parse_flags("--elastic", "--nocompilation_cache")
+  ).compilation_cache
 
 
 def test_cli_runs_a_pool_and_refuses_bad_input_in_one_line(tmp_path):

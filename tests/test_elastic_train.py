@@ -22,13 +22,12 @@ from flax import nnx
 import ml_collections
 import numpy as np
 import pytest
+from test_bad_input_resume import _refused
 
 from experiments import membership_lib
 from experiments import plans_lib
-from experiments import run_files
 from experiments import train_lib
 from experiments.configs import default as default_config
-from qsync_jax import cli
 from qsync_jax import data as data_lib
 from qsync_jax import models
 from qsync_jax import predictor
@@ -127,18 +126,6 @@ def _json(value):
 def _metrics(out):
   with open(out / "metrics.jsonl") as f:
     return [json.loads(line) for line in f]
-
-
-def _refused(config, out, capsys):
-  """Runs the main job in-process as the binary does; its one error line."""
-  capsys.readouterr()
-  with pytest.raises(SystemExit) as exited:
-    with cli.bad_input_exits(), run_files.disk_errors_exit(str(out)):
-      train_lib.train_and_evaluate(config, str(out))
-  assert exited.value.code == 1
-  err = capsys.readouterr().err.strip().splitlines()
-  assert len(err) == 1 and err[0].startswith("error: "), err
-  return err[0]
 
 
 def test_shrink_and_grow_keep_the_global_batch_and_the_data(
