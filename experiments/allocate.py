@@ -47,19 +47,21 @@ from absl import flags
 from flax import nnx
 
 from experiments import config_lib
-from experiments import limits_lib
-from experiments import train_lib
 from qsync_jax import cli
 from qsync_jax import data as data_lib
 from qsync_jax import host_memory
 from qsync_jax import models as models_lib
+from qsync_jax import rundir
 from qsync_jax import sensitivity
 from qsync_jax.allocation import pipeline
 from qsync_jax.allocation import sync_methods
+from qsync_jax.data import sizes as data_sizes
+from qsync_jax.launch import links
+from qsync_jax.models import sizes as model_sizes
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.parallel import cluster as cluster_lib
-from qsync_jax.parallel import links
 from qsync_jax.predictor import communication
+from qsync_jax.predictor import host_limits
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "resnet50", "Built-in model or module:factory.")
@@ -285,21 +287,21 @@ def _check_sizes(model_kwargs, score_kwargs, dataset_kwargs):
   Raises:
     ValueError: naming the flag, what it needs and the limit.
   """
-  limits_lib.check_model_kwargs(FLAGS.model, model_kwargs, "--model_kwargs")
-  limits_lib.check_model_kwargs(
+  model_sizes.check_model_kwargs(FLAGS.model, model_kwargs, "--model_kwargs")
+  model_sizes.check_model_kwargs(
     FLAGS.model, score_kwargs, "--score_model_kwargs"
   )
   cluster_lib.parse_cluster(FLAGS.cluster)
   if FLAGS.link:
     host_memory.check(
       f"--total_steps={FLAGS.total_steps}",
-      FLAGS.total_steps * limits_lib.STEP_BYTES,
+      FLAGS.total_steps * host_limits.STEP_BYTES,
       "each sync method's table of steps, "
-      f"{limits_lib.STEP_BYTES} bytes a step",
+      f"{host_limits.STEP_BYTES} bytes a step",
     )
   if FLAGS.scores and FLAGS.model in models_lib.MODELS:
     return  # no dataset is loaded
-  size = limits_lib.dataset_size(
+  size = data_sizes.dataset_size(
     FLAGS.dataset, dataset_kwargs, "--dataset_kwargs"
   )
   if size is None:
@@ -335,8 +337,11 @@ def _check_score_model(dataset, score_kwargs):
       **score_kwargs,
     )
   )
-  step = limits_lib.step_memory(
-    model, dataset, FLAGS.score_batch_size, optimizer_state_copies=0
+  step = host_limits.step_memory(
+    model,
+    (dataset.x_train[:1], dataset.y_train[:1]),
+    FLAGS.score_batch_size,
+    optimizer_state_copies=0,
   )
   host_memory.check(
     f"--model={FLAGS.model} with --score_model_kwargs "
@@ -396,7 +401,7 @@ def main(argv):
     )
     if scores is None:
       _check_score_model(dataset, score_kwargs)
-    train_lib.make_out_dir(FLAGS.out, "--out")
+    rundir.make_out_dir(FLAGS.out, "--out")
     if scores is None:
       score_model = models_lib.build_model(
         FLAGS.model,

@@ -41,7 +41,7 @@ import jax
 
 from experiments.benches import compression
 from qsync_jax import cli
-from qsync_jax.parallel import distributed
+from qsync_jax.process import initialize
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output JSON file.")
@@ -87,7 +87,7 @@ def main(argv):
   with cli.bad_input_exits():
     # Before anything starts the backend: join the launch this process is
     # one of, or make the fake_devices setting's devices.
-    if distributed.initialize():
+    if initialize.initialize():
       settings = settings if FLAGS["settings"].present else ["multiprocess"]
       if not FLAGS["num_workers"].present:
         num_workers = jax.process_count()
@@ -107,7 +107,7 @@ def main(argv):
       parts=FLAGS.parts,
     )
   first = jax.process_index() == 0
-  distributed.shutdown()
+  initialize.shutdown()
   if not first:
     return  # Process 0 alone writes and reports.
   with open(FLAGS.out, "w") as f:

@@ -35,11 +35,11 @@ from qsync_jax import task
 from qsync_jax.allocation import sharing
 from qsync_jax.parallel import averagers
 from qsync_jax.parallel import cluster as cluster_lib
-from qsync_jax.parallel import launchers
 from qsync_jax.parallel import schedules
 from qsync_jax.plan import devices as devices_lib
 from qsync_jax.plan.precision import PlanError
 from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.process import detection
 from qsync_jax.train import evaluation
 from qsync_jax.train import programs
 from qsync_jax.train import step as step_lib
@@ -251,10 +251,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       f"{', '.join(evaluation.BN_STATS)}, got {bn_stats!r}"
     )
   local_devices = config.get("distributed", {}).get("local_devices", "auto")
-  if local_devices not in launchers.LOCAL_DEVICES:
+  if local_devices not in detection.LOCAL_DEVICES:
     raise ValueError(
       f"config.distributed.local_devices must be one of "
-      f"{', '.join(launchers.LOCAL_DEVICES)}, got "
+      f"{', '.join(detection.LOCAL_DEVICES)}, got "
       f"{local_devices!r}"
     )
   source = config.get("allocator", {}).get("profiles", "auto")

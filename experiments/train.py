@@ -11,7 +11,7 @@ experiments.train_lib.main does the rest. The guide: docs/guides/main_job.md.
 
 Exit status: 0 when the run is done; 1 for bad input or a failed run (one
 ``error:`` line); 75 (MEMBERSHIP_CHANGED_EXIT_CODE of
-qsync_jax.parallel.membership) when SIGTERM made it checkpoint the step every
+qsync_jax.process.membership) when SIGTERM made it checkpoint the step every
 process agreed on: the same command resumes it, and an elastic launcher
 starts its next world.
 """

@@ -10,24 +10,22 @@ precision plan (and its batch size, equal or proportional to device speed),
 trains a :class:`~qsync_jax.train.trainer.HybridTrainer`, checkpoints and
 resumes it, and writes ``summary.json``, ``metrics.jsonl``, the plans and a
 PNG of the curves.
-In a multi-process run (``qsync_jax.parallel.distributed``) every process runs
+In a multi-process run (``qsync_jax.process.initialize``) every process runs
 its own workers and only process 0 writes the files. The config's checks and
 the objects it names are in :mod:`experiments.config_lib`; a run ending in
 non-finite parameters or losses fails (``FloatingPointError``) instead of
-writing a summary, and ``make_out_dir`` refuses an output path that is a file.
+writing a summary, and ``qsync_jax.rundir.make_out_dir`` refuses an output path
+that is a file.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 import contextlib
-import errno
-import fcntl
 import io
 import json
 import math
 import os
-import socket
 import sys
 import time
 from typing import Any
@@ -44,174 +42,33 @@ from experiments import flag_aliases
 from experiments import limits_lib
 from experiments import membership_lib
 from experiments import plans_lib
-from experiments import run_files
 from qsync_jax import cli
 from qsync_jax import data as data_lib
+from qsync_jax import files
 from qsync_jax import host_malloc
-from qsync_jax.parallel import agreement
+from qsync_jax import rundir
+from qsync_jax.allocation import sharing
+from qsync_jax.launch import links
 from qsync_jax.parallel import cluster as cluster_lib
-from qsync_jax.parallel import coordination
-from qsync_jax.parallel import distributed
-from qsync_jax.parallel import links
-from qsync_jax.parallel import membership
-from qsync_jax.parallel import preemption
 from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.process import agreement
+from qsync_jax.process import coordination
+from qsync_jax.process import initialize
+from qsync_jax.process import membership
+from qsync_jax.process import membership_record
+from qsync_jax.process import preemption
+from qsync_jax.process import previous_run
+from qsync_jax.process import run_start
 from qsync_jax.train import trainer as trainer_lib
 from qsync_jax.train.checkpoint import Checkpointer
+from qsync_jax.train.state import TrainState
+from qsync_jax.train.sync import SyncSettings
 from qsync_jax.train.trainer import HybridTrainer
 from qsync_jax.train.trainer import Worker
 
 #: The file a preempted run leaves in its directory: the same command then
 #: resumes from the checkpoint it wrote, without --resume.
-PREEMPTED = membership_lib.PREEMPTED
-
-
-def make_out_dir(path: str, what: str = "output directory") -> None:
-  """Creates the output directory ``path`` (and its parents) if missing.
-
-  Args:
-    path: the directory.
-    what: what it is, for the message (e.g. ``"--out"``).
-
-  Raises:
-    ValueError: ``path`` or one of its parents is an existing file, or
-      ``path`` cannot be created or written (a read-only file system, no
-      permission).
-  """
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise ValueError(f"{what} {path!r} is an existing file, not a directory")
-  try:
-    os.makedirs(path, exist_ok=True)
-  except (FileExistsError, NotADirectoryError):
-    raise ValueError(
-      f"{what} {path!r} cannot be created: a parent of it is an existing file"
-    ) from None
-  except OSError as e:
-    raise ValueError(
-      f"{what} {path!r} cannot be created: {e.strerror}"
-    ) from None
-  if not os.access(path, os.W_OK | os.X_OK):
-    # Root may write anywhere but on a read-only mount: say which it is.
-    read_only = os.statvfs(path).f_flag & os.ST_RDONLY
-    raise ValueError(
-      f"{what} {path!r} is not writable: "
-      + ("a read-only file system" if read_only else "permission denied")
-    )
-
-
-@contextlib.contextmanager
-def _refusal_leaves_no_dir(out_dir: str) -> Iterator[None]:
-  """Removes ``out_dir`` again if the run that created it fails empty.
-
-  A refused run writes nothing, but by then it has made the directory and
-  the lock file in it; they go, unless the directory holds anything else.
-  """
-  made = not os.path.lexists(out_dir)
-  try:
-    yield
-  except BaseException:
-    lock = os.path.join(out_dir, LOCK_FILE)
-    with contextlib.suppress(OSError):
-      if made and os.listdir(out_dir) == [LOCK_FILE]:
-        if os.path.getsize(lock) == 0:
-          os.remove(lock)
-      if made:
-        os.rmdir(out_dir)
-    raise
-
-
-#: The lock file in a run directory: the run that holds it (process 0 of a
-#: multi-process run) owns the directory; its text records the holder.
-LOCK_FILE = ".lock"
-
-
-class OutDirLock:
-  """An exclusive lock on a run directory, held for the run's lifetime.
-
-  ``fcntl.flock`` on ``<out_dir>/.lock``, without waiting: the kernel
-  releases it when the holder exits, even when killed, so a lock file left
-  by a killed run blocks nobody. The holder's pid and host go into the file
-  (:meth:`record`) once the run is past every check that can refuse it, and
-  are cleared at :meth:`release`.
-  """
-
-  def __init__(self, out_dir: str):
-    self.out_dir = out_dir
-    self.path = os.path.join(out_dir, LOCK_FILE)
-    self._fd: int | None = None
-    self._recorded = False
-
-  def acquire(self) -> None:
-    """Takes the lock; opening it leaves an existing lock file unchanged.
-
-    Raises:
-      ValueError: another run holds it (naming its pid and host).
-    """
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-      if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-        os.close(fd)
-        raise
-      holder = _lock_holder(fd)
-      os.close(fd)
-      raise ValueError(
-        f"--out_dir {self.out_dir} is in use by another run ({holder})"
-      ) from None
-    self._fd = fd
-
-  def record(self) -> None:
-    """Writes the holder's pid and host into the lock file."""
-    if self._fd is None or self._recorded:
-      return
-    text = json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
-    os.ftruncate(self._fd, 0)
-    os.pwrite(self._fd, (text + "\n").encode(), 0)
-    self._recorded = True
-
-  def release(self) -> None:
-    """Clears what :meth:`record` wrote and releases the lock."""
-    if self._fd is None:
-      return
-    try:
-      if self._recorded:
-        os.ftruncate(self._fd, 0)
-      fcntl.flock(self._fd, fcntl.LOCK_UN)
-    finally:
-      os.close(self._fd)
-      self._fd = None
-      self._recorded = False
-
-  def __enter__(self) -> OutDirLock:
-    self.acquire()
-    return self
-
-  def __exit__(self, *exc: object) -> None:
-    self.release()
-
-
-def _lock_holder(fd: int) -> str:
-  """Who holds the lock ``fd`` is a lock file of, in words."""
-  try:
-    holder = json.loads(os.pread(fd, 4096, 0).decode())
-    pid, host = int(holder["pid"]), str(holder["host"])
-  except (OSError, ValueError, TypeError, KeyError):
-    return "starting: its pid is not recorded yet"
-  if host == socket.gethostname() and not _pid_alive(pid):
-    # A killed run's record; the holder has not written its own yet.
-    return "starting: its pid is not recorded yet"
-  return f"pid {pid} on {host}"
-
-
-def _pid_alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except OSError:  # another user's process
-    return True
-  return True
+PREEMPTED = previous_run.PREEMPTED
 
 
 def make_workers(
@@ -229,7 +86,7 @@ def make_workers(
   baseline: the global batch ``batch_size * num_workers`` split in
   proportion to ``config.speeds``); ``batch_sizes``, one per worker, are
   used instead where given (a resume keeps its checkpoint's global batch:
-  :func:`experiments.membership_lib.resume_batch_sizes`).
+  :func:`qsync_jax.process.run_start.resume_batch_sizes`).
 
   Raises:
     ValueError: a bad cluster spec, too few devices, a plan for a kind not in
@@ -246,11 +103,11 @@ def make_workers(
     else PrecisionPlan()
     for kind in spec.groups()
   }
-  sizes = batch_sizes or membership_lib.split_batch(
+  sizes = batch_sizes or cluster_lib.split_batch(
     config.batch_size * spec.num_workers,
     spec.kinds,
     config.batch_mode,
-    config.get("speeds", ""),
+    config.speeds,
   )
   return [
     Worker(d, k, plan_of[k], b) for d, k, b in zip(devices, spec.kinds, sizes)
@@ -281,10 +138,10 @@ def check_agreement(
   Compares the library versions, ``XLA_FLAGS``, the config (less its
   ``distributed`` settings, which may differ per process), the initial
   parameters' count and digest and the data-order seed
-  (:mod:`qsync_jax.parallel.agreement`); a no-op with one process.
+  (:mod:`qsync_jax.process.agreement`); a no-op with one process.
 
   Raises:
-    qsync_jax.parallel.agreement.AgreementError: naming the process and the
+    qsync_jax.process.agreement.AgreementError: naming the process and the
       field that differ, or a process that did not report in time.
   """
   if jax.process_count() == 1:
@@ -340,13 +197,14 @@ def plot_curves(metrics_path: str, png_path: str) -> None:
   png = io.BytesIO()
   fig.savefig(png, format="png", dpi=100)
   plt.close(fig)
-  run_files.write_bytes(png_path, png.getvalue())
+  files.write_bytes(png_path, png.getvalue())
 
 
 def bn_batches(
   config: ml_collections.ConfigDict,
   batcher: data_lib.WorkerBatcher | data_lib.StreamBatcher,
   trainer: HybridTrainer,
+  step: int,
 ) -> Iterator[dict[int, Any]]:
   """The training batches evaluation re-estimates BatchNorm statistics on.
 
@@ -356,11 +214,12 @@ def bn_batches(
   generator: a model without BatchNorm reads none.
   """
   k = max(1, config.get("bn_batches", 128) // trainer.num_workers)
-  yield from batcher.upcoming(trainer.step, k, trainer.local_workers)
+  yield from batcher.upcoming(step, k, trainer.local_workers)
 
 
 def _check_finite_result(
   trainer: HybridTrainer,
+  state: TrainState,
   eval_loss: float,
   train_loss: float | None,
   summary_path: str | None,
@@ -374,7 +233,8 @@ def _check_finite_result(
   model has diverged.
 
   Args:
-    trainer: the trainer after its last step.
+    trainer: the trainer.
+    state: the state after the last step.
     eval_loss: the final eval loss.
     train_loss: the last logged training loss (None: none this run).
     summary_path: the summary to remove; None on a process that writes
@@ -386,7 +246,7 @@ def _check_finite_result(
   params = [
     x
     for i in trainer.local_workers
-    for x in jax.tree.leaves(trainer.worker_params(i))
+    for x in jax.tree.leaves(trainer.worker_params(state, i))
   ]
   if not math.isfinite(eval_loss):
     problem = f"the final eval loss is {eval_loss}"
@@ -399,7 +259,7 @@ def _check_finite_result(
   if summary_path is not None and os.path.exists(summary_path):
     os.remove(summary_path)
   raise FloatingPointError(
-    f"training diverged: {problem} at step {trainer.step} (try a lower "
+    f"training diverged: {problem} at step {state.step} (try a lower "
     "learning rate); no summary.json written"
   )
 
@@ -407,7 +267,7 @@ def _check_finite_result(
 def _check_resume_files(
   config: ml_collections.ConfigDict, out_dir: str, step: int | None
 ) -> tuple[bytes | None, dict[str, Any] | None]:
-  """:func:`experiments.run_files.check_resume` on process 0, for all.
+  """:func:`qsync_jax.rundir.metrics.check_resume` on process 0, for all.
 
   Process 0 alone writes (and may alone see) the run's files; its verdict,
   or its error, reaches every process, so that all refuse the run or all
@@ -420,11 +280,11 @@ def _check_resume_files(
 
   Raises:
     ValueError: process 0's refusal (one process).
-    qsync_jax.parallel.coordination.CoordinationError: the same, on every
+    qsync_jax.process.coordination.CoordinationError: the same, on every
       process of a multi-process run.
   """
   if jax.process_count() == 1:
-    return run_files.check_resume(out_dir, step, config.steps)
+    return rundir.metrics.check_resume(out_dir, step, config.steps)
   store, key = coordination.client(), "qsync_resume_files"
   if jax.process_index() != 0:
     finished = coordination.share(
@@ -436,7 +296,7 @@ def _check_resume_files(
     )
     return None, finished
   try:
-    metrics, finished = run_files.check_resume(out_dir, step, config.steps)
+    metrics, finished = rundir.metrics.check_resume(out_dir, step, config.steps)
   except ValueError as e:
     # Raises the error on process 0 too, once the others have it.
     coordination.share(store, key, source=0, process_index=0, error=str(e))
@@ -445,7 +305,7 @@ def _check_resume_files(
   return metrics, finished
 
 
-def _finish_step(trainer: HybridTrainer, out: Any) -> None:
+def _finish_step(state: TrainState, out: Any) -> None:
   """Waits for every program of the last step, not only its metrics.
 
   The metrics come from the gradient functions; the update, and a sync
@@ -454,7 +314,7 @@ def _finish_step(trainer: HybridTrainer, out: Any) -> None:
   excluded time took in the float32 mean's all-reduce of a data-parallel
   step.
   """
-  jax.block_until_ready((out, trainer.params, trainer.opt_state))
+  jax.block_until_ready((out, state.params, state.opt_state))
 
 
 def train_and_evaluate(
@@ -468,10 +328,11 @@ def train_and_evaluate(
   the next call with the same directory resume, as ``config.resume`` does.
 
   Elastic runs and resumes onto other workers: :mod:`experiments
-  .membership_lib` (an elastic pool's ``config.cluster`` names one worker
-  per slot; a later world resumes by itself; the global batch is kept;
-  ``--plan=auto`` plans again, reusing :class:`experiments.plans_lib
-  .PlanCache`; each change is recorded).
+  .membership_lib` and :mod:`qsync_jax.process.run_start` (an elastic
+  pool's ``config.cluster`` names one worker per slot; a later world
+  resumes by itself; the global batch is kept;
+  ``--plan=auto`` plans again, reusing :class:`qsync_jax.allocation
+  .job_plans.PlanCache`; each change is recorded).
 
   Args:
     config: the job's config.
@@ -491,10 +352,12 @@ def train_and_evaluate(
     rate, or null), host_malloc, workers [{kind, device, batch_size,
     plan}], precisions (per worker: {layer: precision}), membership (one
     entry per membership change of the run directory, see
-    :class:`~experiments.membership_lib.MembershipRecord`).
+    :class:`~qsync_jax.process.membership_record.MembershipRecord`).
   - ``metrics.jsonl``: one row per log/eval step (step, loss, accuracy,
     examples_per_s, loss_scale, H (the period of the step's round),
-    sync_rounds, comm_bytes, num_workers, eval_loss, eval_accuracy).
+    sync_rounds, comm_bytes, num_workers, eval_loss, eval_accuracy), and
+    the same numbers as TensorBoard scalars in ``tensorboard/``
+    (:class:`qsync_jax.rundir.MetricWriter`).
   - ``plans/<kind>.json``: each device kind's PrecisionPlan.
   - ``allocation/``: with ``config.plan_mode="auto"`` (``--plan=auto``),
     the allocator's summary, scores (and their inputs' digest) and plans;
@@ -505,14 +368,15 @@ def train_and_evaluate(
     continues the newest one.
   - ``PREEMPTED``: after a preemption, until a run finishes: the agreed
     step, when it was agreed and its checkpoint's seconds.
-  - ``.lock``: the :class:`OutDirLock` process 0 holds while it runs; a
+  - ``.lock``: the :class:`~qsync_jax.rundir.OutDirLock` process 0 holds
+    while it runs; a
     second run into ``out_dir`` meanwhile is refused (``ValueError``).
 
   Returns:
     The summary written to ``summary.json``; after a preemption
     ``{"preempted": True, "steps": step}`` (no summary is written;
     :func:`main` exits with
-    :data:`~qsync_jax.parallel.membership.MEMBERSHIP_CHANGED_EXIT_CODE`).
+    :data:`~qsync_jax.process.membership.MEMBERSHIP_CHANGED_EXIT_CODE`).
 
   Raises:
     ValueError: a bad config (see ``validate_config``) or output directory;
@@ -528,17 +392,17 @@ def train_and_evaluate(
       the file; a failed checkpoint save leaves the earlier ones intact.
     FloatingPointError: the final parameters or eval loss are not finite;
       no ``summary.json`` is written (a stale one is removed).
-    qsync_jax.parallel.agreement.AgreementError: the processes disagree.
+    qsync_jax.process.agreement.AgreementError: the processes disagree.
   """
   # Before anything is written into out_dir (the lock file aside).
   config_lib.validate_config(config)
   limits_lib.check_sizes(config)
-  make_out_dir(out_dir)
+  rundir.make_out_dir(out_dir)
   # One run at a time in out_dir: process 0 holds its lock.
   with contextlib.ExitStack() as stack:
     lock = None
     if jax.process_index() == 0:
-      lock = stack.enter_context(OutDirLock(out_dir))
+      lock = stack.enter_context(rundir.OutDirLock(out_dir))
     watch = stack.enter_context(preemption.PreemptionWatch())
     return _train_and_evaluate(config, out_dir, watch, lock)
 
@@ -554,13 +418,13 @@ def main(
   (:func:`experiments.flag_aliases.apply_overrides`), checks the config and
   creates ``out_dir`` before anything starts, joins the multi-process run
   the launcher or ``config.distributed`` describes
-  (:func:`qsync_jax.parallel.distributed.initialize`; a single process on
+  (:func:`qsync_jax.process.initialize.initialize`; a single process on
   CPU gets one fake CPU device per worker), then runs
   :func:`train_and_evaluate`.
 
   Multi-process: started by srun, mpirun (Open MPI 4 or 5) or a Kubernetes
   indexed Job/JobSet, the same command needs no extra variables
-  (jax.distributed detects the launcher; qsync_jax.parallel.launchers fills
+  (jax.distributed detects the launcher; qsync_jax.process.detection fills
   in what it cannot); ``config.distributed.coordinator_address``,
   ``num_processes`` and ``process_id`` override what is detected. On one
   host, for development (one device per process; the launcher SIGKILLs
@@ -572,7 +436,7 @@ def main(
   Before training the processes check that they agree (versions,
   XLA_FLAGS, config, initial parameters, data seed). SIGTERM makes every
   process checkpoint the step they agree on and exit with status
-  :data:`~qsync_jax.parallel.membership.MEMBERSHIP_CHANGED_EXIT_CODE` (75,
+  :data:`~qsync_jax.process.membership.MEMBERSHIP_CHANGED_EXIT_CODE` (75,
   "start again": an elastic launcher starts the next world), leaving
   ``<out_dir>/PREEMPTED``; the same command then resumes from it. Under an
   elastic launcher (``QSYNC_ELASTIC_*``) ``--cluster`` names its pool, one
@@ -590,7 +454,7 @@ def main(
   model or optimizer, fewer steps than its checkpoint, a damaged
   ``metrics.jsonl``: :func:`train_and_evaluate`) is such a line too, and a
   full or read-only disk while the run writes is one line naming the path
-  (:func:`experiments.run_files.disk_errors_exit`).
+  (:func:`qsync_jax.cli.disk_errors_exit`).
 
   Args:
     config: the job's config; ``overrides`` are applied to it in place.
@@ -606,23 +470,23 @@ def main(
   cli.start_binary()
   # A full or read-only disk under out_dir: one line, naming the path.
   with (
-    _refusal_leaves_no_dir(out_dir),
+    rundir.directory.refusal_leaves_no_dir(out_dir),
     cli.bad_input_exits(),
-    run_files.disk_errors_exit(out_dir),
+    cli.disk_errors_exit(out_dir),
   ):
     flag_aliases.apply_overrides(config, overrides or {})
     # Before anything starts (train_and_evaluate checks it again, for
     # library callers).
     config_lib.validate_config(config)
     limits_lib.check_sizes(config)
-    make_out_dir(out_dir, "--out_dir")
+    rundir.make_out_dir(out_dir, "--out_dir")
     auto = config.cluster.strip().lower() == cluster_lib.AUTO
     # An elastic pool's --cluster names one worker per slot: checked now.
     world_cluster = membership_lib.world_config(
       config, membership.from_env()
     ).cluster
     dist = config.get("distributed", {})
-    multi = distributed.initialize(
+    multi = initialize.initialize(
       timeout_s=dist.get("initialization_timeout_s", 300),
       heartbeat_timeout_s=dist.get("heartbeat_timeout_s", 100),
       shutdown_timeout_s=dist.get("shutdown_timeout_s", 300),
@@ -660,7 +524,7 @@ def _train_and_evaluate(
   config: ml_collections.ConfigDict,
   out_dir: str,
   watch: preemption.PreemptionWatch,
-  lock: OutDirLock | None = None,
+  lock: rundir.OutDirLock | None = None,
 ) -> dict[str, Any]:
   """:func:`train_and_evaluate` with the preemption watch ``watch``.
 
@@ -679,11 +543,18 @@ def _train_and_evaluate(
       )
   config_lib.validate_config(config)
   writer = jax.process_index() == 0
-  make_out_dir(out_dir)
-  run_files.check_layout(out_dir)
+  rundir.make_out_dir(out_dir)
+  rundir.directory.check_layout(out_dir)
   checkpoints_dir = os.path.join(out_dir, "checkpoints")
   preempted_path = os.path.join(out_dir, PREEMPTED)
-  start = membership_lib.RunStart.open(config, out_dir, world)
+  start = run_start.RunStart.open(
+    out_dir,
+    world,
+    resume=config.resume,
+    kinds=cluster_lib.parse_cluster(config.cluster).kinds,
+    batch_mode=config.batch_mode,
+    speeds=config.speeds,
+  )
   checkpointer, resuming = start.checkpointer, start.resuming
   batch_sizes = start.batch_sizes
   schedule = config_lib.make_schedule(config)
@@ -705,7 +576,7 @@ def _train_and_evaluate(
     sized.batch_size
     * max(
       cluster_lib.parse_cluster(config.cluster).num_workers,
-      config.get("allocator", {}).get("num_batches", 1),
+      config.allocator.num_batches,
     ),
   )
   # Before the model is built: its workers' steps fit where they run.
@@ -713,14 +584,14 @@ def _train_and_evaluate(
   model = config_lib.build_model(config, dataset)
   config_lib.check_model_fits(config, model, dataset)
   check_agreement(config, model)
-  record = membership_lib.MembershipRecord(world)
+  record = membership_record.MembershipRecord(world)
   record.mark("plan")
-  plan_cache = plans_lib.PlanCache(out_dir)
+  plan_cache = plans_lib.plan_cache(config, out_dir)
   plans, result, profile_sources = plans_lib.job_plans(
     config, model, dataset, plan_cache
   )
   workers = make_workers(config, plans=plans, batch_sizes=batch_sizes)
-  digest = plans_lib.check_plans({w.kind: w.plan for w in workers})
+  digest = sharing.check_plans({w.kind: w.plan for w in workers})
   logging.info("plans %s on %d process(es)", digest[:12], jax.process_count())
   record.mark("restore")
   sample = batcher_sample(dataset, workers)
@@ -728,16 +599,20 @@ def _train_and_evaluate(
     model,
     workers,
     optimizer,
-    loss_fn=loss_fn,
-    sample_batch=sample,
-    averager=averager,
-    schedule=schedule,
-    error_feedback=config.get("error_feedback", False),
-    seed=config.seed,
+    objective=loss_fn,
+    sample=sample,
+    sync=SyncSettings(
+      schedule=schedule,
+      averager=averager,
+      error_feedback=config.get("error_feedback", False)
+      and averager.name != "mean",
+      outer_tx=outer_tx,
+      opt_fields_to_average=config_lib.opt_fields(config),
+    ),
     bn_stats=config.get("bn_stats", "reestimate"),
-    opt_fields_to_average=config_lib.opt_fields(config),
-    outer_tx=outer_tx,
+    seed=config.seed,
   )
+  state = trainer.init()
   batcher = data_lib.training_batcher(
     source, [w.batch_size for w in workers], seed=config.seed
   )
@@ -748,14 +623,15 @@ def _train_and_evaluate(
   resumed_step = None
   if resuming and checkpointer is not None:
     # Onto other workers than the checkpoint's: restored onto these.
-    meta = checkpointer.restore_latest(trainer)
-    if meta is None:
+    restored = checkpointer.restore_latest(trainer, state)
+    if restored is None:
       logging.info("no checkpoint in %s: starting from step 0", out_dir)
     else:
+      state, meta = restored
       # A streamed dataset reads on from the checkpoint's position.
-      batcher.load_state_dict(meta.get("data"), trainer.step)
-      logging.info("resumed from step %d", trainer.step)
-      resumed_step = trainer.step
+      batcher.load_state_dict(state.data, state.step)
+      logging.info("resumed from step %d", state.step)
+      resumed_step = state.step
       record.resumed(meta, [w.kind for w in workers], start.previous)
   elif resuming:
     logging.info("no checkpoint in %s: starting from step 0", out_dir)
@@ -786,17 +662,16 @@ def _train_and_evaluate(
     checkpointer = Checkpointer(checkpoints_dir)
   if writer and result is not None:
     plan_cache.save(result)
-  if resuming:
-    if writer and kept_metrics is not None:
-      # Rows logged after the checkpoint go; a torn last one too.
-      run_files.write_bytes(metrics_path, kept_metrics)
-  elif writer and os.path.exists(metrics_path):
-    os.remove(metrics_path)
+  # Rows and TensorBoard events logged after the checkpoint go (a torn
+  # last row too); a new run starts both anew. Process 0 writes them.
+  metric_writer = rundir.MetricWriter(
+    out_dir, start_step=state.step, kept_rows=kept_metrics
+  )
 
   if writer:
     os.makedirs(os.path.join(out_dir, "plans"), exist_ok=True)
     for w in workers:
-      run_files.write_text(
+      files.write_text(
         os.path.join(out_dir, "plans", f"{w.kind}.json"), w.plan.to_json()
       )
   for i, w in enumerate(workers):
@@ -814,32 +689,32 @@ def _train_and_evaluate(
     schedule.name,
     len(schedule.sync_steps(config.steps)),
     config.steps,
-    trainer.averager.name,
+    averager.name,
   )
 
   # Every update and averaging program compiles now, outside the training
   # clock; the first step (before the clock starts) compiles the rest.
-  trainer.compile(config.steps)
+  trainer.compile(state, config.steps)
   global_batch = sum(w.batch_size for w in workers)
   start = time.perf_counter()
-  start_step = trainer.step
-  window_start, window_step = start, trainer.step
+  start_step = state.step
+  window_start, window_step = start, state.step
   last_train, last_eval = {}, {}
   saved_step = None
   # Seconds spent in evals and checkpoints, left out of train_time_s.
   excluded = 0.0
-  while trainer.step < config.steps:
-    step = trainer.step
-    out = trainer.train_step(
-      batcher.worker_batches(step, trainer.local_workers)
+  while state.step < config.steps:
+    step = state.step
+    state, out = trainer.train_step(
+      state, batcher.worker_batches(step, trainer.local_workers)
     )
-    done = trainer.step
+    done = state.step
     if done == start_step + 1:
       # The training clock starts once the first step (which compiles the
       # gradient functions) has run on every process: a local step has no
       # collective to wait at, and a process still compiling would share
       # the cores with the others' clocked steps.
-      _finish_step(trainer, out)
+      _finish_step(state, out)
       if jax.process_count() > 1:
         multihost_utils.sync_global_devices("qsync training clock")
       train_start = time.perf_counter()
@@ -858,10 +733,10 @@ def _train_and_evaluate(
         "step": done,
         **last_train,
         "examples_per_s": rate,
-        "loss_scale": trainer.current_loss_scale,
+        "loss_scale": state.current_loss_scale,
         "H": schedule.round_length(done),
-        "sync_rounds": trainer.sync_rounds,
-        "comm_bytes": trainer.comm_bytes,
+        "sync_rounds": state.sync_rounds,
+        "comm_bytes": state.comm_bytes,
         "num_workers": trainer.num_workers,
       }
       logging.info(
@@ -875,12 +750,13 @@ def _train_and_evaluate(
       done % config.eval_every == 0 or done == config.steps
     ):
       # The step's queued work finishes before the clock stops for the eval.
-      _finish_step(trainer, out)
+      _finish_step(state, out)
       eval_start = time.perf_counter()
       train_time = eval_start - train_start - excluded
       ev = trainer.evaluate(
+        state,
         data_lib.eval_set(source),
-        train_batches=bn_batches(config, batcher, trainer),
+        train_batches=bn_batches(config, batcher, trainer, state.step),
       )
       last_eval = {"step": done, **ev}
       excluded += time.perf_counter() - eval_start
@@ -890,24 +766,33 @@ def _train_and_evaluate(
         **{f"eval_{name}": value for name, value in ev.items()},
       }
       logging.info("step %d eval %s", done, _metrics_text(ev))
-    if row is not None and writer:
-      run_files.append_line(metrics_path, json.dumps(row))
+    if row is not None:
+      metric_writer.write(done, {k: v for k, v in row.items() if k != "step"})
     if config.checkpoint_every and (
       done % config.checkpoint_every == 0 or done == config.steps
     ):
-      _finish_step(trainer, out)
+      _finish_step(state, out)
       save_start = time.perf_counter()
-      checkpointer.save(trainer, record.checkpoint_meta(batcher.state_dict()))
+      checkpointer.save(
+        trainer,
+        state.replace(data=batcher.state_dict()),
+        record.checkpoint_meta(),
+      )
       excluded += time.perf_counter() - save_start
       saved_step = done
     if watch.reached(done):
       # Every process reaches this at the same step (PreemptionWatch).
       agreed, save_start = time.time(), time.perf_counter()
       if saved_step != done:
-        checkpointer.save(trainer, record.checkpoint_meta(batcher.state_dict()))
+        checkpointer.save(
+          trainer,
+          state.replace(data=batcher.state_dict()),
+          record.checkpoint_meta(),
+        )
       checkpointer.close()
+      metric_writer.close()
       if writer:
-        membership_lib.write_preempted(
+        previous_run.write_preempted(
           preempted_path, done, agreed, time.perf_counter() - save_start
         )
       logging.info(
@@ -919,28 +804,30 @@ def _train_and_evaluate(
     ):
       # Throughput windows count training only, not evals or checkpoints.
       window_start, window_step = time.perf_counter(), done
-  if trainer.step > start_step:
-    _finish_step(trainer, out)
+  if state.step > start_step:
+    _finish_step(state, out)
   wall = time.perf_counter() - start
   train_time = (
     time.perf_counter() - train_start - excluded
-    if trainer.step > start_step
+    if state.step > start_step
     else 0.0
   )
   final = (
     last_eval
-    if last_eval.get("step") == trainer.step
+    if last_eval.get("step") == state.step
     else {
-      "step": trainer.step,
+      "step": state.step,
       **trainer.evaluate(
+        state,
         data_lib.eval_set(source),
-        train_batches=bn_batches(config, batcher, trainer),
+        train_batches=bn_batches(config, batcher, trainer, state.step),
       ),
     }
   )
   checkpointer.close()
   _check_finite_result(
     trainer,
+    state,
     final["loss"],
     last_train.get("loss"),
     os.path.join(out_dir, "summary.json") if writer else None,
@@ -952,24 +839,24 @@ def _train_and_evaluate(
       if name != "step"
     },
     "final_train_loss": last_train.get("loss"),
-    "steps": trainer.step,
-    "steps_this_run": trainer.step - start_step,
+    "steps": state.step,
+    "steps_this_run": state.step - start_step,
     "sync": schedule.name,
-    "compress": trainer.averager.name,
-    "error_feedback": trainer.error_feedback,
+    "compress": averager.name,
+    "error_feedback": trainer.sync.error_feedback,
     "outer_optimizer": config.get("outer_optimizer", "none"),
-    "sync_rounds": trainer.sync_rounds,
-    "comm_bytes": trainer.comm_bytes,
+    "sync_rounds": state.sync_rounds,
+    "comm_bytes": state.comm_bytes,
     "wall_time_s": wall,
     # From the end of this run's first step (compilation), less evals
     # and checkpoints.
     "train_time_s": train_time,
     "examples_per_s": (
-      global_batch * (trainer.step - start_step) / wall if wall > 0 else None
+      global_batch * (state.step - start_step) / wall if wall > 0 else None
     ),
     "loss_scaling": trainer.loss_scaling,
-    "skipped_steps": trainer.skipped_steps,
-    "params_sha256": trainer.params_digest(),
+    "skipped_steps": state.skipped_steps,
+    "params_sha256": trainer.params_digest(state),
     "cluster": config.cluster,
     "num_processes": jax.process_count(),
     "plans_sha256": digest,
@@ -983,11 +870,12 @@ def _train_and_evaluate(
     "precisions": [
       {k: v.value for k, v in eff.items()} for eff in trainer.precisions
     ],
-    # One entry per membership change (membership_lib.MembershipRecord).
+    # One entry per membership change (membership_record.MembershipRecord).
     "membership": record.entries,
   }
+  metric_writer.close()
   if writer:
-    run_files.write_json(os.path.join(out_dir, "summary.json"), summary)
+    files.write_json(os.path.join(out_dir, "summary.json"), summary, indent=2)
     if os.path.exists(preempted_path):
       os.remove(preempted_path)
     if os.path.exists(metrics_path):

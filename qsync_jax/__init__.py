@@ -5,8 +5,8 @@ plans and what they compute, sensitivity scores, the predictor, the
 allocator, and the training that runs the plans and synchronizes workers.
 The subpackages (``qs.numerics``, ``qs.plan``, ``qs.sensitivity``,
 ``qs.predictor``, ``qs.allocation``, ``qs.parallel``, ``qs.train``,
-``qs.task``,
-``qs.models``, ``qs.data``) hold the rest.
+``qs.task``, ``qs.models``, ``qs.data``, a run's directory ``qs.rundir``,
+and for multi-process runs ``qs.process`` and ``qs.launch``) hold the rest.
 
 Typical use::
 
@@ -23,11 +23,14 @@ Typical use::
 # Subpackages, for the names not exported flat below.
 from qsync_jax import allocation
 from qsync_jax import data
+from qsync_jax import launch
 from qsync_jax import models
 from qsync_jax import numerics
 from qsync_jax import parallel
 from qsync_jax import plan
 from qsync_jax import predictor
+from qsync_jax import process
+from qsync_jax import rundir
 from qsync_jax import sensitivity
 from qsync_jax import task
 from qsync_jax import train
@@ -86,7 +89,9 @@ from qsync_jax.parallel.schedules import make_schedule
 
 # Training.
 from qsync_jax.train.checkpoint import Checkpointer
+from qsync_jax.train.state import TrainState
 from qsync_jax.train.step import elementwise
+from qsync_jax.train.sync import SyncSettings
 from qsync_jax.train.trainer import HybridTrainer
 from qsync_jax.train.trainer import Worker
 
@@ -96,12 +101,15 @@ __all__ = [
   # subpackages
   "allocation",
   "data",
+  "launch",
   "linen",
   "models",
   "numerics",
   "parallel",
   "plan",
   "predictor",
+  "process",
+  "rundir",
   "sensitivity",
   "task",
   "train",
@@ -152,6 +160,8 @@ __all__ = [
   # train
   "Checkpointer",
   "HybridTrainer",
+  "SyncSettings",
+  "TrainState",
   "Worker",
   "elementwise",
 ]

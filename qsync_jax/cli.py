@@ -1,8 +1,9 @@
 """How a command-line program of this project starts and treats bad input.
 
 Bad input (a malformed plan, an unknown layer or model, a missing file) ends a
-binary with one line naming the problem and exit status 1, not a traceback.
-Every binary calls :func:`start_binary` first.
+binary with one line naming the problem and exit status 1, not a traceback
+(:func:`bad_input_exits`), and so does a full or read-only disk
+(:func:`disk_errors_exit`). Every binary calls :func:`start_binary` first.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import contextlib
 import sys
 import traceback
 
+from qsync_jax import files
 from qsync_jax import host_malloc
+from qsync_jax.launch import links
 from qsync_jax.numerics import ops
-from qsync_jax.parallel import links
-from qsync_jax.parallel import membership
+from qsync_jax.process import membership
 
 #: Exceptions that mean "the input is wrong", as raised by the library.
 BAD_INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError)
@@ -35,6 +37,26 @@ def bad_input_exits() -> Iterator[None]:
     if getattr(e, "show_cause", False) and e.__cause__ is not None:
       traceback.print_exception(e.__cause__, file=sys.stderr)
     print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(1) from None
+
+
+@contextlib.contextmanager
+def disk_errors_exit(out_dir: str) -> Iterator[None]:
+  """Ends the program with one ``error:`` line on a file-system refusal.
+
+  An ``OSError`` of :data:`qsync_jax.files.WRITE_ERRNOS` (no space,
+  read-only, no permission) becomes ``error: PATH: REASON`` and exit status
+  1; ``out_dir`` stands for the path where the error names none.
+
+  Args:
+    out_dir: the directory the program writes into.
+  """
+  try:
+    yield
+  except OSError as e:
+    if e.errno not in files.WRITE_ERRNOS:
+      raise
+    print(f"error: {e.filename or out_dir}: {e.strerror}", file=sys.stderr)
     raise SystemExit(1) from None
 
 

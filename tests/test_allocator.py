@@ -576,7 +576,7 @@ def test_qsync_study_greedy_plan_comes_from_its_own_indicators_scores(
   )
   dataset = data.load_dataset(config.dataset)
   model = config_lib.build_model(config, dataset)
-  plans, result, _ = plans_lib.auto_plans(config, model, dataset)
+  plans, result, _ = plans_lib.job_plans(config, model, dataset)
   indicator = study.GREEDY_INDICATORS[name]
   assert asked == [indicator]
   assert result.indicator == indicator

@@ -22,6 +22,7 @@ from experiments import config_lib
 from experiments import train_lib
 from experiments.configs import default as default_config
 import qsync_jax as qs
+from qsync_jax import rundir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -385,7 +386,7 @@ def test_train_refusals_leave_a_finished_run_unchanged(tmp_path):
 def test_train_out_dir_in_use_by_another_run(tmp_path):
   out = tmp_path / "out"
   out.mkdir()
-  lock = out / train_lib.LOCK_FILE
+  lock = out / rundir.directory.LOCK_FILE
   with open(lock, "w") as f:
     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
@@ -397,20 +398,22 @@ def test_train_out_dir_in_use_by_another_run(tmp_path):
     f"error: --out_dir {out} is in use by another run "
     f"(pid {os.getpid()} on {socket.gethostname()})"
   ), last
-  assert sorted(os.listdir(out)) == [train_lib.LOCK_FILE]
+  assert sorted(os.listdir(out)) == [rundir.directory.LOCK_FILE]
 
 
 def test_train_stale_lock_file_does_not_block(tmp_path):
   out = tmp_path / "out"
   out.mkdir()
   # A killed run's lock file: its record stays, its lock went with it.
-  (out / train_lib.LOCK_FILE).write_text('{"pid": 1, "host": "elsewhere"}\n')
+  (out / rundir.directory.LOCK_FILE).write_text(
+    '{"pid": 1, "host": "elsewhere"}\n'
+  )
   result = _run("experiments.train", f"--out_dir={out}", *_TINY_RUN)
   assert result.returncode == 0, result.stderr[-3000:]
   assert (out / "summary.json").exists()
   # Released and cleared at exit: the next run (here resuming) may start.
-  assert (out / train_lib.LOCK_FILE).read_text() == ""
-  with train_lib.OutDirLock(str(out)):
+  assert (out / rundir.directory.LOCK_FILE).read_text() == ""
+  with rundir.OutDirLock(str(out)):
     pass
 
 

@@ -17,19 +17,19 @@ import pytest
 
 from experiments import config_lib
 from experiments import flag_aliases
-from experiments import plans_lib
-from experiments import train_lib
 from experiments.configs import default as default_config
 from qsync_jax import cli
 from qsync_jax import data as data_lib
 from qsync_jax import models
+from qsync_jax import rundir
 from qsync_jax import task
+from qsync_jax.allocation import sharing
 from qsync_jax.data import mnist1d
+from qsync_jax.launch import links
+from qsync_jax.launch import local
 from qsync_jax.numerics import ops
-from qsync_jax.parallel import agreement
-from qsync_jax.parallel import distributed
-from qsync_jax.parallel import links
 from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.process import agreement
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -180,7 +180,7 @@ def _read_only_dir(tmp_path):
 
 def test_out_dir_on_a_read_only_file_system(read_only_dir):
   with pytest.raises(ValueError) as info:
-    train_lib.make_out_dir(str(read_only_dir), "--out_dir")
+    rundir.make_out_dir(str(read_only_dir), "--out_dir")
   assert str(info.value) == (
     f"--out_dir '{read_only_dir}' is not writable: a read-only file system"
   )
@@ -485,7 +485,7 @@ def test_disagreeing_processes_name_the_config_field_and_values():
   plans = {"t4": PrecisionPlan([("conv1", "int8")])}
   other_plans = {"t4": PrecisionPlan([("conv1", "fp16")])}
   line = agreement.first_mismatch(
-    [plans_lib.plan_facts(plans), plans_lib.plan_facts(other_plans)]
+    [sharing.plan_facts(plans), sharing.plan_facts(other_plans)]
   )
   assert line == (
     'process 1 disagrees with process 0 on plans.t4.rules[0][1]: "fp16" vs '
@@ -507,16 +507,16 @@ def test_launcher_command_that_cannot_run(tmp_path):
     "or run it through its interpreter, e.g. -- python script.py)"
   )
   with pytest.raises(ValueError) as info:
-    distributed.check_program(str(script), env)
+    local.check_program(str(script), env)
   assert str(info.value) == not_executable
   with pytest.raises(ValueError, match="is a directory"):
-    distributed.check_program(str(tmp_path), env)
+    local.check_program(str(tmp_path), env)
   with pytest.raises(FileNotFoundError, match="'pyhton', is not on PATH"):
-    distributed.check_program("pyhton", env)
+    local.check_program("pyhton", env)
   with pytest.raises(FileNotFoundError, match="does not exist"):
-    distributed.check_program(str(tmp_path / "missing"), env)
+    local.check_program(str(tmp_path / "missing"), env)
   script.chmod(0o755)
-  assert distributed.check_program("run.sh", env) == str(script)
+  assert local.check_program("run.sh", env) == str(script)
   # Through the binary: one line, exit 1, no process started.
   script.chmod(0o644)
   last = _error_line(

@@ -25,7 +25,9 @@ from qsync_jax import data as data_lib
 from qsync_jax import host_memory
 from qsync_jax import models
 from qsync_jax import predictor
+from qsync_jax.models import sizes as model_sizes
 from qsync_jax.parallel import cluster as cluster_lib
+from qsync_jax.predictor import host_limits
 from qsync_jax.predictor import profiling
 
 # A refused run starts the interpreter and JAX and stops: far below this.
@@ -283,10 +285,21 @@ def _digits():
   return data_lib.load_dataset("digits")
 
 
+def _worker_memory(config, dataset, batch):
+  """One worker's step of the job's model, built abstractly."""
+  return host_limits.step_memory(
+    models.without_weights(lambda: config_lib.build_model(config, dataset)),
+    (dataset.x_train[:1], dataset.y_train[:1]),
+    batch,
+    config_lib.make_loss_fn(config),
+    host_limits.optimizer_state_copies(config.optimizer, config.momentum),
+  )
+
+
 def test_model_memory_is_estimated_without_allocating(digits):
   config = _config()
   limits_lib.check_model_memory(config, digits)  # the default job fits
-  small = limits_lib.worker_memory(config, digits, 32)
+  small = _worker_memory(config, digits, 32)
   # Parameters, gradients and Adam's two moments; activations per example.
   params = sum(
     x.size
@@ -298,7 +311,7 @@ def test_model_memory_is_estimated_without_allocating(digits):
   assert small.example_bytes > 0
   # The widths of a model no host holds, priced in a blink.
   config.model_kwargs = {"widths": [100000, 100000]}
-  big = limits_lib.worker_memory(config, digits, 32)
+  big = _worker_memory(config, digits, 32)
   assert big.fixed_bytes > 1000 * 2**30
   with pytest.raises(ValueError) as info:
     limits_lib.check_model_memory(config, digits)
@@ -326,11 +339,19 @@ def test_a_deep_model_is_priced_from_shallow_copies():
         nnx.state(config_lib.build_model(shallow, text), nnx.Param)
       )
     )
-  assert limits_lib.deep_model_params(shallow, text) == counts[40]
+
+  def deep_params(c):
+    return model_sizes.deep_model_params(
+      c.model,
+      c.model_kwargs.to_dict(),
+      lambda kwargs: config_lib.build_model(
+        _config(model="lm", dataset="text", model_kwargs=kwargs), text
+      ),
+    )
+
+  assert deep_params(shallow) == counts[40]
   per_layer = counts[2] - counts[1]
-  assert limits_lib.deep_model_params(config, text) == (
-    counts[1] + 999_999 * per_layer
-  )
+  assert deep_params(config) == (counts[1] + 999_999 * per_layer)
   with pytest.raises(ValueError, match="'num_layers': 1000000.* on 4 CPU"):
     limits_lib.check_model_memory(config, text)
 

@@ -27,12 +27,12 @@ from test_trainer import _cnn
 from test_trainer import _split
 from test_trainer import _workers
 
-from experiments import run_files
 from experiments import train_lib
 from experiments.configs import default as default_config
 import qsync_jax as qs
 from qsync_jax import cli
-from qsync_jax.train import checkpoint as ckpt_lib
+from qsync_jax import files
+from qsync_jax import rundir
 from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train.trainer import HybridTrainer
 
@@ -223,7 +223,7 @@ def _refused(config, out, capsys):
   """Runs the main job in-process as the binary does; its one error line."""
   capsys.readouterr()
   with pytest.raises(SystemExit) as exited:
-    with cli.bad_input_exits(), run_files.disk_errors_exit(str(out)):
+    with cli.bad_input_exits(), cli.disk_errors_exit(str(out)):
       train_lib.train_and_evaluate(config, str(out))
   assert exited.value.code == 1
   err = capsys.readouterr().err.strip().splitlines()
@@ -360,16 +360,20 @@ def test_mid_round_checkpoint_refuses_a_gradient_averaging_schedule(
 
   def make(schedule):
     return HybridTrainer(
-      _cnn(), _workers(sizes), optax.adam(1e-2), schedule=schedule
+      _cnn(),
+      _workers(sizes),
+      optax.adam(1e-2),
+      sync=qs.SyncSettings(schedule=schedule),
     )
 
   local = make(qs.make_schedule("local", total_steps=8, h_base=4))
+  state = local.init()
   for s in range(2):
-    local.train_step(_split(*_batch(8, seed=s), sizes))
-  assert not local.in_sync
+    state, _ = local.train_step(state, _split(*_batch(8, seed=s), sizes))
+  assert not state.in_sync
   directory = tmp_path / "ckpt"
   ckpt = Checkpointer(str(directory))
-  ckpt.save(local)
+  ckpt.save(local, state)
   ckpt.close()
   names = sorted(os.listdir(directory))
   with pytest.raises(
@@ -377,10 +381,14 @@ def test_mid_round_checkpoint_refuses_a_gradient_averaging_schedule(
     match=r"saved mid-round of sync 'local', its workers' parameters apart, "
     r"and this run's sync 'dp' averages gradients at step 3",
   ):
-    Checkpointer(str(directory)).restore_latest(make(None))
+    dp = make(qs.make_schedule("dp", total_steps=8))
+    Checkpointer(str(directory)).restore_latest(dp, dp.init())
   assert sorted(os.listdir(directory)) == names  # not set aside as corrupt
   resumed = make(qs.make_schedule("local", total_steps=8, h_base=4))
-  assert Checkpointer(str(directory)).restore_latest(resumed)["step"] == 2
+  restored = Checkpointer(str(directory)).restore_latest(
+    resumed, resumed.init()
+  )
+  assert restored.meta["step"] == 2 and restored.state.step == 2
 
 
 # --------------------------------------------------------------------------
@@ -395,7 +403,8 @@ def test_metrics_to_keep_drops_a_torn_last_line_and_names_a_damaged_one(
   rows = [json.dumps({"step": s, "loss": 1.0}).encode() for s in (1, 2, 3)]
   path.write_bytes(b"\n".join(rows) + b"\n" + rows[2][:7])
   assert (
-    run_files.metrics_to_keep(str(path), 2) == rows[0] + b"\n" + rows[1] + b"\n"
+    rundir.metrics.metrics_to_keep(str(path), 2)
+    == rows[0] + b"\n" + rows[1] + b"\n"
   )
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith(
@@ -407,33 +416,8 @@ def test_metrics_to_keep_drops_a_torn_last_line_and_names_a_damaged_one(
     match=r"metrics\.jsonl: line 2 is not a metrics record "
     r"\(not UTF-8 text\)",
   ):
-    run_files.metrics_to_keep(str(path), 5)
-  assert run_files.metrics_to_keep(str(tmp_path / "missing"), 5) is None
-
-
-def test_failed_writes_leave_the_old_file_whole(tmp_path, monkeypatch):
-  path = tmp_path / "summary.json"
-  path.write_text('{"old": true}')
-  metrics = tmp_path / "metrics.jsonl"
-  metrics.write_text('{"step": 1}\n')
-  real_write = os.write
-
-  def full_disk(fd, data):
-    real_write(fd, bytes(data[:5]))  # part of it lands, then the disk is full
-    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-  monkeypatch.setattr(os, "write", full_disk)
-  with pytest.raises(OSError) as raised:
-    run_files.write_json(str(path), {"new": True})
-  assert raised.value.errno == errno.ENOSPC
-  assert raised.value.filename == str(path)
-  with pytest.raises(OSError) as raised:
-    run_files.append_line(str(metrics), json.dumps({"step": 2}))
-  assert raised.value.filename == str(metrics)
-  monkeypatch.undo()
-  assert path.read_text() == '{"old": true}'
-  assert metrics.read_text() == '{"step": 1}\n'  # no half row left
-  assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl", "summary.json"]
+    rundir.metrics.metrics_to_keep(str(path), 5)
+  assert rundir.metrics.metrics_to_keep(str(tmp_path / "missing"), 5) is None
 
 
 def test_write_errno_finds_the_file_system_error_behind_a_failed_save():
@@ -442,13 +426,13 @@ def test_write_errno_finds_the_file_system_error_behind_a_failed_save():
     "Failed to write 80573 bytes to file 15: No space left on device "
     "[os_error_code='28']"
   )
-  assert ckpt_lib.write_errno(store) == errno.ENOSPC
+  assert files.write_errno(store) == errno.ENOSPC
   wrapped = RuntimeError("save failed")
   wrapped.__cause__ = PermissionError(errno.EACCES, "Permission denied")
-  assert ckpt_lib.write_errno(wrapped) == errno.EACCES
-  assert ckpt_lib.write_errno(OSError(errno.EROFS, "ro")) == errno.EROFS
-  assert ckpt_lib.write_errno(ValueError("Requested shape (1, 2)")) is None
-  assert ckpt_lib.write_errno(FileNotFoundError(errno.ENOENT, "x")) is None
+  assert files.write_errno(wrapped) == errno.EACCES
+  assert files.write_errno(OSError(errno.EROFS, "ro")) == errno.EROFS
+  assert files.write_errno(ValueError("Requested shape (1, 2)")) is None
+  assert files.write_errno(FileNotFoundError(errno.ENOENT, "x")) is None
 
 
 def test_checkpointer_save_on_a_full_or_read_only_disk(tmpfs):
@@ -456,13 +440,14 @@ def test_checkpointer_save_on_a_full_or_read_only_disk(tmpfs):
   trainer = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2))
   disk = tmpfs("2m")
   ckpt = Checkpointer(str(disk / "ckpt"))
-  ckpt.save(trainer)
+  state = trainer.init()
+  ckpt.save(trainer, state)
   saved = _files(disk / "ckpt")
-  params = np.asarray(trainer.params)
-  trainer.train_step(_split(*_batch(4), sizes))
+  params = np.asarray(state.params)
+  state, _ = trainer.train_step(state, _split(*_batch(4), sizes))
   _fill(disk, leave=16 * 1024)
   with pytest.raises(OSError) as raised:
-    ckpt.save(trainer)
+    ckpt.save(trainer, state)
   assert raised.value.errno == errno.ENOSPC
   assert raised.value.filename == str(disk / "ckpt" / "1")
   assert "step 0 before it is intact" in raised.value.strerror
@@ -470,9 +455,12 @@ def test_checkpointer_save_on_a_full_or_read_only_disk(tmpfs):
   os.remove(disk / "filler")
   _remount_read_only(disk)
   with pytest.raises(OSError) as raised:
-    ckpt.save(trainer)
+    ckpt.save(trainer, state)
   assert raised.value.errno == errno.EROFS
   ckpt.close()
   fresh = HybridTrainer(_cnn(), _workers(sizes), optax.adam(1e-2))
-  assert Checkpointer(str(disk / "ckpt")).restore_latest(fresh)["step"] == 0
-  np.testing.assert_array_equal(np.asarray(fresh.params), params)
+  restored = Checkpointer(str(disk / "ckpt")).restore_latest(
+    fresh, fresh.init()
+  )
+  assert restored.meta["step"] == 0
+  np.testing.assert_array_equal(np.asarray(restored.state.params), params)

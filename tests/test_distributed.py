@@ -1,10 +1,12 @@
-"""Tests for qsync_jax.parallel.distributed: env contract, local launcher.
+"""Tests for qsync_jax.process.initialize and qsync_jax.launch.local: the env
+contract, joining a run, and the localhost launcher.
 
 Multi-process runs use real JAX workers on localhost CPU (one device each).
 Every worker writes its PID to a file first, so that a failing test can
 SIGKILL whatever it left behind; launches run under a hard timeout.
 """
 
+import inspect
 import os
 import signal
 import socket
@@ -13,9 +15,13 @@ import sys
 import threading
 import time
 
+import jax
 import pytest
 
-from qsync_jax.parallel import distributed
+from experiments.configs import default as default_config
+from qsync_jax.launch import local
+from qsync_jax.process import detection
+from qsync_jax.process import initialize
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,10 +40,10 @@ import time
 import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from qsync_jax.parallel import distributed
+from qsync_jax.process import initialize
 
-assert distributed.initialize()
-assert distributed.initialize()  # Idempotent.
+assert initialize.initialize()
+assert initialize.initialize()  # Idempotent.
 pid = jax.process_index()
 mesh = jax.make_mesh((jax.device_count(),), ("workers",),
                      axis_types=(AxisType.Auto,), devices=jax.devices())
@@ -61,7 +67,7 @@ total = float(np.asarray(psum(x).addressable_data(0)).ravel()[0])
 print("psum", total, "on", jax.process_count(), "processes")
 with open(os.path.join(out, f"result{pid}"), "w") as f:
   f.write(repr(total))
-distributed.shutdown()
+initialize.shutdown()
 """
 )
 
@@ -130,7 +136,7 @@ def _launch(
   command = [sys.executable, script, str(tmp_path), *args]
   thread = threading.Thread(
     target=lambda: result.append(
-      distributed.launch(command, num_processes, env=_worker_env(), **kwargs)
+      local.launch(command, num_processes, env=_worker_env(), **kwargs)
     ),
     daemon=True,
   )
@@ -145,19 +151,20 @@ def _launch(
 
 
 def test_config_from_env_unset():
-  assert distributed.config_from_env({}) is None
-  assert distributed.config_from_env({"PATH": "/bin"}) is None
+  assert initialize.config_from_env({}) is None
+  assert initialize.config_from_env({"PATH": "/bin"}) is None
 
 
 def test_config_from_env_parses():
-  config = distributed.config_from_env(
+  config = initialize.config_from_env(
     {
       "QSYNC_COORDINATOR_ADDRESS": "127.0.0.1:1234",
       "QSYNC_NUM_PROCESSES": "4",
       "QSYNC_PROCESS_ID": "3",
     }
   )
-  assert config == distributed.DistributedConfig("127.0.0.1:1234", 4, 3)
+  # Every process of the localhost launcher is on this host.
+  assert config == detection.Launch("qsync", 4, 3, "127.0.0.1:1234", 3, 4)
 
 
 @pytest.mark.parametrize(
@@ -182,7 +189,7 @@ def test_config_from_env_errors_name_the_variable(address, num, pid, bad_var):
   )
   environ = {name: value for name, value in values if value is not None}
   with pytest.raises(ValueError, match=bad_var):
-    distributed.config_from_env(environ)
+    initialize.config_from_env(environ)
 
 
 def test_initialize_single_process_is_a_no_op(monkeypatch):
@@ -192,11 +199,76 @@ def test_initialize_single_process_is_a_no_op(monkeypatch):
     "QSYNC_PROCESS_ID",
   ):
     monkeypatch.delenv(name, raising=False)
-  assert not distributed.initialize()
-  assert not distributed.initialize(
-    distributed.DistributedConfig("127.0.0.1:1", 1, 0)
+  assert not initialize.initialize()
+  assert not initialize.initialize(
+    detection.Launch("explicit", 1, 0, "127.0.0.1:1")
   )
-  distributed.shutdown()  # Nothing to leave; must not raise.
+  initialize.shutdown()  # Nothing to leave; must not raise.
+
+
+@pytest.fixture
+def joined(monkeypatch):
+  """What ``initialize`` passes to ``jax.distributed.initialize``, which is
+  not called (nor is the jax config changed)."""
+  calls = []
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+  monkeypatch.setattr(
+    jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs)
+  )
+  monkeypatch.setattr(jax.config, "update", lambda name, value: None)
+  return calls
+
+
+def test_initialize_explicit_arguments_win_over_config(joined):
+  config = detection.Launch("explicit", 2, 0, "127.0.0.1:1")
+  assert initialize.initialize(
+    config, coordinator_address="10.0.0.1:2", num_processes=4, process_id=3
+  )
+  (kwargs,) = joined
+  assert (
+    kwargs["coordinator_address"],
+    kwargs["num_processes"],
+    kwargs["process_id"],
+  ) == ("10.0.0.1:2", 4, 3)
+  # Each alone wins too; the config fills in the rest.
+  assert initialize.initialize(config, process_id=1)
+  assert (
+    joined[-1]["coordinator_address"],
+    joined[-1]["num_processes"],
+    joined[-1]["process_id"],
+  ) == ("127.0.0.1:1", 2, 1)
+  # One process, explicitly: nothing to join.
+  assert not initialize.initialize(config, num_processes=1)
+  assert len(joined) == 2
+
+
+@pytest.mark.parametrize(
+  "kwargs,flag",
+  [
+    ({"process_id": 2}, "--process_id"),
+    ({"num_processes": 0}, "--num_processes"),
+    ({"coordinator_address": "nohost"}, "--coordinator_address"),
+  ],
+)
+def test_initialize_checks_explicit_arguments_beside_config(
+  joined, kwargs, flag
+):
+  config = detection.Launch("explicit", 2, 0, "127.0.0.1:1")
+  with pytest.raises(ValueError, match=flag):
+    initialize.initialize(config, **kwargs)
+  assert joined == []
+
+
+def test_initialize_timeouts_default_to_the_main_jobs():
+  # One default: a library caller and the binary wait as long.
+  dist = default_config.get_config().distributed
+  defaults = {
+    name: p.default
+    for name, p in inspect.signature(initialize.initialize).parameters.items()
+  }
+  assert defaults["timeout_s"] == dist.initialization_timeout_s == 300
+  assert defaults["heartbeat_timeout_s"] == dist.heartbeat_timeout_s
+  assert defaults["shutdown_timeout_s"] == dist.shutdown_timeout_s
 
 
 @pytest.mark.parametrize(
@@ -205,7 +277,7 @@ def test_initialize_single_process_is_a_no_op(monkeypatch):
 )
 def test_launch_rejects_bad_arguments(command, num_processes, port):
   with pytest.raises(ValueError):
-    distributed.launch(command, num_processes, port=port)
+    local.launch(command, num_processes, port=port)
 
 
 def test_launch_two_processes_psum(tmp_path):
@@ -229,7 +301,7 @@ def test_launch_kills_peers_when_one_dies(tmp_path):
   print(
     f"launch returned after {elapsed:.2f} s, {abort:.2f} s after process 1 died"
   )
-  assert code != 0 and code != distributed.TIMEOUT_EXIT_CODE
+  assert code != 0 and code != local.TIMEOUT_EXIT_CODE
   assert elapsed < 60
   assert abort < 10
   assert not (tmp_path / "result0").exists()  # Process 0 never finished.
@@ -241,7 +313,7 @@ def test_launch_kills_peers_when_one_dies(tmp_path):
 def test_launch_timeout_kills_everything(tmp_path):
   script = _write_worker(tmp_path, _SLEEP_WORKER)
   code = _launch(tmp_path, script, 3, timeout_s=2)
-  assert code == distributed.TIMEOUT_EXIT_CODE
+  assert code == local.TIMEOUT_EXIT_CODE
   pids = _pids(tmp_path)
   assert set(pids) == {0, 1, 2}
   assert not any(_is_running(pid) for pid in pids.values())
@@ -371,7 +443,7 @@ def test_launch_refuses_a_port_in_use(tmp_path):
     taken.listen()
     port = taken.getsockname()[1]
     with pytest.raises(ValueError) as err:
-      distributed.launch(["touch", str(marker)], 2, port=port)
+      local.launch(["touch", str(marker)], 2, port=port)
     assert str(err.value) == (
       f"coordinator port {port} is already in use; pick another port or "
       "leave it out to use a free one"
@@ -387,7 +459,7 @@ def test_launch_refuses_a_port_in_use(tmp_path):
   assert launcher.returncode == 1
   assert stderr == f"error: {err.value}\n"
   assert not marker.exists()  # No process was started.
-  distributed.check_port_free(port)  # Free again once the socket closed.
+  local.check_port_free(port)  # Free again once the socket closed.
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Tests for qsync_jax.parallel.elastic and ``--elastic`` of the launcher.
+"""Tests for qsync_jax.launch.elastic and ``--elastic`` of the launcher.
 
 Most runs use a small worker written into ``tmp_path`` that follows the
 protocol without JAX: it logs each start (its slots, restart and change) as
@@ -20,10 +20,10 @@ from absl import flags
 import pytest
 
 from qsync_jax import cli
-from qsync_jax import distributed as launcher_cli
-from qsync_jax.parallel import elastic
-from qsync_jax.parallel import links
-from qsync_jax.parallel import membership
+from qsync_jax.launch import cli as launcher_cli
+from qsync_jax.launch import elastic
+from qsync_jax.launch import links
+from qsync_jax.process import membership
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -649,8 +649,8 @@ signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
 out = sys.argv[1]
 if int(os.environ["QSYNC_ELASTIC_RESTART"]) > 0:
   sys.exit(0)  # The next world: the run would resume and finish here.
-from qsync_jax.parallel import distributed, preemption
-assert distributed.initialize()
+from qsync_jax.process import initialize, preemption
+assert initialize.initialize()
 import jax
 pid = jax.process_index()
 signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])

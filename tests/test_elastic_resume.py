@@ -20,7 +20,7 @@ from test_checkpoint import _edit_meta
 from test_checkpoint import _older_arrays
 
 import qsync_jax as qs
-from qsync_jax.train import checkpoint as ckpt_lib
+from qsync_jax.train import saved_state
 from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train.trainer import HybridTrainer
 from qsync_jax.train.trainer import Worker
@@ -62,13 +62,14 @@ def _workers(sizes, kinds=None, plans=None):
   ]
 
 
-def _trainer(sizes, model=None, tx=None, kinds=None, plans=None, **kwargs):
+def _trainer(sizes, model=None, tx=None, kinds=None, plans=None, **sync):
+  """A trainer of ``sizes`` workers; ``sync``: its SyncSettings' fields."""
   return HybridTrainer(
     model or _Tiny(),
     _workers(sizes, kinds, plans),
     tx or optax.adam(1e-2),
-    sample_input=np.zeros((2, 4), np.float32),
-    **kwargs,
+    sample=qs.task.input_probe(np.zeros((2, 4), np.float32)),
+    sync=qs.SyncSettings(**sync),
   )
 
 
@@ -76,18 +77,21 @@ def _local(h=4):
   return qs.make_schedule("local", total_steps=16, h_base=h)
 
 
-def _train(trainer, steps):
+def _train(trainer, state, steps):
+  """``state`` after ``steps`` steps of ``trainer``."""
   for _ in range(steps):
-    rng = np.random.default_rng(trainer.step)
-    trainer.train_step(
+    rng = np.random.default_rng(state.step)
+    state, _ = trainer.train_step(
+      state,
       {
         i: (
           rng.normal(size=(w.batch_size, 4)).astype(np.float32) + i,
           rng.integers(0, 3, size=w.batch_size).astype(np.int32),
         )
         for i, w in enumerate(trainer.workers)
-      }
+      },
     )
+  return state
 
 
 def _host(tree):
@@ -107,28 +111,35 @@ def _each_row_is(stacked, row):
   )
 
 
-def _save(trainer, directory):
+def _save(trainer, state, directory):
   ckpt = Checkpointer(str(directory))
-  ckpt.save(trainer)
+  ckpt.save(trainer, state)
   ckpt.close()
   return str(directory)
+
+
+def _restore(directory, trainer, state=None):
+  """The newest checkpoint under ``directory`` restored into ``trainer``
+  (onto ``state``, default its initial one): ``(state, meta)``."""
+  state = trainer.init() if state is None else state
+  return Checkpointer(str(directory)).restore_latest(trainer, state)
 
 
 @pytest.fixture(scope="module")
 def mid_round(tmp_path_factory):
   """Four local-SGD Adam workers saved at steps 1 and 2, mid-round (their
   parameters apart): the directory, ``{step: host arrays}`` and the
-  trainer."""
+  state at step 2."""
   directory = tmp_path_factory.mktemp("mid_round") / "ckpt"
   trainer = _trainer([4, 4, 4, 4], schedule=_local())
-  ckpt, states = Checkpointer(str(directory)), {}
+  ckpt, states, state = Checkpointer(str(directory)), {}, trainer.init()
   for step in (1, 2):
-    _train(trainer, 1)
-    ckpt.save(trainer)
-    states[step] = _host(ckpt_lib.state_tree(trainer))
+    state = _train(trainer, state, 1)
+    ckpt.save(trainer, state)
+    states[step] = _host(saved_state.state_tree(trainer, state))
   ckpt.close()
-  assert not trainer.in_sync
-  return str(directory), states, trainer
+  assert not state.in_sync
+  return str(directory), states, state
 
 
 @pytest.fixture
@@ -142,27 +153,27 @@ def test_shrink_and_grow_keep_the_data_parallel_state(tmp_path):
   # Data parallelism keeps every row equal: their mean is each of them,
   # bit for bit, on however many workers resume.
   four = _trainer([2, 2, 2, 2])
-  _train(four, 2)
-  saved = _host(ckpt_lib.state_tree(four))
+  four_state = _train(four, four.init(), 2)
+  saved = _host(saved_state.state_tree(four, four_state))
   two = _trainer([4, 4])
-  meta = Checkpointer(_save(four, tmp_path / "a")).restore_latest(two)
+  two_state, meta = _restore(_save(four, four_state, tmp_path / "a"), two)
   assert meta["kinds"] == ["cpu"] * 4 and meta["batch_sizes"] == [2] * 4
-  assert (two.step, two.sync_rounds, two.comm_bytes, two.in_sync) == (
-    2,
-    2,
-    four.comm_bytes,
-    True,
-  )
-  got = _host(ckpt_lib.state_tree(two))
+  assert (
+    two_state.step,
+    two_state.sync_rounds,
+    two_state.comm_bytes,
+    two_state.in_sync,
+  ) == (2, 2, four_state.comm_bytes, True)
+  got = _host(saved_state.state_tree(two, two_state))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(saved)):
     assert a.shape == (2, *b.shape[1:]) and _each_row_is(a, b[0])
-  _train(two, 1)
+  two_state = _train(two, two_state, 1)
   three = _trainer([3, 3, 2])
-  Checkpointer(_save(two, tmp_path / "b")).restore_latest(three)
-  assert three.step == 3 and three.num_workers == 3
-  assert _each_row_is(three.params, np.asarray(two.params)[0])
-  _train(three, 1)
-  assert three.step == 4 and three.sync_rounds == 4
+  three_state = _restore(_save(two, two_state, tmp_path / "b"), three).state
+  assert three_state.step == 3 and three.num_workers == 3
+  assert _each_row_is(three_state.params, np.asarray(two_state.params)[0])
+  three_state = _train(three, three_state, 1)
+  assert three_state.step == 4 and three_state.sync_rounds == 4
 
 
 def test_local_sgd_mid_round_every_worker_starts_from_the_mean(
@@ -177,12 +188,12 @@ def test_local_sgd_mid_round_every_worker_starts_from_the_mean(
   absl_logging.set_verbosity(absl_logging.INFO)
   try:
     with caplog.at_level(logging.INFO):
-      meta = Checkpointer(mid_round_dir).restore_latest(resumed)
+      state, meta = _restore(mid_round_dir, resumed)
   finally:
     absl_logging.set_verbosity(verbosity)
   assert meta["step"] == 2 and not meta["in_sync"]
-  assert resumed.in_sync and resumed._anchor is resumed.params
-  assert _each_row_is(resumed.params, _mean(rows))
+  assert state.in_sync and state.anchor is state.params
+  assert _each_row_is(state.params, _mean(rows))
   lines = [
     r.getMessage() for r in caplog.records if "from 4 workers" in r.message
   ]
@@ -194,10 +205,8 @@ def test_local_sgd_mid_round_every_worker_starts_from_the_mean(
     r"counter, loss_scale, opt_state carried from saved worker 0",
     lines[0],
   ), lines[0]
-  _train(resumed, 1)
-  assert (
-    resumed.step == 3 and resumed.sync_rounds == mid_round[2].sync_rounds + 1
-  )
+  state = _train(resumed, state, 1)
+  assert state.step == 3 and state.sync_rounds == mid_round[2].sync_rounds + 1
 
 
 def test_adam_state_is_averaged_and_its_count_carried(mid_round_dir, mid_round):
@@ -205,8 +214,7 @@ def test_adam_state_is_averaged_and_its_count_carried(mid_round_dir, mid_round):
   mu = np.asarray(saved.mu["fc1"]["kernel"][...])
   assert not (mu == mu[:1]).all()  # each worker's own moments
   resumed = _trainer([4, 4, 4], schedule=_local())
-  Checkpointer(mid_round_dir).restore_latest(resumed)
-  got = resumed.opt_state[0]
+  got = _restore(mid_round_dir, resumed).state.opt_state[0]
   for field in ("mu", "nu"):
     for a, b in zip(
       jax.tree.leaves(getattr(got, field)),
@@ -220,33 +228,31 @@ def test_kinds_change_and_the_loss_scale_follows_the_new_plans(tmp_path):
   kinds = ["v100", "v100", "t4", "t4"]
   plans = [qs.PrecisionPlan()] * 2 + [FP16] * 2
   saving = _trainer([2] * 4, kinds=kinds, plans=plans, schedule=_local(2))
-  _train(saving, 3)
-  assert saving.loss_scaling and not saving.in_sync
-  saved = _host(ckpt_lib.state_tree(saving))
-  directory = _save(saving, tmp_path / "ckpt")
+  saving_state = _train(saving, saving.init(), 3)
+  assert saving.loss_scaling and not saving_state.in_sync
+  saved = _host(saved_state.state_tree(saving, saving_state))
+  directory = _save(saving, saving_state, tmp_path / "ckpt")
   # The same kinds with other plans is still refused.
   with pytest.raises(ValueError, match="other workers or plans"):
-    Checkpointer(directory).restore_latest(
-      _trainer([2] * 4, kinds=kinds, schedule=_local(2))
-    )
+    _restore(directory, _trainer([2] * 4, kinds=kinds, schedule=_local(2)))
   mixed = _trainer(
     [4, 4], kinds=["v100", "t4"], plans=[qs.PrecisionPlan(), FP16]
   )
-  meta = Checkpointer(directory).restore_latest(mixed)
+  mixed_state, meta = _restore(directory, mixed)
   assert meta["kinds"] == kinds and mixed.loss_scaling
-  assert _each_row_is(mixed.params, _mean(saved["params"]))
+  assert _each_row_is(mixed_state.params, _mean(saved["params"]))
   scale = saved["loss_scale"]
-  assert _each_row_is(mixed.loss_scale.scale, _mean(scale.scale))
-  assert _each_row_is(mixed.loss_scale.good_steps, scale.good_steps[0])
-  assert mixed.current_loss_scale == 2.0**15
+  assert _each_row_is(mixed_state.loss_scale.scale, _mean(scale.scale))
+  assert _each_row_is(mixed_state.loss_scale.good_steps, scale.good_steps[0])
+  assert mixed_state.current_loss_scale == 2.0**15
   # FP32 plans only: this run does not scale, so neither does its scale.
   fp32 = _trainer([4, 4], kinds=["v100", "v100"])
-  Checkpointer(directory).restore_latest(fp32)
-  assert not fp32.loss_scaling and fp32.current_loss_scale == 1.0
-  assert _each_row_is(fp32.loss_scale.good_steps, np.int32(-1))
-  assert _each_row_is(fp32.params, _mean(saved["params"]))
-  _train(mixed, 1)
-  _train(fp32, 1)
+  fp32_state = _restore(directory, fp32).state
+  assert not fp32.loss_scaling and fp32_state.current_loss_scale == 1.0
+  assert _each_row_is(fp32_state.loss_scale.good_steps, np.int32(-1))
+  assert _each_row_is(fp32_state.params, _mean(saved["params"]))
+  _train(mixed, mixed_state, 1)
+  _train(fp32, fp32_state, 1)
 
 
 def test_powersgd_shares_q_and_the_residuals_are_averaged(tmp_path):
@@ -259,16 +265,16 @@ def test_powersgd_shares_q_and_the_residuals_are_averaged(tmp_path):
     )
 
   four = make(4)
-  _train(four, 2)
-  saved = _host(ckpt_lib.state_tree(four))
+  four_state = _train(four, four.init(), 2)
+  saved = _host(saved_state.state_tree(four, four_state))
   q, residual = saved["averager_state"], saved["residual"]
   assert q.any() and (q == q[:1]).all()
   assert not (residual == residual[:1]).all()  # each worker's own error
   resumed = make(2)
-  Checkpointer(_save(four, tmp_path / "ckpt")).restore_latest(resumed)
-  assert _each_row_is(resumed.averager_state, q[0])  # exact: equal rows
-  assert _each_row_is(resumed.residual, _mean(residual))
-  _train(resumed, 1)
+  state = _restore(_save(four, four_state, tmp_path / "ckpt"), resumed).state
+  assert _each_row_is(state.averager_state, q[0])  # exact: equal rows
+  assert _each_row_is(state.residual, _mean(residual))
+  _train(resumed, state, 1)
 
 
 def test_diloco_outer_state_comes_back_exactly(tmp_path):
@@ -281,18 +287,18 @@ def test_diloco_outer_state_comes_back_exactly(tmp_path):
     )
 
   four = make(4)
-  _train(four, 3)  # one outer step, then mid-round
-  saved = _host(ckpt_lib.state_tree(four))
+  four_state = _train(four, four.init(), 3)  # one outer step, then mid-round
+  saved = _host(saved_state.state_tree(four, four_state))
   trace = jax.tree.leaves(saved["outer_state"])
   assert any(t.any() for t in trace)
   resumed = make(3)
-  Checkpointer(_save(four, tmp_path / "ckpt")).restore_latest(resumed)
-  for a, b in zip(jax.tree.leaves(resumed.outer_state), trace):
+  state = _restore(_save(four, four_state, tmp_path / "ckpt"), resumed).state
+  for a, b in zip(jax.tree.leaves(state.outer_state), trace):
     assert (b == b[:1]).all() and _each_row_is(a, b[0])
-  assert _each_row_is(resumed.params, _mean(saved["params"]))
-  _train(resumed, 1)  # step 4 ends the round through the outer step
-  assert resumed.in_sync and resumed.sync_rounds == 2
-  after = jax.tree.leaves(_host(resumed.outer_state))
+  assert _each_row_is(state.params, _mean(saved["params"]))
+  state = _train(resumed, state, 1)  # step 4 ends the round: the outer step
+  assert state.in_sync and state.sync_rounds == 2
+  after = jax.tree.leaves(_host(state.outer_state))
   assert any((a[0] != b[0]).any() for a, b in zip(after, trace))
 
 
@@ -301,14 +307,16 @@ def test_batchnorm_statistics_are_averaged_and_dropout_keys_stay_own(tmp_path):
     return _trainer([4] * n, model=_TinyBN(), schedule=_local())
 
   four = make(4)
-  _train(four, 2)
-  saved = _host(ckpt_lib.state_tree(four))["rest"]
+  four_state = _train(four, four.init(), 2)
+  saved = _host(saved_state.state_tree(four, four_state))["rest"]
   mean = saved["bn"]["mean"][...]
   assert not (mean == mean[:1]).all()  # each worker's own batches
   resumed = make(3)
-  fresh = _host(resumed._stacked_rest())
-  Checkpointer(_save(four, tmp_path / "ckpt")).restore_latest(resumed)
-  got = _host(resumed._stacked_rest())
+  initial = resumed.init()
+  fresh = _host(resumed.stacked_rest(initial.rest))
+  directory = _save(four, four_state, tmp_path / "ckpt")
+  state = _restore(directory, resumed, initial).state
+  got = _host(resumed.stacked_rest(state.rest))
   for name in ("mean", "var"):
     assert _each_row_is(got["bn"][name][...], _mean(saved["bn"][name][...]))
   count = got["drop"]["rngs"]["count"][...]
@@ -320,7 +328,7 @@ def test_batchnorm_statistics_are_averaged_and_dropout_keys_stay_own(tmp_path):
   assert key.tobytes() == fresh["drop"]["rngs"]["key"][...].tobytes()
   assert key.tobytes() == saved["drop"]["rngs"]["key"][...][:3].tobytes()
   assert not (key == key[:1]).all()
-  _train(resumed, 1)
+  _train(resumed, state, 1)
 
 
 def test_resumes_onto_the_same_new_workers_are_bit_identical(
@@ -329,13 +337,12 @@ def test_resumes_onto_the_same_new_workers_are_bit_identical(
   digests = []
   for _ in range(2):
     resumed = _trainer([4, 6, 2], schedule=_local(2))
-    Checkpointer(mid_round_dir).restore_latest(resumed)
-    _train(resumed, 3)
+    state = _train(resumed, _restore(mid_round_dir, resumed).state, 3)
     digests.append(
-      [resumed.params_digest()]
+      [resumed.params_digest(state)]
       + [
         np.asarray(a).tobytes()
-        for a in jax.tree.leaves(ckpt_lib.state_tree(resumed))
+        for a in jax.tree.leaves(saved_state.state_tree(resumed, state))
       ]
     )
   assert digests[0] == digests[1]
@@ -366,7 +373,7 @@ def test_another_model_on_other_workers_is_refused_in_one_line(
 ):
   before = sorted(os.listdir(mid_round_dir))
   with pytest.raises(ValueError) as error:
-    Checkpointer(mid_round_dir).restore_latest(_trainer([8, 8], **other))
+    _restore(mid_round_dir, _trainer([8, 8], **other))
   text = str(error.value)
   assert "\n" not in text and re.fullmatch(message, text), text
   assert sorted(os.listdir(mid_round_dir)) == before  # not set aside
@@ -405,13 +412,13 @@ def test_a_corrupt_array_file_is_detected_on_a_reshard(
   corrupt(os.path.join(mid_round_dir, "2"))
   ckpt = Checkpointer(mid_round_dir)
   resumed = _trainer([8, 8])
-  meta = ckpt.restore_latest(resumed)
-  assert meta["step"] == 1 and resumed.step == 1
+  state, meta = ckpt.restore_latest(resumed, resumed.init())
+  assert meta["step"] == 1 and state.step == 1
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "step 2: " in err[0], err
   assert re.search(why, err[0]), err[0]
   assert os.path.isdir(os.path.join(mid_round_dir, "corrupt-2"))
-  assert _each_row_is(resumed.params, _mean(mid_round[1][1]["params"]))
+  assert _each_row_is(state.params, _mean(mid_round[1][1]["params"]))
 
 
 def test_latest_meta_reads_the_newest_intact_metadata_alone(

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from experiments.studies import elastic
-from qsync_jax.parallel import links
+from qsync_jax.launch import links
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {"widths": [2, 2], "hidden": 4}

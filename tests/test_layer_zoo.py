@@ -26,7 +26,7 @@ from qsync_jax import predictor
 from qsync_jax import sensitivity
 from qsync_jax.plan import intercept
 from qsync_jax.plan.precision import PlanError
-from qsync_jax.train import checkpoint as ckpt_lib
+from qsync_jax.train import saved_state
 
 NNX_PATHS = [
   "conv2d",
@@ -217,14 +217,17 @@ def test_the_trainer_trains_int8_plans_and_resumes_from_a_checkpoint(
       _build(name),
       _workers(sizes, plans, ["v100", "t4"]),
       optax.adam(1e-3),
-      sample_input=_images(2)[0],
+      sample=qs.task.input_probe(_images(2)[0]),
     )
 
   def batch(step):
     return _split(*_images(8, seed=step), sizes)
 
   first = trainer()
-  metrics = [first.train_step(batch(s)) for s in range(2)]
+  state, metrics = first.init(), []
+  for s in range(2):
+    state, step_metrics = first.train_step(state, batch(s))
+    metrics.append(step_metrics)
   losses = [float(m[w]["loss"]) for m in metrics for w in (0, 1)]
   assert all(np.isfinite(losses))
   # At the first step both workers hold the initial parameters: the FP32
@@ -239,17 +242,18 @@ def test_the_trainer_trains_int8_plans_and_resumes_from_a_checkpoint(
     assert abs(losses[w] - own) <= tolerance * own
   assert losses[1] != pytest.approx(own, rel=1e-5)
   ckpt = qs.Checkpointer(str(tmp_path / "ckpt"))
-  ckpt.save(first)
+  ckpt.save(first, state)
   ckpt.close()
-  first.train_step(batch(2))
+  state, _ = first.train_step(state, batch(2))
   resumed = trainer()
-  assert (
-    qs.Checkpointer(str(tmp_path / "ckpt")).restore_latest(resumed)["step"] == 2
+  restored = qs.Checkpointer(str(tmp_path / "ckpt")).restore_latest(
+    resumed, resumed.init()
   )
-  resumed.train_step(batch(2))
+  assert restored.meta["step"] == 2
+  resumed_state, _ = resumed.train_step(restored.state, batch(2))
   for a, b in zip(
-    jax.tree.leaves(ckpt_lib.state_tree(first)),
-    jax.tree.leaves(ckpt_lib.state_tree(resumed)),
+    jax.tree.leaves(saved_state.state_tree(first, state)),
+    jax.tree.leaves(saved_state.state_tree(resumed, resumed_state)),
   ):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 

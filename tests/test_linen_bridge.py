@@ -234,25 +234,26 @@ def test_hybrid_trainer_trains_and_evaluates_a_linen_resnet():
   plans = [qs.PrecisionPlan([(r"block1/Conv_\d", "int8")]), qs.PrecisionPlan()]
   workers = [Worker(d, "cpu", p, 4) for d, p in zip(devices, plans)]
   trainer = HybridTrainer(
-    model, workers, optax.sgd(0.1), bn_stats="average", sample_batch=(X, Y)
+    model, workers, optax.sgd(0.1), bn_stats="average", sample=(X, Y)
   )
-  untrained = trainer.evaluate((X, Y))
-  initial = jax.tree.map(np.asarray, trainer.worker_params())
+  state = trainer.init()
+  untrained = trainer.evaluate(state, (X, Y))
+  initial = jax.tree.map(np.asarray, trainer.worker_params(state))
   # Both workers fit the same batch: five steps move the model towards it.
   losses = []
   for _ in range(5):
-    metrics = trainer.train_step(dict.fromkeys(range(2), (X, Y)))
+    state, metrics = trainer.train_step(state, dict.fromkeys(range(2), (X, Y)))
     losses.append(float(metrics[0]["loss"]))
   assert all(np.isfinite(losses))
   # Every layer's kernel moved (the biases before a BatchNorm get no
   # gradient).
-  trained = trainer.worker_params()
+  trained = trainer.worker_params(state)
   for path in PATHS:
     before, after = initial, trained
     for part in ["linen_variables", "params", *path.split("/"), "kernel"]:
       before, after = before[part], after[part]
     assert not np.allclose(before[...], after[...]), path
-  result = trainer.evaluate((X, Y))
+  result = trainer.evaluate(state, (X, Y))
   assert result["loss"] < untrained["loss"] - 0.2, (untrained, result)
   assert result["accuracy"] > untrained["accuracy"], (untrained, result)
 

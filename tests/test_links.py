@@ -1,4 +1,4 @@
-"""Tests for qsync_jax.parallel.links: parsing, namespaces, the launcher.
+"""Tests for qsync_jax.launch.links: parsing, namespaces, the launcher.
 
 Parsing and the no-root refusal run anywhere. The rest builds real network
 namespaces, tc qdiscs and cgroups, so it needs root and iproute2 and skips
@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from qsync_jax.parallel import distributed
-from qsync_jax.parallel import link_probe
-from qsync_jax.parallel import links
+from qsync_jax.launch import link_probe
+from qsync_jax.launch import links
+from qsync_jax.launch import local
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REASON = links.unavailable_reason()
@@ -359,7 +359,7 @@ def test_a_failing_child_still_tears_down(capsys):
     "['QSYNC_PROCESS_ID'] == '1' else 0)"
   )
   with links.LinkEmulator(2, spec) as emulator:
-    code = distributed.launch(
+    code = local.launch(
       [sys.executable, "-c", exit_3_on_1],
       2,
       env={**os.environ, **emulator.env()},

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from experiments.studies import network
-from qsync_jax.parallel import links
+from qsync_jax.launch import links
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REASON = links.unavailable_reason()

@@ -1,4 +1,4 @@
-"""Tests for the DiLoCo-style outer optimizer of local SGD (HybridTrainer's
+"""Tests for the DiLoCo-style outer optimizer of local SGD (SyncSettings'
 ``outer_tx``, qsync_jax.train.programs.average_params_program) and its
 config (experiments.config_lib)."""
 
@@ -9,12 +9,13 @@ import pytest
 from test_trainer import _batch
 from test_trainer import _cnn
 from test_trainer import _split
+from test_trainer import _steps
 from test_trainer import _workers
 
 from experiments import config_lib
 from experiments.configs import default as default_config
 import qsync_jax as qs
-from qsync_jax.train import checkpoint as ckpt_lib
+from qsync_jax.train import saved_state
 from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train.trainer import HybridTrainer
 
@@ -22,15 +23,13 @@ SIZES = [8, 8, 8, 8]
 H = 3
 
 
-def _trainer(outer_tx=None, **kwargs):
+def _trainer(outer_tx=None, **sync):
   schedule = qs.parallel.schedules.ConstantLocalSGD(H)
   return HybridTrainer(
     _cnn(),
     _workers(SIZES),
     optax.sgd(0.05),
-    schedule=schedule,
-    outer_tx=outer_tx,
-    **kwargs,
+    sync=qs.SyncSettings(schedule=schedule, outer_tx=outer_tx, **sync),
   )
 
 
@@ -57,47 +56,49 @@ def test_outer_sgd_with_rate_one_is_plain_averaging_bit_for_bit(compress):
     )
 
   plain, outer = make(None), make(optax.sgd(1.0))
-  for b in _batches(2 * H):
-    plain.train_step(b)
-    outer.train_step(b)
-  assert outer.sync_rounds == plain.sync_rounds == 2
+  batches = _batches(2 * H)
+  plain_run, outer_run = _steps(plain, batches), _steps(outer, batches)
+  assert outer_run.sync_rounds == plain_run.sync_rounds == 2
   assert (
-    np.asarray(outer.params).tobytes() == np.asarray(plain.params).tobytes()
+    np.asarray(outer_run.params).tobytes()
+    == np.asarray(plain_run.params).tobytes()
   )
-  assert outer.comm_bytes == plain.comm_bytes
+  assert outer_run.comm_bytes == plain_run.comm_bytes
 
 
 def test_nesterov_momentum_is_the_hand_computed_outer_step():
   plain, outer = _trainer(), _trainer(_nesterov())
-  start = np.asarray(plain.params)[0]
+  plain_run, outer_run = plain.init(), outer.init()
+  start = np.asarray(plain_run.params)[0]
   batches = _batches(2 * H)
-  for b in batches[:H]:
-    plain.train_step(b)
-    outer.train_step(b)
+  plain_run = _steps(plain, batches[:H], plain_run)
+  outer_run = _steps(outer, batches[:H], outer_run)
   # First sync, zero momentum: the outer gradient is g = anchor - mean,
   # the trace becomes g and Nesterov steps by lr * (g + 0.9 g) = 1.33 g.
-  g = start - np.asarray(plain.params)[0]
+  g = start - np.asarray(plain_run.params)[0]
   np.testing.assert_allclose(
-    np.asarray(outer.params)[0], start - 1.33 * g, rtol=0, atol=1e-6
+    np.asarray(outer_run.params)[0], start - 1.33 * g, rtol=0, atol=1e-6
   )
-  trace = np.concatenate(
-    [np.asarray(l).reshape(4, -1) for l in jax.tree.leaves(outer.outer_state)],
-    axis=1,
-  )
-  assert _rows_identical(trace) and _rows_identical(outer.params)
+
+  def trace_rows(run):
+    return np.concatenate(
+      [np.asarray(l).reshape(4, -1) for l in jax.tree.leaves(run.outer_state)],
+      axis=1,
+    )
+
+  trace = trace_rows(outer_run)
+  assert _rows_identical(trace) and _rows_identical(outer_run.params)
   assert np.abs(trace[0]).max() > 0
   # The state advances: the second sync adds 0.9 * the old trace.
   before = trace
-  for b in batches[H:]:
-    outer.train_step(b)
-    plain.train_step(b)
-  after = np.concatenate(
-    [np.asarray(l).reshape(4, -1) for l in jax.tree.leaves(outer.outer_state)],
-    axis=1,
-  )
+  outer_run = _steps(outer, batches[H:], outer_run)
+  plain_run = _steps(plain, batches[H:], plain_run)
+  after = trace_rows(outer_run)
   assert not np.allclose(after, before) and _rows_identical(after)
-  assert not np.allclose(np.asarray(outer.params), np.asarray(plain.params))
-  assert outer.in_sync and outer.sync_rounds == 2
+  assert not np.allclose(
+    np.asarray(outer_run.params), np.asarray(plain_run.params)
+  )
+  assert outer_run.in_sync and outer_run.sync_rounds == 2
 
 
 def test_checkpoint_mid_round_resumes_outer_state_bit_identically(tmp_path):
@@ -108,27 +109,24 @@ def test_checkpoint_mid_round_resumes_outer_state_bit_identically(tmp_path):
 
   batches = _batches(3 * H)
   straight = make()
-  for b in batches:
-    straight.train_step(b)
+  straight_run = _steps(straight, batches)
   first = make()
-  for b in batches[: H + 1]:  # one sync, then mid-round
-    first.train_step(b)
-  assert not first.in_sync
+  first_run = _steps(first, batches[: H + 1])  # one sync, then mid-round
+  assert not first_run.in_sync
   ckpt = Checkpointer(str(tmp_path / "ckpt"))
-  ckpt.save(first)
-  assert "outer_state" in ckpt_lib.state_tree(first)
+  ckpt.save(first, first_run)
+  assert "outer_state" in saved_state.state_tree(first, first_run)
   resumed = make()
-  ckpt.restore_latest(resumed)
+  state = ckpt.restore_latest(resumed, resumed.init()).state
   for a, b in zip(
-    jax.tree.leaves(resumed.outer_state), jax.tree.leaves(first.outer_state)
+    jax.tree.leaves(state.outer_state), jax.tree.leaves(first_run.outer_state)
   ):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
-  for b in batches[H + 1 :]:
-    resumed.train_step(b)
-  assert resumed.params_digest() == straight.params_digest()
+  state = _steps(resumed, batches[H + 1 :], state)
+  assert resumed.params_digest(state) == straight.params_digest(straight_run)
   for a, b in zip(
-    jax.tree.leaves(ckpt_lib.state_tree(resumed)),
-    jax.tree.leaves(ckpt_lib.state_tree(straight)),
+    jax.tree.leaves(saved_state.state_tree(resumed, state)),
+    jax.tree.leaves(saved_state.state_tree(straight, straight_run)),
   ):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
   ckpt.close()
@@ -137,7 +135,10 @@ def test_checkpoint_mid_round_resumes_outer_state_bit_identically(tmp_path):
 def test_outer_optimizer_needs_a_local_schedule():
   with pytest.raises(ValueError, match="never makes; use a local schedule"):
     HybridTrainer(
-      _cnn(), _workers(SIZES), optax.sgd(0.05), outer_tx=_nesterov()
+      _cnn(),
+      _workers(SIZES),
+      optax.sgd(0.05),
+      sync=qs.SyncSettings(outer_tx=_nesterov()),
     )
 
 

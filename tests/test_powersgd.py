@@ -18,13 +18,15 @@ import pytest
 from test_trainer import _batch
 from test_trainer import _cnn
 from test_trainer import _split
+from test_trainer import _steps
 from test_trainer import _workers
 
 from experiments import config_lib
+import qsync_jax as qs
 from qsync_jax import parallel
 from qsync_jax.parallel import averagers
 from qsync_jax.parallel.powersgd import PowerSGD
-from qsync_jax.train import checkpoint as ckpt_lib
+from qsync_jax.train import saved_state
 from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train.trainer import HybridTrainer
 
@@ -216,22 +218,25 @@ def test_trains_through_the_hybrid_trainer(error_feedback):
     _cnn(),
     _workers(sizes),
     optax.adam(1e-2),
-    averager=averager,
-    error_feedback=error_feedback,
+    sync=qs.SyncSettings(averager=averager, error_feedback=error_feedback),
   )
   x, y = _batch(32, seed=0)
-  first = trainer.evaluate((x, y))["loss"]
-  for step in range(6):
-    trainer.train_step(_split(*_batch(32, seed=step % 2), sizes))
-  rows = np.asarray(trainer.params)
+  state = trainer.init()
+  first = trainer.evaluate(state, (x, y))["loss"]
+  state = _steps(
+    trainer,
+    [_split(*_batch(32, seed=step % 2), sizes) for step in range(6)],
+    state,
+  )
+  rows = np.asarray(state.params)
   for r in rows[1:]:
     np.testing.assert_array_equal(r, rows[0])
-  assert trainer.comm_bytes == pytest.approx(
+  assert state.comm_bytes == pytest.approx(
     6 * averager.wire_bytes(trainer.num_params, N)
   )
-  assert trainer.comm_bytes < 0.1 * 6 * 1.5 * 4 * trainer.num_params
-  assert (trainer.residual is not None) == error_feedback
-  assert trainer.evaluate((x, y))["loss"] < first
+  assert state.comm_bytes < 0.1 * 6 * 1.5 * 4 * trainer.num_params
+  assert (state.residual is not None) == error_feedback
+  assert trainer.evaluate(state, (x, y))["loss"] < first
 
 
 def _noisy_low_rank(n=24, rank=3, seed=5):
@@ -362,66 +367,68 @@ def _powersgd_trainer(warm_start=True):
     _cnn(),
     _workers([8] * N),
     optax.sgd(0.05, momentum=0.9),
-    averager=averagers.make_averager("powersgd", rank=2, warm_start=warm_start),
-    error_feedback=True,
+    sync=qs.SyncSettings(
+      averager=averagers.make_averager(
+        "powersgd", rank=2, warm_start=warm_start
+      ),
+      error_feedback=True,
+    ),
   )
 
 
 def test_trainer_carries_q_and_a_checkpoint_resumes_bit_identically(tmp_path):
   batches = [_split(*_batch(32, seed=s), [8] * N) for s in range(6)]
   straight = _powersgd_trainer()
-  for b in batches:
-    straight.train_step(b)
-  q = np.asarray(straight.averager_state)
+  straight_state = _steps(straight, batches)
+  q = np.asarray(straight_state.averager_state)
   assert (
-    q.shape == (N, *straight.averager.matrix_shape(straight.num_params)[1:])
+    q.shape
+    == (N, *straight.sync.averager.matrix_shape(straight.num_params)[1:])
     and q.any()
     and (q == q[:1]).all()
   )
   # A skipped (non-finite) step leaves Q and the residual as they were.
-  t = straight
-  nan = jax.jit(lambda p: p * jnp.nan)(t.params)
-  out = t._update(
-    t.params,
-    t.opt_state,
-    t.loss_scale,
+  nan = jax.jit(lambda p: p * jnp.nan)(straight_state.params)
+  out = straight.programs.update(
+    straight_state.params,
+    straight_state.opt_state,
+    straight_state.loss_scale,
     nan,
-    t._weights,
-    t._counter,
-    t.residual,
-    t.averager_state,
+    straight._weights,
+    straight_state.counter,
+    straight_state.residual,
+    straight_state.averager_state,
   )
   assert not np.asarray(out[3]).any()
-  np.testing.assert_array_equal(out[5], t.residual)
+  np.testing.assert_array_equal(out[5], straight_state.residual)
   np.testing.assert_array_equal(out[6], q)
   first = _powersgd_trainer()
-  for b in batches[:3]:
-    first.train_step(b)
+  first_state = _steps(first, batches[:3])
   ckpt = Checkpointer(str(tmp_path / "ckpt"))
-  ckpt.save(first)
-  assert "averager_state" in ckpt_lib.state_tree(first)
+  ckpt.save(first, first_state)
+  assert "averager_state" in saved_state.state_tree(first, first_state)
   resumed = _powersgd_trainer()
-  ckpt.restore_latest(resumed)
+  state = ckpt.restore_latest(resumed, resumed.init()).state
   ckpt.close()
   assert (
-    np.asarray(resumed.averager_state).tobytes()
-    == np.asarray(first.averager_state).tobytes()
+    np.asarray(state.averager_state).tobytes()
+    == np.asarray(first_state.averager_state).tobytes()
   )
-  for b in batches[3:]:
-    resumed.train_step(b)
-  assert resumed.params_digest() == straight.params_digest()
+  state = _steps(resumed, batches[3:], state)
+  assert resumed.params_digest(state) == straight.params_digest(straight_state)
   for a, b in zip(
-    jax.tree.leaves(ckpt_lib.state_tree(resumed)),
-    jax.tree.leaves(ckpt_lib.state_tree(straight)),
+    jax.tree.leaves(saved_state.state_tree(resumed, state)),
+    jax.tree.leaves(saved_state.state_tree(straight, straight_state)),
   ):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
   # Without warm start there is no state, and the run differs.
   cold = _powersgd_trainer(warm_start=False)
-  for b in batches:
-    cold.train_step(b)
-  assert cold.averager_state is None
-  assert "averager_state" not in ckpt_lib.state_tree(cold)
-  assert cold.params_digest() != straight.params_digest()
+  cold_state = _steps(cold, batches)
+  assert cold_state.averager_state is None
+  assert "averager_state" not in saved_state.state_tree(cold, cold_state)
+  assert cold.params_digest(cold_state) != straight.params_digest(
+    straight_state
+  )
 
 
 @pytest.mark.parametrize("arg, warm", [(None, True), ("false", False)])

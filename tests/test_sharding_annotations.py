@@ -302,12 +302,14 @@ def _trainer(model, x):
     qs.Worker(d, k, qs.PrecisionPlan(), 4)
     for d, k in zip(jax.devices()[:2], ("v100", "t4"))
   ]
-  return qs.HybridTrainer(model, workers, optax.adam(1e-2), sample_input=x)
+  return qs.HybridTrainer(
+    model, workers, optax.adam(1e-2), sample=qs.task.input_probe(x)
+  )
 
 
-def _step(trainer, seed):
+def _step(trainer, state, seed):
   x, y = _data(8, seed)
-  return trainer.train_step({0: (x[:4], y[:4]), 1: (x[4:], y[4:])})
+  return trainer.train_step(state, {0: (x[:4], y[:4]), 1: (x[4:], y[4:])})
 
 
 def _train_and_resume(family, build, directory):
@@ -315,23 +317,24 @@ def _train_and_resume(family, build, directory):
   from that checkpoint in a trainer of a model built afresh."""
   x, _ = _data()
   trainer = _trainer(build(), x[:2])
-  _step(trainer, 0)
+  state, _ = _step(trainer, trainer.init(), 0)
   checkpointer = qs.Checkpointer(directory)
-  checkpointer.save(trainer)
-  metrics = _step(trainer, 1)
+  checkpointer.save(trainer, state)
+  state, metrics = _step(trainer, state, 1)
   assert all(np.isfinite(float(m["loss"])) for m in metrics.values())
   # The trainer's parameters carry the model's annotations, unapplied.
-  params = trainer.worker_params(1)
+  params = trainer.worker_params(state, 1)
   for path, names in FAMILIES[family][2].items():
     node = params
     for part in path:
       node = node[part]
     assert node.get_metadata("out_sharding") == names
   resumed = _trainer(build(), x[:2])
-  assert checkpointer.restore_latest(resumed)["step"] == 1
+  restored = checkpointer.restore_latest(resumed, resumed.init())
+  assert restored.meta["step"] == 1
   checkpointer.close()
-  _step(resumed, 1)
-  assert resumed.params_digest() == trainer.params_digest()
+  resumed_state, _ = _step(resumed, restored.state, 1)
+  assert resumed.params_digest(resumed_state) == trainer.params_digest(state)
 
 
 @pytest.mark.parametrize("on_mesh", [False, True], ids=["no_mesh", "mesh"])

@@ -15,10 +15,11 @@ import pytest
 
 from qsync_jax import models
 from qsync_jax import predictor
+from qsync_jax.allocation import job_plans
 from qsync_jax.allocation import sharing
-from qsync_jax.parallel import coordination
 from qsync_jax.parallel.cluster import parse_cluster
 from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.process import coordination
 
 
 class _Store:
@@ -264,7 +265,6 @@ def test_process_0_allocates_once_and_shares_the_plans():
 
 
 def test_the_timing_batch_is_what_the_timing_model_takes():
-  from experiments import plans_lib  # pylint: disable=g-import-not-at-top
   from qsync_jax import data
 
   digits = data.load_dataset("digits")
@@ -276,12 +276,12 @@ def test_the_timing_batch_is_what_the_timing_model_takes():
     rngs=nnx.Rngs(0),
     data_kwargs={**kwargs, "image_size": 32, "in_channels": 3},
   )
-  x, y = plans_lib.timing_batch(wide, digits, 16)
+  x, y = job_plans.timing_batch(wide, digits, 16)
   assert x.shape == (16, 32, 32, 3) and x.dtype == np.float32
   np.testing.assert_array_equal(y, digits.y_train[:16])
   # The trained twin takes the dataset's examples themselves.
   twin = models.build_model("cnn", rngs=nnx.Rngs(0), data_kwargs=kwargs)
   n = len(digits.x_train)
-  x, y = plans_lib.timing_batch(twin, digits, n + 3)
+  x, y = job_plans.timing_batch(twin, digits, n + 3)
   np.testing.assert_array_equal(x[n:], digits.x_train[:3])
   np.testing.assert_array_equal(y[:n], digits.y_train)

@@ -15,7 +15,7 @@ and the relative error ``||avg - exact|| / ||exact||`` against the exact
 * ``fake_devices``: this process, over ``num_workers`` CPU devices
   (``jax_num_cpu_devices``); the collectives are XLA:CPU's in-process ones.
 * ``multiprocess``: ``num_workers`` localhost processes started by
-  :func:`qsync_jax.parallel.distributed.launch`, one CPU device each, gloo
+  :func:`qsync_jax.launch.local.launch`, one CPU device each, gloo
   collectives over TCP. Each process runs the same program over the global
   mesh; process 0 writes its timings to a file this process reads.
 
@@ -104,11 +104,13 @@ from experiments.benches.compression_parts import bench_parts
 from experiments.benches.compression_parts import floor_analysis
 from experiments.benches.compression_parts import PARTS
 from qsync_jax import cli
+from qsync_jax import files
 from qsync_jax import host_malloc
+from qsync_jax.launch import links
+from qsync_jax.launch import local as local_lib
 from qsync_jax.parallel import averagers
-from qsync_jax.parallel import distributed
-from qsync_jax.parallel import links
 from qsync_jax.predictor import communication
+from qsync_jax.process import initialize
 
 SETTINGS = ("fake_devices", "multiprocess")
 DEFAULT_SIZES = (1 << 20, 1 << 22, 1 << 24)
@@ -298,7 +300,7 @@ def _worker_main(spec_path: str) -> None:
   cli.start_binary()
   with open(spec_path) as f:
     spec = json.load(f)
-  if not distributed.initialize():
+  if not initialize.initialize():
     raise RuntimeError(
       "compression_bench worker started outside a multi-process launch"
     )
@@ -306,17 +308,14 @@ def _worker_main(spec_path: str) -> None:
   def write(results):
     if jax.process_index() != 0:
       return
-    tmp = spec["out"] + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump(
-        {
-          "results": results,
-          "device": str(jax.devices()[0].device_kind),
-          "backend": jax.default_backend(),
-        },
-        f,
-      )
-    os.replace(tmp, spec["out"])
+    files.write_json(
+      spec["out"],
+      {
+        "results": results,
+        "device": str(jax.devices()[0].device_kind),
+        "backend": jax.default_backend(),
+      },
+    )
 
   donate = spec.get("donate", False)
   results = bench_mesh(
@@ -336,7 +335,7 @@ def _worker_main(spec_path: str) -> None:
       donate=donate,
       on_size=lambda rows: write(results + rows),
     )
-  distributed.shutdown()
+  initialize.shutdown()
 
 
 def run_multiprocess(
@@ -353,7 +352,7 @@ def run_multiprocess(
   """The ``multiprocess`` setting: ``num_workers`` localhost processes.
 
   The processes run this module (``python -m experiments.benches.compression
-  SPEC``) under :func:`qsync_jax.parallel.distributed.launch`, which relays
+  SPEC``) under :func:`qsync_jax.launch.local.launch`, which relays
   their output and SIGKILLs them all if one fails or ``timeout_s`` runs out.
 
   Args (beyond :func:`bench_mesh`'s):
@@ -388,7 +387,7 @@ def run_multiprocess(
     env["PYTHONPATH"] = os.pathsep.join(
       p for p in (root, env.get("PYTHONPATH")) if p
     )
-    code = distributed.launch(
+    code = local_lib.launch(
       [sys.executable, "-m", "experiments.benches.compression", spec_path],
       num_workers,
       timeout_s=timeout_s,
@@ -401,7 +400,7 @@ def run_multiprocess(
   done = {(r["strategy"], r["num_elements"]) for r in measured}
   why = (
     "timed out"
-    if code == distributed.TIMEOUT_EXIT_CODE
+    if code == local_lib.TIMEOUT_EXIT_CODE
     else f"exited with code {code}"
   )
   for d in spec["sizes"]:
@@ -486,20 +485,66 @@ def run(
       without both the float32 mean and the headline strategy.
   """
   settings = list(settings)
+  names = _check_run(settings, sizes, repeats, num_workers, strategies, parts)
+  sizes = [int(d) for d in sizes]
+  link = links.link_info_from_env()
+  info = _settings_info(
+    sizes,
+    repeats,
+    num_workers,
+    names,
+    link,
+    seed=seed,
+    donate=donate,
+    parts=parts,
+  )
+  results = []
+  for setting in settings:
+    start, load = time.monotonic(), _loadavg()
+    results += _run_setting(
+      setting,
+      sizes,
+      repeats,
+      num_workers,
+      names,
+      link,
+      seed=seed,
+      timeout_s=timeout_s,
+      donate=donate,
+      parts=parts,
+    )
+    info["loadavg"][setting] = {"start": load, "end": _loadavg()}
+    info["wall_s"][setting] = round(time.monotonic() - start, 1)
+  return _report(info, results, settings, sizes, link, parts=parts)
+
+
+def _check_run(
+  settings: Sequence[str],
+  sizes: Sequence[int],
+  repeats: int,
+  num_workers: int,
+  strategies: Sequence[str] | None,
+  parts: bool,
+) -> list[str]:
+  """Checks :func:`run`'s arguments; returns the strategies' names.
+
+  Raises:
+    ValueError: as :func:`run`, or settings or a worker count other than
+      the launch's under the launcher.
+  """
   bad = [s for s in settings if s not in SETTINGS]
   if bad or not settings:
     raise ValueError(
       f"settings must be a non-empty subset of "
-      f"{', '.join(SETTINGS)}, got {settings}"
+      f"{', '.join(SETTINGS)}, got {list(settings)}"
     )
   names = check_arguments(sizes, repeats, strategies)
-  sizes = [int(d) for d in sizes]
   if num_workers < 1:
     raise ValueError(f"num_workers must be >= 1, got {num_workers}")
   if parts and "multiprocess" not in settings:
     raise ValueError(
       "parts are timed in the multiprocess setting only; add "
-      f"it to settings (got {settings})"
+      f"it to settings (got {list(settings)})"
     )
   if parts and not {"none", HEADLINE_STRATEGY} <= set(names):
     raise ValueError(
@@ -507,18 +552,34 @@ def run(
       f"{HEADLINE_STRATEGY!r}; include both (got {names})"
     )
   # One process of a launch: the launch's processes are the workers.
-  launched = jax.process_count() > 1
-  if launched and (
-    settings != ["multiprocess"] or num_workers != jax.process_count()
+  if jax.process_count() > 1 and (
+    list(settings) != ["multiprocess"] or num_workers != jax.process_count()
   ):
     raise ValueError(
       f"under the launcher only the multiprocess setting runs, with the "
       f"{jax.process_count()} launched processes as workers; got settings "
-      f"{settings} and {num_workers} workers"
+      f"{list(settings)} and {num_workers} workers"
     )
-  link = links.link_info_from_env()
+  return names
 
-  info = {
+
+def _settings_info(
+  sizes: Sequence[int],
+  repeats: int,
+  num_workers: int,
+  names: Sequence[str],
+  link: dict[str, Any] | None,
+  *,
+  seed: int,
+  donate: bool,
+  parts: bool,
+) -> dict[str, Any]:
+  """The report's ``settings``: the run's machine, arguments and methods.
+
+  Its ``loadavg`` and ``wall_s`` are empty, for :func:`run` to fill per
+  setting.
+  """
+  return {
     "jax_version": jax.__version__,
     "backend": jax.default_backend(),
     "device": str(jax.devices()[0].device_kind),
@@ -529,7 +590,7 @@ def run(
     # The host allocator's mode, in this process and the workers.
     "host_malloc": host_malloc.mode_from_env(),
     "num_workers": num_workers,
-    "sizes": sizes,
+    "sizes": list(sizes),
     "repeats": repeats,
     "calls_per_round": {str(d): calls_per_round(d) for d in sizes},
     "seed": seed,
@@ -566,38 +627,62 @@ def run(
     "loadavg": {},
     "wall_s": {},
   }
-  results = []
-  for setting in settings:
-    start, load = time.monotonic(), _loadavg()
-    if setting == "fake_devices":
-      results += run_fake_devices(
-        sizes, repeats, num_workers, names, seed=seed, donate=donate
-      )
-    elif launched:
-      results += bench_mesh(
-        sizes,
-        repeats,
-        setting,
-        names,
-        seed=seed,
-        donate=donate,
-        link=communication.Link.from_record(link) if link else None,
-      )
-      if parts:
-        results += bench_parts(sizes, repeats, seed=seed, donate=donate)
-    else:
-      results += run_multiprocess(
-        sizes,
-        repeats,
-        num_workers,
-        names,
-        seed=seed,
-        timeout_s=timeout_s,
-        donate=donate,
-        parts=parts,
-      )
-    info["loadavg"][setting] = {"start": load, "end": _loadavg()}
-    info["wall_s"][setting] = round(time.monotonic() - start, 1)
+
+
+def _run_setting(
+  setting: str,
+  sizes: Sequence[int],
+  repeats: int,
+  num_workers: int,
+  names: Sequence[str],
+  link: dict[str, Any] | None,
+  *,
+  seed: int,
+  timeout_s: float,
+  donate: bool,
+  parts: bool,
+) -> list[dict[str, Any]]:
+  """The results of one setting: on fake devices, in this launch's
+  processes (under the launcher), or in processes launched for it."""
+  if setting == "fake_devices":
+    return run_fake_devices(
+      sizes, repeats, num_workers, names, seed=seed, donate=donate
+    )
+  if jax.process_count() > 1:
+    results = bench_mesh(
+      sizes,
+      repeats,
+      setting,
+      names,
+      seed=seed,
+      donate=donate,
+      link=communication.Link.from_record(link) if link else None,
+    )
+    if parts:
+      results += bench_parts(sizes, repeats, seed=seed, donate=donate)
+    return results
+  return run_multiprocess(
+    sizes,
+    repeats,
+    num_workers,
+    names,
+    seed=seed,
+    timeout_s=timeout_s,
+    donate=donate,
+    parts=parts,
+  )
+
+
+def _report(
+  info: dict[str, Any],
+  results: list[dict[str, Any]],
+  settings: Sequence[str],
+  sizes: Sequence[int],
+  link: dict[str, Any] | None,
+  *,
+  parts: bool,
+) -> dict[str, Any]:
+  """:func:`run`'s report from the settings' results (see there)."""
   for r in results:
     if "time_s" in r:
       r["time_vs_fp32"] = time_ratio(

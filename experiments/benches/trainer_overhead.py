@@ -124,13 +124,7 @@ def trainer_overhead(
     make(),
     [Worker(d, "cpu", PrecisionPlan(), batch_per_worker) for d in devices],
     tx,
-    sample_input=(
-      None
-      if example_spec is None
-      else jax.ShapeDtypeStruct(
-        (batch_per_worker, *example_spec.shape), example_spec.dtype
-      )
-    ),
+    sample=(x[:batch_per_worker], y[:batch_per_worker]),
   )
   b = batch_per_worker
   # Both sides get their batches already on the devices: the comparison is
@@ -149,10 +143,14 @@ def trainer_overhead(
   xs, ys = jax.device_put((x, y), NamedSharding(mesh, P("workers")))
   state = {"params": params, "opt": opt_state}
 
+  hybrid_state = [trainer.init()]
+
   def run_hybrid(k):
+    current = hybrid_state[0]
     for _ in range(k):
-      trainer.train_step(batches)
-    trainer.params.block_until_ready()
+      current, _ = trainer.train_step(current, batches)
+    hybrid_state[0] = current
+    current.params.block_until_ready()
 
   def run_spmd(k):
     for _ in range(k):

@@ -11,6 +11,7 @@ a T4 for real.
 import ml_collections
 
 from qsync_jax import sensitivity
+from qsync_jax.process import initialize
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -140,11 +141,12 @@ def get_config() -> ml_collections.ConfigDict:
   # (planning_timeout_s) for another process's profile or plans;
   # local_devices "auto" (every device of a node that runs one process, else
   # one device per process), "one" or "all". Not part of the agreement check.
+  # The timeouts' defaults are the library's (initialize() without them).
   config.distributed = ml_collections.ConfigDict(
     dict(
-      initialization_timeout_s=300,
-      heartbeat_timeout_s=100,
-      shutdown_timeout_s=300,
+      initialization_timeout_s=initialize.INITIALIZATION_TIMEOUT_S,
+      heartbeat_timeout_s=initialize.HEARTBEAT_TIMEOUT_S,
+      shutdown_timeout_s=initialize.SHUTDOWN_TIMEOUT_S,
       local_devices="auto",
       # The longest wait for another process's profile or process 0's plans.
       planning_timeout_s=900,

@@ -42,15 +42,14 @@ from typing import Any
 
 import numpy as np
 
-from experiments import membership_lib
 from experiments import progress
-from experiments import run_files
 from experiments.configs import default
 from experiments.studies import network
+from qsync_jax import files
+from qsync_jax.launch import links
+from qsync_jax.launch import local
 from qsync_jax.parallel import cluster as cluster_lib
-from qsync_jax.parallel import distributed
-from qsync_jax.parallel import links
-from qsync_jax.parallel import membership
+from qsync_jax.process import membership
 
 #: How often a running job's ``metrics.jsonl`` is read for new rows.
 POLL_S = 0.2
@@ -220,7 +219,7 @@ def launch(
     stopped = False
     # Stopped itself, the study stops its launcher, which stops the job's
     # processes: nothing outlives the study.
-    with distributed.stop_signals() as received:
+    with local.stop_signals() as received:
       while proc.poll() is None:
         now = time.monotonic() - start
         if (now > timeout_s or received) and not stopped:
@@ -335,7 +334,7 @@ def run_job(
       f"{run_dir} failed (launcher exit {launched.code}, {got} of "
       f"{steps}); log {run_dir}.log:\n{tail}"
     )
-  run_files.write_json(record, dataclasses.asdict(launched))
+  files.write_json(record, dataclasses.asdict(launched), indent=2)
   return launched, summary, False
 
 
@@ -346,7 +345,7 @@ def _write_availability(
     str(slot): [[round(a, 1), round(b, 1)] for a, b in pairs]
     for slot, pairs in intervals.items()
   }
-  run_files.write_json(path, data)
+  files.write_json(path, data, indent=2)
   return data
 
 
@@ -414,7 +413,7 @@ def summarize_reclaim(seeds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
   diffs = [e - b for e, b in zip(elastic, base)]
   changes = [c for s in seeds for c in s["reclaimed"]["membership"]]
   lost_s = [c["seconds_lost"] for c in changes if c["seconds_lost"] is not None]
-  notice = [c for c in changes if c["cause"] in membership_lib.NOTICE_CAUSES]
+  notice = [c for c in changes if c["cause"] in membership.NOTICE_CAUSES]
   phases = {}
   for name in BREAKDOWN:
     values = [
@@ -568,7 +567,7 @@ def run_reclaim(
     "host_before": host_before,
     "host_after": _host(),
   }
-  run_files.write_json(os.path.join(out_dir, "reclaim.json"), result)
+  files.write_json(os.path.join(out_dir, "reclaim.json"), result, indent=2)
   return result
 
 
@@ -690,7 +689,7 @@ def run_trace(
   Raises:
     ValueError: a bad seed count, target, fraction, interval count or
       quota.
-    qsync_jax.parallel.links.LinkUnavailableError: links cannot be emulated
+    qsync_jax.launch.links.LinkUnavailableError: links cannot be emulated
       here (not root, no ``ip``/``tc``, no cgroup cpu controller); nothing
       is run or written.
     RuntimeError: a job failed or ended short of its steps.
@@ -792,5 +791,5 @@ def run_trace(
     "host_before": host_before,
     "host_after": _host(),
   }
-  run_files.write_json(os.path.join(out_dir, "trace.json"), result)
+  files.write_json(os.path.join(out_dir, "trace.json"), result, indent=2)
   return result

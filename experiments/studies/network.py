@@ -2,7 +2,7 @@
 
 This module owns :func:`run`, the network study: four processes, each
 in its own network namespace behind an emulated link
-(:mod:`qsync_jax.parallel.links`, through ``python -m
+(:mod:`qsync_jax.launch.links`, through ``python -m
 qsync_jax.distributed --link``), train the same communication-bound model
 under every configuration of :data:`RUNS`, over several seeds, and the study
 reports for each the training wall time to a target eval accuracy, the final
@@ -53,7 +53,7 @@ from experiments.studies import qsr as qsr_study
 from qsync_jax import data as data_lib
 from qsync_jax import predictor
 from qsync_jax.allocation import pipeline
-from qsync_jax.parallel import links
+from qsync_jax.launch import links
 from qsync_jax.predictor import calls as calls_lib
 from qsync_jax.predictor import codec_processes
 from qsync_jax.predictor import timing
@@ -661,7 +661,7 @@ def run(
     ValueError: an unknown configuration, fewer than one seed or a target
       outside (0, 1].
     RuntimeError: a run failed (its log's last lines).
-    qsync_jax.parallel.links.LinkUnavailableError: links cannot be emulated
+    qsync_jax.launch.links.LinkUnavailableError: links cannot be emulated
       here (not root, no ``ip``/``tc``); nothing is written.
   """
   unknown = [n for n in names if n not in RUNS]

@@ -218,15 +218,18 @@ def _step_call(
   model, plan: PrecisionPlan, devices, batch, tx, loss, sample
 ) -> Callable[[], Any]:
   workers = [Worker(d, "cpu", plan, batch[0].shape[0]) for d in devices]
-  trainer = HybridTrainer(model, workers, tx, loss_fn=loss, sample_input=sample)
+  if not isinstance(sample, task.Probe):  # the model's inputs alone
+    sample = task.input_probe(sample)
+  trainer = HybridTrainer(model, workers, tx, objective=loss, sample=sample)
   batches = {
     i: (jax.device_put(batch[0], w.device), jax.device_put(batch[1], w.device))
     for i, w in enumerate(workers)
   }
+  state = [trainer.init()]
 
   def step():
-    trainer.train_step(batches)
-    return trainer.params
+    state[0], _ = trainer.train_step(state[0], batches)
+    return state[0].params
 
   return step
 

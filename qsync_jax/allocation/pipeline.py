@@ -21,10 +21,9 @@ ResNet-50 on digits with that plan.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 import functools
-import json
 import os
 from typing import Any
 
@@ -32,6 +31,7 @@ from flax import nnx
 import jax
 import numpy as np
 
+from qsync_jax import files
 from qsync_jax import predictor
 from qsync_jax import sensitivity
 from qsync_jax.allocation import allocator as allocator_lib
@@ -302,15 +302,7 @@ def plan_cluster(
     timing_model, sample_at(timing_model, sample_input, batch_size)
   )
   table = search.score_table(scores)
-  if set(table) != set(g.paths):
-    extra = sorted(set(table) - set(g.paths))
-    lack = sorted(set(g.paths) - set(table))
-    raise ValueError(
-      "the indicator scores and the timing model have "
-      f"different layers (scores only: {extra[:5]}, timing "
-      f"model only: {lack[:5]}); score a model with the same "
-      "layer paths"
-    )
+  _check_same_layers(table, g)
   given = dict(profiles or {})
   profiles = {
     k: given[k] if k in given else analytic(g, k) for k in spec.groups()
@@ -324,107 +316,154 @@ def plan_cluster(
       for k in spec.groups()
       if k not in training
     }
-
-  def run_allocator(table):
-    return allocator_lib.allocate(
+  run_allocator = functools.partial(
+    allocator_lib.allocate,
+    g,
+    spec,
+    profiles=profiles,
+    memory_limits=memory_limits,
+    method=method,
+    candidates=candidates,
+    training_kinds=training,
+  )
+  alloc = run_allocator(table)
+  out: dict[str, dict[str, Any]] = {}
+  if baselines:
+    out = _baselines(
       g,
       spec,
       table,
       profiles,
-      memory_limits=memory_limits,
-      method=method,
-      candidates=candidates,
-      training_kinds=training,
+      training,
+      dynamic_batch=_dynamic_batch_baseline(
+        timing_model, sample_input, batch_size, g, spec, profiles, analytic
+      ),
+      # QSync's indicator ablation: the same search with the scores
+      # shuffled among the layers (judged by the true scores).
+      shuffled=run_allocator(baselines_lib.shuffled_scores(table)),
     )
-
-  alloc = run_allocator(table)
-  out: dict[str, dict[str, Any]] = {}
-  if baselines:
-    stats = functools.partial(search.plan_stats, g, table, profiles=profiles)
-    link = simulation.cluster_link(spec.kinds)
-    fp32 = {k: dict.fromkeys(g.paths, Precision.FP32) for k in spec.groups()}
-    out["fp32"] = {
-      "step_time_s": predictor.predict(
-        g, spec, {}, profiles, link=link
-      ).step_time_s,
-      **stats(fp32),
-    }
-    low_plans = baselines_lib.uniform_low_plans(spec, training)
-    low = {
-      k: predictor.resolve_plan(g, low_plans.get(k, PrecisionPlan()), k)
-      for k in spec.groups()
-    }
-    out["uniform_low"] = {
-      "step_time_s": predictor.predict(
-        g, spec, low_plans, profiles, link=link
-      ).step_time_s,
-      **stats(low),
-    }
-    graphs = {batch_size: g}
-
-    def graph_at(b):
-      if b not in graphs:
-        graphs[b] = predictor.trace_graph(
-          timing_model, sample_at(timing_model, sample_input, b)
-        )
-      return graphs[b]
-
-    profile_cache = {(id(g), k): v for k, v in profiles.items()}
-
-    def profile_for(graph, kind):
-      key = (id(graph), kind)
-      if key not in profile_cache:
-        profile_cache[key] = analytic(graph, kind)
-      return profile_cache[key]
-
-    db, sizes = baselines_lib.predict_dynamic_batch(
-      graph_at, spec, batch_size, profile_for
-    )
-    out["dynamic_batch"] = {
-      "step_time_s": db.step_time_s,
-      "memory_bytes": {
-        k: max(
-          m for m, kk in zip(db.worker_memory_bytes, spec.kinds) if kk == k
-        )
-        for k in spec.groups()
-      },
-      "quantized_layers": dict.fromkeys(spec.groups(), 0),
-      "indicator_sum": dict.fromkeys(spec.groups(), 0.0),
-      "batch_sizes": {
-        k: max(b for b, kk in zip(sizes, spec.kinds) if kk == k)
-        for k in spec.groups()
-      },
-    }
-    alone = ClusterSpec(tuple(k for k in spec.kinds if k in training))
-    out["training_only"] = {
-      "step_time_s": predictor.predict(g, alone, {}, profiles).step_time_s,
-      **stats({k: fp32[k] for k in training}),
-      "cluster": str(alone),
-    }
-    # QSync's indicator ablation: the same search with the scores shuffled
-    # among the layers (judged by the true scores).
-    shuffled = run_allocator(baselines_lib.shuffled_scores(table))
-    out["qsync_shuffled"] = {
-      "step_time_s": shuffled.prediction.step_time_s,
-      **stats(shuffled.precisions),
-    }
   return PlanningResult(
     alloc, g, profiles, dict(table), indicator_name, spec, out
   )
 
 
-def _write_whole(path: str, text: str) -> None:
-  # A temporary file renamed into place: a process killed mid-write leaves
-  # the old file or the new one, never part of one.
-  tmp = f"{path}.{os.getpid()}.tmp"
-  try:
-    with open(tmp, "w") as f:
-      f.write(text)
-    os.replace(tmp, path)
-  except OSError as e:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise OSError(e.errno, e.strerror, path) from None
+def _check_same_layers(
+  table: Mapping[str, Mapping[str, float]], g: graph_lib.ModelGraph
+) -> None:
+  """Checks that the scores cover exactly the timing model's layers.
+
+  Raises:
+    ValueError: they do not, naming some of the differing paths.
+  """
+  if set(table) != set(g.paths):
+    extra = sorted(set(table) - set(g.paths))
+    lack = sorted(set(g.paths) - set(table))
+    raise ValueError(
+      "the indicator scores and the timing model have "
+      f"different layers (scores only: {extra[:5]}, timing "
+      f"model only: {lack[:5]}); score a model with the same "
+      "layer paths"
+    )
+
+
+def _dynamic_batch_baseline(
+  timing_model: nnx.Module,
+  sample_input: Any,
+  batch_size: int,
+  g: graph_lib.ModelGraph,
+  spec: ClusterSpec,
+  profiles: Mapping[str, profiling.Profile],
+  analytic: Callable[[graph_lib.ModelGraph, str], profiling.Profile],
+) -> dict[str, Any]:
+  """The dynamic-batch baseline's summary: FP32, batches by device speed.
+
+  The timing model is traced at each batch size the baseline tries; the
+  profiles at ``batch_size`` are ``profiles``, the others ``analytic``.
+  """
+  graphs = {batch_size: g}
+
+  def graph_at(b):
+    if b not in graphs:
+      graphs[b] = predictor.trace_graph(
+        timing_model, sample_at(timing_model, sample_input, b)
+      )
+    return graphs[b]
+
+  profile_cache = {(id(g), k): v for k, v in profiles.items()}
+
+  def profile_for(graph, kind):
+    key = (id(graph), kind)
+    if key not in profile_cache:
+      profile_cache[key] = analytic(graph, kind)
+    return profile_cache[key]
+
+  db, sizes = baselines_lib.predict_dynamic_batch(
+    graph_at, spec, batch_size, profile_for
+  )
+  return {
+    "step_time_s": db.step_time_s,
+    "memory_bytes": {
+      k: max(m for m, kk in zip(db.worker_memory_bytes, spec.kinds) if kk == k)
+      for k in spec.groups()
+    },
+    "quantized_layers": dict.fromkeys(spec.groups(), 0),
+    "indicator_sum": dict.fromkeys(spec.groups(), 0.0),
+    "batch_sizes": {
+      k: max(b for b, kk in zip(sizes, spec.kinds) if kk == k)
+      for k in spec.groups()
+    },
+  }
+
+
+def _baselines(
+  g: graph_lib.ModelGraph,
+  spec: ClusterSpec,
+  table: Mapping[str, Mapping[str, float]],
+  profiles: Mapping[str, profiling.Profile],
+  training: Sequence[str],
+  *,
+  dynamic_batch: dict[str, Any],
+  shuffled: allocator_lib.Allocation,
+) -> dict[str, dict[str, Any]]:
+  """The baselines' summaries (:attr:`PlanningResult.baselines`).
+
+  All FP32, uniform low precision on the weak kinds, ``dynamic_batch``
+  (:func:`_dynamic_batch_baseline`), the training kinds alone, and the
+  ``shuffled`` indicator's allocation.
+  """
+  stats = functools.partial(search.plan_stats, g, table, profiles=profiles)
+  link = simulation.cluster_link(spec.kinds)
+  fp32 = {k: dict.fromkeys(g.paths, Precision.FP32) for k in spec.groups()}
+  low_plans = baselines_lib.uniform_low_plans(spec, training)
+  low = {
+    k: predictor.resolve_plan(g, low_plans.get(k, PrecisionPlan()), k)
+    for k in spec.groups()
+  }
+  alone = ClusterSpec(tuple(k for k in spec.kinds if k in training))
+  return {
+    "fp32": {
+      "step_time_s": predictor.predict(
+        g, spec, {}, profiles, link=link
+      ).step_time_s,
+      **stats(fp32),
+    },
+    "uniform_low": {
+      "step_time_s": predictor.predict(
+        g, spec, low_plans, profiles, link=link
+      ).step_time_s,
+      **stats(low),
+    },
+    "dynamic_batch": dynamic_batch,
+    "training_only": {
+      "step_time_s": predictor.predict(g, alone, {}, profiles).step_time_s,
+      **stats({k: fp32[k] for k in training}),
+      "cluster": str(alone),
+    },
+    "qsync_shuffled": {
+      "step_time_s": shuffled.prediction.step_time_s,
+      **stats(shuffled.precisions),
+    },
+  }
 
 
 def write(result: PlanningResult, out_dir: str) -> dict[str, Any]:
@@ -438,13 +477,12 @@ def write(result: PlanningResult, out_dir: str) -> dict[str, Any]:
   """
   os.makedirs(out_dir, exist_ok=True)
   for kind, plan in result.allocation.plans.items():
-    _write_whole(os.path.join(out_dir, f"{kind}.json"), plan.to_json())
+    files.write_text(os.path.join(out_dir, f"{kind}.json"), plan.to_json())
   summary = result.summary()
-  _write_whole(
-    os.path.join(out_dir, "summary.json"), json.dumps(summary, indent=2)
-  )
-  _write_whole(
+  files.write_json(os.path.join(out_dir, "summary.json"), summary, indent=2)
+  files.write_json(
     os.path.join(out_dir, "scores.json"),
-    json.dumps({"method": result.indicator, "values": result.scores}, indent=2),
+    {"method": result.indicator, "values": result.scores},
+    indent=2,
   )
   return summary

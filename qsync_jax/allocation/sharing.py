@@ -13,8 +13,8 @@ This module owns how the processes of one run come to the same plans
    its error, so every process ends with the same line.
 3. :func:`plan_once`: process 0 runs the allocator (indicator and search)
    and shares the plans; the others wait for them.
-4. :func:`plans_digest`: what every process compares (through
-   :func:`qsync_jax.parallel.agreement.check`) before training, so a
+4. :func:`check_plans`: what every process compares (:func:`plan_facts`,
+   through :func:`qsync_jax.process.agreement.check`) before training, so a
    process that loaded another plan (a plan file that differs per node) is
    caught before the first collective.
 
@@ -26,14 +26,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from qsync_jax.parallel import agreement
-from qsync_jax.parallel import coordination
 from qsync_jax.parallel.cluster import ClusterSpec
 from qsync_jax.plan import devices as devices_lib
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import analytic
 from qsync_jax.predictor import graph as graph_lib
 from qsync_jax.predictor.profiling import Profile
+from qsync_jax.process import agreement
+from qsync_jax.process import coordination
 
 #: Where profiles come from: ``auto`` measures a kind where a device of that
 #: kind (by its jax ``device_kind``) runs it and uses the catalog otherwise;
@@ -143,7 +143,7 @@ def gather_profiles(
     devices: the workers' devices (worker order).
     sites: :func:`profile_sites`.
     measure: measures one kind on a device of this process.
-    store: the coordination store (:func:`qsync_jax.parallel.coordination
+    store: the coordination store (:func:`qsync_jax.process.coordination
       .client`); None in a single-process run.
     process_index: this process's index.
     timeout_s: the longest wait for another process's profile (profiling a
@@ -156,7 +156,7 @@ def gather_profiles(
     every process.
 
   Raises:
-    qsync_jax.parallel.coordination.CoordinationError: a process failed to
+    qsync_jax.process.coordination.CoordinationError: a process failed to
       measure its kind (its error is the message) or did not share it in
       time.
   """
@@ -232,7 +232,7 @@ def plan_once(
     ``{kind: PrecisionPlan}``, the same on every process.
 
   Raises:
-    qsync_jax.parallel.coordination.CoordinationError: process 0 failed
+    qsync_jax.process.coordination.CoordinationError: process 0 failed
       (its error is the message) or did not share its plans in time.
     Exception: in a single-process run, what ``allocate`` raises.
   """
@@ -265,3 +265,44 @@ def plan_once(
 def plans_digest(plans: Mapping[str, PrecisionPlan]) -> str:
   """SHA-256 of ``{kind: plan JSON}``, what every process compares."""
   return agreement.json_digest({k: p.to_json() for k, p in plans.items()})
+
+
+def plan_facts(plans: Mapping[str, PrecisionPlan]) -> dict[str, str]:
+  """What processes compare of their plans.
+
+  Args:
+    plans: ``{kind: PrecisionPlan}`` this process trains with.
+
+  Returns:
+    The digest (:func:`plans_digest`) and the plans' settings as
+    :func:`qsync_jax.process.agreement.details`, so that a mismatch names
+    the kind and the rule or default that differ.
+  """
+  return {
+    "plans": plans_digest(plans),
+    **agreement.details(
+      "plans", {kind: plan.to_dict() for kind, plan in plans.items()}
+    ),
+  }
+
+
+def check_plans(plans: Mapping[str, PrecisionPlan]) -> str:
+  """Checks that every process trains with ``plans``; returns their digest.
+
+  Before the first collective, so that a process that read another plan (a
+  plan file that differs per node) stops the run with one line. A no-op but
+  for the digest in a single-process run.
+
+  Args:
+    plans: ``{kind: PrecisionPlan}`` this process trains with.
+
+  Returns:
+    Their digest (:func:`plans_digest`).
+
+  Raises:
+    qsync_jax.process.agreement.AgreementError: a process has other plans
+      (the message names it), or did not report in time.
+  """
+  facts = plan_facts(plans)
+  agreement.check(facts)
+  return facts["plans"]

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import io
 import json
 import os
 import pathlib
 import random
-import tempfile
 from typing import Any
 
 import numpy as np
 
+from qsync_jax import files
 from qsync_jax.data.base import Dataset
 
 CACHE_ENV_VAR = "QSYNC_JAX_CACHE"
@@ -148,16 +149,11 @@ def load_mnist1d(
     arrays = _generate(ObjectView(dict(arg_dict)))
     if use_cache:
       path.parent.mkdir(parents=True, exist_ok=True)
-      # Write-then-rename so a concurrent reader never sees a partial file.
-      fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz.tmp")
-      try:
-        with os.fdopen(fd, "wb") as f:
-          # mypy matches **arrays against savez's allow_pickle too.
-          np.savez(f, **arrays)  # type: ignore[arg-type]
-        os.replace(tmp, path)
-      except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
+      # Written whole, so a concurrent reader never sees a partial file.
+      npz = io.BytesIO()
+      # mypy matches **arrays against savez's allow_pickle too.
+      np.savez(npz, **arrays)  # type: ignore[arg-type]
+      files.write_bytes(path, npz.getvalue())
   return Dataset(
     arrays["x_train"],
     arrays["y_train"],

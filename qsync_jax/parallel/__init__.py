@@ -13,21 +13,15 @@ training step: it owns
 * when they average, and whether gradients or parameters
   (:mod:`~qsync_jax.parallel.schedules`);
 * the optax transformation averaging updates in a user's own ``shard_map``
-  (:mod:`~qsync_jax.parallel.transform`);
-* how one process joins a multi-process run, and the localhost launcher
-  (:mod:`~qsync_jax.parallel.distributed`), with its elastic mode
-  (:mod:`~qsync_jax.parallel.elastic`) and what it tells each world of an
-  elastic pool (:mod:`~qsync_jax.parallel.membership`).
+  (:mod:`~qsync_jax.parallel.transform`).
 
 The trainer (:mod:`qsync_jax.train`) runs the collectives; nothing here
-holds model state.
+holds model state. How the processes of a multi-process run start and join
+it is :mod:`qsync_jax.launch`'s and :mod:`qsync_jax.process`'s.
 """
 
 from qsync_jax.parallel import averagers
 from qsync_jax.parallel import cluster
-from qsync_jax.parallel import distributed
-from qsync_jax.parallel import elastic
-from qsync_jax.parallel import membership
 from qsync_jax.parallel import schedules
 from qsync_jax.parallel import transform
 from qsync_jax.parallel.averagers import average_tree
@@ -42,16 +36,9 @@ from qsync_jax.parallel.cluster import ClusterSpec
 from qsync_jax.parallel.cluster import dynamic_batch_sizes
 from qsync_jax.parallel.cluster import parse_cluster
 from qsync_jax.parallel.cluster import parse_speeds
-from qsync_jax.parallel.distributed import DistributedConfig
-from qsync_jax.parallel.distributed import initialize
-from qsync_jax.parallel.distributed import launch
-from qsync_jax.parallel.distributed import shutdown
-from qsync_jax.parallel.elastic import Availability
-from qsync_jax.parallel.elastic import ElasticOptions
-from qsync_jax.parallel.elastic import launch_elastic
+from qsync_jax.parallel.cluster import split_batch
 from qsync_jax.parallel.global_qsgd import GlobalQSGD
 from qsync_jax.parallel.global_qsgd import GlobalQSGDExp
-from qsync_jax.parallel.membership import ElasticWorld
 from qsync_jax.parallel.powersgd import PowerSGD
 from qsync_jax.parallel.schedules import ConstantLocalSGD
 from qsync_jax.parallel.schedules import EveryStep
@@ -67,7 +54,6 @@ from qsync_jax.parallel.wire import ring_allreduce_bytes
 
 __all__ = [
   "AveragedState",
-  "Availability",
   "Averager",
   "average_tree",
   "averaged",
@@ -76,9 +62,6 @@ __all__ = [
   "CastAverager",
   "ClusterSpec",
   "ConstantLocalSGD",
-  "DistributedConfig",
-  "ElasticOptions",
-  "ElasticWorld",
   "EveryStep",
   "GlobalQSGD",
   "GlobalQSGDExp",
@@ -92,19 +75,13 @@ __all__ = [
   "averagers",
   "cluster",
   "compress_with_feedback",
-  "distributed",
   "dynamic_batch_sizes",
-  "elastic",
-  "initialize",
-  "launch",
-  "launch_elastic",
   "make_averager",
   "make_schedule",
-  "membership",
   "parse_cluster",
   "parse_speeds",
   "ring_allgather_bytes",
   "ring_allreduce_bytes",
   "schedules",
-  "shutdown",
+  "split_batch",
 ]

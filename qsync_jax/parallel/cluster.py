@@ -6,10 +6,11 @@ machine these are fake CPU devices (``jax_num_cpu_devices``), each given the
 kind the spec names, so a plan's numerics run for real while timing claims
 about the named GPUs come from the predictor.
 
-This module also owns the dynamic-batch-sizing baseline's batch split (QSync's
-"DB", arXiv 2407.02327; QSync's official code, bytedance/QSync, its
-``DynamicBatching/`` sampler): local batches proportional to device
-speed with the global batch fixed.
+This module also owns how a global batch is split over the workers
+(:func:`split_batch`): as equally as possible, or by the dynamic-batch-sizing
+baseline (QSync's "DB", arXiv 2407.02327; QSync's official code,
+bytedance/QSync, its ``DynamicBatching/`` sampler): local batches proportional
+to device speed with the global batch fixed.
 """
 
 from __future__ import annotations
@@ -304,6 +305,63 @@ def dynamic_batch_sizes(
   order = np.argsort(-(share - sizes), kind="stable")
   sizes[order[:remainder]] += 1
   return (sizes + 1).tolist()
+
+
+#: How a global batch is split over workers (:func:`split_batch`).
+BATCH_MODES = ("equal", "dynamic")
+
+
+def split_batch(
+  global_batch: int,
+  kinds: Sequence[str],
+  batch_mode: str = "equal",
+  speeds: str | Mapping[str, float] | None = None,
+) -> list[int]:
+  """Splits ``global_batch`` over workers of ``kinds``.
+
+  Args:
+    global_batch: the examples of one step, over all workers.
+    kinds: the workers' device kinds, in worker order.
+    batch_mode: ``"equal"`` (as equal as possible: the remainder one each
+      to the first workers) or ``"dynamic"`` (in proportion to ``speeds``,
+      :func:`dynamic_batch_sizes`).
+    speeds: each kind's relative throughput, ``"v100:1.3,t4:1"`` or a
+      mapping (:func:`parse_speeds`); dynamic mode only.
+
+  Returns:
+    One batch size per worker, summing to ``global_batch``.
+
+  Raises:
+    ValueError: fewer examples than workers, an unknown mode, or (dynamic)
+      a kind without a speed.
+
+  Example:
+    >>> split_batch(16, ["v100", "v100", "t4"])
+    [6, 5, 5]
+    >>> split_batch(16, ["v100", "t4"], "dynamic", {"v100": 1.3, "t4": 1.0})
+    [9, 7]
+  """
+  n = len(kinds)
+  if global_batch < n:
+    raise ValueError(
+      f"a global batch of {global_batch} examples cannot be split over "
+      f"{n} workers (each needs one)"
+    )
+  if batch_mode == "equal":
+    each, extra = divmod(global_batch, n)
+    return [each + 1] * extra + [each] * (n - extra)
+  if batch_mode == "dynamic":
+    rates = parse_speeds(speeds or {})
+    missing = sorted(set(kinds) - set(rates))
+    if missing:
+      raise ValueError(
+        f"dynamic batches need a speed for every kind; none is given for "
+        f"{missing}"
+      )
+    return dynamic_batch_sizes(global_batch, [rates[k] for k in kinds])
+  raise ValueError(
+    f"unknown batch mode {batch_mode!r}; valid: {', '.join(BATCH_MODES)}"
+  )
 
 
 def parse_speeds(spec: str | Mapping[str, float]) -> dict[str, float]:

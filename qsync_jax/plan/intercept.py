@@ -4,33 +4,45 @@ Flax layers with an injectable op (``nnx.Linear``'s ``dot_general``,
 ``nnx.Conv``'s ``conv_general_dilated``, ``nnx.Einsum``'s ``einsum_op``, and
 their Linen counterparts through the bridge's proxies) are planned through
 that attribute. Every other contraction is found here, as google/qwix finds
-them: the jax ops themselves are intercepted while a model runs.
+them: the jax ops themselves are intercepted while a planned model runs.
 
 * The bottom ops, ``lax.dot_general`` and ``lax.conv_general_dilated``, and
   the entry points built on them (``jnp.einsum``, ``jnp.matmul`` and ``@``,
   ``jnp.dot``, ``jnp.tensordot``, ``jnp.inner``, ``jnp.vdot``, ``lax.dot``,
   ``lax.batch_matmul``, ``lax.conv``, ``lax.conv_transpose``,
-  ``jax.nn.dot_product_attention``, computed as its XLA implementation
-  does) are patched
-  once per process, the first time a model's layers are listed. A plain
-  function has its ``__code__`` replaced, so every alias of it is caught
-  (``from jax.lax import dot_general`` included); a jitted one (``jnp.matmul``)
-  is replaced in its module, where ``@`` looks it up too.
+  ``jax.nn.dot_product_attention``, computed as its XLA implementation does)
+  are replaced only while interception is *active*
+  (:mod:`qsync_jax.plan.patching`: per thread, nested, jax's own put back
+  when the last thread leaves). A plain function has its ``__code__``
+  replaced, so every alias of it is caught (``from jax.lax import
+  dot_general`` included); a jitted one (``jnp.matmul``) is replaced in its
+  module, where ``@`` looks it up too.
+* Interception is active while a model's layers are listed
+  (:func:`discovering`) and while a planned model runs: every NNX module
+  holding a site, itself or below it, activates it in ``__call__``
+  (:func:`activate_when_called`; ``nnx.split`` / ``nnx.merge`` /
+  ``nnx.clone`` keep it), and a Linen model with sites activates it in its
+  bridge's call (:class:`linen_scope`). A model without sites never does.
 * An intercepted call belongs to the nearest module on the Python stack (the
   nearest frame whose ``self`` is an NNX or Linen module). Calls from inside
-  jax's own functions, and calls in the layers planned through an attribute,
-  pass through unchanged, as does everything while no site is being run.
-* An entry point runs its own implementation with jit disabled, so that each
-  of its bottom ops is seen every time (a jitted ``jnp.matmul`` would
-  otherwise be traced once per shape and its result reused for every site).
+  jax's own functions, calls in the layers planned through an attribute, and
+  (outside listing) every call of a module that holds no site compute with
+  jax's own op at once.
+* An entry point called by a module with sites runs its own implementation
+  with jit disabled, so that each of its bottom ops is seen every time (a
+  jitted ``jnp.matmul`` would otherwise be traced once per shape and its
+  result reused for every site).
 * Each contraction of one call of a module is numbered in call order and
   named by the entry point it came through: ``einsum_0``, ``matmul_1``...
-  The site with that name is a small module (:class:`DotSite`,
-  :class:`ConvSite`) attached to the owning module; its hook attribute
-  (``dot_general`` / ``conv_general_dilated``) is what a plan replaces, as for
-  the flax layers. A call with no site computes as written.
+  The counts live in a per-thread stack of the module calls under way, each
+  record holding the call's Python frame: a record is popped once its frame
+  has returned, so the stack is as deep as the calls and no running call
+  loses its count. The site with that name is a small module
+  (:class:`DotSite`, :class:`ConvSite`) attached to the owning module; its
+  hook attribute (``dot_general`` / ``conv_general_dilated``) is what a plan
+  replaces, as for the flax layers. A call with no site computes as written.
 
-:func:`discover` runs a model once and reports every intercepted
+A :class:`Discovery` records, over one traced pass, every intercepted
 contraction, with the module path of its owner and whether each operand
 depends on the model's inputs (two activations: the attention-score kind).
 """
@@ -40,7 +52,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 import dataclasses
 import functools
-import inspect
 import sys
 import threading
 import types
@@ -53,6 +64,8 @@ import jax
 from jax import lax
 from jax.extend import core as jex_core
 import jax.numpy as jnp
+
+from qsync_jax.plan import patching
 
 
 class DotSite(nnx.Module):
@@ -103,19 +116,9 @@ class ConvSite(nnx.Module):
 SITE_TYPES = (DotSite, ConvSite)
 
 
-def _clone(fn: types.FunctionType) -> types.FunctionType:
-  """A new function object with ``fn``'s code, so it survives the patch."""
-  out = types.FunctionType(
-    fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-  )
-  out.__kwdefaults__ = fn.__kwdefaults__
-  out.__doc__, out.__qualname__ = fn.__doc__, fn.__qualname__
-  return out
-
-
 # The unpatched bottom ops: a site's default op, and what a passing call runs.
-_ORIGINAL_DOT_GENERAL = _clone(lax.dot_general)  # type: ignore[arg-type]
-_ORIGINAL_CONV = _clone(lax.conv_general_dilated)  # type: ignore[arg-type]
+_ORIGINAL_DOT_GENERAL = patching.clone(lax.dot_general)  # type: ignore[arg-type]
+_ORIGINAL_CONV = patching.clone(lax.conv_general_dilated)  # type: ignore[arg-type]
 
 # Entry points: (module, attribute, label). Labels name the sites.
 _JNP_ENTRIES = (
@@ -142,6 +145,7 @@ _OPERATOR_MODULE = "jax._src.numpy.tensor_contractions"
 _FORWARDING_MODULES = frozenset(
   {
     __name__,
+    patching.__name__,
     "jax._src.numpy.array_methods",
     "jax._src.core",
     "jax._src.array",
@@ -152,21 +156,35 @@ CONV_KINDS = frozenset({"conv", "conv_transpose"})
 
 
 @dataclasses.dataclass
+class _Call:
+  """One call of a module under way that has met contractions."""
+
+  owner: Any
+  # The outermost frame of the call. Held, so that no later frame can take
+  # its identity while the record exists.
+  frame: types.FrameType
+  next_index: int = 0
+
+
+@dataclasses.dataclass
 class _ThreadState:
   handling: bool = False
   # (label, owner, frame) of the entry point running, if any.
   entry: tuple[str, Any, Any] | None = None
-  # id(owner) -> [call frame, owner, next index].
-  counters: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
+  # The module calls under way, outermost first (see _next_name).
+  calls: list[_Call] = dataclasses.field(default_factory=list)
   discovery: Discovery | None = None
-  # The bridge's LinenModels running (innermost last): where Linen sites live.
-  linen_models: list[Any] = dataclasses.field(default_factory=list)
+  # The homes of Linen sites running (innermost last), with the Linen paths
+  # of the modules that own sites there.
+  linen_models: list[tuple[Any, frozenset[str]]] = dataclasses.field(
+    default_factory=list
+  )
 
 
 _LOCAL = threading.local()
-_INSTALL_LOCK = threading.Lock()
-_INSTALLED: list[Any] = []  # the trampolines' code objects, once installed
-_KNOWN: list[tuple[type, ...]] = [()]
+_LOCK = threading.Lock()
+# Module types planned through an attribute: their calls pass.
+_PASSING: list[tuple[type, ...]] = [()]
 
 
 def _state() -> _ThreadState:
@@ -176,90 +194,51 @@ def _state() -> _ThreadState:
   return s
 
 
-def _trampoline_code(fn: types.FunctionType, hook_name: str) -> types.CodeType:
-  """Code with ``fn``'s signature that calls ``hook_name(*args, **kwargs)``.
-
-  The function object keeps its defaults; only its body changes.
-  """
-  parameters = list(inspect.signature(fn).parameters.values())
-  last_positional_only = max(
-    (i for i, p in enumerate(parameters) if p.kind is p.POSITIONAL_ONLY),
-    default=-1,
-  )
-  varargs = any(p.kind is p.VAR_POSITIONAL for p in parameters)
-  params, call, star = [], [], False
-  for i, p in enumerate(parameters):
-    if p.kind is p.VAR_POSITIONAL:
-      params.append(f"*{p.name}")
-      call.append(f"*{p.name}")
-      star = True
-    elif p.kind is p.VAR_KEYWORD:
-      params.append(f"**{p.name}")
-      call.append(f"**{p.name}")
-    elif p.kind is p.KEYWORD_ONLY:
-      if not star:
-        params.append("*")
-        star = True
-      params.append(p.name)
-      call.append(f"{p.name}={p.name}")
-    else:
-      params.append(p.name)
-      # Past the two operands, by keyword: a site's op need not take the
-      # original's every optional argument positionally.
-      by_keyword = p.kind is p.POSITIONAL_OR_KEYWORD and i >= 2 and not varargs
-      call.append(f"{p.name}={p.name}" if by_keyword else p.name)
-    if i == last_positional_only:
-      params.append("/")
-  source = (
-    f"def {fn.__name__}({', '.join(params)}):\n"
-    f"  return {hook_name}({', '.join(call)})\n"
-  )
-  namespace: dict[str, Any] = {}
-  exec(source, namespace)
-  return namespace[fn.__name__].__code__
-
-
-def _patch(module: Any, attr: str, handler: Callable[..., Any]) -> None:
-  fn = getattr(module, attr, None)
-  if fn is None:
-    return
-  if isinstance(fn, types.FunctionType) and not fn.__code__.co_freevars:
-    original = _clone(fn)
-    hook_name = f"_qsync_jax_intercepted_{attr}"
-    fn.__globals__[hook_name] = functools.partial(handler, original)
-    fn.__code__ = _trampoline_code(fn, hook_name)
-    _INSTALLED.append(fn.__code__)
-    return
-  # A jitted function: replace it where it is looked up.
-  original = fn
-
-  @functools.wraps(fn)
-  def replaced(*args, **kwargs):
-    return handler(original, *args, **kwargs)
-
-  setattr(module, attr, replaced)
-  operators = sys.modules.get(_OPERATOR_MODULE)
-  if operators is not None and getattr(operators, attr, None) is fn:
-    setattr(operators, attr, replaced)
-
-
-def install(known: Sequence[type]) -> None:
-  """Patches the jax contraction ops (once per process).
+def pass_through(types_: Sequence[type]) -> None:
+  """Lets the contractions of modules of these types pass unintercepted.
 
   Args:
-    known: module types planned through an attribute; their calls pass.
+    types_: module types planned through an attribute (``nnx.Linear``...).
   """
-  with _INSTALL_LOCK:
-    _KNOWN[0] = (*_KNOWN[0], *(t for t in known if t not in _KNOWN[0]))
-    if _INSTALLED:
-      return
-    _patch(lax, "dot_general", functools.partial(_bottom, "dot_general"))
-    _patch(lax, "conv_general_dilated", functools.partial(_bottom, "conv"))
-    for attr, label in _JNP_ENTRIES:
-      _patch(jnp, attr, functools.partial(_entry, label))
-    for attr, label in _LAX_ENTRIES:
-      _patch(lax, attr, functools.partial(_entry, label))
-    _patch(jax.nn, "dot_product_attention", _attention_entry)
+  with _LOCK:
+    known = _PASSING[0]
+    _PASSING[0] = (*known, *(t for t in types_ if t not in known))
+
+
+def _patches() -> list[patching.Patch]:
+  return [
+    patching.Patch(
+      lax, "dot_general", functools.partial(_bottom, "dot_general")
+    ),
+    patching.Patch(
+      lax, "conv_general_dilated", functools.partial(_bottom, "conv")
+    ),
+    *(
+      patching.Patch(
+        jnp, attr, functools.partial(_entry, label), also_in=_OPERATOR_MODULE
+      )
+      for attr, label in _JNP_ENTRIES
+    ),
+    *(
+      patching.Patch(lax, attr, functools.partial(_entry, label))
+      for attr, label in _LAX_ENTRIES
+    ),
+    patching.Patch(jax.nn, "dot_product_attention", _attention_entry),
+  ]
+
+
+def _forget_calls() -> None:
+  # The frames of the finished calls go with their records.
+  _state().calls = []
+
+
+patching.register(_patches, _forget_calls)
+
+
+def activate_when_called(module: nnx.Module) -> None:
+  """Makes every call of ``module`` run with interception active
+  (:func:`qsync_jax.plan.patching.activate_when_called`)."""
+  patching.activate_when_called(module)
 
 
 def _module_name(frame) -> str:
@@ -269,7 +248,8 @@ def _module_name(frame) -> str:
 def _caller(frame):
   """The first frame outside this module, the trampolines and forwarders."""
   while frame is not None and (
-    _module_name(frame) in _FORWARDING_MODULES or frame.f_code in _INSTALLED
+    _module_name(frame) in _FORWARDING_MODULES
+    or patching.is_trampoline(frame.f_code)
   ):
     frame = frame.f_back
   return frame
@@ -296,7 +276,7 @@ def _owner(frame) -> tuple[Any, Any]:
   if frame is None:
     return None, None
   owner = _frame_module(frame)
-  if isinstance(owner, (*_KNOWN[0], *SITE_TYPES)):
+  if isinstance(owner, (*_PASSING[0], *SITE_TYPES)):
     return None, None
   call_frame, frame = frame, frame.f_back
   while frame is not None:
@@ -309,25 +289,64 @@ def _owner(frame) -> tuple[Any, Any]:
   return owner, call_frame
 
 
+def _has_sites(s: _ThreadState, owner: Any) -> bool:
+  """Whether ``owner``'s contractions may be planned: it holds a site, or
+  the model is being listed."""
+  if s.discovery is not None:
+    return True
+  if isinstance(owner, nn.Module):
+    if not s.linen_models or owner.scope is None:
+      return False
+    return "/".join(owner.path) in s.linen_models[-1][1]
+  return any(isinstance(v, SITE_TYPES) for v in vars(owner).values())
+
+
+def _calling_owner(s: _ThreadState) -> tuple[Any, Any]:
+  """The owner of an entry point's call and its call frame, or (None, None)
+  where the call computes as written."""
+  caller = _caller(sys._getframe(2))
+  if caller is None or _is_jax_internal(caller):
+    return None, None
+  owner, frame = _owner(caller)
+  if owner is None or not _has_sites(s, owner):
+    return None, None
+  return owner, frame
+
+
 def _next_name(s: _ThreadState, label: str, owner: Any, frame: Any) -> str:
-  record = s.counters.get(id(owner))
-  if record is None or record[0] is not frame or record[1] is not owner:
-    if len(s.counters) > 256:  # bounded: frames of finished calls
-      s.counters.clear()
-    record = s.counters[id(owner)] = [frame, owner, 0]
-  index = record[2]
-  record[2] += 1
+  """The next site name of ``owner``'s call whose outermost frame is
+  ``frame``.
+
+  ``s.calls`` holds the calls under way that met contractions, outermost
+  first: a call's record is pushed above every running one, and one whose
+  frame has returned is popped before a new one is pushed. Records of
+  returned calls are thus always on top, and the one of ``frame``'s call,
+  if any, is the top once they are gone.
+  """
+  calls = s.calls
+  top = calls[-1] if calls else None
+  if top is None or top.frame is not frame or top.owner is not owner:
+    running = set()
+    f = frame
+    while f is not None:
+      running.add(id(f))
+      f = f.f_back
+    while calls and id(calls[-1].frame) not in running:
+      calls.pop()
+    top = calls[-1] if calls else None
+    if top is None or top.frame is not frame or top.owner is not owner:
+      top = _Call(owner, frame)
+      calls.append(top)
+  index = top.next_index
+  top.next_index += 1
   return f"{label}_{index}"
 
 
 def _entry(label: str, original: Callable[..., Any], *args, **kwargs):
   s = _state()
-  if s.handling or s.entry is not None:
+  if not patching.is_active() or s.handling or s.entry is not None:
     return original(*args, **kwargs)
-  caller = _caller(sys._getframe(1))
-  if caller is None or _is_jax_internal(caller):
-    return original(*args, **kwargs)
-  owner, frame = _owner(caller)
+  owner, frame = _calling_owner(s)
   if owner is None:
     return original(*args, **kwargs)
   s.entry = (label, owner, frame)
@@ -404,12 +423,9 @@ def _attention_entry(original: Callable[..., Any], *args, **kwargs):
   it, its matmuls not planned.
   """
   s = _state()
-  if s.handling or s.entry is not None:
+  if not patching.is_active() or s.handling or s.entry is not None:
     return original(*args, **kwargs)
-  caller = _caller(sys._getframe(1))
-  if caller is None or _is_jax_internal(caller):
-    return original(*args, **kwargs)
-  owner, frame = _owner(caller)
+  owner, frame = _calling_owner(s)
   if owner is None:
     return original(*args, **kwargs)
   unsupported = [k for k in _ATTENTION_UNSUPPORTED if kwargs.get(k)]
@@ -442,15 +458,12 @@ def _is_real_float(x: Any) -> bool:
 
 def _bottom(label: str, original: Callable[..., Any], *args, **kwargs):
   s = _state()
-  if s.handling:
+  if not patching.is_active() or s.handling:
     return original(*args, **kwargs)
   if s.entry is not None:
     label, owner, frame = s.entry
   else:
-    caller = _caller(sys._getframe(1))
-    if caller is None or _is_jax_internal(caller):
-      return original(*args, **kwargs)
-    owner, frame = _owner(caller)
+    owner, frame = _calling_owner(s)
     if owner is None:
       return original(*args, **kwargs)
   if not all(_is_real_float(a) for a in args[:2]):
@@ -475,7 +488,7 @@ def _lookup(s: _ThreadState, owner: Any, name: str) -> Any:
     if not s.linen_models or owner.scope is None:
       return None
     key = "/".join((*owner.path, name))
-    site = s.linen_models[-1].proxies.get(key)
+    site = s.linen_models[-1][0].proxies.get(key)
   else:
     site = getattr(owner, name, None)
   if isinstance(site, SITE_TYPES):
@@ -490,16 +503,33 @@ def _lookup(s: _ThreadState, owner: Any, name: str) -> Any:
 
 
 class linen_scope:
-  """Marks ``model`` (a bridge LinenModel) as the home of Linen sites."""
+  """Marks ``model`` as the home of Linen sites for the ``with`` block.
+
+  ``model`` (a bridge LinenModel, or a planned Linen module's home) holds
+  the sites in its ``proxies``; interception is active for the block when
+  it holds any.
+  """
 
   def __init__(self, model: Any):
     self.model = model
+    self.activated = False
 
   def __enter__(self) -> None:
-    _state().linen_models.append(self.model)
+    owners = frozenset(
+      key.rpartition("/")[0]
+      for key, proxy in self.model.proxies.items()
+      if isinstance(proxy, SITE_TYPES)
+    )
+    if owners:
+      patching.active().__enter__()
+      self.activated = True
+    _state().linen_models.append((self.model, owners))
 
   def __exit__(self, *exc: Any) -> None:
     _state().linen_models.pop()
+    if self.activated:
+      self.activated = False
+      patching.active().__exit__()
 
 
 def is_site(module: Any) -> TypeGuard[DotSite | ConvSite]:
@@ -585,7 +615,7 @@ class Discovery:
   ) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
     if isinstance(owner, nn.Module):
       models = _state().linen_models
-      prefix = self.paths.get(id(models[-1])) if models else None
+      prefix = self.paths.get(id(models[-1][0])) if models else None
       if prefix is None or owner.scope is None:
         raise StackedLayerError(
           f"a contraction in the Linen module {type(owner).__name__} ran "
@@ -685,7 +715,8 @@ def site_path(
 
 
 def discovering(discovery: Discovery | None):
-  """Context manager: intercepted contractions are recorded, not planned."""
+  """Context manager: interception is active, and the contractions of every
+  module are recorded into ``discovery``, not planned."""
   return _Discovering(discovery)
 
 
@@ -694,12 +725,13 @@ class _Discovering:
     self.discovery = discovery
 
   def __enter__(self) -> None:
+    patching.active().__enter__()
     s = _state()
-    self.saved = s.discovery
-    s.discovery = self.discovery
-    s.counters.clear()
+    # Numbered afresh: the listing's names are those of a call of its own.
+    self.saved = s.discovery, s.calls
+    s.discovery, s.calls = self.discovery, []
 
   def __exit__(self, *exc: Any) -> None:
     s = _state()
-    s.discovery = self.saved
-    s.counters.clear()
+    s.discovery, s.calls = self.saved
+    patching.active().__exit__()

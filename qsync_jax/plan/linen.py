@@ -41,6 +41,7 @@ _OP_ATTR = (
 ADDRESSABLE_TYPES = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.Embed)
 # The Linen layers interception leaves alone (an embedding's attend is a site).
 _INTERCEPT_PASSES = (nn.Dense, nn.DenseGeneral, nn.Conv)
+intercept.pass_through(_INTERCEPT_PASSES)
 
 
 def _layer_path(context) -> str | None:
@@ -89,7 +90,6 @@ class _Layout:
 
 
 def _layout(module: nn.Module, method: str, args: tuple, kwargs: dict):
-  intercept.install(_INTERCEPT_PASSES)
   order: list[Any] = []
   embeds: set[str] = set()
 

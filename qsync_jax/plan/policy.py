@@ -92,6 +92,7 @@ _KNOWN_TYPES = tuple(
   for t in _ATTRIBUTE_PLANNED
   if t not in (*intercept.SITE_TYPES, *EMBEDDING_TYPES, nn.Embed)
 )
+intercept.pass_through(_KNOWN_TYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +300,13 @@ def _trace_for_sites(
 
 
 def _attach_sites(model: nnx.Module, found: list[intercept.Found]) -> None:
-  """Gives every found contraction its site module in ``model``."""
+  """Gives every found contraction its site module in ``model``.
+
+  Every NNX module holding a site, itself or below it, then activates
+  interception when called (:func:`intercept.activate_when_called`): the
+  model, and any of those modules called on its own. A Linen model's sites
+  live in its bridge, whose call activates it.
+  """
   modules = {
     tuple(map(str, path)): node
     for path, node in nnx.iter_graph(model)
@@ -324,6 +331,10 @@ def _attach_sites(model: nnx.Module, found: list[intercept.Found]) -> None:
         f"{where} has an attribute {f.name!r}, the name its contraction "
         f"site {f.name} needs (a {f.kind}); rename the attribute"
       )
+  owners = {f.owner_path for f in found if f.linen_path is None}
+  for path in {p[:i] for p in owners for i in range(len(p) + 1)}:
+    if path in modules:  # not a list or dict holding modules
+      intercept.activate_when_called(modules[path])
 
 
 def _site_path(path: tuple, site: Any, root: nnx.Module) -> str:
@@ -342,7 +353,10 @@ def model_layers(model: nnx.Module, sample_input: Any = None) -> list[Layer]:
   module computes with jax ops (:mod:`qsync_jax.plan.intercept`): each gets
   a site attached to its module, listed as ``owner/einsum_0`` (or by the
   owner's path when it is one of flax's layers with one contraction, e.g.
-  ``nnx.ConvTranspose``).
+  ``nnx.ConvTranspose``). The modules holding sites, and the modules above
+  them, then intercept the jax ops whenever they are called (their class
+  becomes a subclass of the same name that does; see
+  :mod:`qsync_jax.plan.intercept`).
 
   Args:
     model: an NNX module (a bare layer works too).
@@ -362,7 +376,6 @@ def model_layers(model: nnx.Module, sample_input: Any = None) -> list[Layer]:
       "whose layers a plan cannot reach: wrap it with "
       "qsync_jax.from_linen(module, sample_input, rngs=...) instead"
     )
-  intercept.install(_KNOWN_TYPES)
   probe = calling.as_probe(model, sample_input)
   order: list[Any] = []
   saved = []

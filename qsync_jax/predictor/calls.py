@@ -39,6 +39,7 @@ from qsync_jax.predictor import pieces
 from qsync_jax.train import layout
 from qsync_jax.train import programs
 from qsync_jax.train import step as step_lib
+from qsync_jax.train.state import TrainState
 
 
 def _random_operands(node: graph_lib.LayerNode, device, seed: int = 0):
@@ -214,8 +215,8 @@ class _DataParallel(NamedTuple):
   devices: dict[int, jax.Device]
   sharding: NamedSharding
   grad_fns: dict[int, Callable]
-  rests: dict[int, Any]
-  state: programs.StackedState
+  weights: jax.Array
+  state: TrainState
   update: Callable
 
 
@@ -236,19 +237,20 @@ def _data_parallel(
   flat, unravel = ravel_pytree(split.params)
   mesh = Mesh(np.array(devices), (layout.AXIS,))
   by_index = dict(enumerate(devices))
+  sharding = NamedSharding(mesh, P(layout.AXIS))
   weights = (np.ones(k) / k).astype(np.float32)
   return _DataParallel(
     by_index,
-    NamedSharding(mesh, P(layout.AXIS)),
+    sharding,
     dict(enumerate(step_lib.grad_functions(split.graphdefs, unravel, loss_fn))),
-    {i: jax.device_put(split.rest, d) for i, d in by_index.items()},
+    layout.stacked_constant(weights, by_index, sharding),
     programs.initial_state(
       mesh,
       by_index,
       unravel,
       tx,
       flat,
-      weights,
+      {i: jax.device_put(split.rest, d) for i, d in by_index.items()},
       loss_scaling=False,
       error_feedback=False,
     ),
@@ -278,12 +280,12 @@ def _step_call(
 
   def step() -> jax.Array:
     s = state[0]
-    grads, _ = step_lib.local_gradients(
+    local = step_lib.local_gradients(
       grad_fns,
       dp.devices,
       s.params,
       s.loss_scale.scale,
-      dp.rests,
+      s.rest,
       batches,
       dp.sharding,
     )
@@ -291,20 +293,21 @@ def _step_call(
       s.params,
       s.opt_state,
       s.loss_scale,
-      grads,
-      s.weights,
+      local.grads,
+      dp.weights,
       s.counter,
       s.residual,
       s.averager_state,
     )
-    state[0] = programs.StackedState(
-      out.params,
-      out.opt_state,
-      out.loss_scale,
-      s.weights,
-      out.counter,
-      out.residual,
-      out.averager_state,
+    state[0] = s.replace(
+      params=out.params,
+      opt_state=out.opt_state,
+      loss_scale=out.loss_scale,
+      rest=local.rest,
+      anchor=out.params,
+      counter=out.counter,
+      residual=out.residual,
+      averager_state=out.averager_state,
     )
     return out.params
 
@@ -390,7 +393,7 @@ def compute_free_step_calls(
   def make(d, i):
     batch = _batch_arrays(sample_batch, d)
     return lambda: _free_gradients(
-      rows[d], dp.rests[i], scales[d], batch, step_ids(i)
+      rows[d], dp.state.rest[i], scales[d], batch, step_ids(i)
     )
 
   return steps, concurrency_calls(make, local_devices)

@@ -19,11 +19,12 @@ import pickle
 import sys
 import tempfile
 
-from qsync_jax.parallel import distributed
+from qsync_jax.launch import local
 from qsync_jax.parallel.wire import Averager
 from qsync_jax.predictor.codec import AXIS
 from qsync_jax.predictor.codec import CodecCost
 from qsync_jax.predictor.codec import profile_codec
+from qsync_jax.process import initialize
 
 
 def profile_codecs_in_processes(
@@ -39,7 +40,7 @@ def profile_codecs_in_processes(
   """Profiles each averager's encode/decode in launched processes.
 
   Starts ``num_processes`` processes of one localhost run
-  (:func:`qsync_jax.parallel.distributed.launch`, loopback, no emulated
+  (:func:`qsync_jax.launch.local.launch`, loopback, no emulated
   link); each profiles every averager at once with the others, a barrier
   before each timed block, and process 0's fits are returned. The workers
   meet at each collective (:func:`~qsync_jax.predictor.codec.
@@ -97,7 +98,7 @@ def profile_codecs_in_processes(
       )
     # Through -c, not -m: the package imports this module, and runpy warns
     # about running a module that is already imported.
-    code = distributed.launch(
+    code = local.launch(
       [
         sys.executable,
         "-c",
@@ -133,7 +134,7 @@ def worker_main(spec_path: str, out_path: str) -> None:
 
   with open(spec_path, "rb") as f:
     spec = pickle.load(f)
-  distributed.initialize()
+  initialize.initialize()
   mesh = Mesh(np.array(jax.devices()), (AXIS,))
 
   def barrier():
@@ -154,4 +155,4 @@ def worker_main(spec_path: str, out_path: str) -> None:
   if jax.process_index() == 0:
     with open(out_path, "wb") as out_file:
       pickle.dump(fits, out_file)
-  distributed.shutdown()
+  initialize.shutdown()

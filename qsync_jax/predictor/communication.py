@@ -4,7 +4,7 @@ This module owns the communication side of the predictor:
 
 * :class:`Link`: a link's bandwidth (bytes/s), per-step latency and topology,
   parsed from the launcher's flag strings (``--link=1gbit --latency=1ms
-  --topology=per_node``, through :meth:`qsync_jax.parallel.links.LinkSpec.parse`)
+  --topology=per_node``, through :meth:`qsync_jax.launch.links.LinkSpec.parse`)
   or from the record a run keeps of its emulated link (``settings.link``,
   which holds the rate measured before the run);
 * the collectives an averager issues, read two ways: as the program asks for
@@ -42,7 +42,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from qsync_jax.parallel import links
+from qsync_jax.launch import links
 from qsync_jax.parallel.wire import Averager
 
 # Re-exported: the predictor's communication API is this module's.

@@ -46,6 +46,7 @@ import numpy as np
 import optax
 from scipy import optimize
 
+from qsync_jax import files
 from qsync_jax import host_memory
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import QuantConfig
@@ -60,6 +61,7 @@ from qsync_jax.task import calling
 from qsync_jax.task import sharding
 from qsync_jax.task.objective import as_objective
 from qsync_jax.task.objective import LossFn
+from qsync_jax.task.objective import Objective
 
 DEFAULT_PRECISIONS = (
   Precision.FP32,
@@ -182,11 +184,16 @@ class Profile:
     )
 
   def save(self, path: str) -> None:
+    """Writes the profile to ``path`` as JSON, whole.
+
+    Processes sharing a profile cache may save the same profile at once;
+    each writes its own temporary file (:mod:`qsync_jax.files`).
+
+    Raises:
+      OSError: the file could not be written (naming it).
+    """
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump(self.to_dict(), f, indent=1)
-    os.replace(tmp, path)
+    files.write_json(path, self.to_dict(), indent=1)
 
   @classmethod
   def load(cls, path: str) -> Profile:
@@ -477,6 +484,123 @@ class ProfileJob:
   finish: Callable[[Mapping[tuple, float]], Profile]
 
 
+def _timed_as(g: graph_lib.ModelGraph) -> dict[str, str]:
+  """``{layer path: the path its pieces are timed under}``.
+
+  Layers with equal pieces are timed once, under the first one's path:
+  fewer timings, and fewer live executables (a process can map only so
+  many; each piece is compiled once per host device).
+  """
+  first_of: dict[str, str] = {}
+  return {
+    node.path: first_of.setdefault(pieces.piece_signature(node), node.path)
+    for node in g.nodes
+  }
+
+
+def _piece_calls(
+  model: nnx.Module,
+  sample_batch: Any,
+  g: graph_lib.ModelGraph,
+  loss_fn: Objective,
+  timed_as: Mapping[str, str],
+  dtypes: Sequence[str],
+  device: jax.Device,
+  precisions: Sequence[Precision],
+  quant: QuantConfig | None,
+) -> dict[tuple, Callable[[], Any]]:
+  """The layers' calls at each precision and the rest's at each dtype."""
+  calls: dict[tuple, Callable[[], Any]] = {}
+  for node in g.nodes:
+    if timed_as[node.path] != node.path:
+      continue
+    for p in precisions:
+      if node.floored and p.bits < 16:
+        continue
+      f, fb = calls_lib.layer_calls(node, p, device, quant)
+      calls[("layer", node.path, p.value, "f")] = f
+      calls[("layer", node.path, p.value, "fb")] = fb
+  for dt in dtypes:
+    f, fb = calls_lib.rest_calls(model, g, sample_batch, loss_fn, dt, device)
+    calls[("rest", dt, "f")] = f
+    calls[("rest", dt, "fb")] = fb
+  return calls
+
+
+def _host_calls(
+  model: nnx.Module,
+  sample_batch: Any,
+  g: graph_lib.ModelGraph,
+  loss_fn: Objective,
+  tx: optax.GradientTransformation,
+  precisions: Sequence[Precision],
+  quant: QuantConfig | None,
+  host_devices: Sequence[jax.Device],
+) -> dict[tuple, Callable[[], Any]]:
+  """The host's calls: all-reduces, and the trainer's steps per count."""
+  calls: dict[tuple, Callable[[], Any]] = {}
+  if len(host_devices) > 1:
+    for kn, c in calls_lib.allreduce_calls(host_devices).items():
+      calls[("allreduce", *kn)] = c
+  if not host_devices:
+    return calls
+  for p in precisions:
+    for k, c in calls_lib.uniform_step_calls(
+      model, tx, host_devices, sample_batch, g.sample, loss_fn, p, quant
+    ).items():
+      calls[("step", p.value, k)] = c
+  free_steps, free_passes = calls_lib.compute_free_step_calls(
+    model, tx, host_devices, sample_batch, g.sample, loss_fn
+  )
+  for k, c in free_steps.items():
+    calls[("step", FREE, k)] = c
+  for k, c in free_passes.items():
+    calls[("pass", FREE, k)] = c
+  return calls
+
+
+def _piece_entry(t: Mapping[tuple, float], *key: str) -> tuple[float, float]:
+  """A piece's entry in ``Profile.layers`` or ``Profile.rest``: its
+  forward and its forward-and-backward time, the latter no less."""
+  f = t[(*key, "f")]
+  return f, max(t[(*key, "fb")], f)
+
+
+def _host_times(
+  raw: Mapping[tuple, float],
+  t: Mapping[tuple, float],
+  host_devices: Sequence[jax.Device],
+  precisions: Sequence[Precision],
+) -> dict[str, Any]:
+  """A profile's ``host``: the steps' fitted fixed and hidden parts, and
+  the host all-reduce (:func:`fit_step_overhead`, :func:`fit_allreduce`)."""
+  host: dict[str, Any] = {}
+  if host_devices:
+    ks = calls_lib.host_counts(len(host_devices))
+    names = [p.value for p in precisions]
+    steps = {q: {k: raw[("step", q, k)] for k in ks} for q in [*names, FREE]}
+    alone = {q: {k: t[("pass", q, k)] for k in ks} for q in [*names, FREE]}
+    fits = {
+      k: fit_step_overhead(
+        [alone[q][k] for q in names],
+        [steps[q][k] for q in names],
+        max_hidden=steps[FREE][k],
+      )
+      for k in ks
+    }
+    host = {
+      "uniform_steps_s": steps,
+      "compute_free_pass_s": alone[FREE],
+      "fixed_step_s": {k: f for k, (f, _) in fits.items()},
+      "hidden_host_s": {k: h for k, (_, h) in fits.items()},
+    }
+  if len(host_devices) > 1:
+    host["allreduce"] = list(
+      fit_allreduce({k[1:]: v for k, v in t.items() if k[0] == "allreduce"})
+    )
+  return host
+
+
 def profile_job(
   model: nnx.Module,
   sample_batch,
@@ -500,31 +624,21 @@ def profile_job(
   given, are reused instead of fitted and compiled again (for several jobs
   on one model).
   """
-  loss_fn = as_objective(loss_fn)
-  calls: dict[tuple, Callable[[], Any]] = {}
+  objective = as_objective(loss_fn)
   host_devices = list(host_devices)
-  # Layers with equal pieces are timed once, under the first one's path:
-  # fewer timings, and fewer live executables (a process can map only so
-  # many; each piece is compiled once per host device).
-  first_of: dict[str, str] = {}
-  timed_as = {
-    node.path: first_of.setdefault(pieces.piece_signature(node), node.path)
-    for node in g.nodes
-  }
-  for node in g.nodes:
-    if timed_as[node.path] != node.path:
-      continue
-    for p in precisions:
-      if node.floored and p.bits < 16:
-        continue
-      f, fb = calls_lib.layer_calls(node, p, device, quant)
-      calls[("layer", node.path, p.value, "f")] = f
-      calls[("layer", node.path, p.value, "fb")] = fb
+  timed_as = _timed_as(g)
   dtypes = sorted({graph_lib.output_dtype(p) for p in precisions})
-  for dt in dtypes:
-    f, fb = calls_lib.rest_calls(model, g, sample_batch, loss_fn, dt, device)
-    calls[("rest", dt, "f")] = f
-    calls[("rest", dt, "fb")] = fb
+  calls = _piece_calls(
+    model,
+    sample_batch,
+    g,
+    objective,
+    timed_as,
+    dtypes,
+    device,
+    precisions,
+    quant,
+  )
   calls[("optimizer",)] = calls_lib.optimizer_call(model, tx, device)
   # The whole pass at each uniform precision, alone and (several workers on this
   # host) as k copies at once. Copies of one isolated piece overstate the
@@ -533,25 +647,14 @@ def profile_job(
   pass_devices = host_devices if len(host_devices) > 1 else [device]
   for p in precisions:
     for k, c in calls_lib.pass_concurrency_calls(
-      model, g, sample_batch, loss_fn, p, quant, pass_devices
+      model, g, sample_batch, objective, p, quant, pass_devices
     ).items():
       calls[("pass", p.value, k)] = c
-  if len(host_devices) > 1:
-    for kn, c in calls_lib.allreduce_calls(host_devices).items():
-      calls[("allreduce", *kn)] = c
-  if host_devices:
-    for p in precisions:
-      for k, c in calls_lib.uniform_step_calls(
-        model, tx, host_devices, sample_batch, g.sample, loss_fn, p, quant
-      ).items():
-        calls[("step", p.value, k)] = c
-    free_steps, free_passes = calls_lib.compute_free_step_calls(
-      model, tx, host_devices, sample_batch, g.sample, loss_fn
+  calls.update(
+    _host_calls(
+      model, sample_batch, g, objective, tx, precisions, quant, host_devices
     )
-    for k, c in free_steps.items():
-      calls[("step", FREE, k)] = c
-    for k, c in free_passes.items():
-      calls[("pass", FREE, k)] = c
+  )
 
   def finish(raw: Mapping[tuple, float]) -> Profile:
     over = timing.call_overhead(device)
@@ -560,67 +663,27 @@ def profile_job(
       for k in calls
       if k[0] in ("layer", "rest", "optimizer", "allreduce", "pass")
     }
-    layers: dict[str, dict[str, tuple[float, float]]] = {}
-    for node in g.nodes:
-      q = timed_as[node.path]
-      layers[node.path] = {
-        p.value: (
-          t[("layer", q, p.value, "f")],
-          max(t[("layer", q, p.value, "fb")], t[("layer", q, p.value, "f")]),
-        )
+    layers = {
+      node.path: {
+        p.value: _piece_entry(t, "layer", timed_as[node.path], p.value)
         for p in precisions
         if not (node.floored and p.bits < 16)
       }
-    rest = {
-      dt: (
-        t[("rest", dt, "f")],
-        max(t[("rest", dt, "fb")], t[("rest", dt, "f")]),
-      )
-      for dt in dtypes
+      for node in g.nodes
     }
-    host = {}
-    if host_devices:
-      ks = calls_lib.host_counts(len(host_devices))
-      names = [p.value for p in precisions]
-      steps = {q: {k: raw[("step", q, k)] for k in ks} for q in [*names, FREE]}
-      alone = {q: {k: t[("pass", q, k)] for k in ks} for q in [*names, FREE]}
-      fits = {
-        k: fit_step_overhead(
-          [alone[q][k] for q in names],
-          [steps[q][k] for q in names],
-          max_hidden=steps[FREE][k],
-        )
-        for k in ks
-      }
-      host = {
-        "uniform_steps_s": steps,
-        "compute_free_pass_s": alone[FREE],
-        "fixed_step_s": {k: f for k, (f, _) in fits.items()},
-        "hidden_host_s": {k: h for k, (_, h) in fits.items()},
-      }
-    if len(host_devices) > 1:
-      host.update(
-        {
-          "allreduce": list(
-            fit_allreduce(
-              {k[1:]: v for k, v in t.items() if k[0] == "allreduce"}
-            )
-          )
-        }
-      )
     return Profile(
       device_kind,
       "measured",
       key,
       layers,
-      rest,
+      {dt: _piece_entry(t, "rest", dt) for dt in dtypes},
       t[("optimizer",)],
       casts or casting.fit_cast_model(device),
       memory_model
       or memory.measure_memory_model(
-        model, g, sample_batch, loss_fn, tx, precisions, quant
+        model, g, sample_batch, objective, tx, precisions, quant
       ),
-      host,
+      _host_times(raw, t, host_devices, precisions),
       {
         p.value: {
           k: t[("pass", p.value, k)]

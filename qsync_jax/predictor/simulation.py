@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -287,6 +288,284 @@ def _precision_list(g, w: SimWorker) -> list[Precision]:
   return [w.precisions[p] for p in g.paths]
 
 
+def _workers_costs(
+  g: graph_lib.ModelGraph,
+  workers: Sequence[SimWorker],
+  shared: int,
+  cache: dict | None,
+) -> list[_Costs]:
+  """Each worker's :func:`worker_costs`, each plan costed once in ``cache``.
+
+  Raises:
+    ValueError: a worker's precisions do not name exactly the graph's layers.
+  """
+  cache = {} if cache is None else cache
+  costs = []
+  for w in workers:
+    precs = _precision_list(g, w)
+    wg = w.graph if w.graph is not None else g
+    key = (id(w.profile), id(wg), shared, tuple(precs))
+    if key not in cache:
+      cache[key] = worker_costs(wg, w.profile, precs, shared)
+    costs.append(cache[key])
+  return costs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Wire:
+  """How the workers' averages travel.
+
+  Attributes:
+    link: without an averager, the ring's ``(alpha_s, seconds_per_byte)``;
+      with one, a :class:`~.communication.Link`, or None for an infinitely
+      fast link.
+    averager: what each bucket's average runs, or None for a plain ring
+      all-reduce.
+    platform: the averager's compiled program's platform (``"cpu"`` or
+      ``"gpu"``); None without an averager.
+    between_processes: the caller's link was a ``Link``: the workers are
+      separate processes behind it.
+  """
+
+  link: tuple[float, float] | Link | None
+  averager: Averager | None
+  platform: str | None
+  between_processes: bool
+
+
+def _wire(
+  workers: Sequence[SimWorker],
+  link: tuple[float, float] | Link | None,
+  shared_host: bool,
+  host: Mapping,
+  averager: Averager | None,
+  platform: str | None,
+) -> _Wire:
+  """The link, averager and platform :func:`simulate` was given, completed.
+
+  A missing link is the host's fitted all-reduce (``shared_host``) or
+  :func:`cluster_link` of the workers' kinds; a ``Link`` without an
+  averager averages the mean; with an averager an alpha-beta pair becomes
+  a ``Link``, and the platform is the workers'.
+  """
+  between_processes = isinstance(link, Link)
+  if link is None:
+    if shared_host:
+      link = tuple(host.get("allreduce", (0.0, 0.0)))
+    else:
+      link = cluster_link([w.profile.device_kind for w in workers])
+  if isinstance(link, Link) and averager is None:
+    averager = MeanAverager()
+  if averager is not None:
+    if not isinstance(link, Link):  # an alpha-beta pair: a link each
+      link = Link(1.0 / link[1], link[0]) if link[1] > 0 else None
+    if platform is None:
+      platform = (
+        "cpu" if all(w.profile.device_kind == "cpu" for w in workers) else "gpu"
+      )
+  return _Wire(link, averager, platform, between_processes)
+
+
+class _Bucket(NamedTuple):
+  """A gradient bucket: its last layer's position in backward order, bytes."""
+
+  last: int
+  nbytes: float
+
+
+def _buckets(
+  grad_bytes: np.ndarray, bucket_bytes: float | None
+) -> list[_Bucket]:
+  """The buckets of gradients of these sizes (in backward order).
+
+  A bucket closes once it holds ``bucket_bytes``; the rest make the last
+  one, which also stands alone when ``bucket_bytes`` is None.
+  """
+  buckets = []
+  acc = 0.0
+  for pos, nbytes in enumerate(grad_bytes):
+    acc += nbytes
+    if bucket_bytes is not None and acc >= bucket_bytes:
+      buckets.append(_Bucket(pos, acc))
+      acc = 0.0
+  if acc > 0 or not buckets:
+    buckets.append(_Bucket(len(grad_bytes) - 1, acc))
+  return buckets
+
+
+class _Timeline(NamedTuple):
+  """When each worker's passes end and its buckets are ready (seconds).
+
+  Attributes:
+    fwd_end: per worker, the end of its forward pass.
+    bwd_end: per worker, the end of its backward pass.
+    ready: ``[bucket, worker]``, when the bucket's last gradient is ready.
+  """
+
+  fwd_end: np.ndarray
+  bwd_end: np.ndarray
+  ready: np.ndarray
+
+
+def _timelines(
+  costs: Sequence[_Costs], order: np.ndarray, positions: Sequence[int]
+) -> _Timeline:
+  """Each worker's passes, with the backward pass in ``order``.
+
+  ``positions`` are the buckets' last layers' positions in ``order``.
+  """
+  n = len(costs)
+  ready = np.zeros((len(positions), n))
+  bwd_end = np.zeros(n)
+  fwd_end = np.zeros(n)
+  timelines: dict[int, tuple] = {}  # workers with one plan share a timeline
+  for j, c in enumerate(costs):
+    if id(c) not in timelines:
+      f = c.fwd.sum()
+      bwd_cum = f + np.cumsum(c.bwd[order])
+      timelines[id(c)] = (f, bwd_cum[-1], bwd_cum[list(positions)])
+    fwd_end[j], bwd_end[j], ready[:, j] = timelines[id(c)]
+  return _Timeline(fwd_end, bwd_end, ready)
+
+
+def _average_time(
+  nbytes: float, n: int, wire: _Wire, codec_cost: CodecCost | None
+) -> float:
+  """Seconds of one average of ``nbytes`` (FP32) over ``n`` workers."""
+  if wire.averager is None:
+    # Without an averager the link stays an alpha-beta pair.
+    assert wire.link is not None and not isinstance(wire.link, Link)
+    return ring_allreduce_time(nbytes, n, *wire.link)
+  if wire.link is None or nbytes <= 0:  # an infinitely fast link
+    return 0.0
+  assert isinstance(wire.link, Link)  # _wire made one for the averager
+  return averaging_time(
+    wire.averager,
+    max(int(nbytes // 4), 1),
+    n,
+    wire.link,
+    codec_cost,
+    platform=wire.platform,
+  )
+
+
+class _Comm(NamedTuple):
+  """The step's averages.
+
+  Attributes:
+    buckets: ``[{"bytes", "ready_s", "start_s", "end_s"}]``.
+    end_s: when the last average ends.
+    total_s: the averages' time, summed.
+    host_wait_s: host work still running when the passes are done.
+  """
+
+  buckets: list[dict[str, float]]
+  end_s: float
+  total_s: float
+  host_wait_s: float = 0.0
+
+
+def _all_reduce(
+  buckets: Sequence[_Bucket],
+  ready: np.ndarray,
+  n: int,
+  wire: _Wire,
+  codec_cost: CodecCost | None,
+) -> _Comm:
+  """The buckets' averages, one after another, each once all have it."""
+  out, prev_end, total = [], 0.0, 0.0
+  for bucket, bucket_ready in zip(buckets, ready):
+    r = float(bucket_ready.max())
+    start = max(r, prev_end)
+    dur = _average_time(bucket.nbytes, n, wire, codec_cost)
+    prev_end = start + dur
+    total += dur
+    out.append(
+      {
+        "bytes": float(bucket.nbytes),
+        "ready_s": r,
+        "start_s": start,
+        "end_s": prev_end,
+      }
+    )
+  return _Comm(out, prev_end, total)
+
+
+def _fixed_step_comm(
+  comm: _Comm,
+  bwd_end: np.ndarray,
+  host: Mapping,
+  wire: _Wire,
+  grad_bytes: np.ndarray,
+  codec_cost: CodecCost | None,
+) -> _Comm:
+  """The averages where the host's fixed step part was measured.
+
+  The step's fixed part (host work, dispatches and the update program:
+  all-reduce and optimizer on every worker) was measured in the trainer's
+  own step on this host: it replaces both models, and is added once by
+  :func:`simulate`. The update starts when the passes are done and the host
+  has prepared it, whichever comes last.
+  """
+  n = len(bwd_end)
+  hidden = host_value(host.get("hidden_host_s") or {n: 0.0}, n)
+  host_wait = max(hidden - float(bwd_end.max()), 0.0)
+  end = float(bwd_end.max()) + host_wait
+  total = 0.0
+  if wire.between_processes and n > 1:
+    # Processes sharing the host's cores (the profile's contention) whose
+    # average also crosses the link: once, whole, after the backward pass,
+    # as the trainer's update program runs it.
+    assert wire.averager is not None and isinstance(wire.link, Link)
+    total = averaging_time(
+      wire.averager,
+      max(int(sum(grad_bytes) // 4), 1),
+      n,
+      wire.link,
+      codec_cost,
+      platform=wire.platform,
+    )
+  buckets = [dict(comm.buckets[-1], start_s=end, end_s=end + total)]
+  return _Comm(buckets, end + total, total, host_wait)
+
+
+def _critical_path(
+  workers: Sequence[SimWorker],
+  times: _Timeline,
+  ends: np.ndarray,
+  opt: np.ndarray,
+  comm: _Comm,
+  exposed: float,
+  overhead: float,
+) -> list[str]:
+  """What the step time is made of, in order, as lines."""
+  slow = int(np.argmax(times.bwd_end))
+  last = int(np.argmax(ends))
+  name = workers[slow].name
+  path = [
+    f"{name}: forward {times.fwd_end[slow] * 1e3:.3f} ms",
+    f"{name}: backward "
+    f"{(times.bwd_end[slow] - times.fwd_end[slow]) * 1e3:.3f} ms",
+  ]
+  if comm.host_wait_s:
+    path.append(
+      f"host work that outlasts the pass: {comm.host_wait_s * 1e3:.3f} ms"
+    )
+  if exposed > 0:
+    path.append(
+      f"all-reduce after the backward pass: {exposed * 1e3:.3f} ms "
+      f"({len(comm.buckets)} bucket(s))"
+    )
+  if overhead:
+    path.append(
+      f"the step's fixed part (host work, dispatches, update "
+      f"program): {overhead * 1e3:.3f} ms"
+    )
+  else:
+    path.append(f"{workers[last].name}: optimizer {opt[last] * 1e3:.3f} ms")
+  return path
+
+
 def simulate(
   g: graph_lib.ModelGraph,
   workers: Sequence[SimWorker],
@@ -327,156 +606,39 @@ def simulate(
   if not workers:
     raise ValueError("simulate needs at least one worker")
   n = len(workers)
-  shared = n if shared_host else 1
-  cache: dict = {} if costs_cache is None else costs_cache
-  costs = []
-  for w in workers:
-    precs = _precision_list(g, w)
-    wg = w.graph if w.graph is not None else g
-    key = (id(w.profile), id(wg), shared, tuple(precs))
-    if key not in cache:
-      cache[key] = worker_costs(wg, w.profile, precs, shared)
-    costs.append(cache[key])
+  costs = _workers_costs(g, workers, n if shared_host else 1, costs_cache)
   host = workers[0].profile.host if shared_host else {}
-  # A Link means workers in separate processes behind that link.
-  between_processes = isinstance(link, Link)
-  if link is None:
-    if shared_host:
-      link = tuple(host.get("allreduce", (0.0, 0.0)))
-    else:
-      link = cluster_link([w.profile.device_kind for w in workers])
-  if isinstance(link, Link) and averager is None:
-    averager = MeanAverager()
-  if averager is not None:
-    if not isinstance(link, Link):  # an alpha-beta pair: a link each
-      link = Link(1.0 / link[1], link[0]) if link[1] > 0 else None
-    if platform is None:
-      platform = (
-        "cpu" if all(w.profile.device_kind == "cpu" for w in workers) else "gpu"
-      )
-  # Bucket readiness per worker: gradients become ready in reverse order.
-  grad_bytes = costs[0].grad_bytes
+  wire = _wire(workers, link, shared_host, host, averager, platform)
+  # Gradients become ready in reverse layer order.
   order = np.arange(len(g.nodes))[::-1]
-  bounds = []  # (last layer index in reverse order, bytes)
-  acc = 0.0
-  for pos, i in enumerate(order):
-    acc += grad_bytes[i]
-    if bucket_bytes is not None and acc >= bucket_bytes:
-      bounds.append((pos, acc))
-      acc = 0.0
-  if acc > 0 or not bounds:
-    bounds.append((len(order) - 1, acc))
-  ready = np.zeros((len(bounds), n))
-  bwd_end = np.zeros(n)
-  fwd_end = np.zeros(n)
-  positions = np.array([pos for pos, _ in bounds])
-  timelines: dict[int, tuple] = {}  # workers with one plan share a timeline
-  for j, c in enumerate(costs):
-    if id(c) not in timelines:
-      f = c.fwd.sum()
-      bwd_cum = f + np.cumsum(c.bwd[order])
-      timelines[id(c)] = (f, bwd_cum[-1], bwd_cum[positions])
-    fwd_end[j], bwd_end[j], ready[:, j] = timelines[id(c)]
-
-  buckets, prev_end, comm = [], 0.0, 0.0
-  for b, (_, nbytes) in enumerate(bounds):
-    r = float(ready[b].max())
-    start = max(r, prev_end)
-    if averager is None:
-      # Without an averager the link stays an alpha-beta pair.
-      assert link is not None and not isinstance(link, Link)
-      dur = ring_allreduce_time(nbytes, n, *link)
-    elif link is None or nbytes <= 0:  # an infinitely fast link
-      dur = 0.0
-    else:
-      assert isinstance(link, Link)  # made one above with an averager
-      dur = averaging_time(
-        averager,
-        max(int(nbytes // 4), 1),
-        n,
-        link,
-        codec_cost,
-        platform=platform,
-      )
-    prev_end = start + dur
-    comm += dur
-    buckets.append(
-      {
-        "bytes": float(nbytes),
-        "ready_s": r,
-        "start_s": start,
-        "end_s": prev_end,
-      }
-    )
-  comm_end = prev_end
+  buckets = _buckets(costs[0].grad_bytes[order], bucket_bytes)
+  times = _timelines(costs, order, [b.last for b in buckets])
+  comm = _all_reduce(buckets, times.ready, n, wire, codec_cost)
   opt = np.array([w.profile.optimizer_s for w in workers])
   fixed = host.get("fixed_step_s", {})
-  host_wait = 0.0  # host work still running when the passes are done
   if shared_host and fixed:
-    # The step's fixed part (host work, dispatches and the update program:
-    # all-reduce and optimizer on every worker) was measured in the
-    # trainer's own step on this host: it replaces both models, and is added
-    # once below. The update starts when the passes are done and the host
-    # has prepared it, whichever comes last.
-    hidden = host_value(host.get("hidden_host_s") or {n: 0.0}, n)
-    host_wait = max(hidden - float(bwd_end.max()), 0.0)
-    comm_end = float(bwd_end.max()) + host_wait
-    comm = 0.0
-    if between_processes and n > 1:
-      # Processes sharing the host's cores (the profile's contention) whose
-      # average also crosses the link: once, whole, after the backward pass,
-      # as the trainer's update program runs it.
-      assert averager is not None and isinstance(link, Link)
-      comm = averaging_time(
-        averager,
-        max(int(sum(grad_bytes) // 4), 1),
-        n,
-        link,
-        codec_cost,
-        platform=platform,
-      )
-    buckets = [dict(buckets[-1], start_s=comm_end, end_s=comm_end + comm)]
-    comm_end += comm
+    comm = _fixed_step_comm(
+      comm, times.bwd_end, host, wire, costs[0].grad_bytes, codec_cost
+    )
     opt = np.zeros(n)
   elif shared_host and n > 1:
     opt = opt * n  # optimizer passes share the host's memory bandwidth
   overhead = host_value(fixed, n) if shared_host and fixed else 0.0
-  ends = np.maximum(bwd_end, comm_end) + opt
-  step = float(ends.max()) + overhead
-
-  slow = int(np.argmax(bwd_end))
-  last = int(np.argmax(ends))
-  path = [
-    f"{workers[slow].name}: forward {fwd_end[slow] * 1e3:.3f} ms",
-    f"{workers[slow].name}: backward "
-    f"{(bwd_end[slow] - fwd_end[slow]) * 1e3:.3f} ms",
-  ]
-  if host_wait:
-    path.append(f"host work that outlasts the pass: {host_wait * 1e3:.3f} ms")
-  exposed = max(comm_end - bwd_end.max() - host_wait, 0.0)
-  if exposed > 0:
-    path.append(
-      f"all-reduce after the backward pass: {exposed * 1e3:.3f} ms "
-      f"({len(buckets)} bucket(s))"
-    )
-  if overhead:
-    path.append(
-      f"the step's fixed part (host work, dispatches, update "
-      f"program): {overhead * 1e3:.3f} ms"
-    )
-  else:
-    path.append(f"{workers[last].name}: optimizer {opt[last] * 1e3:.3f} ms")
+  ends = np.maximum(times.bwd_end, comm.end_s) + opt
+  exposed = max(comm.end_s - times.bwd_end.max() - comm.host_wait_s, 0.0)
   return Prediction(
-    step_time_s=step,
+    step_time_s=float(ends.max()) + overhead,
     worker_times_s=[
       float(c.fwd.sum() + c.bwd.sum() + o) for c, o in zip(costs, opt)
     ],
     worker_memory_bytes=[c.memory for c in costs],
-    compute_s=[float(v) for v in bwd_end],
-    comm_s=float(comm),
+    compute_s=[float(v) for v in times.bwd_end],
+    comm_s=float(comm.total_s),
     exposed_comm_s=float(exposed),
-    critical_path=path,
-    buckets=buckets,
+    critical_path=_critical_path(
+      workers, times, ends, opt, comm, exposed, overhead
+    ),
+    buckets=comm.buckets,
   )
 
 

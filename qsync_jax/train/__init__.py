@@ -12,8 +12,12 @@ order:
 * :mod:`.programs`: the shard_map programs where the workers meet (averaged
   update, local update, parameter averaging, means for evaluation);
 * :mod:`.evaluation`: FP32 evaluation of the workers' mean model;
+* :mod:`.state`: :class:`~qsync_jax.train.state.TrainState`, everything a
+  step changes, as one pytree; :mod:`.sync`: the synchronization settings;
 * :mod:`.trainer`: :class:`~qsync_jax.train.trainer.HybridTrainer`, which
-  drives them through a run; :mod:`.checkpoint` saves and restores it.
+  builds the programs and runs a step as a pure function of the state;
+  :mod:`.checkpoint` saves and restores the state (:mod:`.resharding` onto
+  other workers).
 
 Nothing is re-exported here: the predictor imports :mod:`.step` and
 :mod:`.programs`, and importing this package must not load the trainer. The

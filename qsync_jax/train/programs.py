@@ -6,8 +6,8 @@ they close over (the mesh, the parameters' ``unravel``, the optimizer, the
 averager, ...):
 
 * :func:`init_program`: each worker's optimizer state and loss scale (and
-  :func:`initial_state`: the whole :class:`StackedState` before a first
-  step);
+  :func:`initial_state`: the whole
+  :class:`~qsync_jax.train.state.TrainState` before a first step);
 * :func:`update_program`: the data-parallel update (average the gradients
   through the averager, then the optax update of :mod:`.step`);
 * :func:`local_update_program`: a local step (each worker applies its own
@@ -19,11 +19,14 @@ averager, ...):
   at the same synchronizations (the QSR code's ``optim_fields_to_average``;
   :func:`opt_field_mask` finds and checks the fields);
 * :func:`mean_rest_program` and :func:`mean_params_program`: the workers'
-  mean non-parameter state and parameters, for evaluation.
+  mean non-parameter state and parameters, for evaluation;
+* :func:`step_programs`: all of the above a trainer runs, as one
+  :class:`StepPrograms`, which also compiles them ahead of the steps.
 
 Every input and output is stacked over the workers (:mod:`.layout`). Each
 average threads the error-feedback residual and the averager's own state
-(:attr:`StackedState.averager_state`, PowerSGD's warm-start ``Q``) to the
+(:attr:`~qsync_jax.train.state.TrainState.averager_state`, PowerSGD's
+warm-start ``Q``) to the
 next. The trainer runs these programs; the predictor times the same update
 program.
 """
@@ -48,32 +51,9 @@ from qsync_jax.train import layout
 from qsync_jax.train import loss_scale as ls
 from qsync_jax.train import step as step_lib
 from qsync_jax.train.layout import AXIS
+from qsync_jax.train.state import TrainState
 
 Unravel = Callable[[jax.Array], Any]
-
-
-class StackedState(NamedTuple):
-  """The state the programs read and write, stacked over the workers.
-
-  Attributes:
-    params: ``(n, P)`` flat float32 parameters.
-    opt_state: the optimizer state, each leaf stacked.
-    loss_scale: the :class:`~qsync_jax.train.loss_scale.LossScale`, stacked.
-    weights: ``(n,)`` each worker's share of an average.
-    counter: ``(n,)`` averages so far (keys each one's rounding noise).
-    residual: ``(n, P)`` error-feedback residuals, or None without feedback.
-    averager_state: the averager's state carried between averages
-      (:func:`qsync_jax.parallel.averagers.init_state`, e.g. PowerSGD's
-      warm-start ``Q``), each leaf stacked; None for a stateless averager.
-  """
-
-  params: jax.Array
-  opt_state: Any
-  loss_scale: ls.LossScale
-  weights: jax.Array
-  counter: jax.Array
-  residual: jax.Array | None
-  averager_state: Any = None
 
 
 class LocalUpdateResult(NamedTuple):
@@ -189,11 +169,13 @@ def initial_state(
   unravel: Unravel,
   tx: optax.GradientTransformation,
   flat: jax.Array,
-  weights: np.ndarray,
+  rest: Mapping[int, Any],
+  *,
   loss_scaling: bool,
   error_feedback: bool,
   averager: averagers.Averager | None = None,
-) -> StackedState:
+  outer_tx: optax.GradientTransformation | None = None,
+) -> TrainState:
   """The state before the first step: the same parameters on every worker.
 
   Args:
@@ -202,17 +184,24 @@ def initial_state(
     unravel: flat parameter vector to parameter pytree.
     tx: the optimizer.
     flat: the initial flat float32 parameters.
-    weights: ``(n,)`` float32, each worker's share of an average.
+    rest: ``{worker index: non-parameter model state}`` of the same
+      workers, each on its device.
     loss_scaling: start a dynamic loss scale (else a disabled one).
     error_feedback: keep (zero) error-feedback residuals.
     averager: the averager, whose initial state
       (:func:`qsync_jax.parallel.averagers.init_state`) is stacked per
       worker; None: no averager state.
+    outer_tx: the outer optimizer, whose initial state is stacked per
+      worker (:func:`initial_outer_state`); None: none.
+
+  Returns:
+    The :class:`~qsync_jax.train.state.TrainState` at step 0, in sync.
   """
   sharding = NamedSharding(mesh, P(AXIS))
+  num_workers = mesh.devices.size
   params = layout.put_rows(
     dict.fromkeys(devices.values(), flat[None]),
-    (len(weights), flat.size),
+    (num_workers, flat.size),
     sharding,
   )
   init_scale = (
@@ -221,16 +210,18 @@ def initial_state(
   params, opt_state, loss_scale = init_program(mesh, unravel, tx, init_scale)(
     params
   )
-  return StackedState(
-    params,
-    opt_state,
-    loss_scale,
-    layout.stacked_constant(weights, devices, sharding),
-    layout.stacked_constant(
-      np.zeros(len(weights), np.uint32), devices, sharding
+  return TrainState(
+    params=params,
+    opt_state=opt_state,
+    loss_scale=loss_scale,
+    rest=dict(rest),
+    anchor=params,
+    counter=layout.stacked_constant(
+      np.zeros(num_workers, np.uint32), devices, sharding
     ),
-    layout.zeros_like(params, sharding) if error_feedback else None,
-    _initial_averager_state(mesh, averager, params),
+    residual=layout.zeros_like(params, sharding) if error_feedback else None,
+    averager_state=_initial_averager_state(mesh, averager, params),
+    outer_state=initial_outer_state(mesh, unravel, outer_tx, params),
   )
 
 
@@ -311,7 +302,7 @@ def update_program(
     averager_state) -> UpdateResult``; ``grads`` are the scaled gradients,
     ``weight`` each worker's share of the average, ``residual`` the
     error-feedback residual (``None`` without feedback), ``averager_state``
-    the averager's stacked state (:attr:`StackedState.averager_state`;
+    the averager's stacked state (``TrainState.averager_state``;
     ``None`` for a stateless averager). A non-finite averaged gradient
     skips the step on every worker and leaves the residual and the
     averager's state as they were.
@@ -497,7 +488,6 @@ def initial_outer_state(
   unravel: Unravel,
   outer_tx: optax.GradientTransformation | None,
   params: jax.Array,
-  schedule: schedules.Schedule | None = None,
 ) -> Any:
   """``outer_tx``'s initial state, stacked per worker, or None without one.
 
@@ -507,24 +497,12 @@ def initial_outer_state(
     outer_tx: the outer optimizer, or None.
     params: the stacked ``(n, P)`` parameters, the same on every worker (so
       is the state).
-    schedule: the sync schedule, if known; one that averages gradients at
-      every step never averages parameters, so it would never use
-      ``outer_tx``.
 
   Returns:
     The state, each leaf stacked ``(n, ...)``; None without ``outer_tx``.
-
-  Raises:
-    ValueError: an ``outer_tx`` with an every-step data-parallel schedule.
   """
   if outer_tx is None:
     return None
-  if isinstance(schedule, schedules.EveryStep):
-    raise ValueError(
-      "outer_tx steps parameter averages, which data "
-      "parallelism (EveryStep) never makes; use a local "
-      "schedule (local, postlocal, qsr)"
-    )
   return _shard_map(
     mesh, lambda p: jax.tree.map(_expand, outer_tx.init(unravel(p[0]))), 1
   )(params)
@@ -633,3 +611,127 @@ def mean_params_program(mesh: Mesh) -> jax.stages.Wrapped:
   """``mean(params, weight)``: the workers' weighted mean parameters, on
   every worker (exact float32, outside the averager: no wire bytes)."""
   return _shard_map(mesh, lambda p, w: jax.lax.psum(p * w[0], AXIS), 2)
+
+
+class StepPrograms(NamedTuple):
+  """The programs a trainer's steps run over its mesh
+  (:func:`step_programs`).
+
+  Attributes:
+    update: the data-parallel update (:func:`update_program`).
+    local_update: a local step's update (:func:`local_update_program`).
+    average_params: a parameter average (:func:`average_params_program`).
+    average_opt: the average of the optimizer-state fields averaged at each
+      parameter average (:func:`opt_fields_program`), or None.
+    opt_floats: the floats each worker sends per ``average_opt``.
+    mean_rest: the workers' mean non-parameter state, for evaluation.
+    mean_params: the workers' exact weighted mean parameters.
+  """
+
+  update: jax.stages.Wrapped
+  local_update: jax.stages.Wrapped
+  average_params: Any
+  average_opt: jax.stages.Wrapped | None
+  opt_floats: int
+  mean_rest: jax.stages.Wrapped
+  mean_params: jax.stages.Wrapped
+
+  def compile(
+    self,
+    state: TrainState,
+    weights: jax.Array,
+    schedule: schedules.Schedule,
+    total_steps: int,
+  ) -> None:
+    """Compiles the programs steps ``state.step + 1`` to ``total_steps``
+    will call under ``schedule``; runs none of them.
+
+    Args:
+      state: the state the steps start from (its types and shardings).
+      weights: ``(n,)`` the workers' stacked shares of an average.
+      schedule: when the workers synchronize.
+      total_steps: the last step.
+    """
+    steps = range(state.step + 1, int(total_steps) + 1)
+    local = [s for s in steps if not schedule.averages_gradients_at(s)]
+    grads = state.params  # The stacked gradients' type and sharding.
+    if len(local) < len(steps):
+      self.update.lower(
+        state.params,
+        state.opt_state,
+        state.loss_scale,
+        grads,
+        weights,
+        state.counter,
+        state.residual,
+        state.averager_state,
+      ).compile()
+    if not local:
+      return
+    self.local_update.lower(
+      state.params, state.opt_state, state.loss_scale, grads
+    ).compile()
+    if set(local) & set(schedule.sync_steps(int(total_steps))):
+      self.average_params.lower(
+        state.params,
+        state.anchor,
+        weights,
+        state.counter,
+        state.residual,
+        state.averager_state,
+        state.outer_state,
+      ).compile()
+      if self.average_opt is not None:
+        self.average_opt.lower(state.opt_state, weights).compile()
+
+
+def step_programs(
+  mesh: Mesh,
+  unravel: Unravel,
+  tx: optax.GradientTransformation,
+  num_params: int,
+  *,
+  averager: averagers.Averager,
+  seed: int,
+  error_feedback: bool,
+  outer_tx: optax.GradientTransformation | None,
+  opt_fields: Sequence[str],
+) -> StepPrograms:
+  """Every program of a trainer's steps, built for its mesh and settings.
+
+  Args:
+    mesh: the mesh of all workers.
+    unravel: flat parameter vector to parameter pytree.
+    tx: the optimizer.
+    num_params: the flat parameters' size.
+    averager: what an average sends.
+    seed: seeds the averager's rounding noise.
+    error_feedback: keep the compression error for the next average.
+    outer_tx: the outer optimizer of a parameter average, or None.
+    opt_fields: the optimizer-state fields averaged at a parameter average.
+
+  Returns:
+    The :class:`StepPrograms`.
+
+  Raises:
+    ValueError: an optimizer-state field ``tx``'s state does not have.
+  """
+  # The optimizer state's structure and shapes, stacked, without values.
+  opt_shapes = jax.eval_shape(
+    lambda p: jax.tree.map(
+      lambda a: a[None], step_lib.init_optimizer(unravel, tx, p)
+    ),
+    jax.ShapeDtypeStruct((num_params,), jnp.float32),
+  )
+  average_opt, opt_floats = opt_fields_program(mesh, opt_shapes, opt_fields)
+  return StepPrograms(
+    update=update_program(mesh, unravel, tx, averager, seed, error_feedback),
+    local_update=local_update_program(mesh, unravel, tx),
+    average_params=average_params_program(
+      mesh, averager, seed, outer_tx, unravel
+    ),
+    average_opt=average_opt,
+    opt_floats=opt_floats,
+    mean_rest=mean_rest_program(mesh),
+    mean_params=mean_params_program(mesh),
+  )

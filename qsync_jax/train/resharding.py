@@ -3,12 +3,13 @@
 This module owns what a resume does with a checkpoint written by other
 workers: ``N`` saved workers of kinds ``K`` restored into a trainer of ``M``
 workers of kinds ``K' != K`` (another count, or other kinds). Every array of
-:func:`qsync_jax.train.checkpoint.state_tree` is stacked over the workers,
+:func:`qsync_jax.train.saved_state.state_tree` is stacked over the workers,
 one row per worker, so the rows are what changes; this module reads the
-saved rows on the host (:func:`digest_problem` checks them against the
-checksums the saving processes recorded) and maps them onto the new workers
+saved rows on the host (:func:`.integrity.digest_problem` checks them
+against the checksums the saving processes recorded) and maps them onto the
+new workers
 (:func:`reshard`). :mod:`.checkpoint` decides when a resume reshards and
-reads the arrays; the host state (step, sync counters, the schedule's state)
+reads the arrays; the host state (step, sync counters)
 continues by global step as in any resume.
 
 The mapping rule, *every worker starts from the mean*:
@@ -44,7 +45,6 @@ state bit for bit, so a membership history replays identically.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 from absl import logging
@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qsync_jax.train import layout
+from qsync_jax.train.state import TrainState
 from qsync_jax.train.trainer import HybridTrainer
 
 
@@ -86,60 +87,6 @@ def mean_rows(x: np.ndarray) -> np.ndarray:
   return np.mean(np.asarray(x, np.float64), axis=0).astype(x.dtype)
 
 
-def _index(key: str) -> tuple[slice, ...]:
-  # The inverse of the checkpoint's shard index keys, e.g. "1:2,:,:".
-  if not key:
-    return ()
-  out = []
-  for part in key.split(","):
-    start, stop = part.split(":")
-    out.append(
-      slice(int(start) if start else None, int(stop) if stop else None)
-    )
-  return tuple(out)
-
-
-def digest_problem(tree: Any, arrays: Any) -> str | None:
-  """Why host arrays read whole do not match their saved checksums, or None.
-
-  A save records the SHA-256 of every shard each process wrote, keyed by its
-  index in the global array. A reshard reads every array whole on every
-  process, so every process checks every process's shards: the saved array
-  sliced at each recorded index, hashed as the save hashed it.
-
-  Args:
-    tree: the arrays read, as numpy, in the structure the save digested.
-    arrays: the integrity record's ``{process: {leaf path: {shard index:
-      hex digest}}}``.
-
-  Returns:
-    ``"checksum mismatch in <leaf path>"`` for the first leaf that differs
-    (or has no checksum, or one no read array has), else None.
-  """
-  if not isinstance(arrays, dict) or not arrays:
-    return "it holds no array checksums"
-  leaves = {
-    jax.tree_util.keystr(path): np.asarray(leaf)
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-  }
-  for process in sorted(arrays):
-    want = arrays[process]
-    if not isinstance(want, dict):
-      return f"its checksums of process {process} are not a JSON object"
-    for key in sorted(set(want) | set(leaves)):
-      shards = want.get(key)
-      if key not in leaves or not isinstance(shards, dict) or not shards:
-        return f"checksum mismatch in {key}"
-      for index, digest in shards.items():
-        try:
-          data = np.ascontiguousarray(leaves[key][_index(index)])
-        except (ValueError, IndexError):
-          return f"checksum mismatch in {key} (no shard {index!r})"
-        if hashlib.sha256(data.tobytes()).hexdigest() != digest:
-          return f"checksum mismatch in {key}"
-  return None
-
-
 def _put(full: np.ndarray, like: jax.Array) -> jax.Array:
   """``full`` as a global array with ``like``'s sharding: each process puts
   the rows its devices hold."""
@@ -154,6 +101,7 @@ def _names(entries: set[str]) -> str:
 
 def reshard(
   trainer: HybridTrainer,
+  state: TrainState,
   saved: dict[str, Any],
   own: dict[str, Any],
   meta: dict[str, Any],
@@ -162,9 +110,11 @@ def reshard(
 
   Args:
     trainer: the trainer to restore into (built for the new workers).
+    state: a state of that trainer (its workers' own PRNG keys).
     saved: the checkpoint's arrays as numpy, ``(N, ...)`` rows each, in the
       structure of ``own``.
-    own: the trainer's own arrays (``state_tree(trainer)``): their
+    own: the trainer's own arrays (``saved_state.state_tree`` of
+      ``state``): their
       shardings, and the leaves that stay the trainer's own (typed PRNG
       keys; the loss scale when scaling changes).
     meta: the checkpoint's JSON metadata (its kinds and step, for the log).
@@ -173,7 +123,7 @@ def reshard(
     The state in ``own``'s structure and shardings, ``(M, ...)`` rows each,
     by the module's mapping rule; its anchor is its parameters.
   """
-  first = trainer.rest[trainer.local_workers[0]]
+  first = state.rest[trainer.local_workers[0]]
   keys = jax.tree.map(layout.is_key, first)
   averaged: set[str] = set()
   carried: set[str] = set()

@@ -182,16 +182,32 @@ def grad_functions(
   ]
 
 
+class LocalGradients(NamedTuple):
+  """What :func:`local_gradients` returns for one step.
+
+  Attributes:
+    grads: the stacked ``(n, P)`` gradients of the scaled losses.
+    rest: ``{worker index: non-parameter state}`` after the step (BatchNorm
+      statistics and RNG counts updated).
+    metrics: ``{worker index: {"loss", ...the objective's metrics}}`` as
+      device scalars.
+  """
+
+  grads: jax.Array
+  rest: dict[int, Any]
+  metrics: dict[int, dict[str, jax.Array]]
+
+
 def local_gradients(
   grad_fns: Mapping[int, Callable],
   devices: Mapping[int, jax.Device],
   params: jax.Array,
   scale: jax.Array,
-  rests: dict[int, Any],
+  rests: Mapping[int, Any],
   batches: Mapping[int, Any],
   sharding: NamedSharding,
   step: int = 0,
-) -> tuple[jax.Array, dict[int, dict[str, jax.Array]]]:
+) -> LocalGradients:
   """Runs every local worker's gradient function on its batch.
 
   Args:
@@ -199,26 +215,27 @@ def local_gradients(
     devices: ``{worker index: device}`` of the same workers.
     params: the stacked ``(n, P)`` parameters.
     scale: the stacked ``(n,)`` loss scales.
-    rests: ``{worker index: non-parameter state}``; updated in place.
+    rests: ``{worker index: non-parameter state}``; left untouched.
     batches: ``{worker index: batch}`` (any pytree the objective takes).
     sharding: the stacked arrays' sharding.
     step: the step's number, which seeds its rngs.
 
   Returns:
-    ``(grads, metrics)``: the stacked ``(n, P)`` gradients of the scaled
-    losses, and ``{worker index: {"loss", ...}}`` as device scalars.
+    The :class:`LocalGradients` of the step.
   """
   params_rows = layout.rows(params)
   scale_rows = layout.rows(scale)
-  grad_rows, metrics = {}, {}
+  grad_rows, new_rests, metrics = {}, {}, {}
   for i, device in devices.items():
     batch = jax.device_put(batches[i], device)
     ids = np.array([i, step], np.uint32)
-    g, rests[i], metrics[i] = grad_fns[i](
+    g, new_rests[i], metrics[i] = grad_fns[i](
       params_rows[device], rests[i], scale_rows[device], batch, ids
     )
     grad_rows[device] = g
-  return layout.stack_local(grad_rows, params.shape, sharding), metrics
+  return LocalGradients(
+    layout.stack_local(grad_rows, params.shape, sharding), new_rests, metrics
+  )
 
 
 class ElementwiseTransformation(optax.GradientTransformation):

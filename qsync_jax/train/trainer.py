@@ -1,10 +1,12 @@
 """HybridTrainer: synchronous data parallelism over workers with different plans.
 
-This module owns :class:`Worker` and :class:`HybridTrainer`, which drives the
-pieces of the ``train`` package through a run: the per-plan gradient
-functions of :mod:`.step`, the shard_map programs of :mod:`.programs` over the
-stacked state of :mod:`.layout`, and evaluation (:mod:`.evaluation`);
-:mod:`.checkpoint` saves and restores it.
+This module owns :class:`Worker` and :class:`HybridTrainer`, which builds
+the pieces of the ``train`` package for a set of workers (the per-plan
+gradient functions of :mod:`.step`, the shard_map programs of
+:mod:`.programs`, evaluation of :mod:`.evaluation`) and runs a step as a
+pure function of the :class:`~qsync_jax.train.state.TrainState`
+(``init``, ``train_step(state, batches) -> (state, metrics)``,
+``evaluate(state, ...)``); :mod:`.checkpoint` saves and restores the state.
 
 Each worker is a (device, device kind, precision plan, local batch size). One
 SPMD program cannot span different GPU models, and each plan is a different
@@ -13,7 +15,8 @@ for its device from its plan. The workers meet in one separate jitted
 ``jax.shard_map`` over a mesh of all workers, which averages the gradients and
 applies the (identical) optax update on every worker.
 
-Synchronization follows a schedule (:mod:`qsync_jax.parallel.schedules`). A step
+Synchronization follows the :class:`~qsync_jax.train.sync.SyncSettings`:
+its schedule (:mod:`qsync_jax.parallel.schedules`) says when. A step
 that averages gradients runs the averaging program above. Any other step is a
 local step: every worker applies its own gradient with its own optimizer state,
 with no collective. After a local step that ends a round, the workers average
@@ -25,7 +28,8 @@ as in QSR's official code (hmgxr128/QSR, ``LocalOptimizer``), except the
 fields named in ``opt_fields_to_average`` (that code's
 ``optim_fields_to_average``), averaged too.
 
-State layout, chosen so a step costs few host operations:
+The state's layout (:mod:`.state`), chosen so a step costs few host
+operations:
 
 * parameters are one flat float32 vector per worker, stacked into a global
   ``(num_workers, P)`` array sharded over the ``workers`` mesh axis, so the
@@ -37,7 +41,7 @@ State layout, chosen so a step costs few host operations:
   PowerSGD's warm-start ``Q``), which every average hands to the next;
 * the rest of the model state (BatchNorm statistics) stays local per worker;
 * the parameters at the last synchronization (the *anchor* of local SGD) are
-  a reference to an earlier ``params`` array, not a copy, so data
+  the same array as an earlier state's ``params``, not a copy, so data
   parallelism pays nothing for them.
 
 Every worker's parameters and optimizer state stay identical under data
@@ -45,11 +49,18 @@ parallelism; the stacked layout is what local SGD (per-worker parameters)
 needs too. The same code runs single-process (several local devices) and
 multi-process (``jax.distributed``, one device per process): each process
 runs the gradient functions of its own workers only.
+
+The trainer runs on its own mesh of the workers' devices (one axis,
+``workers``), one full replica of the parameters per worker; a mesh in
+context (``jax.set_mesh``) does not move it, and the parameters' sharding
+annotations (:mod:`qsync_jax.task.sharding`) stay on the model, applied by
+none of its programs. With local steps and loss scaling, each worker keeps
+its own loss scale and skips only its own non-finite steps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 import dataclasses
 import hashlib
 from typing import Any
@@ -65,7 +76,8 @@ import optax
 
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.parallel import averagers
-from qsync_jax.parallel import schedules
+from qsync_jax.plan.intercept import StackedLayerError
+from qsync_jax.plan.precision import PlanError
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.task import calling
 from qsync_jax.task import objective as objective_lib
@@ -75,8 +87,8 @@ from qsync_jax.train import layout
 from qsync_jax.train import programs
 from qsync_jax.train import step as step_lib
 from qsync_jax.train.layout import AXIS
-
-LossFn = step_lib.LossFn
+from qsync_jax.train.state import TrainState
+from qsync_jax.train.sync import SyncSettings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,50 +147,117 @@ def _grad_weights(
   return weights
 
 
+def _loss_scaling(
+  loss_scaling: bool | str, precisions: Sequence[dict[str, Precision]]
+) -> bool:
+  """Whether the trainer scales the loss: ``"auto"`` when any worker
+  computes a layer in FP16.
+
+  Raises:
+    ValueError: neither ``"auto"`` nor a bool.
+  """
+  if loss_scaling == "auto":
+    return any(Precision.FP16 in eff.values() for eff in precisions)
+  if not isinstance(loss_scaling, bool):
+    raise ValueError(
+      f"loss_scaling must be 'auto', True or False, got {loss_scaling!r}"
+    )
+  return loss_scaling
+
+
+def _sync_settings(sync: SyncSettings | None) -> SyncSettings:
+  """``sync``, or the default settings for None.
+
+  Raises:
+    TypeError: ``sync`` is not a ``SyncSettings``.
+  """
+  if sync is None:
+    return SyncSettings()
+  if not isinstance(sync, SyncSettings):
+    raise TypeError(
+      f"sync must be a qsync_jax.SyncSettings, got {type(sync).__name__}"
+    )
+  return sync
+
+
+def _probe(
+  model: nnx.Module, objective: objective_lib.Objective, sample: Any
+) -> calling.Probe | None:
+  """The probe the layers are traced with: ``sample`` as one worker's batch
+  run through the objective, or ``sample`` itself when it is a probe.
+
+  A probe runs the objective only when the layers are traced, so its
+  function is what turns the objective's failure on ``sample`` into the
+  error that says what ``sample`` must be (a plan's own error passes).
+  """
+  if sample is None or isinstance(sample, calling.Probe):
+    return sample
+
+  def refused(err: Exception) -> ValueError:
+    return ValueError(
+      f"sample must be one worker's batch, as train_step takes it (for "
+      f"classification an (inputs, labels) pair), or a qsync_jax.task.Probe "
+      f"(qsync_jax.task.input_probe(inputs) for the model's inputs alone); "
+      f"the objective could not run {type(model).__name__} on it: {err}"
+    )
+
+  try:
+    probe = objective.probe(calling.abstract(sample))
+  except (AttributeError, TypeError, ValueError) as err:  # not arrays
+    raise refused(err) from err
+
+  def run(m: nnx.Module, batch: Any) -> Any:
+    try:
+      return probe.fn(m, batch)
+    except (PlanError, StackedLayerError):
+      raise
+    except (TypeError, ValueError) as err:
+      raise refused(err) from err
+
+  return calling.Probe(run, probe.data)
+
+
 class HybridTrainer:
   """Synchronous training over workers that run different precision plans.
 
+  The trainer holds what a run does not change: the workers, their jitted
+  gradient functions and the shard_map programs where they meet. What a
+  step changes is a :class:`~qsync_jax.train.state.TrainState`, passed in
+  and out::
+
+    state = trainer.init()
+    for step in range(steps):
+      state, metrics = trainer.train_step(state, batches(step))
+    trainer.evaluate(state, eval_data, train_batches=...)
+
   Args:
-    model: the NNX model (FP32 parameters); its mode is left as it was.
+    model: the NNX model (FP32 parameters); :meth:`init` starts from its
+      parameters as they are now. Its mode is left as it was.
     workers: the workers, one distinct device each.
     tx: the optax optimizer every worker applies.
-    loss_fn, call: the objective and call hook :func:`qsync_jax.task.
-      as_objective` takes (default: classification on ``(x, y)`` batches).
-    averager: how gradients are averaged (:mod:`qsync_jax.parallel.averagers`).
-    schedule: when workers synchronize (:mod:`qsync_jax.parallel.schedules`).
-    grad_weights: each worker's share of the averaged gradient (summing to
-      1); by default ``b_i / sum(b)``, so that every example counts once.
+    objective: what the workers minimize, in any form
+      :func:`qsync_jax.task.as_objective` takes (a
+      :class:`~qsync_jax.task.Objective`, a ``loss_fn``; default:
+      classification on ``(x, y)`` batches).
+    sample: one worker's batch, as :meth:`train_step` takes it, or a
+      :class:`qsync_jax.task.Probe`, to trace the layers with (default:
+      the model's ``input_spec``).
+    sync: when and how the workers synchronize
+      (:class:`~qsync_jax.train.sync.SyncSettings`; default: average the
+      gradients every step, exact float32 mean).
     loss_scaling: ``"auto"`` (dynamic loss scaling when any worker computes
       a layer in FP16), ``True`` or ``False``.
-    sample_input, sample_batch: the model's inputs (or a
-      :class:`qsync_jax.task.Probe`), else one worker's batch, to trace the
-      layers with (default: the model's ``input_spec``).
-    error_feedback: keep each worker's compression error (unscaled) and
-      send it again with the next average
-      (:func:`qsync_jax.parallel.averagers.compress_with_feedback`).
-    seed: seeds the averagers' rounding noise and the step rngs (a layer's
-      own RNG stream is folded with the worker's index).
     bn_stats: the BatchNorm statistics :meth:`evaluate` uses:
       ``"reestimate"`` (the QSR code's: recomputed for the evaluated
       parameters on training batches) or ``"average"`` (the workers').
-    opt_fields_to_average: optimizer-state fields (``"mu"``, ...) averaged
-      with the parameters at each sync of a local schedule (default none).
-    outer_tx: an optax outer optimizer (DiLoCo) stepping the anchor by
-      ``anchor - mean`` at each parameter average; None: plain averaging.
-
-  The trainer runs on its own mesh of the workers' devices (one axis,
-  ``workers``), one full replica of the parameters per worker; a mesh in
-  context (``jax.set_mesh``) does not move it, and the parameters' sharding
-  annotations (:mod:`qsync_jax.task.sharding`) stay on the model, applied
-  by none of its programs.
-
-  With local steps and loss scaling, each worker keeps its own loss scale
-  and skips only its own non-finite steps; :attr:`skipped_steps` and
-  :attr:`current_loss_scale` report the first local worker.
+    seed: seeds the averagers' rounding noise and the step rngs (a layer's
+      own RNG stream is folded with the worker's index).
 
   Raises:
     ValueError: no worker, two workers on one device, a bad batch size, an
-      unknown ``bn_stats`` or optimizer-state field.
+      unknown ``bn_stats``, ``loss_scaling`` or optimizer-state field, or a
+      ``sample`` the objective cannot run.
+    TypeError: ``sync`` is not a ``SyncSettings``.
     qsync_jax.PlanError: a plan does not fit the model or its device kind.
   """
 
@@ -189,226 +268,236 @@ class HybridTrainer:
     workers: Sequence[Worker],
     tx: optax.GradientTransformation,
     *,
-    loss_fn: LossFn = None,
-    call: calling.CallFn | None = None,
-    averager: averagers.Averager | None = None,
-    schedule: schedules.Schedule | None = None,
-    grad_weights: Sequence[float] | None = None,
+    objective: Any = None,
+    sample: Any = None,
+    sync: SyncSettings | None = None,
     loss_scaling: bool | str = "auto",
-    sample_input: Any = None,
-    sample_batch: Any = None,
-    error_feedback: bool = False,
-    seed: int = 0,
     bn_stats: str = "reestimate",
-    opt_fields_to_average: Sequence[str] = (),
-    outer_tx: optax.GradientTransformation | None = None,
+    seed: int = 0,
   ):
     _check_workers(workers)
+    sync = _sync_settings(sync)
     self.workers = list(workers)
     self.num_workers = len(workers)
     self.tx = tx
-    self.objective = objective_lib.as_objective(loss_fn, call=call)
-    if sample_input is None and sample_batch is not None:
-      sample_input = self.objective.probe(calling.abstract(sample_batch))
-    self.averager = averager or averagers.MeanAverager()
-    self.schedule = schedule or schedules.EveryStep()
-    self.error_feedback = bool(error_feedback)
+    self.objective = objective_lib.as_objective(objective)
+    self.sync = sync
     self.seed = int(seed)
     self.mesh = Mesh(np.array([w.device for w in workers]), (AXIS,))
     self.sharding = NamedSharding(self.mesh, P(AXIS))
+    here = jax.process_index()
     self.local_workers = [
-      i
-      for i, w in enumerate(workers)
-      if w.device.process_index == jax.process_index()
+      i for i, w in enumerate(workers) if w.device.process_index == here
     ]
-    # {worker index: device} of this process's workers.
-    self._devices = {i: workers[i].device for i in self.local_workers}
-    self.grad_weights = _grad_weights(workers, grad_weights)
+    #: ``{worker index: device}`` of this process's workers.
+    self.local_devices = {i: workers[i].device for i in self.local_workers}
+    self.grad_weights = _grad_weights(workers, sync.grad_weights)
+    self._weights = layout.stacked_constant(
+      self.grad_weights, self.local_devices, self.sharding
+    )
 
     split = step_lib.plan_graphdefs(
-      model, [(w.plan, w.kind) for w in workers], sample_input
+      model,
+      [(w.plan, w.kind) for w in workers],
+      _probe(model, self.objective, sample),
     )
     self.precisions = split.precisions
-    flat, self._unravel = ravel_pytree(split.params)
+    flat, self.unravel = ravel_pytree(split.params)  # flat vector -> pytree
     self.num_params = int(flat.size)
-    self.loss_scaling = (
-      bool(loss_scaling)
-      if loss_scaling != "auto"
-      else any(Precision.FP16 in eff.values() for eff in self.precisions)
-    )
+    # The model's own arrays (no copy): what init() starts from.
+    self._initial = (split.params, split.rest)
+    self.loss_scaling = _loss_scaling(loss_scaling, self.precisions)
+    # Bytes each worker sends per average of the parameters' size.
+    self._params_bytes = sync.averager.wire_bytes(flat.size, len(workers))
+    self._build_programs(split, model, bn_stats)
 
+  def _build_programs(
+    self, split: step_lib.PlanGraphdefs, model: nnx.Module, bn_stats: str
+  ) -> None:
+    """The jitted gradient functions, the step's and evaluation's programs."""
+    sync, unravel = self.sync, self.unravel
     grad_fns = step_lib.grad_functions(
-      split.graphdefs, self._unravel, self.objective, self.seed
+      split.graphdefs, unravel, self.objective, self.seed
     )
     self._grad_fns = {i: grad_fns[i] for i in self.local_workers}
-    self._update = programs.update_program(
+    self.programs = programs.step_programs(
       self.mesh,
-      self._unravel,
-      tx,
-      self.averager,
-      self.seed,
-      self.error_feedback,
-    )
-    self._local_update = programs.local_update_program(
-      self.mesh, self._unravel, tx
-    )
-    self._average_params = programs.average_params_program(
-      self.mesh, self.averager, self.seed, outer_tx, self._unravel
+      unravel,
+      self.tx,
+      self.num_params,
+      averager=sync.averager,
+      seed=self.seed,
+      error_feedback=sync.error_feedback,
+      outer_tx=sync.outer_tx,
+      opt_fields=sync.opt_fields_to_average,
     )
     self._eval_fn = evaluation.eval_function(
-      split.fp32_graphdef, self._unravel, self.objective
+      split.fp32_graphdef, unravel, self.objective
     )
     self._bn_fn = evaluation.bn_function(
-      split.fp32_graphdef, self._unravel, model, bn_stats, self.objective
+      split.fp32_graphdef, unravel, model, bn_stats, self.objective
     )
-    self._mean_rest = programs.mean_rest_program(self.mesh)
-    self._mean_params = programs.mean_params_program(self.mesh)
-
-    state = programs.initial_state(
-      self.mesh,
-      self._devices,
-      self._unravel,
-      tx,
-      flat,
-      self.grad_weights,
-      self.loss_scaling,
-      self.error_feedback,
-      self.averager,
-    )
-    self.params, self.opt_state = state.params, state.opt_state
-    self.loss_scale, self._weights = state.loss_scale, state.weights
-    self._counter, self.residual = state.counter, state.residual
-    self.averager_state = state.averager_state
-    self.outer_state = programs.initial_outer_state(
-      self.mesh, self._unravel, outer_tx, self.params, self.schedule
-    )
-    self.rest = {
-      i: jax.device_put(_worker_rest(split.rest, i), d)
-      for i, d in self._devices.items()
-    }
-    self._average_opt, size = programs.opt_fields_program(
-      self.mesh, self.opt_state, tuple(opt_fields_to_average)
-    )
-    self._opt_bytes = averagers.MeanAverager().wire_bytes(size, len(workers))
-    self._anchor = self.params
-    self._finite: jax.Array | None = None
-    self.step = self.sync_rounds = 0
-    self.comm_bytes = 0.0
 
   # ------------------------------------------------------------------
-  # Training.
+  # The state and the step.
   # ------------------------------------------------------------------
 
   @sharding.without_mesh
+  def init(self) -> TrainState:
+    """The state at step 0: the model's parameters on every worker, in sync.
+
+    Returns:
+      A :class:`~qsync_jax.train.state.TrainState`: the optimizer's initial
+      state, the loss scale (dynamic where the trainer scales), each local
+      worker's copy of the model's other state (a layer's own RNG stream
+      folded with the worker's index), and zero residuals and the
+      averager's and outer optimizer's initial state where they apply.
+    """
+    params, rest = self._initial
+    return programs.initial_state(
+      self.mesh,
+      self.local_devices,
+      self.unravel,
+      self.tx,
+      ravel_pytree(params)[0],
+      {
+        i: jax.device_put(_worker_rest(rest, i), d)
+        for i, d in self.local_devices.items()
+      },
+      loss_scaling=self.loss_scaling,
+      error_feedback=self.sync.error_feedback,
+      averager=self.sync.averager,
+      outer_tx=self.sync.outer_tx,
+    )
+
+  @sharding.without_mesh
   def train_step(
-    self, batches: dict[int, Any]
-  ) -> dict[int, dict[str, jax.Array]]:
-    """Runs one synchronous step.
+    self, state: TrainState, batches: Mapping[int, Any]
+  ) -> tuple[TrainState, dict[int, dict[str, jax.Array]]]:
+    """Runs one synchronous step; ``state`` itself is left as it was.
 
     Args:
+      state: the state before the step (:meth:`init`, or the last step's).
       batches: ``{worker index: batch}`` for this process's workers (a batch
         is what the objective takes, ``(x, y)`` for classification); worker
         ``i``'s batch has ``workers[i].batch_size`` examples.
 
     Returns:
-      ``{worker index: {"loss", ...the objective's metrics}}`` as device
-      scalars (not synchronized with the host, so logging them is the
-      caller's choice).
+      ``(state, metrics)``: the state after the step, and ``{worker index:
+      {"loss", ...the objective's metrics}}`` as device scalars (not
+      synchronized with the host, so logging them is the caller's choice).
+
+    Raises:
+      ValueError: no batch for a local worker.
     """
     missing = [i for i in self.local_workers if i not in batches]
     if missing:
       raise ValueError(f"no batch for local workers {missing}")
-    grads, metrics = step_lib.local_gradients(
+    local = step_lib.local_gradients(
       self._grad_fns,
-      self._devices,
-      self.params,
-      self.loss_scale.scale,
-      self.rest,
+      self.local_devices,
+      state.params,
+      state.loss_scale.scale,
+      state.rest,
       batches,
       self.sharding,
-      self.step,
+      state.step,
     )
-    step = self.step + 1
-    if self.schedule.averages_gradients_at(step):
-      out: programs.UpdateResult = self._update(
-        self.params,
-        self.opt_state,
-        self.loss_scale,
-        grads,
-        self._weights,
-        self._counter,
-        self.residual,
-        self.averager_state,
-      )
-      self.params, self.opt_state = out.params, out.opt_state
-      self.loss_scale, self._finite = out.loss_scale, out.finite
-      self._counter, self.residual = out.counter, out.residual
-      self.averager_state = out.averager_state
-      synced = True
+    step = state.step + 1
+    if self.sync.schedule.averages_gradients_at(step):
+      new = self._average_gradients(state, local.grads)
     else:
-      local: programs.LocalUpdateResult = self._local_update(
-        self.params, self.opt_state, self.loss_scale, grads
+      new = self._local_step(state, local.grads, step)
+    return new.replace(step=step, rest=local.rest), local.metrics
+
+  def _average_gradients(
+    self, state: TrainState, grads: jax.Array
+  ) -> TrainState:
+    """A data-parallel step's update: the averaged gradient, applied."""
+    out: programs.UpdateResult = self.programs.update(
+      state.params,
+      state.opt_state,
+      state.loss_scale,
+      grads,
+      self._weights,
+      state.counter,
+      state.residual,
+      state.averager_state,
+    )
+    return state.replace(
+      params=out.params,
+      opt_state=out.opt_state,
+      loss_scale=out.loss_scale,
+      anchor=out.params,
+      counter=out.counter,
+      residual=out.residual,
+      averager_state=out.averager_state,
+      in_sync=True,
+      sync_rounds=state.sync_rounds + 1,
+      comm_bytes=state.comm_bytes + self._params_bytes,
+    )
+
+  def _local_step(
+    self, state: TrainState, grads: jax.Array, step: int
+  ) -> TrainState:
+    """A local step's update, then the parameter average that ends a
+    round."""
+    local: programs.LocalUpdateResult = self.programs.local_update(
+      state.params, state.opt_state, state.loss_scale, grads
+    )
+    state = state.replace(
+      params=local.params,
+      opt_state=local.opt_state,
+      loss_scale=local.loss_scale,
+      in_sync=False,
+    )
+    if not self.sync.schedule.is_sync_step(step):
+      return state
+    avg: programs.AverageResult = self.programs.average_params(
+      state.params,
+      state.anchor,
+      self._weights,
+      state.counter,
+      state.residual,
+      state.averager_state,
+      state.outer_state,
+    )
+    opt_state, comm_bytes = state.opt_state, state.comm_bytes
+    if self.programs.average_opt is not None:
+      opt_state = self.programs.average_opt(opt_state, self._weights)
+      comm_bytes += averagers.MeanAverager().wire_bytes(
+        self.programs.opt_floats, self.num_workers
       )
-      self.params, self.opt_state = local.params, local.opt_state
-      self.loss_scale, self._finite = local.loss_scale, local.finite
-      synced = self.schedule.is_sync_step(step)
-      if synced:
-        avg: programs.AverageResult = self._average_params(
-          self.params,
-          self._anchor,
-          self._weights,
-          self._counter,
-          self.residual,
-          self.averager_state,
-          self.outer_state,
-        )
-        self.params, self._counter = avg.params, avg.counter
-        self.residual, self.averager_state = avg.residual, avg.averager_state
-        self.outer_state = avg.outer_state
-        if self._average_opt is not None:
-          self.opt_state = self._average_opt(self.opt_state, self._weights)
-          self.comm_bytes += self._opt_bytes
-    self.step = step
-    if synced:
-      self._anchor = self.params
-      self.sync_rounds += 1
-      self.comm_bytes += self.averager.wire_bytes(
-        self.num_params, self.num_workers
-      )
-    return metrics
+    return state.replace(
+      params=avg.params,
+      opt_state=opt_state,
+      anchor=avg.params,
+      counter=avg.counter,
+      residual=avg.residual,
+      averager_state=avg.averager_state,
+      outer_state=avg.outer_state,
+      in_sync=True,
+      sync_rounds=state.sync_rounds + 1,
+      comm_bytes=comm_bytes + self._params_bytes,
+    )
 
   @sharding.without_mesh
-  def compile(self, total_steps: int) -> None:
-    """:func:`compile_programs` of this trainer, up to ``total_steps``."""
-    compile_programs(self, total_steps)
+  def compile(self, state: TrainState, total_steps: int) -> None:
+    """Compiles the update and averaging programs of the coming steps.
 
-  @property
-  def in_sync(self) -> bool:
-    """Whether every worker holds the same parameters (after a sync)."""
-    return self._anchor is self.params
+    jit compiles a program at its first call. A data-parallel run calls its
+    update at the first step, but a local schedule's first parameter average
+    comes at its first sync step, in the middle of a timed run, whose
+    training clock would count the compile. After this call, steps
+    ``state.step + 1`` to ``total_steps`` compile only the workers' gradient
+    functions, at the first step (their inputs are the batches). Nothing
+    runs, so nothing changes and no worker waits for another.
 
-  def last_step_finite(self) -> bool:
-    """Whether the last step's gradient was finite (the step not skipped).
-
-    After a data-parallel step this is the averaged gradient, the same on
-    every worker; after a local step, the first local worker's.
-
-    Raises:
-      ValueError: no step has run yet.
+    Args:
+      state: the state the steps start from (its types and shardings).
+      total_steps: the last step the run will take.
     """
-    if self._finite is None:
-      raise ValueError("no step has run yet")
-    return bool(layout.local_scalar(self._finite))
-
-  @property
-  def skipped_steps(self) -> int:
-    """Steps skipped so far because a gradient was not finite."""
-    return int(layout.local_scalar(self.loss_scale.skipped))
-
-  @property
-  def current_loss_scale(self) -> float:
-    """The loss scale the next step uses (1 when scaling is off)."""
-    return float(layout.local_scalar(self.loss_scale.scale))
+    self.programs.compile(state, self._weights, self.sync.schedule, total_steps)
 
   # ------------------------------------------------------------------
   # Evaluation and inspection.
@@ -419,29 +508,33 @@ class HybridTrainer:
     return self.workers[self.local_workers[0]].device
 
   @sharding.without_mesh
-  def worker_params(self, index: int | None = None) -> Any:
-    """Returns a worker's parameters as a pytree (default: first local)."""
+  def worker_params(self, state: TrainState, index: int | None = None) -> Any:
+    """A worker's parameters in ``state`` as a pytree (default: the first
+    local worker's)."""
     i = self.local_workers[0] if index is None else index
-    return self._unravel(layout.rows(self.params)[self.workers[i].device][0])
+    return self.unravel(layout.rows(state.params)[self.workers[i].device][0])
 
-  def params_digest(self) -> str:
-    """SHA-256 of the first local worker's parameter bytes."""
-    row = np.asarray(layout.rows(self.params)[self._first_device])
+  def params_digest(self, state: TrainState) -> str:
+    """SHA-256 of the first local worker's parameter bytes in ``state``."""
+    row = np.asarray(layout.rows(state.params)[self._first_device])
     return hashlib.sha256(row.tobytes()).hexdigest()
 
-  def _stacked_rest(self, rests: Any = None) -> Any:
-    """The workers' non-parameter state (default :attr:`rest`) stacked into
-    global arrays."""
-    rests = self.rest if rests is None else rests
+  def stacked_rest(self, rests: Mapping[int, Any]) -> Any:
+    """The local workers' non-parameter states stacked into global arrays
+    (typed PRNG keys as their key data; :func:`.layout.stack_trees`)."""
     return layout.stack_trees(
-      {d: rests[i] for i, d in self._devices.items()},
+      {d: rests[i] for i, d in self.local_devices.items()},
       self.num_workers,
       self.sharding,
     )
 
   @sharding.without_mesh
   def evaluate(
-    self, data: Any, batch_size: int = 256, train_batches: Any = None
+    self,
+    state: TrainState,
+    data: Any,
+    batch_size: int = 256,
+    train_batches: Any = None,
   ) -> dict[str, float]:
     """The objective's mean loss and metrics over ``data`` (one batch,
     ``(x, y)`` for classification), in eval mode with FP32 compute.
@@ -451,22 +544,22 @@ class HybridTrainer:
     statistics the workers' mean (``bn_stats="average"``) or the mean of
     each worker's re-estimate for those parameters on ``train_batches``
     (per step ``{worker index: batch}``, as :meth:`train_step` takes).
-    Training state is untouched. The first local worker's device runs it.
+    ``state`` is left as it was. The first local worker's device runs it.
 
     Raises:
       ValueError: re-estimation without ``train_batches``.
     """
-    params = self.params
-    if not self.in_sync:
-      params = self._mean_params(self.params, self._weights)
-    rests = self.rest
+    params = state.params
+    if not state.in_sync:
+      params = self.programs.mean_params(state.params, self._weights)
+    rests = state.rest
     if self._bn_fn is not None:
       rests = evaluation.reestimate(
-        self._bn_fn, params, self.rest, self._devices, train_batches or ()
+        self._bn_fn, params, state.rest, self.local_devices, train_batches or ()
       )
     first = self._first_device
     rest = layout.unstack_tree(
-      self._mean_rest(self._stacked_rest(rests)),
+      self.programs.mean_rest(self.stacked_rest(rests)),
       first,
       like=rests[self.local_workers[0]],
     )
@@ -487,52 +580,3 @@ def describe_workers(workers: Sequence[Worker]) -> list[dict[str, Any]]:
     }
     for w in workers
   ]
-
-
-def compile_programs(trainer: HybridTrainer, total_steps: int) -> None:
-  """Compiles a trainer's update and averaging programs of the coming steps.
-
-  jit compiles a program at its first call. A data-parallel run calls its update
-  at the first step, but a local schedule's first parameter average comes at its
-  first sync step, in the middle of a timed run, whose training clock would
-  count the compile. After this call, steps ``trainer.step + 1`` to
-  ``total_steps`` compile only the workers' gradient functions, at the first
-  step (their inputs are the batches). Compiling does not run the programs, so
-  nothing changes and no worker waits for another.
-
-  Args:
-    trainer: the trainer (``trainer.compile(total_steps)`` calls this).
-    total_steps: the last step the run will take (it selects the programs
-      the schedule will call).
-  """
-  t = trainer
-  steps = range(t.step + 1, int(total_steps) + 1)
-  local = [s for s in steps if not t.schedule.averages_gradients_at(s)]
-  grads = t.params  # The stacked gradients' type and sharding.
-  # pylint: disable=protected-access
-  if len(local) < len(steps):
-    t._update.lower(
-      t.params,
-      t.opt_state,
-      t.loss_scale,
-      grads,
-      t._weights,
-      t._counter,
-      t.residual,
-      t.averager_state,
-    ).compile()
-  if not local:
-    return
-  t._local_update.lower(t.params, t.opt_state, t.loss_scale, grads).compile()
-  if set(local) & set(t.schedule.sync_steps(int(total_steps))):
-    t._average_params.lower(
-      t.params,
-      t._anchor,
-      t._weights,
-      t._counter,
-      t.residual,
-      t.averager_state,
-      t.outer_state,
-    ).compile()
-    if t._average_opt is not None:
-      t._average_opt.lower(t.opt_state, t._weights).compile()

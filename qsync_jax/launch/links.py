@@ -1,7 +1,7 @@
 """Link emulation for localhost multi-process runs: namespaces, tc, cgroups.
 
 This module owns the emulated network (and optional CPU throttle) that the
-localhost launcher (:func:`qsync_jax.parallel.distributed.launch`) can put
+localhost launcher (:func:`qsync_jax.launch.local.launch`) can put
 its processes behind, so that a run on one host sees links as slow as
 Ethernet between nodes:
 
@@ -55,7 +55,7 @@ import threading
 import types
 from typing import Any
 
-from qsync_jax.parallel import link_probe
+from qsync_jax.launch import link_probe
 
 TOPOLOGIES = ("per_node", "shared")
 #: Every namespace, cgroup and /etc/netns folder this module makes starts so.

@@ -1,17 +1,16 @@
-r"""Multi-process JAX: per-process initialization and a localhost launcher.
+r"""The localhost launcher: N processes of one run, none left behind.
 
-This module owns how a qsync_jax process joins a multi-process JAX run
-(``initialize`` over whatever :mod:`qsync_jax.parallel.launchers` detects:
-srun, mpirun, Kubernetes, explicit flags or the ``QSYNC_*`` variables of the
-launcher below; ``shutdown``) and a
-launcher that starts N such processes on one host, relays their output and
-never leaves one behind: when any process dies, the others are SIGKILLed
-(a JAX worker ignores SIGTERM once initialized, and its peers would otherwise
-block forever in the next collective). Each process runs in its own process
-group, which the launcher SIGKILLs when it stops or is interrupted, and on
-Linux it also dies when the launcher dies, even by SIGKILL (the parent-death
-signal). :class:`Processes` and :func:`stop_signals` hold these guarantees;
-the elastic launcher (:mod:`qsync_jax.parallel.elastic`) reuses them.
+This module owns starting the processes of a multi-process run on one host
+(:func:`launch`): each gets the ``QSYNC_*`` variables that
+:func:`qsync_jax.process.initialize.initialize` reads, its output is relayed
+line by line, and none is ever left behind: when any process dies, the others
+are SIGKILLed (a JAX worker ignores SIGTERM once initialized, and its peers
+would otherwise block forever in the next collective). Each process runs in
+its own process group, which the launcher SIGKILLs when it stops or is
+interrupted, and on Linux it also dies when the launcher dies, even by
+SIGKILL (the parent-death signal). :class:`Processes` and
+:func:`stop_signals` hold these guarantees; the elastic launcher
+(:mod:`qsync_jax.launch.elastic`) reuses them.
 
 Usage:
   python -m qsync_jax.distributed --num_processes=4 [--port=N] \
@@ -28,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 import contextlib
 import ctypes
-import dataclasses
 import errno
 import os
 import shutil
@@ -40,14 +38,12 @@ import threading
 import time
 from typing import IO
 
-from absl import logging
-import jax
+from qsync_jax.process import detection
 
-from qsync_jax.parallel import launchers
-
-ENV_COORDINATOR_ADDRESS = launchers.ENV_COORDINATOR_ADDRESS
-ENV_NUM_PROCESSES = launchers.ENV_NUM_PROCESSES
-ENV_PROCESS_ID = launchers.ENV_PROCESS_ID
+#: The variables each process gets (``initialize()`` reads them).
+ENV_COORDINATOR_ADDRESS = detection.ENV_COORDINATOR_ADDRESS
+ENV_NUM_PROCESSES = detection.ENV_NUM_PROCESSES
+ENV_PROCESS_ID = detection.ENV_PROCESS_ID
 
 #: Exit status of a launch that ran past its timeout (as timeout(1) uses).
 TIMEOUT_EXIT_CODE = 124
@@ -57,157 +53,6 @@ POLL_INTERVAL_S = 0.2
 
 # From <linux/prctl.h>: deliver a signal to this process when its parent dies.
 _PR_SET_PDEATHSIG = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class DistributedConfig:
-  """Where one process sits in a multi-process run.
-
-  Attributes:
-    coordinator_address: ``host:port`` of process 0's coordination service.
-    num_processes: Number of processes in the run.
-    process_id: This process's index, in ``[0, num_processes)``.
-  """
-
-  coordinator_address: str
-  num_processes: int
-  process_id: int
-
-
-def config_from_env(
-  environ: Mapping[str, str] = os.environ,
-) -> DistributedConfig | None:
-  """Reads the ``QSYNC_*`` variables the launcher sets.
-
-  Args:
-    environ: The environment to read.
-
-  Returns:
-    The configuration, or None when none of the variables is set (a plain
-    single-process run).
-
-  Raises:
-    ValueError: Some but not all variables are set, or one is malformed;
-      the message names the variable.
-  """
-  launch = launchers.from_qsync_env(environ)
-  if launch is None:
-    return None
-  address, n, pid = (
-    launch.coordinator_address,
-    launch.num_processes,
-    launch.process_id,
-  )
-  assert address is not None and n is not None and pid is not None
-  return DistributedConfig(address, n, pid)
-
-
-def initialize(
-  config: DistributedConfig | None = None,
-  *,
-  timeout_s: int = 60,
-  heartbeat_timeout_s: int = 100,
-  shutdown_timeout_s: int = 300,
-  local_devices: str = "auto",
-  coordinator_address: str | None = None,
-  num_processes: int | None = None,
-  process_id: int | None = None,
-  environ: Mapping[str, str] | None = None,
-) -> bool:
-  """Joins the multi-process run its launcher or its arguments describe.
-
-  The run comes from ``config``, else from
-  :func:`qsync_jax.parallel.launchers.detect` over the explicit arguments and
-  the environment (srun, mpirun, Kubernetes, the localhost launcher); where
-  ``jax.distributed`` detects the environment itself, it is left to do so.
-  Call it before anything starts a JAX backend (``jax.devices()``, any
-  computation). Calling it again once initialized does nothing.
-
-  Args:
-    config: The run to join; None detects it.
-    timeout_s: Seconds to wait for every process to reach the coordinator.
-    heartbeat_timeout_s: Seconds without a heartbeat before the coordinator
-      declares a process dead (and every process fails).
-    shutdown_timeout_s: Seconds the shutdown barrier waits for every process.
-    local_devices: ``"one"`` device per process, ``"all"`` of its node's, or
-      ``"auto"``: all when the launcher put one process on the node.
-    coordinator_address: ``--coordinator_address``; overrides the launcher's.
-    num_processes: ``--num_processes``; overrides the launcher's.
-    process_id: ``--process_id``; overrides the launcher's.
-    environ: The environment to read; None: ``os.environ``.
-
-  Returns:
-    True when this process is part of an initialized multi-process run, False
-    for a single-process run (no launcher, or one process).
-
-  Raises:
-    ValueError: A malformed or incomplete launch configuration; the message
-      names the variable or flag.
-    RuntimeError: A JAX backend was started before this call.
-  """
-  if jax.distributed.is_initialized():
-    return True
-  launch: launchers.Launch | None
-  if config is not None:
-    launch = launchers.Launch(
-      "explicit",
-      config.num_processes,
-      config.process_id,
-      config.coordinator_address,
-    )
-  else:
-    launch = launchers.detect(
-      os.environ if environ is None else environ,
-      coordinator_address=coordinator_address,
-      num_processes=num_processes,
-      process_id=process_id,
-    )
-  if launch is None or launch.num_processes == 1:
-    return False
-  every_device = launchers.wants_all_devices(launch, local_devices)
-  local_ids = (
-    None if every_device or launch.local_rank is None else [launch.local_rank]
-  )
-  known = None not in (
-    launch.coordinator_address,
-    launch.num_processes,
-    launch.process_id,
-  )
-  jax.distributed.initialize(
-    coordinator_address=launch.coordinator_address,
-    num_processes=launch.num_processes,
-    process_id=launch.process_id,
-    local_device_ids=local_ids,
-    # Known values need no detection, which would also pick device ids;
-    # else the launcher found decides which of jax's detections runs.
-    cluster_detection_method="deactivate" if known else launch.detection,
-    initialization_timeout=timeout_s,
-    heartbeat_timeout_seconds=heartbeat_timeout_s,
-    shutdown_timeout_seconds=shutdown_timeout_s,
-  )
-  if every_device:
-    # jax's detection restricts a process to its local rank's device; one
-    # process per node of several GPUs uses them all.
-    jax.config.update("jax_cuda_visible_devices", "all")
-    jax.config.update("jax_rocm_visible_devices", "all")
-  # Both only affect the CPU backend. Gloo gives CPU processes cross-process
-  # collectives; more than one CPU device per process hangs the first one.
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.config.update("jax_num_cpu_devices", 1)
-  logging.info(
-    "joined a %d-process run as process %d (launcher: %s, coordinator: %s)",
-    jax.process_count(),
-    jax.process_index(),
-    launch.source,
-    launch.coordinator_address or "detected by jax",
-  )
-  return True
-
-
-def shutdown() -> None:
-  """Leaves the multi-process run, if this process joined one."""
-  if jax.distributed.is_initialized():
-    jax.distributed.shutdown()
 
 
 def free_port() -> int:
@@ -575,7 +420,7 @@ def launch(
   group. On Linux a process also gets SIGKILL when the thread that called
   ``launch`` ends, so a launcher killed by SIGKILL leaves no process behind.
   (:class:`Processes` holds these guarantees; the elastic launcher,
-  :mod:`qsync_jax.parallel.elastic`, reuses them.)
+  :mod:`qsync_jax.launch.elastic`, reuses them.)
 
   Args:
     command: The program and its arguments, run as is by every process.

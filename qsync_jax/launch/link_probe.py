@@ -1,6 +1,6 @@
 """The rate probe of emulated links: TCP flows between network namespaces.
 
-This module owns how :mod:`qsync_jax.parallel.links` measures the rate a
+This module owns how :mod:`qsync_jax.launch.links` measures the rate a
 link achieves: one or more TCP flows, each from a socket made in one named
 network namespace (``ip netns``) to a socket in another, all sending at once,
 with the bytes each receiver gets counted over one common window. Sockets

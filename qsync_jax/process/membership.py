@@ -1,6 +1,6 @@
 """Membership of an elastic run: the slots a world holds, and how it changed.
 
-This module owns what the elastic launcher (:mod:`qsync_jax.parallel.elastic`)
+This module owns what the elastic launcher (:mod:`qsync_jax.launch.elastic`)
 and a restarted process tell each other. An elastic pool has ``pool_size``
 *slots* (a slot is one process's place: its device kind in ``--cluster``, its
 emulated link and CPU quota); a *world* is the slots running now, process
@@ -8,7 +8,8 @@ emulated link and CPU quota); a *world* is the slots running now, process
 variables of :meth:`ElasticWorld.to_env`; a process that checkpointed because
 membership changes exits with :data:`MEMBERSHIP_CHANGED_EXIT_CODE`, distinct
 from success (0) and failure (any other status), and the launcher starts the
-next world.
+next world. :func:`world_kinds` and :func:`world_plans` are a world's share of
+the pool: its workers' kinds and the plans kept for them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import math
 import os
 from typing import Any
 
-from qsync_jax.parallel import launchers
+from qsync_jax.process import detection
 
 #: Exit status of a process that checkpointed a step all processes agreed on
 #: because a worker was told to leave (SIGTERM) or a slot came back: "start
@@ -36,6 +37,9 @@ ELASTIC_VARS = (ENV_SLOTS, ENV_POOL_SIZE, ENV_RESTART, ENV_CHANGE)
 #: Why a world ended: a slot told to leave (SIGTERM), a process that died
 #: without notice (SIGKILL, node loss), a slot given back.
 CAUSES = ("reclaimed", "died", "returned")
+#: The causes whose world ended on a notice: its processes checkpointed the
+#: step they agreed on, and no step was lost.
+NOTICE_CAUSES = ("reclaimed", "returned")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +210,41 @@ def from_env(environ: Mapping[str, str] = os.environ) -> ElasticWorld | None:
       raise ValueError(f"{ENV_CHANGE}: {e}") from None
   return ElasticWorld(
     slots=slots,
-    pool_size=launchers.env_int(environ, ENV_POOL_SIZE),
-    restart=launchers.env_int(environ, ENV_RESTART),
+    pool_size=detection.env_int(environ, ENV_POOL_SIZE),
+    restart=detection.env_int(environ, ENV_RESTART),
     change=change,
   )
+
+
+def world_kinds(
+  pool_kinds: Sequence[str], world: ElasticWorld | None
+) -> list[str]:
+  """The device kinds of this world's workers, one per slot it runs.
+
+  Args:
+    pool_kinds: the pool's kinds, one per slot (``--cluster`` of an elastic
+      job names the pool).
+    world: the elastic world (:func:`from_env`), or None when the run is not
+      elastic.
+
+  Returns:
+    The kinds of the world's slots in process order
+    (:meth:`ElasticWorld.select`); without a world, ``pool_kinds``.
+
+  Raises:
+    ValueError: ``pool_kinds`` does not name one kind per slot.
+  """
+  if world is None:
+    return list(pool_kinds)
+  return [str(kind) for kind in world.select(pool_kinds)]
+
+
+def world_plans(
+  plans: Mapping[str, Any], kinds: Sequence[str]
+) -> dict[str, Any]:
+  """The plans of ``plans`` (``{kind: plan}``) for the kinds ``kinds`` has.
+
+  The command is the same in every world of an elastic job, so its plans
+  may name kinds of the pool that no slot of this world runs: those go.
+  """
+  return {kind: plan for kind, plan in plans.items() if kind in kinds}

@@ -2,23 +2,23 @@
 slots are reclaimed, die and come back.
 
 This module owns the supervisor of an elastic run on one host, the
-reference for the protocol of :mod:`qsync_jax.parallel.membership` and the
+reference for the protocol of :mod:`qsync_jax.process.membership` and the
 launcher its tests use: which slots the next world holds, when a running
 world is told to end (SIGTERM), how each way a world ends is read, and what
 the next world is told about it. Starting processes, relaying their output
-and killing them all is :class:`qsync_jax.parallel.distributed.Processes`'s,
+and killing them all is :class:`qsync_jax.launch.local.Processes`'s,
 as for the plain launcher.
 
 The pool has ``pool_size`` slots; a world is the slots available when it
 starts, in ascending order, process ``i`` in slot ``slots[i]``; it starts
 when at least ``min_processes`` are available. Every process gets the plain
 launcher's ``QSYNC_*`` variables plus
-:meth:`~qsync_jax.parallel.membership.ElasticWorld.to_env`.
+:meth:`~qsync_jax.process.membership.ElasticWorld.to_env`.
 
 * **Reclaim** (an :class:`Availability` interval of slot ``s`` begins):
   SIGTERM to slot ``s``'s process. The processes are expected to agree on a
   step, checkpoint it and all exit with
-  :data:`~qsync_jax.parallel.membership.MEMBERSHIP_CHANGED_EXIT_CODE` (75);
+  :data:`~qsync_jax.process.membership.MEMBERSHIP_CHANGED_EXIT_CODE` (75);
   whatever still runs ``grace_s`` after the notice is SIGKILLed. The next
   world is started without ``s``.
 * **Return** (the interval ends, or a dead slot's time out is over): SIGTERM
@@ -85,8 +85,8 @@ import threading
 import time
 from typing import Any
 
-from qsync_jax.parallel import distributed
-from qsync_jax.parallel import membership
+from qsync_jax.launch import local
+from qsync_jax.process import membership
 
 #: How often the supervisor looks at its processes and the pool.
 _TICK_S = 0.05
@@ -350,7 +350,7 @@ class _World:
 
   number: int
   slots: tuple[int, ...]
-  procs: distributed.Processes
+  procs: local.Processes
   events: list[_Event] = dataclasses.field(default_factory=list)
   notes: list[str] = dataclasses.field(default_factory=list)
   signalled: set[int] = dataclasses.field(default_factory=set)
@@ -391,7 +391,7 @@ class _World:
         if codes[i] != kill:
           self.excused.add(i)
           self.notes.append(
-            f"{procs.names[i]} {distributed.describe_exit(codes[i] or 0)} "
+            f"{procs.names[i]} {local.describe_exit(codes[i] or 0)} "
             "as the world ended"
           )
       dead = [i for i in dead if codes[i] == kill]
@@ -421,7 +421,7 @@ class _World:
       raise _Stop(
         code,
         f"error: process {failed} (slot {self.slots[failed]}, pid "
-        f"{procs.procs[failed].pid}) {distributed.describe_exit(code)}; "
+        f"{procs.procs[failed].pid}) {local.describe_exit(code)}; "
         f"killed {n} other process{'' if n == 1 else 'es'}",
       )
     unready = [
@@ -517,7 +517,7 @@ class Supervisor:
     ):
       self.cache_dir = tempfile.mkdtemp(prefix="qsync_elastic_xla_")
     try:
-      with distributed.stop_signals() as self.received:
+      with local.stop_signals() as self.received:
         restart = 0
         while True:
           slots, waited = self._wait_for_slots()
@@ -555,7 +555,7 @@ class Supervisor:
       raise _Stop(128 + self.received[0], f"error: launcher got {name}", True)
     if self.timeout_s is not None and self.now() >= self.timeout_s:
       raise _Stop(
-        distributed.TIMEOUT_EXIT_CODE,
+        local.TIMEOUT_EXIT_CODE,
         f"error: timed out after {self.timeout_s:g} s",
         True,
       )
@@ -618,7 +618,7 @@ class Supervisor:
     events: list[_Event],
   ) -> _World:
     """Starts the world ``slots``; logs it; returns it."""
-    port = distributed.free_port() if self.port is None else self.port
+    port = local.free_port() if self.port is None else self.port
     start_wall = time.time()
     change = None
     if ended is not None:
@@ -636,7 +636,7 @@ class Supervisor:
     world_env = membership.ElasticWorld(
       slots, self.options.pool_size, restart, change
     ).to_env()
-    env = distributed.launch_env(
+    env = local.launch_env(
       {**self.base_env, **world_env},
       f"{self.address(slots[0])}:{port}",
       len(slots),
@@ -644,7 +644,7 @@ class Supervisor:
     world = _World(
       restart + 1,
       slots,
-      distributed.Processes(self.dead_peer_timeout_s, lock=self.lock),
+      local.Processes(self.dead_peer_timeout_s, lock=self.lock),
     )
     why = f" ({change.detail})" if change else " (start)"
     self.log(
@@ -656,7 +656,7 @@ class Supervisor:
         argv = self.command if self.wrap is None else self.wrap(s, self.command)
         world.procs.start(
           argv,
-          {**env, **self.cache_env(), distributed.ENV_PROCESS_ID: str(i)},
+          {**env, **self.cache_env(), local.ENV_PROCESS_ID: str(i)},
           f"process {i} (slot {s})",
           f"[p{i} s{s}] ",
         )
@@ -760,7 +760,7 @@ def launch_elastic(
     FileNotFoundError: The program does not exist.
   """
   base_env = dict(os.environ if env is None else env)
-  distributed.check_launch(command, options.pool_size, port, base_env)
+  local.check_launch(command, options.pool_size, port, base_env)
   return Supervisor(
     command,
     options,

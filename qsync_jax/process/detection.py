@@ -64,6 +64,10 @@ LOCAL_DEVICES = ("auto", "one", "all")
 class Launch:
   """Where this process sits in a multi-process run, and who said so.
 
+  :func:`detect` finds it; :func:`qsync_jax.process.initialize.initialize`
+  joins it (a caller may build one: ``Launch("explicit", 2, 0,
+  "10.0.0.1:1234")``).
+
   Attributes:
     source: The launcher: ``explicit``, ``qsync``, ``slurm``, ``ompi4``,
       ``ompi5``, ``k8s-jax`` (jax's API-based detection) or ``k8s``.
@@ -356,6 +360,48 @@ def detect(
       "Job a headless service as its subdomain); pass "
       "--coordinator_address=HOST:PORT"
     )
+  return _check_rank(launch, "--num_processes", "--process_id")
+
+
+def override(
+  launch: Launch,
+  *,
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+) -> Launch:
+  """``launch`` with the explicit values given in place of its own.
+
+  Explicit arguments win, as they do over the environment in :func:`detect`.
+
+  Args:
+    launch: The run, e.g. the one a caller passed to ``initialize``.
+    coordinator_address: ``--coordinator_address``; None: ``launch``'s.
+    num_processes: ``--num_processes``; None: ``launch``'s.
+    process_id: ``--process_id``; None: ``launch``'s.
+
+  Returns:
+    The launch with those fields replaced.
+
+  Raises:
+    ValueError: ``coordinator_address`` is not ``host:port``, the number of
+      processes is below 1, or the process id is outside
+      ``[0, num_processes)``; the message names the flag.
+  """
+  if coordinator_address is not None:
+    check_address(coordinator_address, "--coordinator_address")
+  launch = dataclasses.replace(
+    launch,
+    coordinator_address=(
+      launch.coordinator_address
+      if coordinator_address is None
+      else coordinator_address
+    ),
+    num_processes=(
+      launch.num_processes if num_processes is None else num_processes
+    ),
+    process_id=launch.process_id if process_id is None else process_id,
+  )
   return _check_rank(launch, "--num_processes", "--process_id")
 
 

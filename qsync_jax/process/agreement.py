@@ -28,7 +28,7 @@ import jax
 import jaxlib
 import numpy as np
 
-from qsync_jax.parallel import coordination
+from qsync_jax.process import coordination
 
 #: The compared fields, in the order a mismatch is reported.
 FIELDS = (
