@@ -46,7 +46,7 @@ from absl import app
 from absl import flags
 from flax import nnx
 
-from experiments import config_lib
+from experiments import config_fields
 from qsync_jax import cli
 from qsync_jax import data as data_lib
 from qsync_jax import host_memory
@@ -197,7 +197,7 @@ def _check_flag_combinations():
 
 def _kwargs_flag(name):
   """The JSON object of flag ``--name``: keyword arguments."""
-  value = config_lib.read_json(getattr(FLAGS, name), f"--{name}")
+  value = config_fields.read_json(getattr(FLAGS, name), f"--{name}")
   if not isinstance(value, dict):
     raise ValueError(
       f"--{name} must be a JSON object of keyword arguments, "
@@ -214,8 +214,8 @@ def _load_scores(path):
     ValueError: malformed JSON or not the scores' shape.
   """
   what = f"--scores file {path!r}"
-  loaded = config_lib.read_json(
-    config_lib.read_file(path, "--scores file"), what
+  loaded = config_fields.read_json(
+    config_fields.read_file(path, "--scores file"), what
   )
   if not isinstance(loaded, dict):
     raise ValueError(f"{what} holds a {type(loaded).__name__}; {_SCORES_SHAPE}")

@@ -1,24 +1,31 @@
-"""The main job's config: its checks, and the objects it names.
+"""The main job's config, parsed once into typed, frozen structures.
 
-This module owns ``validate_config`` (every numeric field of a train config,
-checked before anything runs, each plan's device kind against the
-cluster, the BatchNorm choice of evaluation and the optimizer-state fields
-to average), reading plans and JSON given on the command line (``load_plan``,
-``read_json``: depth-bounded by Python's recursion limit), and turning the
-config into the training objects: the model (``build_model``, sized for the
-dataset), the learning rate (optax for training, a float64 twin for QSR),
-the optimizer, the sync schedule and the averager.
-:mod:`experiments.train_lib` runs the job with them; the binary's shortcut
-flags are in :mod:`experiments.flag_aliases`.
+This module owns :class:`JobConfig` (every field of the main job's config,
+typed, with the range its values must be in; the sections
+:class:`AllocatorConfig`, :class:`CompressConfig` and
+:class:`DistributedConfig`) and :func:`parse`, which turns a config file's
+``ml_collections.ConfigDict`` into one: the fields a config gives replace
+the defaults of ``experiments/configs/default.py`` (the only place defaults
+live), a field the default config does not have is an error naming it,
+every value is converted and checked once, the settings that depend on each
+other are checked together (:func:`check_together`), and each plan file is
+read once. Everything after :func:`parse` reads attributes of the result.
+
+It also owns the training objects a parsed config names: the model
+(:func:`build_model`, sized for the dataset), the learning rate (optax for
+training, a float64 twin for QSR), the optimizer, the sync schedule, the
+averager, the outer optimizer and the synchronization settings
+(:func:`sync_settings`); and :func:`unused_settings`, the settings the run
+will not read. :mod:`experiments.train_lib` runs the job with them; the
+binary's shortcut flags are in :mod:`experiments.flag_aliases`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-import json
-import math
-import numbers
-import os
+from collections.abc import Mapping
+import dataclasses
+import functools
+import types
 from typing import Any
 
 from absl import logging
@@ -29,250 +36,229 @@ import ml_collections
 import numpy as np
 import optax
 
+from experiments.config_fields import choice
+from experiments.config_fields import flag
+from experiments.config_fields import integer
+from experiments.config_fields import integers
+from experiments.config_fields import load_plan
+from experiments.config_fields import mapping
+from experiments.config_fields import names
+from experiments.config_fields import parse_section
+from experiments.config_fields import real
+from experiments.config_fields import section
+from experiments.config_fields import text
+from experiments.config_fields import to_plain
+from experiments.configs import default as default_config
 from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
 from qsync_jax import task
-from qsync_jax.allocation import sharing
+from qsync_jax.allocation import job_plans
 from qsync_jax.parallel import averagers
 from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.parallel import schedules
+from qsync_jax.parallel.lr_schedules import LearningRateSchedule
 from qsync_jax.plan import devices as devices_lib
-from qsync_jax.plan.precision import PlanError
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.process import detection
 from qsync_jax.train import evaluation
 from qsync_jax.train import programs
 from qsync_jax.train import step as step_lib
+from qsync_jax.train.sync import SyncSettings
+
+_POSITIVE = (lambda v: v > 0, "> 0")
+_NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
+_FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")
 
 
-def load_plan(spec: Any) -> PrecisionPlan:
-  """Builds a plan from a JSON file path, JSON text, or a config mapping.
+@dataclasses.dataclass(frozen=True)
+class AllocatorConfig:
+  """``config.allocator``: how ``--plan=auto`` plans (the default config
+  says what each field does)."""
 
-  Raises:
-    FileNotFoundError: a path that does not exist.
-    qsync_jax.PlanError: a malformed plan.
-  """
-  if isinstance(spec, PrecisionPlan):
-    return spec
-  spec = to_plain(spec)
-  if isinstance(spec, Mapping):
-    return PrecisionPlan.from_dict(spec)
-  text, what = spec, "plan JSON"
-  if isinstance(spec, str) and not spec.lstrip().startswith("{"):
-    text, what = read_file(spec, "plan file"), f"plan file {spec!r}"
-  try:
-    return PrecisionPlan.from_json(text)
-  except RecursionError:
-    raise ValueError(f"{what} is nested too deeply") from None
-  except ValueError as e:  # PlanError, or not JSON: say which plan
-    if what == "plan JSON":
-      raise
-    raise (PlanError if isinstance(e, PlanError) else ValueError)(
-      f"{what}: {e}"
-    ) from None
+  indicator: str = text()
+  method: str = text()
+  num_batches: int = integer(1)
+  compression: float | None = real(
+    lambda v: 0 <= v <= 1, "in [0, 1]", optional=True
+  )
+  candidates: tuple[str, ...] = names()
+  timing_model_kwargs: Mapping[str, Any] = mapping()
+  timing_batch_size: int = integer(0)
+  profiles: str = text()
+  profile_repeats: int = integer(1)
+  profile_cache_dir: str = text()
 
 
-def read_file(path: str, what: str) -> str:
-  """The UTF-8 text of the file ``path`` a user named.
+@dataclasses.dataclass(frozen=True)
+class CompressConfig:
+  """``config.compress_kwargs``: the averager's fields; None leaves the
+  averager's own default."""
 
-  Raises:
-    FileNotFoundError: no such file.
-    ValueError: ``path`` is a directory, unreadable, or not UTF-8 text
-      (the message names ``what`` and ``path``).
-  """
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{what} {path!r} does not exist")
-  if os.path.isdir(path):
-    raise ValueError(f"{what} {path!r} is a directory, not a JSON file")
-  try:
-    with open(path, encoding="utf-8") as f:
-      return f.read()
-  except UnicodeDecodeError as e:
-    raise ValueError(
-      f"{what} {path!r} is not UTF-8 text (byte {e.start} is "
-      f"{e.object[e.start : e.start + 1]!r}); expected a JSON file"
-    ) from None
-  except OSError as e:
-    raise ValueError(f"{what} {path!r} cannot be read: {e.strerror}") from None
+  wire: str | None = text(optional=True)
+  bucket_size: int | None = integer(1, optional=True)
+  levels: int | None = integer(1, optional=True)
+  norm: str | None = text(optional=True)
+  noise: str | None = text(optional=True)
+  rank: int | None = integer(1, optional=True)
+  cols: int | None = integer(1, optional=True)
+  warm_start: bool | None = flag(optional=True)
+
+  def given(self) -> dict[str, Any]:
+    """The fields that are set."""
+    return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
-def read_json(text: str, what: str) -> Any:
-  """Parses JSON text given by the user.
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """``config.distributed``: joining a multi-process run (not part of the
+  processes' agreement check: it may differ per process)."""
+
+  initialization_timeout_s: int = integer(1)
+  heartbeat_timeout_s: int = integer(1)
+  shutdown_timeout_s: int = integer(1)
+  local_devices: str = choice(*detection.LOCAL_DEVICES)
+  planning_timeout_s: int = integer(1)
+  coordinator_address: str | None = text(optional=True)
+  num_processes: int | None = integer(1, optional=True)
+  process_id: int | None = integer(0, optional=True)
+
+
+def _plans(value: Any, name: str) -> Mapping[str, PrecisionPlan]:
+  """``config.plans``: each kind's plan read once (a mapping, JSON text or
+  a JSON file), as a read-only mapping."""
+  value = to_plain(value) or {}
+  if not isinstance(value, Mapping):
+    raise ValueError(f"{name} must be a mapping of device kinds to plans")
+  return types.MappingProxyType(
+    {str(kind).lower(): load_plan(spec) for kind, spec in value.items()}
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+  """The main job's config, every field typed and checked
+  (``experiments/configs/default.py`` has the defaults and says what each
+  field does)."""
+
+  model: str = text()
+  model_kwargs: Mapping[str, Any] = mapping()
+  loss_fn: str = text()
+  dataset: str = text()
+  dataset_kwargs: Mapping[str, Any] = mapping()
+  cluster: str = text()
+  plan_mode: str = choice("auto", "manual")
+  plans: Mapping[str, PrecisionPlan] = dataclasses.field(
+    metadata={"check": _plans}
+  )
+  allocator: AllocatorConfig = section(AllocatorConfig)
+  batch_size: int = integer(1)
+  batch_mode: str = choice("equal", "dynamic")
+  speeds: str = text()
+  steps: int = integer(1)
+  optimizer: str = text()
+  momentum: float = real(*_FRACTION)
+  learning_rate: float = real(*_POSITIVE)
+  lr_schedule: str = text()
+  warmup_steps: int = integer(0)
+  final_learning_rate: float = real(*_NON_NEGATIVE)
+  lr_decay_steps: tuple[int, ...] = integers()
+  lr_decay_factor: float = real(*_POSITIVE)
+  lr_round_base: float = real(lambda v: v > 0 and v != 1, "> 0 and != 1")
+  sync: str = text()
+  h_base: int = integer(1)
+  alpha: float = real(*_NON_NEGATIVE)
+  gamma: float = real(*_POSITIVE)
+  switch_step: int = integer(0)
+  compress: str = text()
+  compress_kwargs: CompressConfig = section(CompressConfig)
+  error_feedback: bool = flag()
+  seed: int = integer(0)
+  log_every: int = integer(1)
+  eval_every: int = integer(0)
+  bn_stats: str = choice(*evaluation.BN_STATS)
+  bn_batches: int = integer(1)
+  opt_fields_to_average: tuple[str, ...] = names()
+  outer_optimizer: str = text()
+  outer_lr: float = real(*_POSITIVE)
+  outer_momentum: float = real(*_FRACTION)
+  checkpoint_every: int = integer(0)
+  resume: bool = flag()
+  distributed: DistributedConfig = section(DistributedConfig)
+
+  def replace(self, **changes: Any) -> JobConfig:
+    """A copy with ``changes`` (e.g. the cluster an elastic world runs)."""
+    return dataclasses.replace(self, **changes)
+
+  def to_plain(self) -> dict[str, Any]:
+    """The config as plain JSON values (plans as their dicts)."""
+    return _plain(self)
+
+
+def _plain(value: Any) -> Any:
+  if isinstance(value, PrecisionPlan):  # a dataclass too: its JSON form
+    return value.to_dict()
+  if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    return {
+      f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+    }
+  if isinstance(value, Mapping):
+    return {k: _plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_plain(v) for v in value]
+  return value
+
+
+@functools.lru_cache(maxsize=1)
+def _defaults() -> dict[str, Any]:
+  return to_plain(default_config.get_config())
+
+
+def parse(config: ml_collections.ConfigDict | Mapping[str, Any]) -> JobConfig:
+  """The main job's config, parsed and checked once.
+
+  The fields ``config`` gives replace the defaults
+  (``experiments/configs/default.py``); a section it gives in part keeps
+  the defaults of the rest.
 
   Args:
-    text: the JSON.
-    what: what it is, for the message (e.g. ``"--model_kwargs"``).
+    config: a config file's ``ConfigDict`` (or a plain mapping), with its
+      command-line overrides applied.
 
   Returns:
-    The parsed value.
+    The :class:`JobConfig`.
 
   Raises:
-    ValueError: malformed JSON, or JSON nested deeper than Python's recursion
-      limit (the decoder recurses per level).
+    ValueError: naming the first bad field and its value (a field the main
+      job's config does not have, a value out of its range, a plan that
+      cannot be read, settings that do not fit together:
+      :func:`check_together`).
+    FileNotFoundError: a plan file that does not exist.
   """
-  try:
-    return json.loads(text)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{what} is not JSON: {e}") from None
-  except RecursionError:
-    raise ValueError(f"{what} is nested too deeply") from None
+  job = parse_section(JobConfig, to_plain(config) or {}, _defaults(), "config")
+  check_together(job)
+  return job
 
 
-# Integer fields and their least value.
-_INT_FIELDS: dict[str, int] = {
-  "batch_size": 1,
-  "steps": 1,
-  "warmup_steps": 0,
-  "h_base": 1,
-  "switch_step": 0,
-  "seed": 0,
-  "log_every": 1,
-  "eval_every": 0,
-  "checkpoint_every": 0,
-  "allocator.num_batches": 1,
-  "allocator.timing_batch_size": 0,
-  "compress_kwargs.bucket_size": 1,
-  "compress_kwargs.levels": 1,
-  "bn_batches": 1,
-  "distributed.initialization_timeout_s": 1,
-  "distributed.heartbeat_timeout_s": 1,
-  "distributed.shutdown_timeout_s": 1,
-  "compress_kwargs.rank": 1,
-  "compress_kwargs.cols": 1,
-  "allocator.profile_repeats": 1,
-  "distributed.planning_timeout_s": 1,
-}
+def check_together(job: JobConfig) -> None:
+  """Checks the settings that depend on each other.
 
-
-# Float fields: the condition their (finite) value must meet, in words.
-_FLOAT_FIELDS: dict[str, tuple[Callable[[float], bool], str]] = {
-  "learning_rate": (lambda v: v > 0, "> 0"),
-  "final_learning_rate": (lambda v: v >= 0, ">= 0"),
-  "lr_decay_factor": (lambda v: v > 0, "> 0"),
-  "lr_round_base": (lambda v: v > 0 and v != 1, "> 0 and != 1"),
-  "momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
-  "alpha": (lambda v: v >= 0, ">= 0"),
-  "gamma": (lambda v: v > 0, "> 0"),
-  "allocator.compression": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-  "outer_lr": (lambda v: v > 0, "> 0"),
-  "outer_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
-}
-
-
-# Fields that may be None: unset, the library's default applies.
-_OPTIONAL = (
-  "allocator.compression",
-  "compress_kwargs.bucket_size",
-  "compress_kwargs.levels",
-  "compress_kwargs.rank",
-  "compress_kwargs.cols",
-  "compress_kwargs.warm_start",
-)
-
-
-def _leaves(value: Any, prefix: str = "") -> dict[str, Any]:
-  """``{dotted.path: value}`` of every non-container entry of a config."""
-  if isinstance(value, Mapping):
-    out = {}
-    for k, v in value.items():
-      out.update(_leaves(v, f"{prefix}{k}."))
-    return out
-  if isinstance(value, (list, tuple)):
-    out = {}
-    for i, v in enumerate(value):
-      out.update(_leaves(v, f"{prefix[:-1]}[{i}]."))
-    return out
-  return {prefix[:-1]: value}
-
-
-def _is_number(value: Any) -> bool:
-  return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Checks the main job's config before anything runs.
-
-  Every integer field has its least value (steps, batch sizes and the log
-  interval at least 1; offsets, seeds and the intervals where 0 turns
-  something off at least 0), every float field its range (a learning rate
-  > 0, momentum in [0, 1), ...), every other number anywhere in the config
-  (model and dataset arguments included) is finite, in manual plan mode
-  every entry of ``config.plans`` names a device kind of ``config.cluster``,
-  ``config.compress`` with ``config.compress_kwargs`` builds an averager,
-  and the learning-rate and sync schedules build. Fields the config does
-  not have are not checked.
-
-  Args:
-    config: the job's config.
+  In manual plan mode every plan names a device kind of the cluster; with
+  ``--plan=auto`` every kind can be profiled; the allocator's settings,
+  the optimizer and its averaged fields, the averager, the outer
+  optimizer and the learning-rate and sync schedules all build.
 
   Raises:
-    ValueError: naming the first bad field and its value.
+    ValueError: naming the settings that do not fit.
   """
-  for name, value in _leaves(to_plain(config)).items():
-    if value is None and name in _OPTIONAL:
-      continue
-    if name in _INT_FIELDS:
-      least = _INT_FIELDS[name]
-      if not (
-        _is_number(value)
-        and isinstance(value, numbers.Integral)
-        and value >= least
-      ):
-        raise ValueError(
-          f"config.{name} must be an integer >= {least}, got {value!r}"
-        )
-    elif name in _FLOAT_FIELDS:
-      ok, words = _FLOAT_FIELDS[name]
-      if not (_is_number(value) and math.isfinite(value) and ok(value)):
-        raise ValueError(
-          f"config.{name} must be a finite number {words}, got {value!r}"
-        )
-    elif _is_number(value) and not math.isfinite(value):
-      raise ValueError(f"config.{name} must be a finite number, got {value!r}")
   # "auto" is resolved from the devices once JAX starts (experiments.train).
   if (
-    config.get("plan_mode", "manual") == "manual"
-    and "cluster" in config
-    and config.cluster.strip().lower() != cluster_lib.AUTO
+    job.plan_mode == "manual"
+    and job.cluster.strip().lower() != cluster_lib.AUTO
   ):
-    check_plan_kinds(
-      to_plain(config.get("plans", {})) or {},
-      cluster_lib.parse_cluster(config.cluster),
-    )
-  if config.get("plan_mode", "manual") == "manual":
-    # Read now, so that an unreadable plan file stops the run before it
-    # writes anything.
-    for plan in (to_plain(config.get("plans", {})) or {}).values():
-      load_plan(plan)
-  bn_stats = config.get("bn_stats", "reestimate")
-  if bn_stats not in evaluation.BN_STATS:
-    raise ValueError(
-      f"config.bn_stats must be one of "
-      f"{', '.join(evaluation.BN_STATS)}, got {bn_stats!r}"
-    )
-  local_devices = config.get("distributed", {}).get("local_devices", "auto")
-  if local_devices not in detection.LOCAL_DEVICES:
-    raise ValueError(
-      f"config.distributed.local_devices must be one of "
-      f"{', '.join(detection.LOCAL_DEVICES)}, got "
-      f"{local_devices!r}"
-    )
-  source = config.get("allocator", {}).get("profiles", "auto")
-  if source not in sharing.SOURCES:
-    raise ValueError(
-      f"config.allocator.profiles must be one of "
-      f"{', '.join(sharing.SOURCES)}, got {source!r}"
-    )
-  check_auto_plan_kinds(config)
-  opt_fields(config)  # a field the optimizer's state does not have
-  make_averager(config)  # an unknown strategy or field; building is cheap
-  make_outer_optimizer(config)  # an unknown one, or one dp would not use
-  if all(k in config for k in ("lr_schedule", "learning_rate", "steps")) and (
-    "warmup_steps" in config
-  ):
-    # The learning-rate schedule's fields (lr_decay_steps, ...) and the
-    # sync schedule that reads it.
-    make_schedule(config)
+    check_plan_kinds(job.plans, cluster_lib.parse_cluster(job.cluster))
+  check_auto_plan_kinds(job)
+  auto_settings(job)  # the allocator's choices
+  sync_settings(job)  # optimizer fields, averager, outer optimizer, schedule
 
 
 def check_plan_kinds(
@@ -292,7 +278,7 @@ def check_plan_kinds(
     )
 
 
-def check_auto_plan_kinds(config: ml_collections.ConfigDict) -> None:
+def check_auto_plan_kinds(job: JobConfig) -> None:
   """Raises ``ValueError`` if ``--plan=auto`` would profile a kind no GPU is.
 
   With ``config.allocator.profiles="auto"`` a kind gets the GPU catalog's
@@ -303,13 +289,13 @@ def check_auto_plan_kinds(config: ml_collections.ConfigDict) -> None:
   ``profiles="measured"``, which bounds what it measures). A cluster of one
   kind allocates nothing and is left alone.
   """
-  if config.get("plan_mode", "manual") != "auto" or "cluster" not in config:
+  if job.plan_mode != "auto":
     return
-  if config.cluster.strip().lower() == cluster_lib.AUTO:
+  if job.cluster.strip().lower() == cluster_lib.AUTO:
     return
-  if config.get("allocator", {}).get("profiles", "auto") != "auto":
+  if job.allocator.profiles != "auto":
     return
-  kinds = cluster_lib.parse_cluster(config.cluster).groups()
+  kinds = cluster_lib.parse_cluster(job.cluster).groups()
   outside = [k for k in kinds if k not in devices_lib.DEVICES]
   if len(kinds) > 1 and outside:
     kind = outside[0]
@@ -322,199 +308,79 @@ def check_auto_plan_kinds(config: ml_collections.ConfigDict) -> None:
     )
 
 
-def to_plain(value: Any) -> Any:
-  """Converts ConfigDicts (recursively) to plain dicts and lists."""
-  if isinstance(value, ml_collections.ConfigDict):
-    value = value.to_dict()
-  if isinstance(value, Mapping):
-    return {k: to_plain(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [to_plain(v) for v in value]
-  return value
-
-
-LR_SCHEDULES = ("constant", "cosine", "linear", "step", "cosine_step")
-
-
-def _lr_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """The learning-rate fields of ``config``, checked.
+def auto_settings(job: JobConfig) -> job_plans.AutoPlanSettings:
+  """The config's allocator settings (``config.allocator``) as the
+  library's :class:`~qsync_jax.allocation.job_plans.AutoPlanSettings`.
 
   Raises:
-    ValueError: an unknown ``lr_schedule``, or fields it cannot use.
+    ValueError: a field out of its range, named as the config names it
+      (``config.allocator.method must be one of ...``).
   """
-  name = config.lr_schedule
-  if name not in LR_SCHEDULES:
+  a = job.allocator
+  try:
+    return job_plans.AutoPlanSettings(
+      indicator=a.indicator,
+      method=a.method,
+      num_batches=a.num_batches,
+      compression=a.compression,
+      candidates=a.candidates,
+      timing_model_kwargs=dict(a.timing_model_kwargs),
+      timing_batch_size=a.timing_batch_size,
+      profiles=a.profiles,
+      profile_repeats=a.profile_repeats,
+      profile_cache_dir=a.profile_cache_dir,
+      planning_timeout_s=job.distributed.planning_timeout_s,
+    )
+  except job_plans.SettingError as e:
+    field = (
+      "distributed.planning_timeout_s"
+      if e.field == "planning_timeout_s"
+      else f"allocator.{e.field}"
+    )
     raise ValueError(
-      f"unknown lr_schedule {name!r}; valid: {', '.join(LR_SCHEDULES)}"
-    )
-  s = dict(
-    name=name,
-    peak=float(config.learning_rate),
-    final=float(config.get("final_learning_rate", 0.0)),
-    warmup=int(config.warmup_steps),
-    total=int(config.steps),
-    decay_steps=tuple(config.get("lr_decay_steps") or ()),
-    factor=float(config.get("lr_decay_factor", 0.1)),
-    base=float(config.get("lr_round_base", 2.0)),
-  )
-  if name == "constant":
-    return s
-  if not 0 <= s["warmup"] < s["total"]:
-    raise ValueError(
-      f"lr_schedule={name} needs 0 <= warmup_steps < steps, "
-      f"got warmup_steps={s['warmup']}, steps={s['total']}"
-    )
-  if name == "step":
-    d = s["decay_steps"]
-    if (
-      not d
-      or any(not isinstance(x, int) or x < 1 for x in d)
-      or list(d) != sorted(set(d))
-    ):
-      raise ValueError(
-        "lr_schedule=step needs lr_decay_steps, increasing "
-        f"positive step counts, got {d!r}"
-      )
-    if not s["factor"] > 0:
-      raise ValueError(f"lr_decay_factor must be > 0, got {s['factor']}")
-  if name == "cosine_step":
-    if not (s["base"] > 0 and s["base"] != 1):
-      raise ValueError(f"lr_round_base must be > 0 and != 1, got {s['base']}")
-    if not (s["final"] > 0 and s["peak"] > 0):  # it rounds log(lr)
-      raise ValueError(
-        "lr_schedule=cosine_step needs learning_rate and "
-        "final_learning_rate > 0, got "
-        f"{s['peak']} and {s['final']}"
-      )
-  return s
+      f"config.{field} must be {e.rule}, got {e.value!r}"
+    ) from None
 
 
-def _rounded_to_powers(schedule: optax.Schedule, base: float) -> optax.Schedule:
-  """``schedule`` rounded to the nearest power of ``base`` in log space."""
-  log_base = float(np.log(base))
-
-  def rounded(count):
-    return base ** jnp.round(jnp.log(schedule(count)) / log_base)
-
-  return rounded
-
-
-def make_learning_rate(
-  config: ml_collections.ConfigDict,
-) -> optax.ScalarOrSchedule:
-  """The learning rate of ``config.lr_schedule``, for training.
-
-  The official QSR code's schedules (``xscheduler.py``) as optax schedules:
-  ``constant``; after a linear warmup from ``config.final_learning_rate``
-  to ``config.learning_rate`` over ``config.warmup_steps``, ``cosine``
-  (decay to ``final_learning_rate`` at ``config.steps``), ``linear`` (the
-  same, linearly), ``step`` (``learning_rate * lr_decay_factor ** i`` from
-  the ``i``-th of ``lr_decay_steps``) or ``cosine_step`` (the cosine rounded
-  to a power of ``lr_round_base``). :func:`make_learning_rate_f64` is the
-  same schedule in float64, for QSR.
-
-  Args:
-    config: the main job's config.
-
-  Returns:
-    A constant or an optax schedule (optax count -> LR).
+def learning_rate(job: JobConfig) -> LearningRateSchedule:
+  """The learning-rate schedule of ``config.lr_schedule`` and its fields
+  (:class:`~qsync_jax.parallel.lr_schedules.LearningRateSchedule`: optax
+  for training, float64 for QSR's period).
 
   Raises:
-    ValueError: an unknown schedule or bad fields (see ``_lr_settings``).
+    ValueError: an unknown schedule, or fields it cannot use.
   """
-  s = _lr_settings(config)
-  peak, final, warmup = s["peak"], s["final"], s["warmup"]
-  span = s["total"] - warmup
-  if s["name"] == "constant":
-    return peak
-  if s["name"] == "linear":
-    after = optax.linear_schedule(peak, final, span)
-  elif s["name"] == "step":
-    after = optax.piecewise_constant_schedule(
-      peak, {d - warmup: s["factor"] for d in s["decay_steps"]}
-    )
-  else:
-    after = optax.cosine_decay_schedule(
-      peak, span, alpha=final / peak if peak else 0.0
-    )
-    if s["name"] == "cosine_step":
-      after = _rounded_to_powers(after, s["base"])
-  if not warmup:
-    return after
-  return optax.join_schedules(
-    [optax.linear_schedule(final, peak, warmup), after], [warmup]
+  return LearningRateSchedule(
+    job.lr_schedule,
+    peak=job.learning_rate,
+    final=job.final_learning_rate,
+    warmup=job.warmup_steps,
+    total=job.steps,
+    decay_steps=job.lr_decay_steps,
+    factor=job.lr_decay_factor,
+    base=job.lr_round_base,
   )
-
-
-def make_learning_rate_f64(
-  config: ml_collections.ConfigDict,
-) -> Callable[[int], float]:
-  """The schedule of :func:`make_learning_rate` in float64, for QSR.
-
-  Each formula is the official ``xscheduler.py``'s, operation for operation,
-  so QSR's ``int((alpha / lr) ** power)`` lands on the same integers as the
-  official code (optax's float32, or its float64 formulas, can round the
-  other way at an exact integer).
-
-  Args:
-    config: the main job's config.
-
-  Returns:
-    ``lr(step) -> float``, the LR of optax count ``step``.
-
-  Raises:
-    ValueError: an unknown schedule or bad fields (see ``_lr_settings``).
-  """
-  s = _lr_settings(config)
-  peak, final, warmup, total = s["peak"], s["final"], s["warmup"], s["total"]
-  span = total - warmup
-
-  def after(step: int) -> float:
-    delta = min(step - warmup, span)
-    if s["name"] == "constant":
-      return peak
-    if s["name"] == "linear":
-      return final + (span - delta) * (peak - final) / span
-    if s["name"] == "step":
-      i = sum(step >= d for d in s["decay_steps"])
-      return peak * s["factor"] ** i
-    lr = final + 0.5 * (peak - final) * (1 + np.cos(delta / span * np.pi))
-    if s["name"] == "cosine_step":
-      lr = s["base"] ** np.round(np.log(lr) / np.log(s["base"]))
-    return float(lr)
-
-  def lr(step: int) -> float:
-    if s["name"] != "constant" and step < warmup:
-      return final + step * (peak - final) / warmup
-    return after(int(step))
-
-  return lr
 
 
 def make_optimizer(
-  config: ml_collections.ConfigDict,
+  job: JobConfig,
 ) -> optax.GradientTransformation:
-  """``config.optimizer``: Adam, or SGD with ``config.momentum`` (0: none).
+  """``job.optimizer``: Adam, or SGD with ``job.momentum`` (0: none).
 
   Both treat every parameter alike, so they are declared
   :func:`qsync_jax.train.step.elementwise` and run on the flat parameters.
   """
-  lr = make_learning_rate(config)
-  name = config.get("optimizer", "adam")
+  lr = learning_rate(job).optax()
+  name = job.optimizer
   if name == "adam":
     return step_lib.elementwise(optax.adam(lr))
   if name == "sgd":
-    return step_lib.elementwise(
-      optax.sgd(lr, momentum=config.get("momentum", 0.0) or None)
-    )
+    return step_lib.elementwise(optax.sgd(lr, momentum=job.momentum or None))
   raise ValueError(f"unknown optimizer {name!r}; valid: adam, sgd")
 
 
-def opt_fields(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+def opt_fields(job: JobConfig) -> tuple[str, ...]:
   """``config.opt_fields_to_average``, checked against the optimizer.
-
-  The command line gives ``--config.opt_fields_to_average=mu,nu`` as one
-  string, so every entry is split at commas.
 
   Returns:
     The field names (empty: none).
@@ -522,26 +388,21 @@ def opt_fields(config: ml_collections.ConfigDict) -> tuple[str, ...]:
   Raises:
     ValueError: a field the optimizer's state does not have.
   """
-  fields = tuple(
-    f.strip()
-    for entry in config.get("opt_fields_to_average", ()) or ()
-    for f in str(entry).split(",")
-    if f.strip()
-  )
+  fields = job.opt_fields_to_average
   if fields:  # the state's fields do not depend on the parameters' shapes
-    state = jax.eval_shape(make_optimizer(config).init, jnp.zeros(1))
+    state = jax.eval_shape(make_optimizer(job).init, jnp.zeros(1))
     programs.opt_field_mask(state, fields)
   return fields
 
 
-def make_loss_fn(config: ml_collections.ConfigDict) -> Any:
+def make_loss_fn(job: JobConfig) -> Any:
   """The objective ``config.loss_fn`` names (None: classification).
 
   Raises:
     ValueError: a spec that does not name a callable, or a callable of
       neither loss form.
   """
-  spec = str(config.get("loss_fn", "") or "").strip()
+  spec = job.loss_fn.strip()
   if not spec:
     return None
   fn = task.load_callable(spec, "loss_fn", "expected 'package.module:loss_fn'")
@@ -556,7 +417,7 @@ OUTER_OPTIMIZERS = ("none", "diloco")
 
 
 def make_outer_optimizer(
-  config: ml_collections.ConfigDict,
+  job: JobConfig,
 ) -> optax.GradientTransformation | None:
   """The outer optimizer of ``config.outer_optimizer`` (None for "none").
 
@@ -569,7 +430,7 @@ def make_outer_optimizer(
     ValueError: an unknown name, or "diloco" with ``sync=dp`` (which never
       averages parameters).
   """
-  name = config.get("outer_optimizer", "none")
+  name = job.outer_optimizer
   if name not in OUTER_OPTIMIZERS:
     raise ValueError(
       f"config.outer_optimizer must be one of "
@@ -577,37 +438,35 @@ def make_outer_optimizer(
     )
   if name == "none":
     return None
-  if config.get("sync", "dp") == "dp":
+  if job.sync == "dp":
     raise ValueError(
       f"config.outer_optimizer={name} needs a local sync "
       "(local, postlocal, qsr), got sync='dp'"
     )
   return optax.sgd(
-    config.get("outer_lr", 0.7),
-    momentum=config.get("outer_momentum", 0.9) or None,
-    nesterov=True,
+    job.outer_lr, momentum=job.outer_momentum or None, nesterov=True
   )
 
 
-def make_schedule(config: ml_collections.ConfigDict) -> schedules.Schedule:
+def make_schedule(job: JobConfig) -> schedules.Schedule:
   """The synchronization schedule of ``config.sync``.
 
   See schedules.make_schedule. QSR reads the learning-rate schedule and keeps
   ``h_base`` during warmup.
   """
   return schedules.make_schedule(
-    config.get("sync", "dp"),
-    total_steps=config.steps,
-    lr_schedule=make_learning_rate_f64(config),
-    h_base=config.get("h_base", 1),
-    alpha=config.get("alpha", 0.0),
-    gamma=config.get("gamma", 2.0),
-    warmup_steps=config.warmup_steps,
-    switch_step=config.get("switch_step", 0),
+    job.sync,
+    total_steps=job.steps,
+    lr_schedule=learning_rate(job).float64(),
+    h_base=job.h_base,
+    alpha=job.alpha,
+    gamma=job.gamma,
+    warmup_steps=job.warmup_steps,
+    switch_step=job.switch_step,
   )
 
 
-def make_averager(config: ml_collections.ConfigDict) -> averagers.Averager:
+def make_averager(job: JobConfig) -> averagers.Averager:
   """The averaging strategy of ``config.compress``.
 
   See averagers.make_averager; built with the fields of
@@ -618,14 +477,10 @@ def make_averager(config: ml_collections.ConfigDict) -> averagers.Averager:
   Raises:
     ValueError: an unknown strategy, or a field it does not have.
   """
-  kwargs = {
-    k: v
-    for k, v in (to_plain(config.get("compress_kwargs", {})) or {}).items()
-    if v is not None
-  }
-  name = config.get("compress", "none")
+  kwargs = job.compress_kwargs.given()
+  name = job.compress
   if name in ("gqsgd", "gqsgd_exp", "qsgd", "powersgd"):
-    kwargs.setdefault("seed", config.seed)
+    kwargs.setdefault("seed", job.seed)
   try:
     return averagers.make_averager(name, **kwargs)
   except TypeError as e:  # a field the strategy's dataclass does not have
@@ -636,7 +491,7 @@ def make_averager(config: ml_collections.ConfigDict) -> averagers.Averager:
 
 
 def build_model(
-  config: ml_collections.ConfigDict,
+  job: JobConfig,
   dataset: data_lib.Dataset,
   timing: bool = False,
 ) -> nnx.Module:
@@ -644,7 +499,7 @@ def build_model(
   the model takes them), with ``config.model_kwargs``.
 
   Args:
-    config: the job's config.
+    job: the job's config.
     dataset: the data the model fits.
     timing: build the allocator's timing model instead:
       ``config.allocator.timing_model_kwargs`` on top of the model kwargs,
@@ -656,12 +511,12 @@ def build_model(
     ValueError: a model kwarg the model does not take (naming those it
       does), or a bad model spec.
   """
-  kwargs = to_plain(config.get("model_kwargs", {})) or {}
+  kwargs = dict(job.model_kwargs)
   data_kwargs = dataset.model_kwargs()
   if timing:
-    wanted = to_plain(config.allocator.get("timing_model_kwargs", {})) or {}
-    usable = models_lib.model_arguments(config.model, wanted, {})
-    if config.model not in models_lib.MODELS:
+    wanted = dict(job.allocator.timing_model_kwargs)
+    usable = models_lib.model_arguments(job.model, wanted, {})
+    if job.model not in models_lib.MODELS:
       # A user's model is traced on the dataset's inputs: it keeps the
       # dataset's input facts.
       usable = {k: v for k, v in usable.items() if k not in data_kwargs}
@@ -669,14 +524,14 @@ def build_model(
     if left_out:
       logging.info(
         "timing model %s: not taking allocator.timing_model_kwargs %s",
-        config.model,
+        job.model,
         ", ".join(left_out),
       )
     data_kwargs = {**data_kwargs, **usable}
     kwargs = {k: v for k, v in kwargs.items() if k not in usable}
   return models_lib.build_model(
-    config.model,
-    rngs=nnx.Rngs(config.seed),
+    job.model,
+    rngs=nnx.Rngs(job.seed),
     data_kwargs=data_kwargs,
     sample_input=dataset.x_train[:2],
     **kwargs,
@@ -684,7 +539,7 @@ def build_model(
 
 
 def check_model_fits(
-  config: ml_collections.ConfigDict,
+  job: JobConfig,
   model: nnx.Module,
   dataset: data_lib.Dataset,
 ) -> None:
@@ -700,23 +555,23 @@ def check_model_fits(
     ValueError: naming the model's number of outputs and the dataset's
       number of classes, or the loss and its shape.
   """
-  loss_fn = make_loss_fn(config)
+  loss_fn = make_loss_fn(job)
   objective = task.as_objective(loss_fn)
-  n = max(1, min(int(config.get("batch_size", 2)), len(dataset.x_train)))
+  n = max(1, min(job.batch_size, len(dataset.x_train)))
   batch = task.abstract((dataset.x_train[:n], dataset.y_train[:n]))
   graphdef, state = nnx.split(model)
 
   def run(state, batch):
     model = nnx.merge(graphdef, state)
     if loss_fn is None and dataset.task != "regression":
-      _check_logits(config, objective.forward(model, batch), dataset, n)
+      _check_logits(job, objective.forward(model, batch), dataset, n)
     objective(model, batch)
 
   jax.eval_shape(run, state, batch)
 
 
 def _check_logits(
-  config: ml_collections.ConfigDict,
+  job: JobConfig,
   logits: Any,
   dataset: data_lib.Dataset,
   n: int,
@@ -735,16 +590,38 @@ def _check_logits(
   if shape is None or tuple(shape[:-1]) != labels:
     got = f"shape {tuple(shape)}" if shape is not None else "no array"
     raise ValueError(
-      f"model {config.model!r} outputs {got} for labels of shape {labels}; "
+      f"model {job.model!r} outputs {got} for labels of shape {labels}; "
       f"the built-in loss needs logits of shape "
       f"{(*labels, classes)} (or set config.loss_fn)"
     )
   if shape[-1] < classes:
     raise ValueError(
-      f"model {config.model!r} outputs {shape[-1]} classes but dataset "
+      f"model {job.model!r} outputs {shape[-1]} classes but dataset "
       f"{dataset.name!r} has {classes} (labels 0..{top}): give the model a "
       f"head of {classes} (num_classes)"
     )
+
+
+def sync_settings(job: JobConfig) -> SyncSettings:
+  """The trainer's synchronization settings the config names.
+
+  Error feedback with the exact float32 mean (``compress="none"``) has
+  nothing to feed back; :func:`unused_settings` says so at start, and the
+  settings leave it off.
+
+  Raises:
+    ValueError: an unknown schedule, averager or outer optimizer, fields
+      they cannot use, or an optimizer-state field the optimizer lacks.
+  """
+  averager = make_averager(job)
+  return SyncSettings(
+    schedule=make_schedule(job),
+    averager=averager,
+    error_feedback=job.error_feedback
+    and not isinstance(averager, averagers.MeanAverager),
+    outer_tx=make_outer_optimizer(job),
+    opt_fields_to_average=opt_fields(job),
+  )
 
 
 # Settings only some choices read: (field, the choice's field, the values of
@@ -775,8 +652,8 @@ _READ_ONLY_BY: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
 )
 
 
-def unused_settings(config: ml_collections.ConfigDict) -> list[str]:
-  """The settings of ``config`` the run will not read, each in one line.
+def unused_settings(job: JobConfig) -> list[str]:
+  """The settings of ``job`` the run will not read, each in one line.
 
   A setting counts as given where it differs from the default config's
   (``experiments/configs/default.py``); it is unused where the choice that
@@ -789,57 +666,51 @@ def unused_settings(config: ml_collections.ConfigDict) -> list[str]:
   Returns:
     One sentence per unused setting, for a ``warning:`` line at start.
   """
-  from experiments.configs import default  # local: the defaults' values
-
-  plain = to_plain(config)
-  defaults = to_plain(default.get_config())
+  plain = job.to_plain()
+  defaults = _default_job().to_plain()
   out = []
-  for field, choice, readers in _READ_ONLY_BY:
-    if field not in plain or choice not in plain:
-      continue
+  for field, chooser, readers in _READ_ONLY_BY:
     value = plain[field]
-    if value == defaults.get(field) or value in ((), [], None, {}):
+    if value == defaults[field] or value in ((), [], None, {}):
       continue
-    if plain[choice] in readers or (
+    if plain[chooser] in readers or (
       # final_learning_rate starts the warmup of every schedule but constant.
       field == "final_learning_rate"
-      and plain[choice] == "step"
-      and plain.get("warmup_steps")
+      and plain[chooser] == "step"
+      and job.warmup_steps
     ):
       continue
     given = {field: value}
     if isinstance(value, Mapping):  # each setting of a section its own line
-      known = defaults.get(field) or {}
+      known = defaults[field] or {}
       given = {f"{field}.{k}": v for k, v in value.items() if v != known.get(k)}
     out.extend(
       f"config.{name}={_shown(v)} is not used with "
-      f"{choice}={plain[choice]!r} (only with "
+      f"{chooser}={plain[chooser]!r} (only with "
       f"{' or '.join(map(repr, readers))})"
       for name, v in given.items()
     )
-  name, steps = plain.get("lr_schedule"), plain.get("steps")
-  late = [
-    d
-    for d in plain.get("lr_decay_steps") or ()
-    if isinstance(d, int) and isinstance(steps, int) and d >= steps
-  ]
+  name, steps = job.lr_schedule, job.steps
+  late = [d for d in job.lr_decay_steps if d >= steps]
   if name == "step" and late:
     out.append(
       f"config.lr_decay_steps {', '.join(map(str, late))} "
       f"{'is' if len(late) == 1 else 'are'} at or past the last step "
       f"(config.steps={steps}): the learning rate never decays there"
     )
-  if (
-    name == "constant"
-    and plain.get("warmup_steps")
-    and plain.get("sync") != "qsr"
-  ):
+  if name == "constant" and job.warmup_steps and job.sync != "qsr":
     out.append(
-      f"config.warmup_steps={plain['warmup_steps']} is not used with "
+      f"config.warmup_steps={job.warmup_steps} is not used with "
       "lr_schedule='constant' (no warmup; only sync='qsr' reads it, for "
       "its period)"
     )
   return out
+
+
+@functools.lru_cache(maxsize=1)
+def _default_job() -> JobConfig:
+  """The default config, parsed (what a setting is compared with)."""
+  return parse_section(JobConfig, _defaults(), _defaults(), "config")
 
 
 def _shown(value: Any) -> str:

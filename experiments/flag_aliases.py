@@ -14,8 +14,8 @@ from typing import Any
 
 import ml_collections
 
-from experiments.config_lib import read_json
-from experiments.config_lib import to_plain
+from experiments.config_fields import read_json
+from experiments.config_fields import to_plain
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,8 +26,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import ml_collections
-
 from experiments import config_lib
 from qsync_jax import data as data_lib
 from qsync_jax import host_memory
@@ -38,74 +36,69 @@ from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.predictor import host_limits
 
 
-def check_sizes(config: ml_collections.ConfigDict) -> None:
+def check_sizes(job: config_lib.JobConfig) -> None:
   """Checks the config's sizes before JAX starts or data is loaded.
 
   Args:
-    config: the job's config (already through
-      :func:`experiments.config_lib.validate_config`).
+    job: the job's config.
 
   Raises:
     ValueError: naming the size, what it needs and the limit.
   """
   model_sizes.check_model_kwargs(
-    config.model,
-    config_lib.to_plain(config.model_kwargs) or {},
-    "config.model_kwargs",
+    job.model, dict(job.model_kwargs), "config.model_kwargs"
   )
   model_sizes.check_model_kwargs(
-    config.model,
-    config_lib.to_plain(config.allocator.timing_model_kwargs) or {},
+    job.model,
+    dict(job.allocator.timing_model_kwargs),
     "config.allocator.timing_model_kwargs",
   )
-  steps = int(config.steps)
+  steps = job.steps
   host_memory.check(
     f"config.steps={steps}",
     steps * host_limits.STEP_BYTES,
     "the sync schedule's table of steps, "
     f"{host_limits.STEP_BYTES} bytes a step",
   )
-  kwargs = config_lib.to_plain(config.dataset_kwargs) or {}
-  size = data_sizes.dataset_size(
-    config.dataset, kwargs, "config.dataset_kwargs"
-  )
+  kwargs = dict(job.dataset_kwargs)
+  size = data_sizes.dataset_size(job.dataset, kwargs, "config.dataset_kwargs")
   if size is not None:
     host_memory.check(
-      f"config.dataset={config.dataset!r} with {kwargs or 'its defaults'}",
+      f"config.dataset={job.dataset!r} with {kwargs or 'its defaults'}",
       size.bytes,
       "its arrays while the loader makes them",
     )
-  if size is None or config.cluster.strip().lower() == cluster_lib.AUTO:
+  if size is None or job.cluster.strip().lower() == cluster_lib.AUTO:
     return
-  n = cluster_lib.parse_cluster(config.cluster).num_workers
+  n = cluster_lib.parse_cluster(job.cluster).num_workers
   # Both batch modes deal batch_size * workers examples a step.
-  batch = int(config.batch_size) * n
+  batch = job.batch_size * n
   if batch > size.train:
     raise ValueError(
-      f"config.cluster={config.cluster!r} with config.batch_size="
-      f"{config.batch_size} needs a global batch of {batch} examples ("
-      f"{n} workers x {config.batch_size}), more than the {size.train} "
-      f"training examples of dataset {config.dataset!r}"
+      f"config.cluster={job.cluster!r} with config.batch_size="
+      f"{job.batch_size} needs a global batch of {batch} examples ("
+      f"{n} workers x {job.batch_size}), more than the {size.train} "
+      f"training examples of dataset {job.dataset!r}"
     )
 
 
-def check_fake_devices(config: ml_collections.ConfigDict) -> None:
+def check_fake_devices(job: config_lib.JobConfig) -> None:
   """Checks the fake CPU devices a single process makes, one a worker.
 
   Args:
-    config: the job's config.
+    job: the job's config.
 
   Raises:
     ValueError: their count needs more than this host's memory.
   """
   host_limits.check_fake_devices(
-    cluster_lib.parse_cluster(config.cluster).num_workers,
-    f"config.cluster={config.cluster!r}",
+    cluster_lib.parse_cluster(job.cluster).num_workers,
+    f"config.cluster={job.cluster!r}",
   )
 
 
 def check_model_memory(
-  config: ml_collections.ConfigDict,
+  job: config_lib.JobConfig,
   dataset: data_lib.Dataset,
   devices: Sequence[Any] | None = None,
 ) -> None:
@@ -114,22 +107,20 @@ def check_model_memory(
   .check_model_memory`).
 
   Args:
-    config: the job's config (its cluster resolved).
+    job: the job's config (its cluster resolved).
     dataset: the job's data, in memory.
     devices: the devices the workers map onto (default ``jax.devices()``).
 
   Raises:
     ValueError: naming the sizes, the estimate and the limit.
   """
-  what = (
-    f"config.model={config.model!r} at config.batch_size={config.batch_size}"
-  )
-  model_kwargs = config_lib.to_plain(config.model_kwargs) or {}
+  what = f"config.model={job.model!r} at config.batch_size={job.batch_size}"
+  model_kwargs = dict(job.model_kwargs)
   if model_kwargs:
     what += f" with model_kwargs {model_kwargs}"
-  job = host_limits.HostJob(
+  host_job = host_limits.HostJob(
     what,
-    f"config.cluster={config.cluster!r}",
+    f"config.cluster={job.cluster!r}",
     float(
       sum(
         getattr(a, "nbytes", 0)
@@ -140,26 +131,23 @@ def check_model_memory(
   )
 
   def build_with(kwargs):
-    copy = config.copy_and_resolve_references()
-    with copy.unlocked():
-      copy.model_kwargs = ml_collections.ConfigDict(dict(kwargs))
-    return config_lib.build_model(copy, dataset)
+    return config_lib.build_model(job.replace(model_kwargs=kwargs), dataset)
 
   host_limits.check_model_memory(
-    job,
-    cluster_lib.parse_cluster(config.cluster),
-    config.batch_size,
+    host_job,
+    cluster_lib.parse_cluster(job.cluster),
+    job.batch_size,
     lambda: models_lib.without_weights(
-      lambda: config_lib.build_model(config, dataset)
+      lambda: config_lib.build_model(job, dataset)
     ),
     (dataset.x_train[:1], dataset.y_train[:1]),
-    loss_fn=config_lib.make_loss_fn(config),
+    loss_fn=config_lib.make_loss_fn(job),
     optimizer_state_copies=host_limits.optimizer_state_copies(
-      config.optimizer, config.momentum
+      job.optimizer, job.momentum
     ),
-    dynamic_batch=config.batch_mode == "dynamic",
+    dynamic_batch=job.batch_mode == "dynamic",
     deep_params=lambda: model_sizes.deep_model_params(
-      config.model, model_kwargs, build_with
+      job.model, model_kwargs, build_with
     ),
     devices=devices,
   )

@@ -3,11 +3,11 @@
 This module owns what is the main job's own about its plans; the planning
 itself is the library's (:mod:`qsync_jax.allocation.job_plans`):
 
-* ``plan_mode="manual"``: ``config.plans`` (read by
-  :func:`experiments.train_lib.make_workers`);
+* ``plan_mode="manual"``: ``config.plans`` (read once by
+  :func:`experiments.config_lib.parse`);
 * ``plan_mode="auto"`` (:func:`job_plans`): the config's allocator section
   as :class:`~qsync_jax.allocation.job_plans.AutoPlanSettings`
-  (:func:`auto_settings`), the timing model built from
+  (:func:`experiments.config_lib.auto_settings`), the timing model built from
   ``config.allocator.timing_model_kwargs``, and
   :func:`~qsync_jax.allocation.job_plans.plan_job` called and logged;
 * :func:`plan_cache`: the run directory's
@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Any
 
 from absl import logging
-import ml_collections
 
 from experiments import config_lib
 from qsync_jax import data as data_lib
@@ -34,56 +33,15 @@ from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.predictor import host_limits
 
-#: The config field each :class:`AutoPlanSettings` field is read from, where
-#: it is not ``allocator.<field>``.
-_CONFIG_FIELDS = {"planning_timeout_s": "distributed.planning_timeout_s"}
-
-
-def auto_settings(
-  config: ml_collections.ConfigDict,
-) -> job_plans_lib.AutoPlanSettings:
-  """The config's allocator settings (``config.allocator``), typed.
-
-  Args:
-    config: the job's config.
-
-  Returns:
-    The :class:`~qsync_jax.allocation.job_plans.AutoPlanSettings`.
-
-  Raises:
-    ValueError: a field out of its range, named as the config names it
-      (``config.allocator.method must be one of ...``).
-  """
-  a = config.allocator
-  try:
-    return job_plans_lib.AutoPlanSettings(
-      indicator=a.indicator,
-      method=a.method,
-      num_batches=a.num_batches,
-      compression=a.compression,
-      candidates=tuple(a.candidates),
-      timing_model_kwargs=config_lib.to_plain(a.timing_model_kwargs) or {},
-      timing_batch_size=a.timing_batch_size,
-      profiles=a.profiles,
-      profile_repeats=a.profile_repeats,
-      profile_cache_dir=a.profile_cache_dir,
-      planning_timeout_s=config.distributed.planning_timeout_s,
-    )
-  except job_plans_lib.SettingError as e:
-    field = _CONFIG_FIELDS.get(e.field, f"allocator.{e.field}")
-    raise ValueError(
-      f"config.{field} must be {e.rule}, got {e.value!r}"
-    ) from None
-
 
 def plan_cache(
-  config: ml_collections.ConfigDict, run_dir: str
+  job: config_lib.JobConfig, run_dir: str
 ) -> job_plans_lib.PlanCache:
   """The run directory's plan cache, keyed by the config's model, dataset
   and loss (what the library does not see of them).
 
   Args:
-    config: the job's config.
+    job: the job's config.
     run_dir: the run directory.
 
   Returns:
@@ -92,17 +50,17 @@ def plan_cache(
   return job_plans_lib.PlanCache(
     run_dir,
     {
-      "model": config.model,
-      "model_kwargs": config_lib.to_plain(config.model_kwargs),
-      "dataset": config.dataset,
-      "dataset_kwargs": config_lib.to_plain(config.dataset_kwargs),
-      "loss_fn": config.loss_fn,
+      "model": job.model,
+      "model_kwargs": dict(job.model_kwargs),
+      "dataset": job.dataset,
+      "dataset_kwargs": dict(job.dataset_kwargs),
+      "loss_fn": job.loss_fn,
     },
   )
 
 
 def job_plans(
-  config: ml_collections.ConfigDict,
+  job: config_lib.JobConfig,
   model: Any,
   dataset: data_lib.Dataset,
   cache: job_plans_lib.PlanCache | None = None,
@@ -113,14 +71,13 @@ def job_plans(
 ]:
   """The plans the main job trains with, per ``config.plan_mode``.
 
-  ``"manual"``: None (:func:`experiments.train_lib.make_workers` reads
-  ``config.plans``); ``"auto"``: FP32 for a cluster of one kind (nothing
+  ``"manual"``: None (``job.plans`` holds them); ``"auto"``: FP32 for a cluster of one kind (nothing
   to allocate), else :func:`qsync_jax.allocation.job_plans.plan_job` for
   ``config.cluster`` with the timing model (``model``'s config rebuilt
   with ``config.allocator.timing_model_kwargs``), logged.
 
   Args:
-    config: the job's config.
+    job: the job's config.
     model: the model to train (scored by the indicator), as initialized.
     dataset: the job's dataset.
     cache: the run directory's plan cache (:func:`plan_cache`), or None.
@@ -136,43 +93,39 @@ def job_plans(
     ValueError: an unknown plan mode or a bad allocator setting; what
       :func:`~qsync_jax.allocation.job_plans.plan_job` raises.
   """
-  if config.plan_mode == "manual":
+  if job.plan_mode == "manual":
     return None, None, None
-  if config.plan_mode != "auto":
-    raise ValueError(
-      f"unknown plan_mode {config.plan_mode!r}; valid: auto, manual"
-    )
-  if len(cluster_lib.parse_cluster(config.cluster).groups()) == 1:
+  if len(cluster_lib.parse_cluster(job.cluster).groups()) == 1:
     logging.info(
-      "one device kind in %s: nothing to allocate, FP32", config.cluster
+      "one device kind in %s: nothing to allocate, FP32", job.cluster
     )
     return {}, None, None
-  settings = auto_settings(config)
+  settings = config_lib.auto_settings(job)
   # The timing model is deployment-sized (the default job's has a 67M-weight
   # layer): only its shapes are needed to trace the graph and allocate, so
   # it is built abstractly, and for real only where a kind is measured here.
   timing_model = models_lib.without_weights(
-    lambda: config_lib.build_model(config, dataset, timing=True)
+    lambda: config_lib.build_model(job, dataset, timing=True)
   )
   planned = job_plans_lib.plan_job(
     model,
     timing_model,
     None,
-    config.cluster,
+    job.cluster,
     settings,
     dataset=dataset,
-    batch_size=config.batch_size,
-    loss_fn=config_lib.make_loss_fn(config),
-    tx=config_lib.make_optimizer(config),
-    optimizer_name=config.optimizer,
+    batch_size=job.batch_size,
+    loss_fn=config_lib.make_loss_fn(job),
+    tx=config_lib.make_optimizer(job),
+    optimizer_name=job.optimizer,
     optimizer_state_copies=host_limits.optimizer_state_copies(
-      config.optimizer, config.momentum
+      job.optimizer, job.momentum
     ),
-    seed=config.seed,
+    seed=job.seed,
     build_timing_model=lambda: config_lib.build_model(
-      config, dataset, timing=True
+      job, dataset, timing=True
     ),
-    model_name=config.model,
+    model_name=job.model,
     cache=cache,
   )
   plans, result, sources = planned
@@ -186,7 +139,7 @@ def job_plans(
       "allocator (%s, %s indicator) on %s in %.2f s:\n%s",
       result.allocation.method,
       result.indicator,
-      config.cluster,
+      job.cluster,
       result.allocation.search_time_s,
       result.table(),
     )

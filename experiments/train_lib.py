@@ -1,54 +1,46 @@
 """The main job: hybrid-cluster training from a config, with outputs on disk.
 
 This module owns ``main(config, out_dir, overrides)``, everything the
-``experiments/train.py`` binary does after reading its flags (applying the
-shortcut flags, the checks, joining a multi-process run, bad input as one
-``error:`` line), and ``train_and_evaluate(config, out_dir)``, which it
-calls and library callers may call directly: it maps the cluster spec onto
-the JAX devices present, builds one worker per device with its kind's
-precision plan (and its batch size, equal or proportional to device speed),
-trains a :class:`~qsync_jax.train.trainer.HybridTrainer`, checkpoints and
-resumes it, and writes ``summary.json``, ``metrics.jsonl``, the plans and a
-PNG of the curves.
-In a multi-process run (``qsync_jax.process.initialize``) every process runs
-its own workers and only process 0 writes the files. The config's checks and
-the objects it names are in :mod:`experiments.config_lib`; a run ending in
-non-finite parameters or losses fails (``FloatingPointError``) instead of
-writing a summary, and ``qsync_jax.rundir.make_out_dir`` refuses an output path
-that is a file.
+``experiments/train.py`` binary does after reading its flags (the shortcut
+flags applied, the config parsed once, the sizes checked, a multi-process
+run joined, bad input as one ``error:`` line), and
+``train_and_evaluate(job, out_dir)``, which it calls and library callers may
+call directly. A run is split as MaxText splits one: :func:`setup` maps the
+cluster spec onto the JAX devices present, builds one worker per device
+with its kind's precision plan (and its batch size, equal or proportional
+to device speed), a :class:`~qsync_jax.train.trainer.HybridTrainer` and its
+state (restored where the run resumes); :func:`experiments.train_loop
+.train_loop` runs the steps and :func:`experiments.train_loop.finalize`
+writes ``summary.json`` and the curves. In a multi-process run
+(``qsync_jax.process.initialize``) every process runs its own workers and
+only process 0 writes the files.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping, Sequence
 import contextlib
-import io
-import json
 import math
 import os
 import sys
-import time
-from typing import Any
+import types
+from typing import Any, NamedTuple
 
 from absl import logging
 from flax import nnx
 import jax
-from jax.experimental import multihost_utils
 import ml_collections
-import numpy as np
 
 from experiments import config_lib
 from experiments import flag_aliases
 from experiments import limits_lib
-from experiments import membership_lib
 from experiments import plans_lib
+from experiments import train_loop
 from qsync_jax import cli
 from qsync_jax import data as data_lib
 from qsync_jax import files
-from qsync_jax import host_malloc
 from qsync_jax import rundir
 from qsync_jax.allocation import sharing
-from qsync_jax.launch import links
 from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.process import agreement
@@ -57,88 +49,100 @@ from qsync_jax.process import initialize
 from qsync_jax.process import membership
 from qsync_jax.process import membership_record
 from qsync_jax.process import preemption
-from qsync_jax.process import previous_run
 from qsync_jax.process import run_start
-from qsync_jax.train import trainer as trainer_lib
+from qsync_jax.process.membership import ElasticWorld
 from qsync_jax.train.checkpoint import Checkpointer
-from qsync_jax.train.state import TrainState
-from qsync_jax.train.sync import SyncSettings
 from qsync_jax.train.trainer import HybridTrainer
 from qsync_jax.train.trainer import Worker
 
-#: The file a preempted run leaves in its directory: the same command then
-#: resumes from the checkpoint it wrote, without --resume.
-PREEMPTED = previous_run.PREEMPTED
+
+def world_job(
+  job: config_lib.JobConfig, world: ElasticWorld | None
+) -> config_lib.JobConfig:
+  """``job`` with the cluster this process's world trains on.
+
+  In an elastic world ``config.cluster`` names the pool, one worker per
+  slot, and the world's workers are the kinds of its slots
+  (:func:`qsync_jax.process.membership.world_kinds`); manual plans for
+  kinds no slot of this world runs are dropped
+  (:func:`~qsync_jax.process.membership.world_plans`): the command is the
+  same in every world. ``--cluster=auto`` is left to
+  :func:`resolve_cluster` (this world's devices).
+
+  Raises:
+    ValueError: ``config.cluster`` does not name one worker per slot.
+  """
+  auto = job.cluster.strip().lower() == cluster_lib.AUTO
+  if world is not None and not auto:
+    kinds = membership.world_kinds(
+      cluster_lib.parse_cluster(job.cluster).kinds, world
+    )
+    spec = cluster_lib.ClusterSpec(tuple(kinds))
+    job = job.replace(
+      cluster=cluster_lib.cluster_string(spec),
+      plans=types.MappingProxyType(membership.world_plans(job.plans, kinds)),
+    )
+  return job
+
+
+def resolve_cluster(job: config_lib.JobConfig) -> config_lib.JobConfig:
+  """``job`` whose ``--cluster=auto`` is one worker per device of
+  ``jax.devices()`` (every process's); JAX starts here.
+
+  Raises:
+    ValueError: a manual plan names a kind the resolved cluster lacks.
+  """
+  if job.cluster.strip().lower() != cluster_lib.AUTO:
+    return job
+  spec = cluster_lib.resolve_cluster(cluster_lib.AUTO)
+  if job.plan_mode == "manual":
+    config_lib.check_plan_kinds(job.plans, spec)
+  return job.replace(cluster=cluster_lib.cluster_string(spec))
 
 
 def make_workers(
-  config: ml_collections.ConfigDict,
-  devices=None,
-  plans: Mapping[str, Any] | None = None,
-  batch_sizes: list[int] | None = None,
+  job: config_lib.JobConfig,
+  plans: Mapping[str, PrecisionPlan] | None = None,
+  batch_sizes: Sequence[int] | None = None,
+  devices: Sequence[Any] | None = None,
 ) -> list[Worker]:
-  """Builds the workers of ``config.cluster`` with their plans and batches.
+  """Builds the workers of ``job.cluster`` with their plans and batches.
 
-  ``plans`` (default ``config.plans``) maps a device kind to a plan (a
-  mapping, JSON text or a file path); kinds it does not name train in FP32,
-  and a kind the cluster does not have is an error. ``config.batch_mode``
-  is ``"equal"`` (``config.batch_size`` each) or ``"dynamic"`` (QSync's DB
-  baseline: the global batch ``batch_size * num_workers`` split in
-  proportion to ``config.speeds``); ``batch_sizes``, one per worker, are
-  used instead where given (a resume keeps its checkpoint's global batch:
+  ``plans`` (default ``job.plans``) maps a device kind to its plan; kinds it
+  does not name train in FP32, and a kind the cluster does not have is an
+  error. ``job.batch_mode`` is ``"equal"`` (``job.batch_size`` each) or
+  ``"dynamic"`` (QSync's DB baseline: the global batch
+  ``batch_size * num_workers`` split in proportion to ``job.speeds``);
+  ``batch_sizes``, one per worker, are used instead where given (a resume
+  keeps its checkpoint's global batch:
   :func:`qsync_jax.process.run_start.resume_batch_sizes`).
 
   Raises:
     ValueError: a bad cluster spec, too few devices, a plan for a kind not in
       the cluster, or a bad batch mode or speed.
   """
-  spec = cluster_lib.parse_cluster(config.cluster)
+  spec = cluster_lib.parse_cluster(job.cluster)
   devices = cluster_lib.assign_devices(spec, devices)
-  if plans is None:
-    plans = config_lib.to_plain(config.get("plans", {})) or {}
+  plans = job.plans if plans is None else plans
   config_lib.check_plan_kinds(plans, spec)
-  plan_of = {
-    kind: config_lib.load_plan(plans[kind])
-    if kind in plans
-    else PrecisionPlan()
-    for kind in spec.groups()
-  }
-  sizes = batch_sizes or cluster_lib.split_batch(
-    config.batch_size * spec.num_workers,
-    spec.kinds,
-    config.batch_mode,
-    config.speeds,
+  sizes = list(batch_sizes or ()) or cluster_lib.split_batch(
+    job.batch_size * spec.num_workers, spec.kinds, job.batch_mode, job.speeds
   )
   return [
-    Worker(d, k, plan_of[k], b) for d, k, b in zip(devices, spec.kinds, sizes)
+    Worker(d, k, plans.get(k, PrecisionPlan()), b)
+    for d, k, b in zip(devices, spec.kinds, sizes)
   ]
 
 
-def batcher_sample(
-  dataset: data_lib.Dataset, workers: list[Worker]
-) -> tuple[np.ndarray, np.ndarray]:
-  """One worker's batch of the training set, to trace the model with."""
-  b = workers[0].batch_size
-  return dataset.x_train[:b], dataset.y_train[:b]
-
-
-def _metrics_text(metrics: Mapping[str, Any]) -> str:
-  return " ".join(
-    f"{k} {v:.4f}"
-    for k, v in metrics.items()
-    if k != "step" and isinstance(v, float)
-  )
-
-
-def check_agreement(
-  config: ml_collections.ConfigDict, model: nnx.Module
-) -> None:
+def check_agreement(job: config_lib.JobConfig, model: nnx.Module) -> None:
   """Checks that every process has the same run before any collective.
 
   Compares the library versions, ``XLA_FLAGS``, the config (less its
-  ``distributed`` settings, which may differ per process), the initial
-  parameters' count and digest and the data-order seed
-  (:mod:`qsync_jax.process.agreement`); a no-op with one process.
+  ``distributed`` settings, which may differ per process, and its plans,
+  which :func:`qsync_jax.allocation.sharing.check_plans` compares once
+  planned, naming the kind and field), the initial parameters' count and
+  digest and the data-order seed (:mod:`qsync_jax.process.agreement`); a
+  no-op with one process.
 
   Raises:
     qsync_jax.process.agreement.AgreementError: naming the process and the
@@ -147,125 +151,18 @@ def check_agreement(
   if jax.process_count() == 1:
     return
   plain = {
-    k: v for k, v in config_lib.to_plain(config).items() if k != "distributed"
+    k: v for k, v in job.to_plain().items() if k not in ("distributed", "plans")
   }
   logging.info("checking that %d processes agree", jax.process_count())
   agreement.check(
     agreement.local_facts(
-      config=plain, params=nnx.state(model, nnx.Param), data_seed=config.seed
+      config=plain, params=nnx.state(model, nnx.Param), data_seed=job.seed
     )
-  )
-
-
-def plot_curves(metrics_path: str, png_path: str) -> None:
-  """Writes a PNG of training loss and, where logged, accuracy (train and
-  eval)."""
-  import matplotlib  # local: only the plot needs it
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  with open(metrics_path) as f:
-    rows = [json.loads(line) for line in f]
-  train = [r for r in rows if "loss" in r]
-  evals = [r for r in rows if "eval_accuracy" in r]
-  with_accuracy = any("accuracy" in r for r in train) or evals
-  fig, axes = plt.subplots(
-    1,
-    2 if with_accuracy else 1,
-    figsize=(10 if with_accuracy else 5, 4),
-    squeeze=False,
-  )
-  ax_loss = axes[0][0]
-  ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train])
-  ax_loss.set(xlabel="step", ylabel="train loss", yscale="log")
-  if with_accuracy:
-    ax_acc = axes[0][1]
-    acc = [r for r in train if "accuracy" in r]
-    ax_acc.plot(
-      [r["step"] for r in acc], [r["accuracy"] for r in acc], label="train"
-    )
-    ax_acc.plot(
-      [r["step"] for r in evals],
-      [r["eval_accuracy"] for r in evals],
-      "o-",
-      label="eval",
-    )
-    ax_acc.set(xlabel="step", ylabel="accuracy")
-    ax_acc.legend()
-  fig.tight_layout()
-  png = io.BytesIO()
-  fig.savefig(png, format="png", dpi=100)
-  plt.close(fig)
-  files.write_bytes(png_path, png.getvalue())
-
-
-def bn_batches(
-  config: ml_collections.ConfigDict,
-  batcher: data_lib.WorkerBatcher | data_lib.StreamBatcher,
-  trainer: HybridTrainer,
-  step: int,
-) -> Iterator[dict[int, Any]]:
-  """The training batches evaluation re-estimates BatchNorm statistics on.
-
-  The QSR code's ``bn_batches`` micro-batches split over the workers (at
-  least one each): the batches of the training steps after the current
-  one, a function of the step, so a resumed run evaluates the same. A
-  generator: a model without BatchNorm reads none.
-  """
-  k = max(1, config.get("bn_batches", 128) // trainer.num_workers)
-  yield from batcher.upcoming(step, k, trainer.local_workers)
-
-
-def _check_finite_result(
-  trainer: HybridTrainer,
-  state: TrainState,
-  eval_loss: float,
-  train_loss: float | None,
-  summary_path: str | None,
-) -> None:
-  """Raises if the run ends with non-finite parameters or losses.
-
-  A diverged run must not look like a result: any ``summary.json`` at
-  ``summary_path`` (an earlier run's, or an earlier segment's of a resumed
-  run) is removed. The last training loss counts too: a step whose gradient
-  was not finite is skipped, so the parameters can stay finite while the
-  model has diverged.
-
-  Args:
-    trainer: the trainer.
-    state: the state after the last step.
-    eval_loss: the final eval loss.
-    train_loss: the last logged training loss (None: none this run).
-    summary_path: the summary to remove; None on a process that writes
-      nothing.
-
-  Raises:
-    FloatingPointError: naming what is not finite.
-  """
-  params = [
-    x
-    for i in trainer.local_workers
-    for x in jax.tree.leaves(trainer.worker_params(state, i))
-  ]
-  if not math.isfinite(eval_loss):
-    problem = f"the final eval loss is {eval_loss}"
-  elif train_loss is not None and not math.isfinite(train_loss):
-    problem = f"the final training loss is {train_loss}"
-  elif not all(np.isfinite(np.asarray(x)).all() for x in params):
-    problem = "the final parameters are not all finite"
-  else:
-    return
-  if summary_path is not None and os.path.exists(summary_path):
-    os.remove(summary_path)
-  raise FloatingPointError(
-    f"training diverged: {problem} at step {state.step} (try a lower "
-    "learning rate); no summary.json written"
   )
 
 
 def _check_resume_files(
-  config: ml_collections.ConfigDict, out_dir: str, step: int | None
+  job: config_lib.JobConfig, out_dir: str, step: int | None
 ) -> tuple[bytes | None, dict[str, Any] | None]:
   """:func:`qsync_jax.rundir.metrics.check_resume` on process 0, for all.
 
@@ -276,7 +173,7 @@ def _check_resume_files(
   Returns:
     ``(metrics, finished)``: the bytes to write back to ``metrics.jsonl``
     (process 0; None elsewhere), and the summary of a run already finished
-    at ``config.steps`` (on every process), else None.
+    at ``job.steps`` (on every process), else None.
 
   Raises:
     ValueError: process 0's refusal (one process).
@@ -284,7 +181,7 @@ def _check_resume_files(
       process of a multi-process run.
   """
   if jax.process_count() == 1:
-    return rundir.metrics.check_resume(out_dir, step, config.steps)
+    return rundir.metrics.check_resume(out_dir, step, job.steps)
   store, key = coordination.client(), "qsync_resume_files"
   if jax.process_index() != 0:
     finished = coordination.share(
@@ -296,7 +193,7 @@ def _check_resume_files(
     )
     return None, finished
   try:
-    metrics, finished = rundir.metrics.check_resume(out_dir, step, config.steps)
+    metrics, finished = rundir.metrics.check_resume(out_dir, step, job.steps)
   except ValueError as e:
     # Raises the error on process 0 too, once the others have it.
     coordination.share(store, key, source=0, process_index=0, error=str(e))
@@ -305,20 +202,256 @@ def _check_resume_files(
   return metrics, finished
 
 
-def _finish_step(state: TrainState, out: Any) -> None:
-  """Waits for every program of the last step, not only its metrics.
+class _Plans(NamedTuple):
+  """The workers a run trains, and how their plans came about."""
 
-  The metrics come from the gradient functions; the update, and a sync
-  step's parameter average, run after them. Waiting for the metrics alone
-  left those in flight when the clock stopped for an eval, so the eval's
-  excluded time took in the float32 mean's all-reduce of a data-parallel
-  step.
+  workers: list[Worker]
+  digest: str
+  result: Any
+  sources: Mapping[str, str] | None
+  cache: Any
+
+
+def _open_data(
+  job: config_lib.JobConfig, batch_sizes: Sequence[int] | None
+) -> tuple[Any, data_lib.Dataset]:
+  """The dataset (a built-in name or a user's factory; a user's Grain
+  dataset is read as training goes) and the examples the model and the
+  planning are sized with, checked against this host's memory at the
+  per-worker batch a resume's re-split batches need."""
+  source = data_lib.open_dataset(
+    job.dataset, integer_labels=not job.loss_fn, **job.dataset_kwargs
+  )
+  sized = job
+  if batch_sizes:
+    share = math.ceil(sum(batch_sizes) / len(batch_sizes))
+    sized = job.replace(batch_size=max(job.batch_size, share))
+  num_workers = cluster_lib.parse_cluster(job.cluster).num_workers
+  dataset = data_lib.examples_in_memory(
+    source, sized.batch_size * max(num_workers, job.allocator.num_batches)
+  )
+  # Before the model is built: its workers' steps fit where they run.
+  limits_lib.check_model_memory(sized, dataset)
+  return source, dataset
+
+
+def _plan_workers(
+  job: config_lib.JobConfig,
+  model: nnx.Module,
+  dataset: data_lib.Dataset,
+  out_dir: str,
+  batch_sizes: Sequence[int] | None,
+) -> _Plans:
+  """The workers with their plans (planned here with ``--plan=auto``),
+  checked to be the same on every process."""
+  cache = plans_lib.plan_cache(job, out_dir)
+  plans, result, sources = plans_lib.job_plans(job, model, dataset, cache)
+  workers = make_workers(job, plans=plans, batch_sizes=batch_sizes)
+  digest = sharing.check_plans({w.kind: w.plan for w in workers})
+  logging.info("plans %s on %d process(es)", digest[:12], jax.process_count())
+  return _Plans(workers, digest, result, sources, cache)
+
+
+def _restore(
+  job: config_lib.JobConfig,
+  out_dir: str,
+  start: run_start.RunStart,
+  trainer: HybridTrainer,
+  batcher: Any,
+  record: membership_record.MembershipRecord,
+) -> tuple[Any, bytes | None, dict[str, Any] | None]:
+  """The state the run starts from, restored where it resumes.
+
+  Returns:
+    ``(state, kept_metrics, finished)``: the state; the bytes
+    ``metrics.jsonl`` keeps (process 0 of a resume; else None); the summary
+    of a run already finished at ``job.steps``, else None.
+
+  Raises:
+    ValueError: a checkpoint past ``job.steps``, or what the checkpoint
+      and the run directory's files refuse.
   """
-  jax.block_until_ready((out, state.params, state.opt_state))
+  state = trainer.init()
+  if start.was_preempted or start.restarted:
+    why = "was preempted" if start.was_preempted else "is a later elastic world"
+    logging.info("%s %s: resuming from its checkpoint", out_dir, why)
+  restored = None
+  if start.resuming and start.checkpointer is not None:
+    # Onto other workers than the checkpoint's: restored onto these.
+    restored = start.checkpointer.restore_latest(trainer, state)
+  if not start.resuming:
+    return state, None, None
+  if restored is None:
+    logging.info("no checkpoint in %s: starting from step 0", out_dir)
+    resumed_step = None
+  else:
+    state, meta = restored
+    # A streamed dataset reads on from the checkpoint's position.
+    batcher.load_state_dict(state.data, state.step)
+    logging.info("resumed from step %d", state.step)
+    resumed_step = state.step
+    record.resumed(meta, [w.kind for w in trainer.workers], start.previous)
+    if resumed_step > job.steps:
+      raise ValueError(
+        f"--resume: the checkpoint in "
+        f"{os.path.join(out_dir, run_start.CHECKPOINTS_DIR)} is at step "
+        f"{resumed_step}, past config.steps={job.steps}; pass "
+        f"--config.steps={resumed_step} or more to continue that run, or "
+        "use a new --out_dir"
+      )
+  kept, finished = _check_resume_files(job, out_dir, resumed_step)
+  return state, kept, finished
+
+
+def _build_trainer(
+  job: config_lib.JobConfig,
+  model: nnx.Module,
+  workers: list[Worker],
+  dataset: data_lib.Dataset,
+) -> HybridTrainer:
+  """The trainer of ``workers``, traced with one worker's batch."""
+  b = workers[0].batch_size
+  return HybridTrainer(
+    model,
+    workers,
+    config_lib.make_optimizer(job),
+    objective=config_lib.make_loss_fn(job),
+    sample=(dataset.x_train[:b], dataset.y_train[:b]),
+    sync=config_lib.sync_settings(job),
+    bn_stats=job.bn_stats,
+    seed=job.seed,
+  )
+
+
+def _log_run(job: config_lib.JobConfig, trainer: HybridTrainer) -> None:
+  for i, w in enumerate(trainer.workers):
+    logging.info(
+      "worker %d: %s on %s, batch %d, plan %s",
+      i,
+      w.kind,
+      w.device,
+      w.batch_size,
+      w.plan,
+    )
+  schedule = trainer.sync.schedule
+  logging.info("loss scaling: %s", trainer.loss_scaling)
+  logging.info(
+    "sync %s (%d sync rounds planned over %d steps), averaging %s",
+    schedule.name,
+    len(schedule.sync_steps(job.steps)),
+    job.steps,
+    trainer.sync.averager.name,
+  )
+
+
+def setup(
+  job: config_lib.JobConfig,
+  out_dir: str,
+  watch: preemption.PreemptionWatch,
+  lock: rundir.OutDirLock | None = None,
+) -> train_loop.Run | dict[str, Any]:
+  """Sets a run up: its workers, trainer and state, ready for the loop.
+
+  Every check that can refuse the run comes before the first write into
+  ``out_dir``; ``lock`` (process 0's) then records its holder.
+
+  Returns:
+    The :class:`experiments.train_loop.Run`; or, for a run directory that
+    already holds this run finished at ``job.steps``, its summary.
+  """
+  world = membership.from_env()
+  job = resolve_cluster(world_job(job, world))
+  rundir.make_out_dir(out_dir)
+  rundir.directory.check_layout(out_dir)
+  start = run_start.RunStart.open(
+    out_dir,
+    world,
+    resume=job.resume,
+    kinds=cluster_lib.parse_cluster(job.cluster).kinds,
+    batch_mode=job.batch_mode,
+    speeds=job.speeds,
+  )
+  source, dataset = _open_data(job, start.batch_sizes)
+  model = config_lib.build_model(job, dataset)
+  config_lib.check_model_fits(job, model, dataset)
+  check_agreement(job, model)
+  record = membership_record.MembershipRecord(world)
+  record.mark("plan")
+  planned = _plan_workers(job, model, dataset, out_dir, start.batch_sizes)
+  record.mark("restore")
+  trainer = _build_trainer(job, model, planned.workers, dataset)
+  batcher = data_lib.training_batcher(
+    source, [w.batch_size for w in planned.workers], seed=job.seed
+  )
+  state, kept, finished = _restore(
+    job, out_dir, start, trainer, batcher, record
+  )
+  if finished is not None:
+    if start.checkpointer is not None:
+      start.checkpointer.close()
+    logging.info(
+      "%s already holds this run, finished at step %d: nothing to do",
+      out_dir,
+      state.step,
+    )
+    return finished
+  # Past every check: the run's first writes into out_dir.
+  if lock is not None:
+    lock.record()
+  checkpointer = start.checkpointer or Checkpointer(
+    os.path.join(out_dir, run_start.CHECKPOINTS_DIR)
+  )
+  writes = jax.process_index() == 0
+  if writes and planned.result is not None:
+    planned.cache.save(planned.result)
+  # Rows and TensorBoard events logged after the checkpoint go (a torn
+  # last row too); a new run starts both anew. Process 0 writes them.
+  metric_writer = rundir.MetricWriter(
+    out_dir, start_step=state.step, kept_rows=kept
+  )
+  if writes:
+    os.makedirs(os.path.join(out_dir, "plans"), exist_ok=True)
+    for w in trainer.workers:
+      files.write_text(
+        os.path.join(out_dir, "plans", f"{w.kind}.json"), w.plan.to_json()
+      )
+  _log_run(job, trainer)
+  return train_loop.Run(
+    job,
+    out_dir,
+    trainer,
+    state,
+    source,
+    batcher,
+    checkpointer,
+    metric_writer,
+    record,
+    watch,
+    planned.digest,
+    planned.sources,
+  )
+
+
+def run(
+  job: config_lib.JobConfig, out_dir: str, watch: preemption.PreemptionWatch
+) -> dict[str, Any]:
+  """Setup, the loop and its end, under ``out_dir``'s lock (process 0)."""
+  with contextlib.ExitStack() as stack:
+    lock = None
+    if jax.process_index() == 0:
+      # One run at a time in out_dir: process 0 holds its lock.
+      lock = stack.enter_context(rundir.OutDirLock(out_dir))
+    ready = setup(job, out_dir, watch, lock)
+    if not isinstance(ready, train_loop.Run):
+      return ready
+    loop = train_loop.train_loop(ready)
+    if loop.preempted:
+      return {"preempted": True, "steps": loop.state.step}
+    return train_loop.finalize(ready, loop)
 
 
 def train_and_evaluate(
-  config: ml_collections.ConfigDict, out_dir: str
+  job: config_lib.JobConfig, out_dir: str
 ) -> dict[str, Any]:
   """Runs the main job; see ``experiments/configs/default.py`` for fields.
 
@@ -327,15 +460,15 @@ def train_and_evaluate(
   step they agree on and return early; the ``PREEMPTED`` file it leaves makes
   the next call with the same directory resume, as ``config.resume`` does.
 
-  Elastic runs and resumes onto other workers: :mod:`experiments
-  .membership_lib` and :mod:`qsync_jax.process.run_start` (an elastic
+  Elastic runs and resumes onto other workers: :func:`world_job` and
+  :mod:`qsync_jax.process.run_start` (an elastic
   pool's ``config.cluster`` names one worker per slot; a later world
   resumes by itself; the global batch is kept;
   ``--plan=auto`` plans again, reusing :class:`qsync_jax.allocation
   .job_plans.PlanCache`; each change is recorded).
 
   Args:
-    config: the job's config.
+    job: the job's config (:func:`experiments.config_lib.parse`).
     out_dir: the run directory. With ``config.resume``, after a
       preemption, or in an elastic world after the first, a run continues
       from the newest checkpoint in ``out_dir/checkpoints``.
@@ -379,7 +512,7 @@ def train_and_evaluate(
     :data:`~qsync_jax.process.membership.MEMBERSHIP_CHANGED_EXIT_CODE`).
 
   Raises:
-    ValueError: a bad config (see ``validate_config``) or output directory;
+    ValueError: a size this host cannot hold, or a bad output directory;
       malformed ``QSYNC_ELASTIC_*`` variables, or a ``config.cluster``
       that does not name one worker per slot of the elastic pool; with
       ``config.resume``, a checkpoint of another model, optimizer or plans,
@@ -395,16 +528,10 @@ def train_and_evaluate(
     qsync_jax.process.agreement.AgreementError: the processes disagree.
   """
   # Before anything is written into out_dir (the lock file aside).
-  config_lib.validate_config(config)
-  limits_lib.check_sizes(config)
+  limits_lib.check_sizes(job)
   rundir.make_out_dir(out_dir)
-  # One run at a time in out_dir: process 0 holds its lock.
-  with contextlib.ExitStack() as stack:
-    lock = None
-    if jax.process_index() == 0:
-      lock = stack.enter_context(rundir.OutDirLock(out_dir))
-    watch = stack.enter_context(preemption.PreemptionWatch())
-    return _train_and_evaluate(config, out_dir, watch, lock)
+  with preemption.PreemptionWatch() as watch:
+    return run(job, out_dir, watch)
 
 
 def main(
@@ -415,8 +542,9 @@ def main(
   """Runs the main job as ``python -m experiments.train`` does.
 
   Applies the shortcut flags' values to ``config``
-  (:func:`experiments.flag_aliases.apply_overrides`), checks the config and
-  creates ``out_dir`` before anything starts, joins the multi-process run
+  (:func:`experiments.flag_aliases.apply_overrides`), parses and checks it
+  once (:func:`experiments.config_lib.parse`) and creates ``out_dir`` before
+  anything starts, joins the multi-process run
   the launcher or ``config.distributed`` describes
   (:func:`qsync_jax.process.initialize.initialize`; a single process on
   CPU gets one fake CPU device per worker), then runs
@@ -475,38 +603,16 @@ def main(
     cli.disk_errors_exit(out_dir),
   ):
     flag_aliases.apply_overrides(config, overrides or {})
-    # Before anything starts (train_and_evaluate checks it again, for
-    # library callers).
-    config_lib.validate_config(config)
-    limits_lib.check_sizes(config)
+    job = config_lib.parse(config)  # the one parse and check of the config
+    limits_lib.check_sizes(job)
     rundir.make_out_dir(out_dir, "--out_dir")
-    auto = config.cluster.strip().lower() == cluster_lib.AUTO
-    # An elastic pool's --cluster names one worker per slot: checked now.
-    world_cluster = membership_lib.world_config(
-      config, membership.from_env()
-    ).cluster
-    dist = config.get("distributed", {})
-    multi = initialize.initialize(
-      timeout_s=dist.get("initialization_timeout_s", 300),
-      heartbeat_timeout_s=dist.get("heartbeat_timeout_s", 100),
-      shutdown_timeout_s=dist.get("shutdown_timeout_s", 300),
-      local_devices=dist.get("local_devices", "auto"),
-      coordinator_address=dist.get("coordinator_address"),
-      num_processes=dist.get("num_processes"),
-      process_id=dist.get("process_id"),
-    )
-    if not multi and not auto:
-      # Single process: one fake CPU device per worker when running on CPU
-      # (before the backend starts; it does not affect GPU backends).
-      workers = cluster_lib.parse_cluster(world_cluster).num_workers
-      limits_lib.check_fake_devices(config)
-      jax.config.update("jax_num_cpu_devices", workers)
-    cluster_lib.devices()  # JAX starts here, or names what stops it
+    _join(job)
     if jax.process_index() == 0:  # once per run
-      for line in config_lib.unused_settings(config):
+      for line in config_lib.unused_settings(job):
         print(f"warning: {line}", file=sys.stderr, flush=True)
     try:
-      result = train_and_evaluate(config, out_dir)
+      with preemption.PreemptionWatch() as watch:
+        result = run(job, out_dir, watch)
     except FloatingPointError as e:  # diverged: not bad input, still a fail
       print(f"error: {e}", file=sys.stderr)
       raise SystemExit(1) from None
@@ -520,365 +626,27 @@ def main(
     raise SystemExit(membership.MEMBERSHIP_CHANGED_EXIT_CODE)
 
 
-def _train_and_evaluate(
-  config: ml_collections.ConfigDict,
-  out_dir: str,
-  watch: preemption.PreemptionWatch,
-  lock: rundir.OutDirLock | None = None,
-) -> dict[str, Any]:
-  """:func:`train_and_evaluate` with the preemption watch ``watch``.
-
-  Every check that can refuse the run comes before the first write into
-  ``out_dir``; ``lock`` (process 0's) then records its holder.
-  """
-  world = membership.from_env()
-  config = membership_lib.world_config(config, world)
-  if str(config.get("cluster", "")).strip().lower() == cluster_lib.AUTO:
-    # One worker per device of jax.devices() (every process's), on a copy:
-    # the caller's config keeps "auto".
-    config = config.copy_and_resolve_references()
-    with config.unlocked():
-      config.cluster = cluster_lib.cluster_string(
-        cluster_lib.resolve_cluster(cluster_lib.AUTO)
-      )
-  config_lib.validate_config(config)
-  writer = jax.process_index() == 0
-  rundir.make_out_dir(out_dir)
-  rundir.directory.check_layout(out_dir)
-  checkpoints_dir = os.path.join(out_dir, "checkpoints")
-  preempted_path = os.path.join(out_dir, PREEMPTED)
-  start = run_start.RunStart.open(
-    out_dir,
-    world,
-    resume=config.resume,
-    kinds=cluster_lib.parse_cluster(config.cluster).kinds,
-    batch_mode=config.batch_mode,
-    speeds=config.speeds,
+def _join(job: config_lib.JobConfig) -> None:
+  """Joins the multi-process run the launcher or ``config.distributed``
+  describes; a single process on CPU gets one fake CPU device per worker
+  (before the backend starts; it does not affect GPU backends). JAX starts
+  here, or this names what stops it."""
+  # An elastic pool's --cluster names one worker per slot: checked now.
+  world_cluster = world_job(job, membership.from_env()).cluster
+  dist = job.distributed
+  multi = initialize.initialize(
+    timeout_s=dist.initialization_timeout_s,
+    heartbeat_timeout_s=dist.heartbeat_timeout_s,
+    shutdown_timeout_s=dist.shutdown_timeout_s,
+    local_devices=dist.local_devices,
+    coordinator_address=dist.coordinator_address,
+    num_processes=dist.num_processes,
+    process_id=dist.process_id,
   )
-  checkpointer, resuming = start.checkpointer, start.resuming
-  batch_sizes = start.batch_sizes
-  schedule = config_lib.make_schedule(config)
-  optimizer = config_lib.make_optimizer(config)
-  loss_fn = config_lib.make_loss_fn(config)
-  averager = config_lib.make_averager(config)
-  outer_tx = config_lib.make_outer_optimizer(config)
-  # A built-in name or a user's factory; a user's Grain dataset is read as
-  # training goes, and its first examples size and plan the model.
-  source = data_lib.open_dataset(
-    config.dataset,
-    integer_labels=not config.get("loss_fn"),
-    **config_lib.to_plain(config.get("dataset_kwargs", {})),
-  )
-  # The data and memory a resume's (re-split) batches need.
-  sized = membership_lib.sized_for(config, batch_sizes)
-  dataset = data_lib.examples_in_memory(
-    source,
-    sized.batch_size
-    * max(
-      cluster_lib.parse_cluster(config.cluster).num_workers,
-      config.allocator.num_batches,
-    ),
-  )
-  # Before the model is built: its workers' steps fit where they run.
-  limits_lib.check_model_memory(sized, dataset)
-  model = config_lib.build_model(config, dataset)
-  config_lib.check_model_fits(config, model, dataset)
-  check_agreement(config, model)
-  record = membership_record.MembershipRecord(world)
-  record.mark("plan")
-  plan_cache = plans_lib.plan_cache(config, out_dir)
-  plans, result, profile_sources = plans_lib.job_plans(
-    config, model, dataset, plan_cache
-  )
-  workers = make_workers(config, plans=plans, batch_sizes=batch_sizes)
-  digest = sharing.check_plans({w.kind: w.plan for w in workers})
-  logging.info("plans %s on %d process(es)", digest[:12], jax.process_count())
-  record.mark("restore")
-  sample = batcher_sample(dataset, workers)
-  trainer = HybridTrainer(
-    model,
-    workers,
-    optimizer,
-    objective=loss_fn,
-    sample=sample,
-    sync=SyncSettings(
-      schedule=schedule,
-      averager=averager,
-      error_feedback=config.get("error_feedback", False)
-      and averager.name != "mean",
-      outer_tx=outer_tx,
-      opt_fields_to_average=config_lib.opt_fields(config),
-    ),
-    bn_stats=config.get("bn_stats", "reestimate"),
-    seed=config.seed,
-  )
-  state = trainer.init()
-  batcher = data_lib.training_batcher(
-    source, [w.batch_size for w in workers], seed=config.seed
-  )
-  metrics_path = os.path.join(out_dir, "metrics.jsonl")
-  if start.was_preempted or start.restarted:
-    why = "was preempted" if start.was_preempted else "is a later elastic world"
-    logging.info("%s %s: resuming from its checkpoint", out_dir, why)
-  resumed_step = None
-  if resuming and checkpointer is not None:
-    # Onto other workers than the checkpoint's: restored onto these.
-    restored = checkpointer.restore_latest(trainer, state)
-    if restored is None:
-      logging.info("no checkpoint in %s: starting from step 0", out_dir)
-    else:
-      state, meta = restored
-      # A streamed dataset reads on from the checkpoint's position.
-      batcher.load_state_dict(state.data, state.step)
-      logging.info("resumed from step %d", state.step)
-      resumed_step = state.step
-      record.resumed(meta, [w.kind for w in workers], start.previous)
-  elif resuming:
-    logging.info("no checkpoint in %s: starting from step 0", out_dir)
-  kept_metrics = None
-  if resuming:
-    if resumed_step is not None and resumed_step > config.steps:
-      raise ValueError(
-        f"--resume: the checkpoint in {checkpoints_dir} is at step "
-        f"{resumed_step}, past config.steps={config.steps}; pass "
-        f"--config.steps={resumed_step} or more to continue that run, or "
-        "use a new --out_dir"
-      )
-    kept_metrics, finished = _check_resume_files(config, out_dir, resumed_step)
-    if finished is not None:
-      if checkpointer is not None:
-        checkpointer.close()
-      logging.info(
-        "%s already holds this run, finished at step %d: nothing to do",
-        out_dir,
-        resumed_step,
-      )
-      return finished
-
-  # Past every check: the run's first writes into out_dir.
-  if lock is not None:
-    lock.record()
-  if checkpointer is None:
-    checkpointer = Checkpointer(checkpoints_dir)
-  if writer and result is not None:
-    plan_cache.save(result)
-  # Rows and TensorBoard events logged after the checkpoint go (a torn
-  # last row too); a new run starts both anew. Process 0 writes them.
-  metric_writer = rundir.MetricWriter(
-    out_dir, start_step=state.step, kept_rows=kept_metrics
-  )
-
-  if writer:
-    os.makedirs(os.path.join(out_dir, "plans"), exist_ok=True)
-    for w in workers:
-      files.write_text(
-        os.path.join(out_dir, "plans", f"{w.kind}.json"), w.plan.to_json()
-      )
-  for i, w in enumerate(workers):
-    logging.info(
-      "worker %d: %s on %s, batch %d, plan %s",
-      i,
-      w.kind,
-      w.device,
-      w.batch_size,
-      w.plan,
+  if not multi and job.cluster.strip().lower() != cluster_lib.AUTO:
+    limits_lib.check_fake_devices(job)
+    jax.config.update(
+      "jax_num_cpu_devices",
+      cluster_lib.parse_cluster(world_cluster).num_workers,
     )
-  logging.info("loss scaling: %s", trainer.loss_scaling)
-  logging.info(
-    "sync %s (%d sync rounds planned over %d steps), averaging %s",
-    schedule.name,
-    len(schedule.sync_steps(config.steps)),
-    config.steps,
-    averager.name,
-  )
-
-  # Every update and averaging program compiles now, outside the training
-  # clock; the first step (before the clock starts) compiles the rest.
-  trainer.compile(state, config.steps)
-  global_batch = sum(w.batch_size for w in workers)
-  start = time.perf_counter()
-  start_step = state.step
-  window_start, window_step = start, state.step
-  last_train, last_eval = {}, {}
-  saved_step = None
-  # Seconds spent in evals and checkpoints, left out of train_time_s.
-  excluded = 0.0
-  while state.step < config.steps:
-    step = state.step
-    state, out = trainer.train_step(
-      state, batcher.worker_batches(step, trainer.local_workers)
-    )
-    done = state.step
-    if done == start_step + 1:
-      # The training clock starts once the first step (which compiles the
-      # gradient functions) has run on every process: a local step has no
-      # collective to wait at, and a process still compiling would share
-      # the cores with the others' clocked steps.
-      _finish_step(state, out)
-      if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("qsync training clock")
-      train_start = time.perf_counter()
-      record.first_step_done()
-    row = None
-    if done % config.log_every == 0 or done == config.steps:
-      now = time.perf_counter()
-      # Every metric the objective reports, averaged over local workers.
-      last_train = {
-        name: float(np.mean([float(m[name]) for m in out.values()]))
-        for name in next(iter(out.values()))
-      }
-      rate = global_batch * (done - window_step) / (now - window_start)
-      window_start, window_step = now, done
-      row = {
-        "step": done,
-        **last_train,
-        "examples_per_s": rate,
-        "loss_scale": state.current_loss_scale,
-        "H": schedule.round_length(done),
-        "sync_rounds": state.sync_rounds,
-        "comm_bytes": state.comm_bytes,
-        "num_workers": trainer.num_workers,
-      }
-      logging.info(
-        "step %d/%d %s %.0f examples/s",
-        done,
-        config.steps,
-        _metrics_text(last_train),
-        rate,
-      )
-    if config.eval_every and (
-      done % config.eval_every == 0 or done == config.steps
-    ):
-      # The step's queued work finishes before the clock stops for the eval.
-      _finish_step(state, out)
-      eval_start = time.perf_counter()
-      train_time = eval_start - train_start - excluded
-      ev = trainer.evaluate(
-        state,
-        data_lib.eval_set(source),
-        train_batches=bn_batches(config, batcher, trainer, state.step),
-      )
-      last_eval = {"step": done, **ev}
-      excluded += time.perf_counter() - eval_start
-      row = {
-        **(row or {"step": done}),
-        "train_time_s": train_time,
-        **{f"eval_{name}": value for name, value in ev.items()},
-      }
-      logging.info("step %d eval %s", done, _metrics_text(ev))
-    if row is not None:
-      metric_writer.write(done, {k: v for k, v in row.items() if k != "step"})
-    if config.checkpoint_every and (
-      done % config.checkpoint_every == 0 or done == config.steps
-    ):
-      _finish_step(state, out)
-      save_start = time.perf_counter()
-      checkpointer.save(
-        trainer,
-        state.replace(data=batcher.state_dict()),
-        record.checkpoint_meta(),
-      )
-      excluded += time.perf_counter() - save_start
-      saved_step = done
-    if watch.reached(done):
-      # Every process reaches this at the same step (PreemptionWatch).
-      agreed, save_start = time.time(), time.perf_counter()
-      if saved_step != done:
-        checkpointer.save(
-          trainer,
-          state.replace(data=batcher.state_dict()),
-          record.checkpoint_meta(),
-        )
-      checkpointer.close()
-      metric_writer.close()
-      if writer:
-        previous_run.write_preempted(
-          preempted_path, done, agreed, time.perf_counter() - save_start
-        )
-      logging.info(
-        "preempted: checkpointed step %d; the same command resumes it", done
-      )
-      return {"preempted": True, "steps": done}
-    if "eval_loss" in (row or {}) or (
-      config.checkpoint_every and done % config.checkpoint_every == 0
-    ):
-      # Throughput windows count training only, not evals or checkpoints.
-      window_start, window_step = time.perf_counter(), done
-  if state.step > start_step:
-    _finish_step(state, out)
-  wall = time.perf_counter() - start
-  train_time = (
-    time.perf_counter() - train_start - excluded
-    if state.step > start_step
-    else 0.0
-  )
-  final = (
-    last_eval
-    if last_eval.get("step") == state.step
-    else {
-      "step": state.step,
-      **trainer.evaluate(
-        state,
-        data_lib.eval_set(source),
-        train_batches=bn_batches(config, batcher, trainer, state.step),
-      ),
-    }
-  )
-  checkpointer.close()
-  _check_finite_result(
-    trainer,
-    state,
-    final["loss"],
-    last_train.get("loss"),
-    os.path.join(out_dir, "summary.json") if writer else None,
-  )
-  summary = {
-    **{
-      f"final_eval_{name}": value
-      for name, value in final.items()
-      if name != "step"
-    },
-    "final_train_loss": last_train.get("loss"),
-    "steps": state.step,
-    "steps_this_run": state.step - start_step,
-    "sync": schedule.name,
-    "compress": averager.name,
-    "error_feedback": trainer.sync.error_feedback,
-    "outer_optimizer": config.get("outer_optimizer", "none"),
-    "sync_rounds": state.sync_rounds,
-    "comm_bytes": state.comm_bytes,
-    "wall_time_s": wall,
-    # From the end of this run's first step (compilation), less evals
-    # and checkpoints.
-    "train_time_s": train_time,
-    "examples_per_s": (
-      global_batch * (state.step - start_step) / wall if wall > 0 else None
-    ),
-    "loss_scaling": trainer.loss_scaling,
-    "skipped_steps": state.skipped_steps,
-    "params_sha256": trainer.params_digest(state),
-    "cluster": config.cluster,
-    "num_processes": jax.process_count(),
-    "plans_sha256": digest,
-    # Where each kind's profile came from (auto plans), or None.
-    "profiles": profile_sources,
-    # The launcher's emulated link and its measured rate, or None.
-    "link": links.link_info_from_env(),
-    # The host allocator's mode (qsync_jax.host_malloc).
-    "host_malloc": host_malloc.mode_from_env(),
-    "workers": trainer_lib.describe_workers(trainer.workers),
-    "precisions": [
-      {k: v.value for k, v in eff.items()} for eff in trainer.precisions
-    ],
-    # One entry per membership change (membership_record.MembershipRecord).
-    "membership": record.entries,
-  }
-  metric_writer.close()
-  if writer:
-    files.write_json(os.path.join(out_dir, "summary.json"), summary, indent=2)
-    if os.path.exists(preempted_path):
-      os.remove(preempted_path)
-    if os.path.exists(metrics_path):
-      plot_curves(metrics_path, os.path.join(out_dir, "curves.png"))
-  logging.info("final eval %s; wrote %s", _metrics_text(final), out_dir)
-  return summary
+  cluster_lib.devices()

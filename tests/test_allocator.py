@@ -575,8 +575,9 @@ def test_qsync_study_greedy_plan_comes_from_its_own_indicators_scores(
     default_config.get_config(), study.TASKS["cnn"], name, 0
   )
   dataset = data.load_dataset(config.dataset)
-  model = config_lib.build_model(config, dataset)
-  plans, result, _ = plans_lib.job_plans(config, model, dataset)
+  job = config_lib.parse(config)
+  model = config_lib.build_model(job, dataset)
+  plans, result, _ = plans_lib.job_plans(job, model, dataset)
   indicator = study.GREEDY_INDICATORS[name]
   assert asked == [indicator]
   assert result.indicator == indicator

@@ -3,7 +3,7 @@
 Each case runs the binary as a user would and checks that it ends with one
 line ``error: <what is wrong>``, exit status 1 and no traceback. Most fail
 before a model is built (the config and flags are checked first), so a case
-costs little more than the interpreter's start-up. ``validate_config`` and
+costs little more than the interpreter's start-up. ``config_lib.parse`` and
 the locked config's ``compress_kwargs`` are also tested in-process.
 """
 
@@ -18,6 +18,7 @@ from absl import flags
 from ml_collections import config_flags
 import pytest
 
+from experiments import config_fields
 from experiments import config_lib
 from experiments import train_lib
 from experiments.configs import default as default_config
@@ -163,9 +164,9 @@ def test_train_bad_numbers_fail_before_anything_runs(tmp_path, arg, message):
     ),
   ],
 )
-def test_validate_config_names_the_field_and_value(field, value, message):
+def test_parse_names_the_field_and_value(field, value, message):
   config = default_config.get_config()
-  config_lib.validate_config(config)  # the defaults are valid
+  config_lib.parse(config)  # the defaults are valid
   *parents, name = field.split(".")
   node = config
   for parent in parents:
@@ -173,17 +174,19 @@ def test_validate_config_names_the_field_and_value(field, value, message):
   with node.ignore_type():
     node[name] = value
   with pytest.raises(ValueError) as info:
-    config_lib.validate_config(config)
+    config_lib.parse(config)
   assert message in str(info.value)
 
 
-def test_validate_config_leaves_unset_placeholders_alone():
+def test_parse_leaves_unset_placeholders_alone():
   config = default_config.get_config()
   assert config.allocator.compression is None
   assert config.compress_kwargs.bucket_size is None
-  config_lib.validate_config(config)
+  job = config_lib.parse(config)
+  assert job.allocator.compression is None
+  assert job.compress_kwargs.bucket_size is None
   config.allocator.compression = 0.6
-  config_lib.validate_config(config)
+  assert config_lib.parse(config).allocator.compression == 0.6
 
 
 def test_plan_for_a_kind_not_in_the_cluster_is_an_error(tmp_path):
@@ -203,11 +206,11 @@ def test_plan_for_a_kind_not_in_the_cluster_is_an_error(tmp_path):
   config.cluster, config.plan_mode = "v100:1,t4:1", "manual"
   config.plans = {"a100": {"rules": []}, "t4": {"rules": []}}
   with pytest.raises(ValueError, match=r"kind\(s\) a100, which the cluster"):
-    config_lib.validate_config(config)
-  with pytest.raises(ValueError, match=r"its kinds: v100, t4"):
-    train_lib.make_workers(config, plans={"h100": {"rules": []}})
+    config_lib.parse(config)
   config.plan_mode = "auto"  # the allocator's plans replace config.plans
-  config_lib.validate_config(config)
+  job = config_lib.parse(config)
+  with pytest.raises(ValueError, match=r"its kinds: v100, t4"):
+    train_lib.make_workers(job, plans={"h100": qs.PrecisionPlan()})
 
 
 def test_train_existing_file_as_out_dir_is_an_error(tmp_path):
@@ -266,7 +269,7 @@ def test_train_deeply_nested_plan_json_is_an_error(tmp_path):
   plan = tmp_path / "deep.json"
   plan.write_text(deep)
   with pytest.raises(ValueError, match="plan file .* is nested too deeply"):
-    config_lib.load_plan(str(plan))
+    config_fields.load_plan(str(plan))
 
 
 def test_compress_kwargs_override_reaches_the_averager():
@@ -288,14 +291,14 @@ def test_compress_kwargs_override_reaches_the_averager():
   )
   values(argv)
   assert values.config.is_locked
-  averager = config_lib.make_averager(values.config)
+  averager = config_lib.make_averager(config_lib.parse(values.config))
   assert isinstance(averager, qs.parallel.GlobalQSGD)
   assert (averager.wire, averager.bucket_size) == ("int16", 256)
   # Unset fields keep the strategy's defaults.
   config = default_config.get_config()
   config.compress = "gqsgd"
   default = qs.parallel.GlobalQSGD()
-  built = config_lib.make_averager(config)
+  built = config_lib.make_averager(config_lib.parse(config))
   assert (built.wire, built.bucket_size) == (default.wire, default.bucket_size)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 
+from experiments import config_fields
 from experiments import config_lib
 from experiments import flag_aliases
 from experiments.configs import default as default_config
@@ -108,12 +109,12 @@ def test_plan_path_that_is_a_directory_or_binary(tmp_path):
   binary = tmp_path / "plan.json"
   binary.write_bytes(b"\xff\x00plan")
   with pytest.raises(ValueError) as info:
-    config_lib.load_plan(str(tmp_path))
+    config_fields.load_plan(str(tmp_path))
   assert str(info.value) == (
     f"plan file '{tmp_path}' is a directory, not a JSON file"
   )
   with pytest.raises(ValueError) as info:
-    config_lib.load_plan(str(binary))
+    config_fields.load_plan(str(binary))
   assert str(info.value) == (
     f"plan file '{binary}' is not UTF-8 text (byte 0 is b'\\xff'); "
     "expected a JSON file"
@@ -123,20 +124,20 @@ def test_plan_path_that_is_a_directory_or_binary(tmp_path):
   config.cluster, config.plan_mode = "v100:1,t4:1", "manual"
   config.plans = {"t4": str(tmp_path)}
   with pytest.raises(ValueError, match="is a directory, not a JSON file"):
-    config_lib.validate_config(config)
+    config_lib.parse(config)
 
 
 def test_plan_file_with_wrong_contents_names_the_file(tmp_path):
   plan = tmp_path / "t4.json"
   plan.write_text("[1, 2]")
   with pytest.raises(ValueError) as info:
-    config_lib.load_plan(str(plan))
+    config_fields.load_plan(str(plan))
   assert str(info.value) == (
     f"plan file '{plan}': a plan must be a JSON object, got list"
   )
   plan.write_text('{"rules": [["conv1", "int3"]]}')
   with pytest.raises(ValueError, match=f"plan file '{plan}': invalid plan"):
-    config_lib.load_plan(str(plan))
+    config_fields.load_plan(str(plan))
 
 
 def test_plan_flag_given_twice_or_without_a_kind():
@@ -305,14 +306,14 @@ def test_a_loss_of_the_wrong_form_names_the_loss(tiny, fn, message):
 def test_model_with_fewer_classes_than_the_labels(tiny):
   model, _ = tiny
   dataset = data_lib.load_dataset("digits")
-  config = default_config.get_config()
-  config_lib.check_model_fits(config, model, dataset)  # 10 classes: fits
+  job = config_lib.parse(default_config.get_config())
+  config_lib.check_model_fits(job, model, dataset)  # 10 classes: fits
   few = models.SmallCNN(
     models.SmallCNNConfig(widths=(2, 2), hidden=4, num_classes=3),
     rngs=nnx.Rngs(0),
   )
   with pytest.raises(ValueError) as info:
-    config_lib.check_model_fits(config, few, dataset)
+    config_lib.check_model_fits(job, few, dataset)
   assert str(info.value) == (
     "model 'cnn' outputs 3 classes but dataset 'digits' has 10 (labels "
     "0..9): give the model a head of 10 (num_classes)"
@@ -426,7 +427,7 @@ def test_dataset_cache_variable_naming_a_file(tmp_path, monkeypatch):
 
 def test_unused_settings_are_one_warning_line_each():
   config = default_config.get_config()
-  assert config_lib.unused_settings(config) == []
+  assert config_lib.unused_settings(config_lib.parse(config)) == []
   config.steps = 400
   config.lr_schedule = "step"
   config.lr_decay_steps = (300, 400, 500)
@@ -434,7 +435,7 @@ def test_unused_settings_are_one_warning_line_each():
   config.alpha = 0.5  # QSR's, and sync is dp
   config.plan_mode = "manual"
   config.allocator.method = "ilp"  # the allocator does not run
-  assert config_lib.unused_settings(config) == [
+  assert config_lib.unused_settings(config_lib.parse(config)) == [
     "config.momentum=0.9 is not used with optimizer='adam' (only with 'sgd')",
     "config.alpha=0.5 is not used with sync='dp' (only with 'qsr')",
     "config.allocator.method=ilp is not used with plan_mode='manual' (only "
@@ -444,7 +445,7 @@ def test_unused_settings_are_one_warning_line_each():
   ]
   config = default_config.get_config()
   config.warmup_steps = 10
-  assert config_lib.unused_settings(config) == [
+  assert config_lib.unused_settings(config_lib.parse(config)) == [
     "config.warmup_steps=10 is not used with lr_schedule='constant' (no "
     "warmup; only sync='qsr' reads it, for its period)"
   ]
@@ -556,7 +557,7 @@ def test_allocate_files_and_flags(tmp_path):
   scores = tmp_path / "scores.json"
   scores.write_bytes(b"\x89PNG\r\n")
   with pytest.raises(ValueError) as info:
-    config_lib.read_file(str(scores), "--scores file")
+    config_fields.read_file(str(scores), "--scores file")
   assert str(info.value) == (
     f"--scores file '{scores}' is not UTF-8 text (byte 0 is b'\\x89'); "
     "expected a JSON file"

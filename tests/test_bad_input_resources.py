@@ -161,11 +161,10 @@ def test_sizes_are_checked_against_the_cgroup_limit(tmp_path, monkeypatch):
   cgroup, mountinfo = _fake_cgroups(tmp_path, 2**30, 2**31)
   monkeypatch.setattr(host_memory, "_PROC_CGROUP", cgroup)
   monkeypatch.setattr(host_memory, "_PROC_MOUNTINFO", mountinfo)
-  config = default_config.get_config()
-  limits_lib.check_sizes(config)  # the default job fits 1 GiB
-  config.steps = 20_000_000
+  job = config_lib.parse(default_config.get_config())
+  limits_lib.check_sizes(job)  # the default job fits 1 GiB
   with pytest.raises(ValueError) as info:
-    limits_lib.check_sizes(config)
+    limits_lib.check_sizes(job.replace(steps=20_000_000))
   assert str(info.value) == (
     "config.steps=20000000 needs about 1.86 GiB (the sync schedule's table "
     "of steps, 100 bytes a step), more than this host's memory, 1 GiB (the "
@@ -183,6 +182,10 @@ def _config(**fields):
   for name, value in fields.items():
     config[name] = value
   return config
+
+
+def _job(**fields):
+  return config_lib.parse(_config(**fields))
 
 
 @pytest.mark.parametrize(
@@ -240,9 +243,9 @@ def _config(**fields):
   ],
 )
 def test_config_sizes_are_checked_before_anything_runs(fields, message):
-  config = _config(**fields)
+  job = _job(**fields)
   with pytest.raises(ValueError) as info:
-    limits_lib.check_sizes(config)
+    limits_lib.check_sizes(job)
   assert str(info.value).startswith(message), str(info.value)
 
 
@@ -251,28 +254,28 @@ def test_worker_and_fake_device_counts_are_bounded():
     cluster_lib.parse_cluster("v100:1000000,t4:1000000")
   assert cluster_lib.parse_cluster("v100:3").num_workers == 3
   # A count the data would allow, but not its fake CPU devices.
-  config = _config(cluster=f"v100:{cluster_lib.MAX_WORKERS}")
+  job = _job(cluster=f"v100:{cluster_lib.MAX_WORKERS}")
   with pytest.raises(ValueError) as info:
-    limits_lib.check_fake_devices(config)
+    limits_lib.check_fake_devices(job)
   assert f"{cluster_lib.MAX_WORKERS} fake CPU devices, one a worker" in str(
     info.value
   )
-  limits_lib.check_fake_devices(_config(cluster="v100:64"))
+  limits_lib.check_fake_devices(_job(cluster="v100:64"))
 
 
 def test_auto_plans_refuse_a_kind_outside_the_catalog():
   config = _config(cluster="v100:2,cpu:2")
   with pytest.raises(ValueError, match="cannot plan device kind cpu"):
-    config_lib.validate_config(config)
+    config_lib.parse(config)
   # One kind allocates nothing; a measured profile (bounded) or a plan of
   # its own is the way to plan cpu alongside others.
-  config_lib.validate_config(_config(cluster="cpu:4"))
+  config_lib.parse(_config(cluster="cpu:4"))
   measured = _config(cluster="v100:2,cpu:2")
   measured.allocator.profiles = "measured"
-  config_lib.validate_config(measured)
+  config_lib.parse(measured)
   manual = _config(cluster="v100:2,cpu:2", plan_mode="manual")
   manual.plans = {"cpu": '{"default": "fp32"}'}
-  config_lib.validate_config(manual)
+  config_lib.parse(manual)
 
 
 # --------------------------------------------------------------------------
@@ -285,36 +288,36 @@ def _digits():
   return data_lib.load_dataset("digits")
 
 
-def _worker_memory(config, dataset, batch):
+def _worker_memory(job, dataset, batch):
   """One worker's step of the job's model, built abstractly."""
   return host_limits.step_memory(
-    models.without_weights(lambda: config_lib.build_model(config, dataset)),
+    models.without_weights(lambda: config_lib.build_model(job, dataset)),
     (dataset.x_train[:1], dataset.y_train[:1]),
     batch,
-    config_lib.make_loss_fn(config),
-    host_limits.optimizer_state_copies(config.optimizer, config.momentum),
+    config_lib.make_loss_fn(job),
+    host_limits.optimizer_state_copies(job.optimizer, job.momentum),
   )
 
 
 def test_model_memory_is_estimated_without_allocating(digits):
-  config = _config()
-  limits_lib.check_model_memory(config, digits)  # the default job fits
-  small = _worker_memory(config, digits, 32)
+  job = _job()
+  limits_lib.check_model_memory(job, digits)  # the default job fits
+  small = _worker_memory(job, digits, 32)
   # Parameters, gradients and Adam's two moments; activations per example.
   params = sum(
     x.size
     for x in jax.tree.leaves(
-      nnx.state(config_lib.build_model(config, digits), nnx.Param)
+      nnx.state(config_lib.build_model(job, digits), nnx.Param)
     )
   )
   assert small.fixed_bytes == 4 * params * 4
   assert small.example_bytes > 0
   # The widths of a model no host holds, priced in a blink.
-  config.model_kwargs = {"widths": [100000, 100000]}
-  big = _worker_memory(config, digits, 32)
+  job = _job(model_kwargs={"widths": [100000, 100000]})
+  big = _worker_memory(job, digits, 32)
   assert big.fixed_bytes > 1000 * 2**30
   with pytest.raises(ValueError) as info:
-    limits_lib.check_model_memory(config, digits)
+    limits_lib.check_model_memory(job, digits)
   assert "on 4 CPU worker(s) (config.cluster='v100:2,t4:2') needs about" in (
     str(info.value)
   )
@@ -336,7 +339,9 @@ def test_a_deep_model_is_priced_from_shallow_copies():
     counts[layers] = sum(
       x.size
       for x in jax.tree.leaves(
-        nnx.state(config_lib.build_model(shallow, text), nnx.Param)
+        nnx.state(
+          config_lib.build_model(config_lib.parse(shallow), text), nnx.Param
+        )
       )
     )
 
@@ -345,7 +350,7 @@ def test_a_deep_model_is_priced_from_shallow_copies():
       c.model,
       c.model_kwargs.to_dict(),
       lambda kwargs: config_lib.build_model(
-        _config(model="lm", dataset="text", model_kwargs=kwargs), text
+        _job(model="lm", dataset="text", model_kwargs=kwargs), text
       ),
     )
 
@@ -353,7 +358,7 @@ def test_a_deep_model_is_priced_from_shallow_copies():
   per_layer = counts[2] - counts[1]
   assert deep_params(config) == (counts[1] + 999_999 * per_layer)
   with pytest.raises(ValueError, match="'num_layers': 1000000.* on 4 CPU"):
-    limits_lib.check_model_memory(config, text)
+    limits_lib.check_model_memory(config_lib.parse(config), text)
 
 
 # --------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from test_trainer import _cnn
 from test_trainer import _split
 from test_trainer import _workers
 
+from experiments import config_lib
 from experiments import train_lib
 from experiments.configs import default as default_config
 import qsync_jax as qs
@@ -224,7 +225,7 @@ def _refused(config, out, capsys):
   capsys.readouterr()
   with pytest.raises(SystemExit) as exited:
     with cli.bad_input_exits(), cli.disk_errors_exit(str(out)):
-      train_lib.train_and_evaluate(config, str(out))
+      train_lib.train_and_evaluate(config_lib.parse(config), str(out))
   assert exited.value.code == 1
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error: "), err
@@ -336,14 +337,18 @@ def test_resume_refusals_name_the_difference_and_change_nothing(
 
 def test_resume_of_a_finished_run_changes_nothing(run_dir):
   before = _files(run_dir)
-  summary = train_lib.train_and_evaluate(_config(), str(run_dir))
+  summary = train_lib.train_and_evaluate(
+    config_lib.parse(_config()), str(run_dir)
+  )
   assert summary == json.loads((run_dir / "summary.json").read_text())
   assert _files(run_dir) == before
 
 
 def test_unreadable_summary_is_written_anew_on_resume(run_dir, capsys):
   (run_dir / "summary.json").write_text('{"final_eval_accuracy": 0.9')
-  summary = train_lib.train_and_evaluate(_config(), str(run_dir))
+  summary = train_lib.train_and_evaluate(
+    config_lib.parse(_config()), str(run_dir)
+  )
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith(
     f"warning: {run_dir}/summary.json is unreadable ("

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from test_bad_input_resume import _refused
 
-from experiments import membership_lib
+from experiments import config_lib
 from experiments import train_lib
 from experiments.configs import default as default_config
 from qsync_jax import data as data_lib
@@ -99,7 +99,9 @@ def first_world(tmp_path_factory):
   out = tmp_path_factory.mktemp("first") / "run"
   with pytest.MonkeyPatch.context() as mp:
     recorder = _Recorder(mp)
-    summary = train_lib.train_and_evaluate(_config(), str(out))
+    summary = train_lib.train_and_evaluate(
+      config_lib.parse(_config()), str(out)
+    )
   assert summary["steps"] == 2 and summary["membership"] == []
   return out, dict(recorder.steps), recorder.scored
 
@@ -138,11 +140,13 @@ def test_shrink_and_grow_keep_the_global_batch_and_the_data(
   recorder = _Recorder(monkeypatch)
   recorder.steps.update(first_steps)
   shrunk = train_lib.train_and_evaluate(
-    _config("v100:1,t4:1", 4, resume=True), str(run_dir)
+    config_lib.parse(_config("v100:1,t4:1", 4, resume=True)), str(run_dir)
   )
   # The indicator's batches change: its cached scores are stale.
   grown = train_lib.train_and_evaluate(
-    _config(_POOL, 6, resume=True, allocator=_allocator(num_batches=2)),
+    config_lib.parse(
+      _config(_POOL, 6, resume=True, allocator=_allocator(num_batches=2))
+    ),
     str(run_dir),
   )
   # The global batch of 16 is kept: 8 a worker on two, 4 on four.
@@ -216,12 +220,12 @@ def test_an_elastic_world_trains_its_slots_and_records_a_reclaim(
   monkeypatch.setattr(
     preemption.PreemptionWatch, "reached", lambda self, step: step == 2
   )
-  config = _config(steps=4, plan_mode="manual")
-  assert train_lib.train_and_evaluate(config, str(out)) == {
+  job = config_lib.parse(_config(steps=4, plan_mode="manual"))
+  assert train_lib.train_and_evaluate(job, str(out)) == {
     "preempted": True,
     "steps": 2,
   }
-  notice = json.loads((out / train_lib.PREEMPTED).read_text())
+  notice = json.loads((out / previous_run.PREEMPTED).read_text())
   assert notice["step"] == 2 and notice["checkpoint_s"] >= 0
   monkeypatch.undo()
   # World 1: slot 2 (a T4) reclaimed; the same command, no --resume.
@@ -235,7 +239,7 @@ def test_an_elastic_world_trains_its_slots_and_records_a_reclaim(
     detail="slot 2 reclaimed",
   )
   _elastic(monkeypatch, (0, 1, 3), restart=1, change=change)
-  summary = train_lib.train_and_evaluate(config, str(out))
+  summary = train_lib.train_and_evaluate(job, str(out))
   assert summary["cluster"] == "v100:2,t4:1"
   # The global batch of 16 over three workers: the remainder to the first.
   assert [(w["kind"], w["batch_size"]) for w in summary["workers"]] == [
@@ -244,7 +248,7 @@ def test_an_elastic_world_trains_its_slots_and_records_a_reclaim(
     ("t4", 5),
   ]
   assert summary["steps"] == 4 and summary["steps_this_run"] == 2
-  assert not (out / train_lib.PREEMPTED).exists()
+  assert not (out / previous_run.PREEMPTED).exists()
   [entry] = summary["membership"]
   fields = ("step", "workers_before", "cluster_before", "workers_after")
   fields += ("cluster_after", "cause", "detail", "steps_lost")
@@ -281,20 +285,22 @@ def test_a_cluster_that_is_not_the_pool_is_one_line(
 
 
 def test_a_world_drops_the_plans_of_kinds_it_does_not_run():
-  config = _config(
-    plan_mode="manual",
-    plans={"t4": {"rules": [], "default": "fp16"}},
+  job = config_lib.parse(
+    _config(
+      plan_mode="manual",
+      plans={"t4": {"rules": [], "default": "fp16"}},
+    )
   )
   world = membership.ElasticWorld((1, 0), 4)
-  selected = membership_lib.world_config(config, world)
+  selected = train_lib.world_job(job, world)
   assert selected.cluster == "v100:2"
-  assert selected.plans.to_dict() == {}
-  assert config.cluster == _POOL  # the caller's config is unchanged
-  with_t4 = membership_lib.world_config(
-    config, membership.ElasticWorld((3, 0), 4)
-  )
+  assert dict(selected.plans) == {}
+  assert job.cluster == _POOL  # the caller's config is unchanged
+  assert list(job.plans) == ["t4"]
+  with_t4 = train_lib.world_job(job, membership.ElasticWorld((3, 0), 4))
   assert with_t4.cluster == "t4:1,v100:1"
   assert list(with_t4.plans.keys()) == ["t4"]
+  assert with_t4.plans["t4"] == job.plans["t4"]
 
 
 def test_another_model_on_other_workers_is_one_line(run_dir, capsys):

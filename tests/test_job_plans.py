@@ -6,11 +6,13 @@ model for a two-kind cluster with analytic profiles, without any
 down.
 """
 
+import dataclasses
+
 from flax import nnx
 import optax
 import pytest
 
-from experiments import plans_lib
+from experiments import config_lib
 from experiments.configs import default as default_config
 from qsync_jax import data
 from qsync_jax import models
@@ -119,15 +121,36 @@ def test_settings_name_the_field_out_of_range(field, value, message):
   assert str(info.value).startswith(f"AutoPlanSettings.{message}")
   # The binary names the config field instead.
   config = default_config.get_config()
+  job = config_lib.parse(config)
   if field == "planning_timeout_s":
     config.distributed.planning_timeout_s = value
     where = "config.distributed."
+    section = dataclasses.replace(job.distributed, **{field: value})
+    job = job.replace(distributed=section)
   else:
     config.allocator[field] = value
     where = "config.allocator."
+    job = job.replace(
+      allocator=dataclasses.replace(job.allocator, **{field: value})
+    )
   with pytest.raises(ValueError) as info:
-    plans_lib.auto_settings(config)
+    config_lib.auto_settings(job)
   assert str(info.value).startswith(f"{where}{message}")
+  # Parsing the config refuses it first; a field's own check, where it has
+  # one, says so in its words.
+  with pytest.raises(ValueError) as info:
+    config_lib.parse(config)
+  assert str(info.value).startswith(f"{where}{_PARSED.get(field, message)}"), (
+    str(info.value)
+  )
+
+
+# The config field's own check, where it refuses the value before the
+# allocator's settings are made.
+_PARSED = {
+  "compression": "compression must be a finite number in [0, 1], got 1.5",
+  "planning_timeout_s": "planning_timeout_s must be an integer >= 1, got 0",
+}
 
 
 def test_settings_keep_precision_names():

@@ -21,11 +21,11 @@ import time
 
 import pytest
 
-from experiments import train_lib
 from qsync_jax.process import agreement
 from qsync_jax.process import coordination
 from qsync_jax.process import detection
 from qsync_jax.process import membership
+from qsync_jax.process import previous_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A short run: 12 steps of the CNN on two workers, no evaluation on the way.
@@ -628,7 +628,7 @@ def test_sigterm_checkpoints_and_the_same_command_resumes(
     procs.output()
   )
   assert "preempted: checkpointed step" in procs.output()
-  notice = json.loads((tmp_path / train_lib.PREEMPTED).read_text())
+  notice = json.loads((tmp_path / previous_run.PREEMPTED).read_text())
   assert sorted(notice) == ["checkpoint_s", "step", "time"]
   assert 0 < notice["step"] < 12 and notice["checkpoint_s"] > 0
   assert time.time() - 400 < notice["time"] < time.time()
@@ -645,7 +645,7 @@ def test_sigterm_checkpoints_and_the_same_command_resumes(
   summary = _summary(tmp_path)
   assert summary["steps_this_run"] < summary["steps"] == 12
   assert summary["params_sha256"] == single_digest
-  assert not (tmp_path / train_lib.PREEMPTED).exists()
+  assert not (tmp_path / previous_run.PREEMPTED).exists()
 
 
 @needs_mpirun

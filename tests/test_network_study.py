@@ -78,7 +78,8 @@ def test_each_configuration_becomes_its_launcher_command(tmp_path):
   assert qsr.sync == "qsr" and qsr.compress == "gqsgd" and qsr.seed == 2
   from experiments import config_lib
 
-  rounds = len(config_lib.make_schedule(qsr).sync_steps(qsr.steps))
+  schedule = config_lib.make_schedule(config_lib.parse(qsr))
+  rounds = len(schedule.sync_steps(qsr.steps))
   assert 0 < rounds <= 0.15 * qsr.steps  # alpha from the round budget
   cmd = network.command(
     qsr, "qsr_gqsgd", str(tmp_path), link="1gbit", topology="per_node"

@@ -454,6 +454,5 @@ def test_the_config_sets_warm_start(arg, warm):
     sys_argv=argv,
   )
   values(argv)
-  config_lib.validate_config(values.config)
-  averager = config_lib.make_averager(values.config)
+  averager = config_lib.make_averager(config_lib.parse(values.config))
   assert (averager.rank, averager.warm_start) == (16, warm)

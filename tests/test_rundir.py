@@ -18,6 +18,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
+from experiments import config_lib
 from experiments import train_lib
 from experiments.configs import default as default_config
 from qsync_jax import rundir
@@ -126,7 +127,7 @@ def test_a_damaged_row_before_the_last_is_refused_on_resume(tmp_path):
   assert metrics.last_logged_step(str(tmp_path / "metrics.jsonl")) == 2
 
 
-def _config(**fields):
+def _job(**fields):
   """A tiny CNN on one worker: logs at 2 and 4, evaluates at 4."""
   config = default_config.get_config()
   config.cluster = "v100:1"
@@ -140,14 +141,14 @@ def _config(**fields):
   config.checkpoint_every = 2
   for name, value in fields.items():
     setattr(config, name, value)
-  return config
+  return config_lib.parse(config)
 
 
 def test_the_main_job_writes_tensorboard_and_a_resume_purges_later_steps(
   tmp_path,
 ):
   out = tmp_path / "run"
-  train_lib.train_and_evaluate(_config(), str(out))
+  train_lib.train_and_evaluate(_job(), str(out))
   rows = _rows(out)
   assert [r["step"] for r in rows] == [2, 4]
   shown = _shown(out / "tensorboard")
@@ -159,7 +160,7 @@ def test_the_main_job_writes_tensorboard_and_a_resume_purges_later_steps(
   # the resume restores step 2 and trains steps 3 and 4 again.
   shutil.rmtree(out / "checkpoints" / "4")
   os.remove(out / "summary.json")
-  summary = train_lib.train_and_evaluate(_config(resume=True), str(out))
+  summary = train_lib.train_and_evaluate(_job(resume=True), str(out))
   assert summary["steps_this_run"] == 2
   rows = _rows(out)
   assert [r["step"] for r in rows] == [2, 4]

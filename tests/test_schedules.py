@@ -376,7 +376,7 @@ def test_qsr_syncs_where_the_official_code_does(case, warmup):
   official_lr = lambda t: _official_lr(
     kind, t, peak, 1e-6, steps, warmup, points or (), 0.1, base
   )
-  lr = config_lib.make_learning_rate_f64(config)
+  lr = config_lib.learning_rate(config_lib.parse(config)).float64()
   assert [lr(t) for t in range(steps + 1)] == [
     official_lr(t) for t in range(steps + 1)
   ]
@@ -405,7 +405,7 @@ def test_qsr_step_decay_gives_the_official_1169_syncs():
     "step", steps=2000, learning_rate=0.1, lr_decay_steps=(1000, 1500)
   )
   q = schedules.QSR(
-    config_lib.make_learning_rate_f64(config),
+    config_lib.learning_rate(config_lib.parse(config)).float64(),
     total_steps=2000,
     alpha=0.02,
     h_base=1,
@@ -457,8 +457,8 @@ def test_training_and_qsr_learning_rates_are_one_schedule(kind, warmup):
     final_learning_rate=1e-3,
     lr_decay_steps=(60, 120),
   )
-  train = config_lib.make_learning_rate(config)
-  lr = config_lib.make_learning_rate_f64(config)
+  schedule = config_lib.learning_rate(config_lib.parse(config))
+  train, lr = schedule.optax(), schedule.float64()
   counts = np.arange(221)  # past the end: the LR holds its last value
   got = (
     np.full(counts.shape, train)
@@ -477,40 +477,50 @@ def test_training_and_qsr_learning_rates_are_one_schedule(kind, warmup):
 
 
 @pytest.mark.parametrize(
-  "fields,message",
+  "fields,message,parsed",
   [
     (
       dict(lr_schedule="exp"),
       "unknown lr_schedule 'exp'; valid: constant, "
       "cosine, linear, step, cosine_step",
+      None,
     ),
-    (dict(lr_schedule="step"), "lr_schedule=step needs lr_decay_steps"),
-    (dict(lr_schedule="step", lr_decay_steps=(50, 20)), "increasing"),
+    (dict(lr_schedule="step"), "lr_schedule=step needs lr_decay_steps", None),
+    (dict(lr_schedule="step", lr_decay_steps=(50, 20)), "increasing", None),
     (
       dict(lr_schedule="step", lr_decay_steps=(20,), lr_decay_factor=0.0),
       "lr_decay_factor must be > 0",
+      # The config's field check comes first.
+      "config.lr_decay_factor must be a finite number > 0, got 0.0",
     ),
     (
       dict(lr_schedule="cosine_step", final_learning_rate=0.0),
       "needs learning_rate and final_learning_rate > 0",
+      None,
     ),
     (
       dict(
         lr_schedule="cosine_step", final_learning_rate=1e-3, lr_round_base=1.0
       ),
       "lr_round_base must be > 0 and != 1",
+      "config.lr_round_base must be a finite number > 0 and != 1, got 1.0",
     ),
-    (dict(lr_schedule="linear", warmup_steps=100), "warmup_steps < steps"),
+    (
+      dict(lr_schedule="linear", warmup_steps=100),
+      "warmup_steps < steps",
+      None,
+    ),
   ],
 )
-def test_learning_rate_config_errors_name_the_problem(fields, message):
+def test_learning_rate_config_errors_name_the_problem(fields, message, parsed):
   from experiments import config_lib
 
   config = _lr_config("constant", steps=100, learning_rate=0.1)
+  job = config_lib.parse(config)
   config.update(fields)
-  for make in (
-    config_lib.make_learning_rate,
-    config_lib.make_learning_rate_f64,
-  ):
-    with pytest.raises(ValueError, match=re.escape(message)):
-      make(config)
+  # What the user is told: the config's one parse refuses it.
+  with pytest.raises(ValueError, match=re.escape(parsed or message)):
+    config_lib.parse(config)
+  # The schedule itself (training's and QSR's twin are one object).
+  with pytest.raises(ValueError, match=re.escape(message)):
+    config_lib.learning_rate(job.replace(**fields))

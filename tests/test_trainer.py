@@ -733,8 +733,11 @@ def test_config_checks_bn_and_optimizer_fields():
 
   config = default.get_config()
   config.opt_fields_to_average = ("mu,nu",)  # as the command line gives it
-  assert config_lib.opt_fields(config) == ("mu", "nu")
-  config_lib.validate_config(config)
+  # Averaged at a local schedule's parameter averages: dp makes none.
+  with pytest.raises(ValueError, match="which the schedule 'dp'"):
+    config_lib.parse(config)
+  config.sync = "local"
+  assert config_lib.opt_fields(config_lib.parse(config)) == ("mu", "nu")
   for field, value, message in [
     ("bn_batches", 0, "config.bn_batches must be an integer >= 1"),
     ("bn_stats", "mean", "config.bn_stats must be one of average, reestimate"),
@@ -743,7 +746,7 @@ def test_config_checks_bn_and_optimizer_fields():
     bad = default.get_config()
     bad[field] = value
     with pytest.raises(ValueError, match=message):
-      config_lib.validate_config(bad)
+      config_lib.parse(bad)
 
 
 @pytest.mark.parametrize(

@@ -67,7 +67,9 @@ def test_small_cnn_with_half_its_layers_int8_learns_digits(tmp_path):
   config.batch_size = 64
   config.eval_every = 0
   config.checkpoint_every = 0
-  summary = train_lib.train_and_evaluate(config, str(tmp_path))
+  summary = train_lib.train_and_evaluate(
+    config_lib.parse(config), str(tmp_path)
+  )
   assert summary["precisions"] == [
     {"conv1": "int8", "conv2": "int8", "fc": "fp32", "head": "fp32"}
   ]
@@ -220,14 +222,12 @@ def test_qsr_study_configs_set_the_averager():
     default_config.get_config(), qsr_lib.TASKS["cnn"], seed=0
   )
   int16 = qsr_lib.configure(config, "dp_gqsgd_int16", {}, 1)
-  averager = config_lib.make_averager(int16)
+  averager = config_lib.make_averager(config_lib.parse(int16))
   assert isinstance(averager, qs.parallel.GlobalQSGD)
   assert averager.wire == "int16" and int16.sync == "dp"
   # The default int8 configuration keeps the strategy's own wire.
-  assert (
-    config_lib.make_averager(qsr_lib.configure(config, "dp_gqsgd", {}, 1)).wire
-    == "int8"
-  )
+  gqsgd = config_lib.parse(qsr_lib.configure(config, "dp_gqsgd", {}, 1))
+  assert config_lib.make_averager(gqsgd).wire == "int8"
   qsr = qsr_lib.configure(config, "qsr", {2.0: 0.01}, 1)
   assert (qsr.sync, qsr.gamma, qsr.alpha) == ("qsr", 2.0, 0.01)
   with pytest.raises(ValueError, match="unknown configuration"):

@@ -186,7 +186,9 @@ def num_params(model_kwargs: Mapping[str, Any] | None = None) -> int:
   """The study model's parameter count."""
   config = run_config("dp", 0, model_kwargs=model_kwargs)
   return _param_count(
-    config_lib.build_model(config, data_lib.load_dataset(config.dataset))
+    config_lib.build_model(
+      config_lib.parse(config), data_lib.load_dataset(config.dataset)
+    )
   )
 
 
@@ -365,7 +367,8 @@ def predict_steps(
     return {}
   config = run_config("dp", 0, model_kwargs=model_kwargs)
   dataset = data_lib.load_dataset(config.dataset)
-  model = config_lib.build_model(config, dataset)
+  job = config_lib.parse(config)
+  model = config_lib.build_model(job, dataset)
   batch = (
     dataset.x_train[: config.batch_size],
     dataset.y_train[: config.batch_size],
@@ -379,7 +382,7 @@ def predict_steps(
     device=devices[0],
     device_kind="cpu",
     precisions=["fp32"],
-    tx=config_lib.make_optimizer(config),
+    tx=config_lib.make_optimizer(job),
     optimizer_name=config.optimizer,
     host_devices=devices,
     repeats=repeats,
@@ -402,7 +405,10 @@ def predict_steps(
   def key(c):
     return f"{c.compress}, error feedback {bool(c.error_feedback)}"
 
-  averagers = {name: config_lib.make_averager(c) for name, c in configs.items()}
+  averagers = {
+    name: config_lib.make_averager(config_lib.parse(c))
+    for name, c in configs.items()
+  }
   codecs = codec_processes.profile_codecs_in_processes(
     {key(c): averagers[name] for name, c in configs.items()},
     num_params,
@@ -445,7 +451,7 @@ def _outer_step_s(
   """Seconds of a sync round's outer optimizer step (DiLoCo's; 0 without
   one), timed as the profile times the inner optimizer's step: the
   trainer's update of all parameters, on every worker's device at once."""
-  outer_tx = config_lib.make_outer_optimizer(config)
+  outer_tx = config_lib.make_outer_optimizer(config_lib.parse(config))
   if outer_tx is None:
     return 0.0
   at_once = calls_lib.concurrency_calls(

@@ -15,8 +15,9 @@ nothing of a real step's time enters a prediction. Memory is checked against
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from flax import nnx
 import jax
@@ -303,39 +304,23 @@ def evaluate(
       for a model not checked, an unknown plan name or
       ``plans_per_phase < 1``.
   """
-  if not models or not workers:
-    raise ValueError(
-      f"give at least one model and one worker count, got "
-      f"models {list(models)} and workers {list(workers)}"
-    )
   devices = jax.local_devices()
-  if max(workers) > len(devices):
-    raise ValueError(
-      f"{max(workers)} workers need as many devices, this host has "
-      f"{len(devices)} (set jax_num_cpu_devices)"
-    )
-  if plans_per_phase < 1:
-    raise ValueError(
-      f"plans_per_phase must be at least 1, got {plans_per_phase}"
-    )
+  _check_arguments(
+    models,
+    workers,
+    len(devices),
+    plans_per_phase,
+    datasets,
+    dataset_kwargs,
+    loss_fns,
+  )
   datasets, dataset_kwargs = dict(datasets or {}), dict(dataset_kwargs or {})
   loss_fns = dict(loss_fns or {})
-  for what, given in (
-    ("datasets", datasets),
-    ("dataset_kwargs", dataset_kwargs),
-    ("loss_fns", loss_fns),
-  ):
-    unknown = sorted(set(given) - set(models))
-    if unknown:
-      raise ValueError(
-        f"{what} names model(s) {unknown} that are not checked; models: "
-        f"{list(models)}"
-      )
   kwargs_of = dict(DEFAULT_MODEL_KWARGS)
   kwargs_of.update(model_kwargs or {})
   batch_of = dict(DEFAULT_BATCH)
   batch_of.update(batch_sizes or {})
-  precisions = [Precision.parse(p) for p in precisions]
+  parsed = [Precision.parse(p) for p in precisions]
   num_plans = len(
     dict.fromkeys(
       plan_names if plan_names is not None else UNIFORM_PLANS + MIXED_PLANS
@@ -344,130 +329,273 @@ def evaluate(
   phases = progress.Progress(
     len(models) * len(workers) * -(-num_plans // plans_per_phase), log
   )
-  tx = optax.adam(1e-3)
-  cases: list[dict[str, Any]] = []
-  profiles: dict[str, Any] = {}
-  sim_ms = []
-  all_steal: list[tuple[int, int]] = []
+  tally = _Tally()
   casts = casting.fit_cast_model(devices[0])  # the device's, not a model's
+  timing_args = _Timing(rounds, burst, casts, phases, log)
   for spec in models:
-    model, batch, loss, sample = model_and_batch(
+    checked = _prepare_model(
       spec,
-      kwargs_of.get(spec, {}),
-      batch_of.get(spec, 32),
-      datasets.get(spec),
-      dataset_kwargs.get(spec),
-      loss_fns.get(spec),
+      model_and_batch(
+        spec,
+        kwargs_of.get(spec, {}),
+        batch_of.get(spec, 32),
+        datasets.get(spec),
+        dataset_kwargs.get(spec),
+        loss_fns.get(spec),
+      ),
+      parsed,
+      plan_names,
     )
-    g = graph_lib.trace_graph(model, sample)
-    key = profile_lib.profile_key(g, spec, "cpu", precisions, "adam")
-    plans = plans_for(g)
-    if plan_names is not None:
-      unknown = [p for p in plan_names if p not in plans]
-      if unknown:
-        raise ValueError(f"unknown plan(s) {unknown}; plans: {list(plans)}")
-      plans = {p: plans[p] for p in plan_names}
-    floored = {n.path for n in g.nodes if n.floored}
-    effective = {
-      name: policy.resolve_with_forced(g.paths, floored, plan)
-      for name, plan in plans.items()
-    }
-    measured_mem = {
-      name: memory.compiled_step_bytes(model, eff, batch, loss, tx)
-      for name, eff in effective.items()
-    }
-    memory_model = memory.measure_memory_model(
-      model, g, batch, loss, tx, precisions
+    log(
+      f"{spec}: {len(checked.graph.nodes)} layers, "
+      f"{checked.graph.num_params} parameters"
     )
-    log(f"{spec}: {len(g.nodes)} layers, {g.num_params} parameters")
-    names = list(plans)
     model_cases: list[dict[str, Any]] = []
     for n in workers:
-      for first in range(0, len(names), plans_per_phase):
-        group = names[first : first + plans_per_phase]
-        jax.clear_caches()  # free the previous phase's executables
-        job = profile_lib.profile_job(
-          model,
-          batch,
-          g,
-          key,
-          device=devices[0],
-          device_kind="cpu",
-          precisions=precisions,
-          loss_fn=loss,
-          tx=tx,
-          host_devices=devices[:n],
-          casts=casts,
-          memory_model=memory_model,
-        )
-        steps = {
-          ("step", name): _step_call(
-            model, plans[name], devices[:n], batch, tx, loss, sample
-          )
-          for name in group
-        }
-        start = time.perf_counter()
-        meter = timing.StealMeter()
-        raw = timing.interleaved(
-          {**job.calls, **steps},
-          rounds,
-          subtract_overhead=False,
-          burst=burst,
-          meter=meter,
-        )
-        steal = meter.overall_fraction
-        all_steal.append((meter.total_stolen, meter.total_ticks))
-        prof = job.finish(raw)
-        profiles.setdefault(spec, {}).setdefault(str(n), prof.to_dict())
-        log(
-          f"{spec} x{n}: timed {len(job.calls)} profile pieces and "
-          f"{len(steps)} steps in {rounds} rounds, "
-          f"{time.perf_counter() - start:.0f} s, {steal:.1%} of the CPU "
-          "stolen by the hypervisor"
-        )
-        del job, steps
-        for name in group:
-          sim_workers = [
-            simulation.SimWorker(f"cpu[{i}]", prof, effective[name])
-            for i in range(n)
-          ]
-          t0 = time.perf_counter()
-          pred = simulation.simulate(
-            g, sim_workers, bucket_bytes=None, shared_host=True
-          )
-          sim_ms.append((time.perf_counter() - t0) * 1e3)
-          measured = raw[("step", name)]
-          pm = pred.worker_memory_bytes[0]
-          mm = measured_mem[name]
-          case = {
-            "model": spec,
-            "plan": name,
-            "workers": n,
-            "predicted_s": pred.step_time_s,
-            "measured_s": measured,
-            "rel_error": (pred.step_time_s - measured) / measured,
-            "predicted_memory_bytes": pm,
-            "measured_memory_bytes": mm,
-            "memory_rel_error": (pm - mm) / mm,
-            "uniform": name in UNIFORM_PLANS,
-            # The profile times this step whole (its fixed part).
-            "fitted": name in {p.value for p in precisions},
-            "steal_fraction": steal,
-          }
-          model_cases.append(case)
-          log(
-            f"  {name:<22} x{n}: predicted "
-            f"{pred.step_time_s * 1e3:8.2f} ms  measured "
-            f"{measured * 1e3:8.2f} ms  error {case['rel_error']:+.3f}  "
-            f"memory error {case['memory_rel_error']:+.3f}"
-          )
+      for first in range(0, len(checked.names), plans_per_phase):
+        group = checked.names[first : first + plans_per_phase]
+        model_cases += _phase(checked, devices[:n], group, timing_args, tally)
         phases.done(
           f"predictor {spec} x{n} plans {first + 1}-"
-          f"{first + len(group)} of {len(names)}"
+          f"{first + len(group)} of {len(checked.names)}"
         )
-    cases += sorted(
+    names = checked.names
+    tally.cases += sorted(
       model_cases, key=lambda c: (names.index(c["plan"]), c["workers"])
     )
+  return _totals(tally, rounds, burst, devices[0])
+
+
+def _check_arguments(
+  models: Sequence[str],
+  workers: Sequence[int],
+  num_devices: int,
+  plans_per_phase: int,
+  datasets: Mapping[str, Any] | None,
+  dataset_kwargs: Mapping[str, Any] | None,
+  loss_fns: Mapping[str, Any] | None,
+) -> None:
+  """Raises the ValueError of :func:`evaluate` for its arguments."""
+  if not models or not workers:
+    raise ValueError(
+      f"give at least one model and one worker count, got "
+      f"models {list(models)} and workers {list(workers)}"
+    )
+  if max(workers) > num_devices:
+    raise ValueError(
+      f"{max(workers)} workers need as many devices, this host has "
+      f"{num_devices} (set jax_num_cpu_devices)"
+    )
+  if plans_per_phase < 1:
+    raise ValueError(
+      f"plans_per_phase must be at least 1, got {plans_per_phase}"
+    )
+  for what, given in (
+    ("datasets", datasets or {}),
+    ("dataset_kwargs", dataset_kwargs or {}),
+    ("loss_fns", loss_fns or {}),
+  ):
+    unknown = sorted(set(given) - set(models))
+    if unknown:
+      raise ValueError(
+        f"{what} names model(s) {unknown} that are not checked; models: "
+        f"{list(models)}"
+      )
+
+
+class _Checked(NamedTuple):
+  """One model as :func:`evaluate` checks it: its pieces, plans and their
+  measured memory."""
+
+  spec: str
+  model: Any
+  batch: Any
+  loss: Any
+  sample: Any
+  graph: Any
+  key: str
+  plans: dict[str, PrecisionPlan]
+  names: list[str]
+  effective: dict[str, Any]
+  measured_mem: dict[str, float]
+  memory_model: Any
+  precisions: list[Precision]
+
+
+def _prepare_model(
+  spec: str,
+  built: tuple[Any, Any, Any, Any],
+  precisions: list[Precision],
+  plan_names: Sequence[str] | None,
+) -> _Checked:
+  """The model's graph, plans, effective precisions and compiled memory."""
+  model, batch, loss, sample = built
+  tx = optax.adam(1e-3)
+  g = graph_lib.trace_graph(model, sample)
+  key = profile_lib.profile_key(g, spec, "cpu", precisions, "adam")
+  plans = plans_for(g)
+  if plan_names is not None:
+    unknown = [p for p in plan_names if p not in plans]
+    if unknown:
+      raise ValueError(f"unknown plan(s) {unknown}; plans: {list(plans)}")
+    plans = {p: plans[p] for p in plan_names}
+  floored = {n.path for n in g.nodes if n.floored}
+  effective = {
+    name: policy.resolve_with_forced(g.paths, floored, plan)
+    for name, plan in plans.items()
+  }
+  measured_mem = {
+    name: memory.compiled_step_bytes(model, eff, batch, loss, tx)
+    for name, eff in effective.items()
+  }
+  memory_model = memory.measure_memory_model(
+    model, g, batch, loss, tx, precisions
+  )
+  return _Checked(
+    spec,
+    model,
+    batch,
+    loss,
+    sample,
+    g,
+    key,
+    plans,
+    list(plans),
+    effective,
+    measured_mem,
+    memory_model,
+    precisions,
+  )
+
+
+class _Timing(NamedTuple):
+  """How a phase times its calls, and where it reports."""
+
+  rounds: int
+  burst: int
+  casts: Any
+  phases: Any
+  log: Callable[[str], None]
+
+
+@dataclasses.dataclass
+class _Tally:
+  """What the phases have found so far."""
+
+  cases: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  profiles: dict[str, Any] = dataclasses.field(default_factory=dict)
+  sim_ms: list[float] = dataclasses.field(default_factory=list)
+  steal: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+
+def _phase(
+  m: _Checked,
+  devices: Sequence[jax.Device],
+  group: Sequence[str],
+  t: _Timing,
+  tally: _Tally,
+) -> list[dict[str, Any]]:
+  """One phase: a profile over ``devices`` timed with the real steps of the
+  plans in ``group``, in the same interleaved rounds; their cases."""
+  n = len(devices)
+  tx = optax.adam(1e-3)
+  jax.clear_caches()  # free the previous phase's executables
+  job = profile_lib.profile_job(
+    m.model,
+    m.batch,
+    m.graph,
+    m.key,
+    device=devices[0],
+    device_kind="cpu",
+    precisions=m.precisions,
+    loss_fn=m.loss,
+    tx=tx,
+    host_devices=devices,
+    casts=t.casts,
+    memory_model=m.memory_model,
+  )
+  steps = {
+    ("step", name): _step_call(
+      m.model, m.plans[name], devices, m.batch, tx, m.loss, m.sample
+    )
+    for name in group
+  }
+  start = time.perf_counter()
+  meter = timing.StealMeter()
+  raw = timing.interleaved(
+    {**job.calls, **steps},
+    t.rounds,
+    subtract_overhead=False,
+    burst=t.burst,
+    meter=meter,
+  )
+  steal = meter.overall_fraction
+  tally.steal.append((meter.total_stolen, meter.total_ticks))
+  prof = job.finish(raw)
+  tally.profiles.setdefault(m.spec, {}).setdefault(str(n), prof.to_dict())
+  t.log(
+    f"{m.spec} x{n}: timed {len(job.calls)} profile pieces and "
+    f"{len(steps)} steps in {t.rounds} rounds, "
+    f"{time.perf_counter() - start:.0f} s, {steal:.1%} of the CPU "
+    "stolen by the hypervisor"
+  )
+  del job, steps
+  return [
+    _case(m, name, n, prof, raw[("step", name)], steal, tally, t.log)
+    for name in group
+  ]
+
+
+def _case(
+  m: _Checked,
+  name: str,
+  n: int,
+  prof: Any,
+  measured: float,
+  steal: float,
+  tally: _Tally,
+  log: Callable[[str], None],
+) -> dict[str, Any]:
+  """Plan ``name`` on ``n`` workers: predicted against measured."""
+  sim_workers = [
+    simulation.SimWorker(f"cpu[{i}]", prof, m.effective[name]) for i in range(n)
+  ]
+  t0 = time.perf_counter()
+  pred = simulation.simulate(
+    m.graph, sim_workers, bucket_bytes=None, shared_host=True
+  )
+  tally.sim_ms.append((time.perf_counter() - t0) * 1e3)
+  pm = pred.worker_memory_bytes[0]
+  mm = m.measured_mem[name]
+  case = {
+    "model": m.spec,
+    "plan": name,
+    "workers": n,
+    "predicted_s": pred.step_time_s,
+    "measured_s": measured,
+    "rel_error": (pred.step_time_s - measured) / measured,
+    "predicted_memory_bytes": pm,
+    "measured_memory_bytes": mm,
+    "memory_rel_error": (pm - mm) / mm,
+    "uniform": name in UNIFORM_PLANS,
+    # The profile times this step whole (its fixed part).
+    "fitted": name in {p.value for p in m.precisions},
+    "steal_fraction": steal,
+  }
+  log(
+    f"  {name:<22} x{n}: predicted "
+    f"{pred.step_time_s * 1e3:8.2f} ms  measured "
+    f"{measured * 1e3:8.2f} ms  error {case['rel_error']:+.3f}  "
+    f"memory error {case['memory_rel_error']:+.3f}"
+  )
+  return case
+
+
+def _totals(
+  tally: _Tally, rounds: int, burst: int, device: jax.Device
+) -> dict[str, Any]:
+  """:func:`evaluate`'s result from the cases found."""
+  cases = tally.cases
   errors = np.abs([c["rel_error"] for c in cases])
   unfitted = np.abs([c["rel_error"] for c in cases if not c["fitted"]])
   return {
@@ -483,14 +611,14 @@ def evaluate(
     "max_abs_memory_rel_error": float(
       np.max(np.abs([c["memory_rel_error"] for c in cases]))
     ),
-    "simulate_ms": float(np.median(sim_ms)),
+    "simulate_ms": float(np.median(tally.sim_ms)),
     "steal_fraction": (
-      sum(a for a, _ in all_steal) / max(sum(b for _, b in all_steal), 1)
+      sum(a for a, _ in tally.steal) / max(sum(b for _, b in tally.steal), 1)
     ),
     "rounds": rounds,
     "burst": burst,
-    "profiles": profiles,
-    "device": str(devices[0].device_kind),
+    "profiles": tally.profiles,
+    "device": str(device.device_kind),
     "jax": jax.__version__,
   }
 

@@ -127,7 +127,8 @@ TASKS: dict[str, dict[str, Any]] = {
 
 
 def _rounds(config: ml_collections.ConfigDict) -> int:
-  return len(config_lib.make_schedule(config).sync_steps(config.steps))
+  job = config_lib.parse(config)
+  return len(config_lib.make_schedule(job).sync_steps(job.steps))
 
 
 def alpha_for_rounds(
@@ -243,7 +244,7 @@ def plan_alphas(
 
 def h_curve(config: ml_collections.ConfigDict) -> list[int]:
   """``H`` at every step (the period of the step's round)."""
-  schedule = config_lib.make_schedule(config)
+  schedule = config_lib.make_schedule(config_lib.parse(config))
   return [schedule.round_length(t) for t in range(1, config.steps + 1)]
 
 
@@ -370,7 +371,7 @@ def run(
         c = configure(task_config(base, task, seed), name, alphas, matched_h)
         run_dir = os.path.join(out_dir, tname, name, f"seed{seed}")
         start = time.perf_counter()
-        summary = train_lib.train_and_evaluate(c, run_dir)
+        summary = train_lib.train_and_evaluate(config_lib.parse(c), run_dir)
         row = {
           "task": tname,
           "name": name,

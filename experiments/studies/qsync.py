@@ -29,6 +29,7 @@ from flax import nnx
 import ml_collections
 import numpy as np
 
+from experiments import config_lib
 from experiments import progress
 from experiments import train_lib
 from experiments.studies import backend
@@ -370,7 +371,8 @@ def run(
         run_dir = os.path.join(out_dir, tname, name, f"seed{seed}")
         start = time.perf_counter()
         summary = train_lib.train_and_evaluate(
-          task_config(base, task, name, seed, speeds), run_dir
+          config_lib.parse(task_config(base, task, name, seed, speeds)),
+          run_dir,
         )
         row = {
           "config": name,

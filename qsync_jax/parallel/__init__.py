@@ -11,7 +11,8 @@ training step: it owns
   with Global-QSGD in :mod:`~qsync_jax.parallel.global_qsgd` and PowerSGD
   in :mod:`~qsync_jax.parallel.powersgd`);
 * when they average, and whether gradients or parameters
-  (:mod:`~qsync_jax.parallel.schedules`);
+  (:mod:`~qsync_jax.parallel.schedules`), and the QSR code's learning-rate
+  schedules QSR's period reads (:mod:`~qsync_jax.parallel.lr_schedules`);
 * the optax transformation averaging updates in a user's own ``shard_map``
   (:mod:`~qsync_jax.parallel.transform`).
 
@@ -39,6 +40,7 @@ from qsync_jax.parallel.cluster import parse_speeds
 from qsync_jax.parallel.cluster import split_batch
 from qsync_jax.parallel.global_qsgd import GlobalQSGD
 from qsync_jax.parallel.global_qsgd import GlobalQSGDExp
+from qsync_jax.parallel.lr_schedules import LearningRateSchedule
 from qsync_jax.parallel.powersgd import PowerSGD
 from qsync_jax.parallel.schedules import ConstantLocalSGD
 from qsync_jax.parallel.schedules import EveryStep
@@ -65,6 +67,7 @@ __all__ = [
   "EveryStep",
   "GlobalQSGD",
   "GlobalQSGDExp",
+  "LearningRateSchedule",
   "MeanAverager",
   "PostLocalSGD",
   "PowerSGD",

@@ -300,7 +300,7 @@ class QSR(_SyncTable):
   the floor across integers). A jax schedule such as optax's is evaluated
   with 64-bit types enabled, so it computes its formula in float64; to
   reproduce the official sync steps exactly, give the official scheduler's
-  formula (``experiments/config_lib.make_learning_rate_f64``). The cap at
+  formula (:meth:`.lr_schedules.LearningRateSchedule.float64`). The cap at
   the remaining ``T - s`` steps makes the last round end at step ``T``, so
   training ends with an average. ``H`` is not
   revised inside a round, even when the LR drops (a step decay takes effect

@@ -108,7 +108,9 @@ def _drop_late_callbacks() -> Callable[[], None]:
   tracebacks beside the failure itself. This filter on
   ``sys.unraisablehook`` drops those two kinds (the closed-loop error raised
   by asyncio itself, a coroutine of orbax's) and passes everything else on.
-  A save installs it for its writes and keeps it once one has failed.
+  A save installs it for its writes and keeps it once one has failed; a
+  restore for its reads, kept once one found a damaged checkpoint (orbax's
+  failed reads leave the same callbacks behind).
 
   Returns:
     A function that puts back the hook and the log filters as they were
@@ -128,12 +130,14 @@ def _drop_late_callbacks() -> Callable[[], None]:
   # The same abandoned writes, when garbage-collected, are logged by asyncio
   # as "Task exception was never retrieved" with the write's traceback.
   asyncio_log = std_logging.getLogger("asyncio")
+  added = _drop_abandoned_orbax_tasks not in asyncio_log.filters
   asyncio_log.addFilter(_drop_abandoned_orbax_tasks)
 
   def undo() -> None:
     if sys.unraisablehook is hook:
       sys.unraisablehook = previous
-    asyncio_log.removeFilter(_drop_abandoned_orbax_tasks)
+    if added:  # one a failed save left before stays
+      asyncio_log.removeFilter(_drop_abandoned_orbax_tasks)
 
   return undo
 
@@ -367,8 +371,16 @@ class Checkpointer:
       saved_state.state_tree(trainer, state),
     )
     bad = []
+    # Installed before the reads, kept once one has failed (see
+    # _drop_late_callbacks).
+    restore_hooks = _drop_late_callbacks()
     for step in steps:
-      tree, meta, problem = self._read(step, trainer, state, abstract)
+      try:
+        tree, meta, problem = self._read(step, trainer, state, abstract)
+      except ValueError:  # of another model or plans: refused, not damaged
+        if not bad:
+          restore_hooks()
+        raise
       # Every process must restore the same step: a step is corrupt when
       # any process finds it so.
       problems = integrity.allgather_json(problem)
@@ -384,6 +396,8 @@ class Checkpointer:
       raise ValueError(
         f"no intact checkpoint in {self.directory}: " + "; ".join(bad)
       )
+    if not bad:
+      restore_hooks()
     if bad:
       moved = self._set_aside(steps[: len(bad)])
       print(
