@@ -370,7 +370,7 @@ class Checkpointer:
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
       saved_state.state_tree(trainer, state),
     )
-    bad = []
+    bad: list[str] = []
     # Installed before the reads, kept once one has failed (see
     # _drop_late_callbacks).
     restore_hooks = _drop_late_callbacks()
