@@ -53,6 +53,7 @@ from qsync_jax import data as data_lib
 from qsync_jax import models as models_lib
 from qsync_jax import task
 from qsync_jax.allocation import job_plans
+from qsync_jax.numerics import selfcheck
 from qsync_jax.parallel import averagers
 from qsync_jax.parallel import cluster as cluster_lib
 from qsync_jax.parallel import schedules
@@ -166,7 +167,7 @@ class JobConfig:
   lr_round_base: float = real(lambda v: v > 0 and v != 1, "> 0 and != 1")
   sync: str = text()
   h_base: int = integer(1)
-  alpha: float = real(*_NON_NEGATIVE)
+  alpha: float | None = real(*_NON_NEGATIVE, optional=True)
   gamma: float = real(*_POSITIVE)
   switch_step: int = integer(0)
   compress: str = text()
@@ -183,6 +184,7 @@ class JobConfig:
   outer_momentum: float = real(*_FRACTION)
   checkpoint_every: int = integer(0)
   resume: bool = flag()
+  numerics_check: str = choice(*selfcheck.MODES)
   distributed: DistributedConfig = section(DistributedConfig)
 
   def replace(self, **changes: Any) -> JobConfig:
@@ -452,8 +454,24 @@ def make_schedule(job: JobConfig) -> schedules.Schedule:
   """The synchronization schedule of ``config.sync``.
 
   See schedules.make_schedule. QSR reads the learning-rate schedule and keeps
-  ``h_base`` during warmup.
+  ``h_base`` during warmup; without ``alpha`` it takes
+  :func:`~qsync_jax.parallel.schedules.default_alpha` of
+  ``learning_rate``, which needs a decaying ``lr_schedule``.
+
+  Raises:
+    ValueError: the schedule's fields do not fit (QSR with neither alpha
+      nor a decaying learning rate names the flag to pass).
   """
+  if job.sync == "qsr" and job.alpha is None and job.lr_schedule == "constant":
+    # QSR's period grows only as the learning rate decays: on a constant one
+    # it would stay at h_base, which is sync=local under another name.
+    raise ValueError(
+      "config.sync='qsr' needs a decaying learning rate, but "
+      "config.lr_schedule='constant' keeps QSR's period at "
+      f"h_base={job.h_base} (that is --sync=local); pass "
+      "--config.lr_schedule=cosine (QSR's schedule; or linear, step, "
+      "cosine_step), or --alpha for a fixed longer period"
+    )
   return schedules.make_schedule(
     job.sync,
     total_steps=job.steps,
@@ -542,7 +560,7 @@ def check_model_fits(
   job: JobConfig,
   model: nnx.Module,
   dataset: data_lib.Dataset,
-) -> None:
+) -> int | None:
   """Checks, abstractly, that ``model`` and the loss fit ``dataset``.
 
   Before training: with the built-in objective on class labels, the model's
@@ -550,6 +568,11 @@ def check_model_fits(
   NaN, which would pass for a learning rate too high); and the objective's
   loss is a scalar (a user's loss_fn that returns one loss per example is
   named with its shape).
+
+  Returns:
+    The model's number of classes (its logits' last size) with the
+    built-in objective on class labels, which the labels must index; None
+    otherwise.
 
   Raises:
     ValueError: naming the model's number of outputs and the dataset's
@@ -561,13 +584,19 @@ def check_model_fits(
   batch = task.abstract((dataset.x_train[:n], dataset.y_train[:n]))
   graphdef, state = nnx.split(model)
 
+  classify = loss_fn is None and dataset.task != "regression"
+
   def run(state, batch):
     model = nnx.merge(graphdef, state)
-    if loss_fn is None and dataset.task != "regression":
-      _check_logits(job, objective.forward(model, batch), dataset, n)
+    logits = None
+    if classify:
+      logits = objective.forward(model, batch)
+      _check_logits(job, logits, dataset, n)
     objective(model, batch)
+    return logits
 
-  jax.eval_shape(run, state, batch)
+  logits = jax.eval_shape(run, state, batch)
+  return int(logits.shape[-1]) if classify else None
 
 
 def _check_logits(

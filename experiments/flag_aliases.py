@@ -84,9 +84,9 @@ FLAG_ALIASES: tuple[FlagAlias, ...] = (
     "sync",
     "sync",
     "enum",
-    "Overrides config.sync: when workers average (qsr with "
-    "--config.lr_schedule=cosine is QSR local SGD: the period grows as the "
-    "learning rate decays).",
+    "Overrides config.sync: when workers average (qsr, QSR local SGD, "
+    "needs a decaying learning rate such as --config.lr_schedule=cosine: "
+    "the period grows as the learning rate decays).",
     choices=("dp", "local", "postlocal", "qsr"),
   ),
   FlagAlias(
@@ -100,7 +100,8 @@ FLAG_ALIASES: tuple[FlagAlias, ...] = (
     "alpha",
     "float",
     "Overrides config.alpha: QSR's growth coefficient, "
-    "H = max(h_base, floor((alpha / lr)^2)).",
+    "H = max(h_base, floor((alpha / lr)^2)); unset: learning_rate * "
+    "sqrt(h_base), the period h_base at the peak learning rate.",
   ),
   FlagAlias(
     "compress",

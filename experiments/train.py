@@ -31,13 +31,10 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from experiments import config_files
 from experiments import flag_aliases
 from experiments import train_lib
 from qsync_jax import cli
-
-_DEFAULT_CONFIG = os.path.join(
-  os.path.dirname(__file__), "configs", "default.py"
-)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", None, "Run directory for outputs.")
@@ -56,7 +53,10 @@ for _alias in flag_aliases.FLAG_ALIASES:
     _DEFINE[_alias.type](_alias.flag, None, _alias.help)
 try:
   config_flags.DEFINE_config_file(
-    "config", _DEFAULT_CONFIG, "Path to a get_config() file.", lock_config=True
+    "config",
+    config_files.DEFAULT_CONFIG,
+    "Path to a get_config() file.",
+    lock_config=True,
   )
 except (AttributeError, KeyError) as err:  # a --config.x override
   cli.exit_on_bad_override(err, sys.argv)
@@ -74,4 +74,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["out_dir"])
-  app.run(main)
+  app.run(main, flags_parser=config_files.parse_flags)

@@ -41,7 +41,10 @@ from qsync_jax import data as data_lib
 from qsync_jax import files
 from qsync_jax import rundir
 from qsync_jax.allocation import sharing
+from qsync_jax.numerics import selfcheck
+from qsync_jax.numerics.precision import Precision
 from qsync_jax.parallel import cluster as cluster_lib
+from qsync_jax.plan import devices as devices_lib
 from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.process import agreement
 from qsync_jax.process import coordination
@@ -200,6 +203,65 @@ def _check_resume_files(
     raise
   coordination.share(store, key, finished, source=0, process_index=0)
   return metrics, finished
+
+
+def _kind_precisions(job: config_lib.JobConfig, kind: str) -> set[Precision]:
+  """The precisions ``kind``'s workers may compute: a manual plan's (FP16
+  too where it goes below 16 bits: the floored layers'), else the
+  allocator's candidates the kind supports."""
+  supported = devices_lib.supported_precisions(kind)
+  if job.plan_mode != "manual":
+    return {Precision.parse(p) for p in job.allocator.candidates} & supported
+  plan = job.plans.get(kind, PrecisionPlan())
+  used = plan.precisions()
+  return used | ({Precision.FP16} if min(p.bits for p in used) < 16 else set())
+
+
+def numerics_check(job: config_lib.JobConfig) -> dict[str, Any]:
+  """The numerics self-check of this process's kinds, before anything is
+  planned or traced (:func:`qsync_jax.numerics.selfcheck.run`, mode
+  ``job.numerics_check``): each low-precision contraction the kinds' plans
+  may use, compiled on the first local device of each kind. A wrong one is
+  switched to a safe path for this process (every step traced after it, the
+  predictor's and the trainer's, takes that path), or stops the run.
+
+  Returns:
+    The check's record; in a multi-process run, every process's under
+    ``"processes"`` (process order).
+
+  Raises:
+    qsync_jax.numerics.selfcheck.NumericsCheckError: mode ``"error"`` and
+      a wrong contraction.
+  """
+  spec = cluster_lib.parse_cluster(job.cluster)
+  local: dict[str, Any] = {}
+  for device, kind in zip(cluster_lib.assign_devices(spec), spec.kinds):
+    if device.process_index == jax.process_index():
+      local.setdefault(kind, device)
+  record = selfcheck.run(
+    local,
+    {k: selfcheck.signatures_for(_kind_precisions(job, k)) for k in local},
+    mode=job.numerics_check,
+    quant={k: p.quant for k, p in job.plans.items()},
+  )
+  logging.info(
+    "numerics check: %d checks, %d switches in %.2f s",
+    len(record["checks"]),
+    len(record["switches"]),
+    record["seconds"],
+  )
+  if jax.process_count() > 1:
+    processes = coordination.gather(
+      coordination.client(),
+      record,
+      jax.process_index(),
+      jax.process_count(),
+      prefix="qsync_numerics_check",
+      timeout_s=job.distributed.planning_timeout_s,
+      what="its numerics check",
+    )
+    record = {"mode": record["mode"], "processes": processes}
+  return record
 
 
 class _Plans(NamedTuple):
@@ -373,8 +435,10 @@ def setup(
   )
   source, dataset = _open_data(job, start.batch_sizes)
   model = config_lib.build_model(job, dataset)
-  config_lib.check_model_fits(job, model, dataset)
+  num_classes = config_lib.check_model_fits(job, model, dataset)
   check_agreement(job, model)
+  # Before the predictor or the trainer traces a contraction.
+  checked = numerics_check(job)
   record = membership_record.MembershipRecord(world)
   record.mark("plan")
   planned = _plan_workers(job, model, dataset, out_dir, start.batch_sizes)
@@ -429,6 +493,8 @@ def setup(
     watch,
     planned.digest,
     planned.sources,
+    num_classes,
+    numerics_check=checked,
   )
 
 

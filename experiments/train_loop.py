@@ -3,9 +3,11 @@
 This module owns the two parts of a run after its setup
 (:func:`experiments.train_lib.setup`), as MaxText splits a training run:
 :func:`train_loop` (the steps, with their metrics rows, evaluations,
-checkpoints and the stop on a preemption notice) and :func:`finalize` (the
-final evaluation, the check that the run did not diverge, ``summary.json``
-and the curves). A :class:`Run` is what setup hands them.
+checkpoints, the check that training is going right
+(:mod:`experiments.train_health`) and the stop on a preemption notice) and
+:func:`finalize` (the final evaluation, the check that the run did not
+diverge, ``summary.json`` and the curves). A :class:`Run` is what setup
+hands them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from experiments import config_lib
+from experiments import train_health
 from qsync_jax import data as data_lib
 from qsync_jax import files
 from qsync_jax import host_malloc
@@ -57,6 +60,12 @@ class Run:
     plans_digest: the digest every process checked its plans against.
     profile_sources: where each kind's profile came from (auto plans), or
       None.
+    num_classes: the model's classes, which labels must index (the
+      built-in objective on class labels), or None.
+    last_batches: the last step's batches, which the loop keeps (a
+      reference) to say what was wrong with them if training fails.
+    numerics_check: the numerics self-check's record (its checks and
+      switches, :func:`qsync_jax.numerics.selfcheck.run`), or None.
   """
 
   job: config_lib.JobConfig
@@ -71,6 +80,9 @@ class Run:
   watch: preemption.PreemptionWatch
   plans_digest: str
   profile_sources: Mapping[str, str] | None
+  num_classes: int | None = None
+  last_batches: Any = None
+  numerics_check: Mapping[str, Any] | None = None
 
   @property
   def writes(self) -> bool:
@@ -247,16 +259,34 @@ def _first_step_done(run: Run, state: TrainState, out: Any, clock: Clock):
   run.record.first_step_done()
 
 
+def _stop(run: Run) -> None:
+  """Closes the run's files after training failed; a stale
+  ``summary.json`` goes (process 0), the checkpoints stay."""
+  run.checkpointer.close()
+  run.metric_writer.close()
+  summary_path = os.path.join(run.out_dir, "summary.json")
+  if run.writes and os.path.exists(summary_path):
+    os.remove(summary_path)
+
+
 def train_loop(run: Run) -> Loop:
   """Runs the steps from ``run.state`` to ``job.steps``.
 
   Every ``log_every`` steps a metrics row (the writer's), every
   ``eval_every`` an evaluation (not timed), every ``checkpoint_every`` a
   checkpoint (not timed); on a preemption notice every process checkpoints
-  the step they agree on and the loop stops.
+  the step they agree on and the loop stops. At each of those steps, where
+  the loop reads values anyway, :func:`experiments.train_health.check`
+  checks that training is going right (before a checkpoint, that the state
+  is finite, so none that is not is saved).
 
   Returns:
     The :class:`Loop`.
+
+  Raises:
+    experiments.train_health.TrainingFailed: a loss or the parameters are
+      not finite, or too many steps were skipped, at a checked step; the
+      run's files are closed, its checkpoints kept, no ``summary.json``.
   """
   job, trainer, state = run.job, run.trainer, run.state
   # Every update and averaging program compiles now, outside the training
@@ -265,14 +295,21 @@ def train_loop(run: Run) -> Loop:
   clock = Clock(time.perf_counter())
   clock.window_start, clock.window_step = clock.start, state.step
   loop = Loop(state, state.step, {}, {}, clock)
+  history = train_health.History(state.step)
   saved_step = None
   while state.step < job.steps:
-    state, out = trainer.train_step(
-      state, run.batcher.worker_batches(state.step, trainer.local_workers)
-    )
+    batches = run.batcher.worker_batches(state.step, trainer.local_workers)
+    run.last_batches = batches
+    state, out = trainer.train_step(state, batches)
     loop.state, done = state, state.step
     if done == loop.start_step + 1:
       _first_step_done(run, state, out, clock)
+      history.first_loss = train_health.mean_loss(out)
+      if not math.isfinite(history.first_loss):
+        # Read now: a streamed dataset's batches cannot be read again.
+        history.first_findings = train_health.scan(
+          [(done, batches)], run.num_classes
+        )
     row: dict[str, Any] = {}
     if done % job.log_every == 0 or done == job.steps:
       row = _train_row(run, state, out, clock)
@@ -294,6 +331,23 @@ def train_loop(run: Run) -> Loop:
     checkpoint = job.checkpoint_every and (
       done % job.checkpoint_every == 0 or done == job.steps
     )
+    if row or checkpoint:
+      check_start = time.perf_counter()
+      try:
+        train_health.check(
+          run,
+          history,
+          state,
+          out,
+          train_loss=row.get("loss"),
+          eval_loss=row.get("eval_loss"),
+          params=bool(checkpoint),
+        )
+      except train_health.TrainingFailed:
+        _stop(run)
+        raise
+      if checkpoint:  # the state's check belongs to the checkpoint's time
+        clock.excluded += time.perf_counter() - check_start
     if checkpoint:
       _finish_step(state, out)
       save_start = time.perf_counter()
@@ -357,9 +411,12 @@ def check_finite_result(
     return
   if summary_path is not None and os.path.exists(summary_path):
     os.remove(summary_path)
+  # The loop's checks (train_health) saw the training losses finite; what
+  # is left is the final evaluation.
   raise FloatingPointError(
-    f"training diverged: {problem} at step {state.step} (try a lower "
-    "learning rate); no summary.json written"
+    f"training diverged: {problem} at step {state.step} (the training "
+    "loss was finite at the last check: check the eval data and the "
+    "model's eval mode); no summary.json written"
   )
 
 
@@ -404,6 +461,9 @@ def summary(run: Run, loop: Loop, final: Mapping[str, Any]) -> dict[str, Any]:
     ],
     # One entry per membership change (membership_record.MembershipRecord).
     "membership": run.record.entries,
+    # Each low-precision contraction checked on its device before
+    # training, and each switched to a safe path (numerics.selfcheck).
+    "numerics_check": run.numerics_check,
   }
 
 
@@ -435,6 +495,13 @@ def finalize(run: Run, loop: Loop) -> dict[str, Any]:
     summary_path if run.writes else None,
   )
   result = summary(run, loop, final)
+  if result["skipped_steps"]:
+    # Within the share train_health allows, but not silent either.
+    logging.warning(
+      "%d of %d steps were skipped for a non-finite gradient",
+      result["skipped_steps"],
+      state.step,
+    )
   run.metric_writer.close()
   if run.writes:
     files.write_json(summary_path, result, indent=2)

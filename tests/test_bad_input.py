@@ -334,9 +334,13 @@ def test_diverged_run_fails_and_writes_no_summary(tmp_path, user_models):
       path=user_models,
     )
   )
+  # Stopped at the step's check, the model named, not the learning rate.
   assert last.startswith(
-    "error: training diverged: the final eval loss is nan at step 1"
+    "error: training stopped at step 1: the training loss is nan"
   ), last
+  assert "likely cause: the model or the loss: the loss was nan at step 1" in (
+    last
+  )
   assert not (out / "summary.json").exists()
 
 

@@ -228,9 +228,14 @@ def test_a_size_below_one_in_a_users_factory(user_code):
     "model 'mistakes:sized' cannot be built with hidden=0: sizes must be "
     ">= 1 (ZeroDivisionError: float division by zero)"
   )
-  # An error the factory's own code raises is the user's, traceback and all.
-  with pytest.raises(ZeroDivisionError):
+  # An error the factory's own code raises is the user's: named as the
+  # factory's, with the user's exception (and its traceback) as the cause.
+  with pytest.raises(models.FactoryError) as info:
     models.build_model("mistakes:buggy", rngs=nnx.Rngs(0), offset=0)
+  assert str(info.value).startswith(
+    "model 'mistakes:buggy' raised ZeroDivisionError: division by zero"
+  )
+  assert isinstance(info.value.__cause__, ZeroDivisionError)
 
 
 def _vector_loss(logits, labels):

@@ -23,6 +23,7 @@ from qsync_jax import cli
 from qsync_jax.launch import cli as launcher_cli
 from qsync_jax.launch import elastic
 from qsync_jax.launch import links
+from qsync_jax.launch import pool
 from qsync_jax.process import membership
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,11 +174,11 @@ def _run(tmp_path, command, options, **kwargs):
     _kill_leftovers(tmp_path)
 
 
-def _options(pool, min_processes=1, availability=None, **kwargs):
-  return elastic.ElasticOptions(
-    pool,
+def _options(size, min_processes=1, availability=None, **kwargs):
+  return pool.ElasticOptions(
+    size,
     min_processes,
-    elastic.Availability.parse(availability or {}, pool),
+    pool.Availability.parse(availability or {}, size),
     **kwargs,
   )
 
@@ -427,7 +428,7 @@ def test_the_job_ends_with_one_error_line(
 )
 def test_malformed_availability_is_refused(data, message):
   with pytest.raises(ValueError) as err:
-    elastic.Availability.parse(data, 3)
+    pool.Availability.parse(data, 3)
   assert message in str(err.value)
 
 
@@ -443,22 +444,22 @@ def test_malformed_availability_is_refused(data, message):
 )
 def test_bad_options_are_refused(kwargs, message):
   with pytest.raises(ValueError) as err:
-    elastic.ElasticOptions(3, **kwargs)
+    pool.ElasticOptions(3, **kwargs)
   assert message in str(err.value)
 
 
 def test_pool_dead_slots_come_back_after_rejoin_or_an_interval_end():
-  trace = elastic.Availability.parse({"1": [[5, 8]], "2": [[1, 2]]}, 3)
-  pool = elastic.Pool(elastic.ElasticOptions(3, availability=trace))
-  assert pool.slots(0) == (0, 1, 2) and pool.slots(1.5) == (0, 1)
-  pool.died(1, 3.0)  # No --rejoin_after: back when its interval ends.
-  assert pool.back_at(1, 3.0) == 8.0 and pool.slots(8.0) == (0, 1, 2)
-  pool.died(0, 3.0)  # Nothing brings it back.
-  assert pool.back_at(0, 3.0) is None and "never comes back" in pool.why_out(
+  trace = pool.Availability.parse({"1": [[5, 8]], "2": [[1, 2]]}, 3)
+  slots = pool.Pool(pool.ElasticOptions(3, availability=trace))
+  assert slots.slots(0) == (0, 1, 2) and slots.slots(1.5) == (0, 1)
+  slots.died(1, 3.0)  # No --rejoin_after: back when its interval ends.
+  assert slots.back_at(1, 3.0) == 8.0 and slots.slots(8.0) == (0, 1, 2)
+  slots.died(0, 3.0)  # Nothing brings it back.
+  assert slots.back_at(0, 3.0) is None and "never comes back" in slots.why_out(
     0, 3.0
   )
-  rejoin = elastic.Pool(
-    elastic.ElasticOptions(3, availability=trace, rejoin_after_s=1.0)
+  rejoin = pool.Pool(
+    pool.ElasticOptions(3, availability=trace, rejoin_after_s=1.0)
   )
   rejoin.died(1, 4.5)  # Back at 5.5, but reclaimed then until 8.
   assert rejoin.back_at(1, 4.5) == 8.0
@@ -573,18 +574,19 @@ def test_cli_runs_a_pool_and_refuses_bad_input_in_one_line(tmp_path):
   _assert_nothing_left(tmp_path)
 
 
-def test_sigterm_to_the_launcher_kills_every_process(tmp_path, capsys):
+def test_sigint_to_the_launcher_kills_every_process(tmp_path, capsys):
+  # (A SIGTERM is a job-wide preemption: tests/test_launcher_faults.py.)
   def stop_the_launcher():
     _pids_when_started(tmp_path, 0, 2)
-    os.kill(os.getpid(), signal.SIGTERM)  # Its handler runs by then.
+    os.kill(os.getpid(), signal.SIGINT)  # Its handler runs by then.
 
   stopper = threading.Thread(target=stop_the_launcher, daemon=True)
   stopper.start()
   code = _run(tmp_path, _command(tmp_path, steps=10_000), _options(2))
   stopper.join()
-  assert code == 128 + signal.SIGTERM
+  assert code == 128 + signal.SIGINT
   assert capsys.readouterr().err.splitlines()[-1] == (
-    "error: launcher got SIGTERM; killed 2 processes"
+    "error: launcher got SIGINT; killed 2 processes"
   )
   _assert_nothing_left(tmp_path)
 

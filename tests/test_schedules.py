@@ -262,11 +262,29 @@ def test_make_schedule_builds_each_rule_and_rejects_bad_ones():
   ).sync_steps(10) == [1, 2, 6, 10]
   assert schedules.make_schedule("dp", total_steps=3).sync_steps(3) == [1, 2, 3]
   with pytest.raises(ValueError, match="alpha > 0"):
-    schedules.make_schedule("qsr", total_steps=10, lr_schedule=lr)
+    schedules.make_schedule("qsr", total_steps=10, lr_schedule=lr, alpha=0.0)
+  with pytest.raises(ValueError, match="constant learning rate"):
+    schedules.make_schedule("qsr", total_steps=10, lr_schedule=0.1)
   with pytest.raises(ValueError, match="needs the learning-rate"):
     schedules.make_schedule("qsr", total_steps=10, alpha=0.1)
   with pytest.raises(ValueError, match="unknown sync schedule 'ring'"):
     schedules.make_schedule("ring", total_steps=10)
+
+
+def test_qsr_without_alpha_starts_at_h_base_and_grows_as_the_lr_decays():
+  lr = cosine_lr()  # peak 0.1 after 10 warmup steps
+  q = schedules.make_schedule(
+    "qsr", total_steps=100, lr_schedule=lr, h_base=4, warmup_steps=10
+  )
+  # alpha = peak * sqrt(h_base): the period is h_base at the peak.
+  assert q.alpha == pytest.approx(schedules.default_alpha(0.1, 4)) == 0.2
+  assert q.round_length(11) == 4 and q.round_length(100) > 4
+  # The paper's ViT-B choice: alpha = 0.0175 for peak 0.008, H_base = 4,
+  # i.e. the period at the peak is H_base, as default_alpha makes it.
+  assert math.floor((0.0175 / 0.008) ** 2) == 4
+  assert math.floor((schedules.default_alpha(0.008, 4) / 0.008) ** 2) == 4
+  with pytest.raises(ValueError, match="peak_lr > 0"):
+    schedules.default_alpha(0.0, 4)
 
 
 # The official QSR code (hmgxr128/QSR), transcribed: xscheduler.py's

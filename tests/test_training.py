@@ -134,9 +134,8 @@ def test_qsr_with_global_qsgd_logs_h_rounds_and_wire_bytes(tmp_path):
   result = _train(
     tmp_path,
     "--cluster=cpu:4",
-    "--sync=qsr",
+    "--sync=qsr",  # alpha from the learning rate: 3e-3 * sqrt(h_base)
     "--h_base=2",
-    "--alpha=0.004",
     "--compress=gqsgd",
     "--config.lr_schedule=cosine",
     "--config.steps=40",
@@ -148,7 +147,8 @@ def test_qsr_with_global_qsgd_logs_h_rounds_and_wire_bytes(tmp_path):
   summary = _summary(tmp_path)
   assert summary["sync"] == "qsr" and summary["compress"] == "gqsgd"
   lr = optax.cosine_decay_schedule(3e-3, 40)
-  planned = qs.parallel.schedules.QSR(lr, total_steps=40, alpha=0.004, h_base=2)
+  alpha = qs.parallel.schedules.default_alpha(3e-3, 2)
+  planned = qs.parallel.schedules.QSR(lr, total_steps=40, alpha=alpha, h_base=2)
   assert summary["sync_rounds"] == len(planned.sync_steps(40)) < 20
   per_round = qs.parallel.averagers.GlobalQSGD().wire_bytes(_num_params(), 4)
   assert summary["comm_bytes"] == pytest.approx(
@@ -421,7 +421,6 @@ def test_launcher_ends_a_training_run_whose_worker_dies(tmp_path):
       "config.allocator.profiles must be one of auto, measured, analytic",
     ),
     (["--plan=auto", "--plan=t4={int8}"], "--plan=auto cannot be combined"),
-    (["--sync=qsr"], "the qsr schedule needs alpha > 0"),
     (["--config.compress=zip"], "unknown averager 'zip'"),
     (["--cluster=cpu:3", "--compress=gqsgd_exp"], "power-of-two"),
     (["--config.optimizer=lamb"], "unknown optimizer 'lamb'"),

@@ -16,7 +16,10 @@ from qsync_jax.process import initialize
 
 def get_config() -> ml_collections.ConfigDict:
   """Returns the default main-job config."""
-  config = ml_collections.ConfigDict()
+  # Not type-safe: a config file's get_config() may write a whole number as
+  # 1e3, or a string where a number goes; experiments.config_lib.parse
+  # converts and checks every field once, naming the field that is wrong.
+  config = ml_collections.ConfigDict(type_safe=False)
   config.model = "cnn"  # built-in name or package.module:factory
   config.model_kwargs = ml_collections.ConfigDict()
   # The objective: "" (classification / language modelling on (inputs,
@@ -34,7 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
   # FP32). An FP16 layer turns on loss scaling.
   config.plan_mode = "auto"
   config.plans = ml_collections.ConfigDict()
-  config.allocator = ml_collections.ConfigDict()
+  config.allocator = ml_collections.ConfigDict(type_safe=False)
   # The indicator method (qsync_jax.sensitivity.METHODS); the default,
   # "qsync_var", ranks layers best within each precision in
   # experiments.indicator_study; "qsync" is QSync's own formula.
@@ -83,10 +86,13 @@ def get_config() -> ml_collections.ConfigDict:
   # step; "local" averages parameters every h_base steps; "postlocal" is dp
   # for switch_step steps, then local; "qsr" sets each round's period to
   # max(h_base, floor((alpha / lr) ** gamma)) (gamma 1: linear rule, 3:
-  # cubic). Local rounds keep the optimizer state local.
+  # cubic), which needs a decaying lr_schedule (e.g. cosine). Local rounds
+  # keep the optimizer state local. alpha unset: learning_rate *
+  # h_base ** (1 / gamma), the period h_base at the peak learning rate and
+  # growing as it decays (qsync_jax.parallel.schedules.default_alpha).
   config.sync = "dp"
   config.h_base = 4
-  config.alpha = 0.0
+  config.alpha = ml_collections.config_dict.placeholder(float)
   config.gamma = 2.0
   config.switch_step = 0
   # What goes on the wire (Global-QSGD, arXiv 2305.18627): none (float32
@@ -134,6 +140,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.outer_momentum = 0.9
   config.checkpoint_every = 100
   config.resume = False
+  # The numerics self-check before training (qsync_jax.numerics.selfcheck):
+  # each low-precision contraction the plans use (INT8 / FP8 dot and
+  # convolution, FP16 / BF16, on the Pallas and XLA paths this device
+  # takes), compiled on a device of each kind and compared with a float
+  # reference within its error bound. "warn": a wrong one gets a warning
+  # line and runs on a safe path (summary.json records both); "error": it
+  # stops the run; "off": no check.
+  config.numerics_check = "warn"
   # Multi-process runs (srun, mpirun, Kubernetes, explicit
   # --coordinator_address/--num_processes/--process_id, or python -m
   # qsync_jax.distributed): seconds to wait for every process to join, without

@@ -231,7 +231,9 @@ def command(
     f"--model_kwargs={json.dumps(config.model_kwargs.to_dict())}",
   ]
   flat = config.to_dict()
-  keys = sorted({*BASE, *HETERO, *spec.overrides, "seed", "alpha"})
+  # alpha is set for QSR runs only (unset: the default config's rule).
+  alpha = () if config.alpha is None else ("alpha",)
+  keys = sorted({*BASE, *HETERO, *spec.overrides, "seed", *alpha})
   for key in keys:
     node = flat
     for part in key.split("."):
@@ -313,7 +315,7 @@ def _run_one(
     "name": name,
     "seed": seed,
     "run_dir": run_dir,
-    "alpha": float(config.alpha),
+    "alpha": None if config.alpha is None else float(config.alpha),
     "summary": summary,
     "curve": eval_curve(run_dir),
   }

@@ -25,6 +25,7 @@ from qsync_jax.data.batching import WorkerBatcher
 from qsync_jax.data.cifar10 import load_cifar10
 from qsync_jax.data.digits import load_digits
 from qsync_jax.data.mnist1d import load_mnist1d
+from qsync_jax.data.streams import FactoryError
 from qsync_jax.data.streams import StreamBatcher
 from qsync_jax.data.streams import StreamedDataset
 from qsync_jax.data.synthetic import load_synthetic
@@ -33,7 +34,6 @@ from qsync_jax.data.text import byte_category
 from qsync_jax.data.text import load_text
 from qsync_jax.data.text import load_text_classes
 from qsync_jax.data.text import make_lm_windows
-from qsync_jax.data.user import FactoryError
 from qsync_jax.data.user import is_factory_spec
 from qsync_jax.data.user import load_user_dataset
 

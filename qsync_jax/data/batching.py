@@ -40,12 +40,21 @@ class ArrayExamples:
     y: Targets with the same leading length as `x`.
 
   Raises:
-    ValueError: If `x` and `y` differ in length.
+    TypeError: If `x` or `y` is an array of objects.
+    ValueError: If `x` and `y` differ in length, or `x` holds NaN or
+      infinity.
   """
 
   def __init__(self, x: np.ndarray, y: np.ndarray):
+    for name, a in (("x", x), ("y", y)):
+      if getattr(getattr(a, "dtype", None), "kind", "") == "O":
+        raise TypeError(
+          f"{name} is an array of objects; convert it to numbers first "
+          "(np.asarray(..., np.float32), or np.int32 for class ids)"
+        )
     if len(x) != len(y):
       raise ValueError(f"x has {len(x)} examples but y has {len(y)}")
+    check_finite(np.asarray(x), "x")
     self.x, self.y = x, y
 
   def __len__(self) -> int:
@@ -54,6 +63,27 @@ class ArrayExamples:
   def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The examples at ``indices``, by numpy indexing."""
     return self.x[indices], self.y[indices]
+
+
+def check_finite(x: np.ndarray, what: str, examples: bool = True) -> None:
+  """Raises ``ValueError`` where floating-point inputs ``x`` hold NaN or
+  infinity (they would make every loss and gradient NaN), naming the
+  first example that does where ``x`` holds ``examples`` (one per entry of
+  its leading axis) rather than one."""
+  if not np.issubdtype(x.dtype, np.inexact) or np.isfinite(x).all():
+    return
+  where = ""
+  if examples and x.ndim:
+    bad = ~np.isfinite(x.reshape(len(x), -1)).all(axis=1)
+    count = int(bad.sum())
+    where = (
+      f" at example {int(np.argmax(bad))} ({count} example"
+      f"{'s' if count > 1 else ''})"
+    )
+  raise ValueError(
+    f"{what}: its inputs are not finite (NaN or infinity){where}; clean or "
+    "drop those examples"
+  )
 
 
 def check_batch_sizes(batch_sizes: Sequence[int]) -> tuple[int, ...]:

@@ -16,19 +16,62 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 import dataclasses
+import functools
 import json
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from qsync_jax.data.base import Dataset
 from qsync_jax.data.batching import ArrayExamples
 from qsync_jax.data.batching import check_batch_sizes
+from qsync_jax.data.batching import check_finite
 from qsync_jax.data.batching import WorkerBatcher
 
 #: How a split is held: ``(inputs, labels)`` arrays, a ``grain.MapDataset``
 #: or a ``grain.IterDataset``.
 SPLIT_KINDS = ("arrays", "map", "iter")
+
+
+class FactoryError(ValueError):
+  """A user's dataset factory, its module, or its dataset as it is read,
+  raised.
+
+  The message names the factory and the exception in one line; the
+  exception itself is the ``__cause__``, its traceback starting in the
+  user's code. ``show_cause`` tells a binary to print that traceback above
+  its ``error:`` line (:func:`qsync_jax.cli.bad_input_exits`).
+  """
+
+  show_cause = True
+
+
+def one_line(err: BaseException) -> str:
+  """An exception's message on one line."""
+  return " ".join(str(err).split()) or "(no message)"
+
+
+def user_code_failed(err: BaseException, what: str, doing: str) -> NoReturn:
+  """Raises a :class:`FactoryError` naming ``what`` raised ``err`` while
+  ``doing``; its cause is ``err`` without the caller's frame, so its
+  traceback starts in the user's code."""
+  tb = err.__traceback__
+  cause = err.with_traceback(tb.tb_next if tb is not None else None)
+  raise FactoryError(
+    f"{what} raised {type(err).__name__} {doing}: {one_line(err)} (its "
+    "traceback is above)"
+  ) from cause
+
+
+def _read(read: Callable[[], Any], what: str) -> Any:
+  """``read()``: one example from a user's dataset, an exception it raises
+  (other than the end of an iterator) a :class:`FactoryError`."""
+  try:
+    return read()
+  except StopIteration:
+    raise
+  except Exception as err:  # the user's dataset failed
+    user_code_failed(err, what, "as it was read")
 
 
 def split_kind(split: Any) -> str | None:
@@ -107,6 +150,7 @@ def as_example(
   for name, a in (("inputs", x), ("labels", y)):
     if not (np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_):
       raise ValueError(f"{what}: its {name} are not numbers (dtype {a.dtype})")
+  check_finite(x, what, examples=False)
   check_labels(y, what, integer_labels)
   return x, y
 
@@ -187,7 +231,12 @@ class MapExamples:
     idx = [int(i) for i in indices]
     pairs = [
       as_example(
-        self.dataset[i], f"{self.what}, example {i}", self.integer_labels
+        _read(
+          functools.partial(self.dataset.__getitem__, i),
+          f"{self.what}, example {i}",
+        ),
+        f"{self.what}, example {i}",
+        self.integer_labels,
       )
       for i in idx
     ]
@@ -238,7 +287,7 @@ class _Cursor:
     out: list[Any] = []
     while len(out) < count:
       try:
-        out.append(next(self.iterator))
+        out.append(_read(lambda: next(self.iterator), self.what))
       except StopIteration:
         if self.batches == 0:
           raise ValueError(
@@ -417,14 +466,23 @@ class StreamBatcher:
     self._cursor, self.step = cursor, step
 
 
-def first_examples(split: Any, kind: str, n: int) -> Iterator[tuple[int, Any]]:
-  """``(index, example)`` of the first ``n`` examples of a Grain split."""
+def first_examples(
+  split: Any, kind: str, n: int, what: str
+) -> Iterator[tuple[int, Any]]:
+  """``(index, example)`` of the first ``n`` examples of a Grain split
+  (``what``, for messages: an exception the split raises as it is read is
+  a :class:`FactoryError` naming it)."""
   if kind == "map":
     for i in range(min(n, len(split))):
-      yield i, split[i]
-  else:
-    for i, example in zip(range(n), split):
-      yield i, example
+      yield i, _read(functools.partial(split.__getitem__, i), what)
+    return
+  iterator = _read(lambda: iter(split), what)
+  for i in range(n):
+    try:
+      example = _read(lambda: next(iterator), what)
+    except StopIteration:
+      return
+    yield i, example
 
 
 class TestSplit:
@@ -460,7 +518,9 @@ class TestSplit:
         yield x[i : i + batch_size], y[i : i + batch_size]
       return
     chunk: list[tuple[int, Any]] = []
-    for item in first_examples(self.split, self.kind, np.iinfo(np.int64).max):
+    for item in first_examples(
+      self.split, self.kind, np.iinfo(np.int64).max, self.what
+    ):
       chunk.append(item)
       if len(chunk) == batch_size:
         yield self._stack(chunk)
@@ -521,7 +581,7 @@ class StreamedDataset:
     if kind == "arrays":
       return data[0][:n], data[1][:n]
     what = self._what(split)
-    chunk = list(first_examples(data, kind, n))
+    chunk = list(first_examples(data, kind, n, what))
     pairs = [
       as_example(e, f"{what}, example {i}", self.integer_labels)
       for i, e in chunk

@@ -26,17 +26,8 @@ import numpy as np
 from qsync_jax.data import streams
 from qsync_jax.data.base import Dataset
 
-
-class FactoryError(ValueError):
-  """A user's dataset factory, or its module, raised.
-
-  The message names the factory and the exception in one line; the
-  exception itself is the ``__cause__``, its traceback starting in the
-  user's code. ``show_cause`` tells a binary to print that traceback above
-  its ``error:`` line (:func:`qsync_jax.cli.bad_input_exits`).
-  """
-
-  show_cause = True
+# Raised here too; defined beside the streams that raise it as they are read.
+from qsync_jax.data.streams import FactoryError  # noqa: F401
 
 
 def is_factory_spec(spec: str) -> bool:
@@ -45,19 +36,13 @@ def is_factory_spec(spec: str) -> bool:
   return ":" in spec
 
 
-def _one_line(err: BaseException) -> str:
-  return " ".join(str(err).split()) or "(no message)"
+_one_line = streams.one_line
 
 
 def _user_code_failed(err: BaseException, spec: str, doing: str) -> NoReturn:
   """Raises a :class:`FactoryError` whose cause is ``err`` without this
   module's frame: its traceback starts in the user's code."""
-  tb = err.__traceback__
-  cause = err.with_traceback(tb.tb_next if tb is not None else None)
-  raise FactoryError(
-    f"dataset {spec!r} raised {type(err).__name__} {doing}: "
-    f"{_one_line(err)} (its traceback is above)"
-  ) from cause
+  streams.user_code_failed(err, f"dataset {spec!r}", doing)
 
 
 def load_factory(spec: str, hint: str) -> Callable[..., Any]:
@@ -154,6 +139,7 @@ def _arrays(value: Any, what: str, integer_labels: bool) -> tuple[Any, Any]:
     raise ValueError(f"{what}: {len(x)} inputs but {len(y)} labels")
   if len(x) == 0:
     raise ValueError(f"{what} is empty")
+  streams.check_finite(x, what)
   streams.check_labels(y, what, integer_labels)
   return x, y
 
@@ -171,7 +157,7 @@ def _first_example(
         f"{what} is an endless MapDataset (repeat() without num_epochs); "
         "return it without repeat(): training runs its epochs"
       )
-  first = next(iter(streams.first_examples(value, kind, 1)), None)
+  first = next(iter(streams.first_examples(value, kind, 1, what)), None)
   if first is None:
     raise ValueError(f"{what} is empty")
   return streams.as_example(first[1], f"{what}, example 0", integer_labels)

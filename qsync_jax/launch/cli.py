@@ -45,6 +45,7 @@ from absl import flags
 from qsync_jax import cli
 from qsync_jax.launch import elastic
 from qsync_jax.launch import links
+from qsync_jax.launch import pool
 from qsync_jax.launch.local import check_program
 from qsync_jax.launch.local import launch
 
@@ -197,17 +198,17 @@ def _check_flags(opts: flags.FlagValues) -> None:
     )
 
 
-def _elastic_options(opts: flags.FlagValues) -> elastic.ElasticOptions:
+def _elastic_options(opts: flags.FlagValues) -> pool.ElasticOptions:
   """The checked pool of ``--elastic`` (raises ``ValueError`` naming a
   flag or the availability file)."""
   n = opts.num_processes
-  return elastic.ElasticOptions(
+  return pool.ElasticOptions(
     pool_size=n,
     min_processes=1 if opts.min_processes is None else opts.min_processes,
     availability=(
-      elastic.Availability()
+      pool.Availability()
       if opts.availability is None
-      else elastic.load_availability(opts.availability, n)
+      else pool.load_availability(opts.availability, n)
     ),
     rejoin_after_s=opts.rejoin_after,
     max_restarts=opts.max_restarts,

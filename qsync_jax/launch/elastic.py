@@ -44,9 +44,19 @@ launcher's ``QSYNC_*`` variables plus
 * **Failure** (a process exits with a status other than 0 and 75): the
   others are SIGKILLed and the job ends with that status, with one line
   naming the process. All processes exit 0: the job is done, status 0.
-  All exit 0 or 75 with no notice from this launcher (someone else sent
-  SIGTERM): the job ends with 75, so that whatever runs the launcher can
-  start it again to resume.
+* **A reclaim this launcher did not start** (whatever shares the host
+  takes a device back with a SIGTERM to its process): each process records
+  a SIGTERM it receives in the job's notices directory
+  (:data:`~qsync_jax.process.membership.ENV_NOTICES`, written by
+  :class:`~qsync_jax.process.preemption.PreemptionWatch`) before the
+  processes agree on a step. When every process exited 0 or 75 and some,
+  not all, recorded a SIGTERM this launcher did not send, their slots are
+  reclaimed: out as a dead slot is (back after ``rejoin_after_s`` or when
+  an availability interval of it ends), the change's cause ``reclaimed``.
+  A process killed by such a SIGTERM before it could take it counts the
+  same. All exit 0 or 75 and every process got such a SIGTERM, or none
+  recorded one: a job-wide preemption, the job ends with 75, so that
+  whatever runs the launcher can start it again to resume.
 * **Below ``min_processes``:** the launcher waits for slots to come back,
   saying once for what; when not enough ever will, it ends with one
   ``error:`` line and status 1. More than ``max_restarts`` restarts: one
@@ -55,9 +65,14 @@ launcher's ``QSYNC_*`` variables plus
 Every world's start is one line on stderr, e.g. ``elastic: world 3: slots
 0,1,3 (slot 2 reclaimed at 31.2 s); restart 2``, times in seconds since the
 job started; process ``i`` in slot ``s`` has its lines relayed as
-``[p<i> s<s>] ``. SIGINT and SIGTERM to the launcher kill every process and
-end it with 128 + the signal; ``timeout_s`` bounds the whole job (status
-124).
+``[p<i> s<s>] ``. SIGTERM to the launcher is a job-wide preemption: it is
+passed on to every process, they checkpoint the step they agree on, and
+the launcher ends with 75 once all exited 0 or 75 (with 143 and one
+``error:`` line when one did not; between worlds at once with 75). SIGINT,
+or a second signal, kills every process and ends it with 128 + the signal;
+``timeout_s`` bounds the whole job (status 124). A launcher killed by
+SIGKILL takes its processes with it (a parent-death signal and a process
+group each, :class:`qsync_jax.launch.local.Processes`).
 
 The job's processes share a persistent XLA compilation cache for its
 lifetime (``JAX_COMPILATION_CACHE_DIR``: a temporary directory the launcher
@@ -75,7 +90,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 import json
-import math
 import os
 import shutil
 import signal
@@ -83,9 +97,10 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
 
 from qsync_jax.launch import local
+from qsync_jax.launch.pool import ElasticOptions
+from qsync_jax.launch.pool import Pool
 from qsync_jax.process import membership
 
 #: How often the supervisor looks at its processes and the pool.
@@ -97,216 +112,6 @@ COMPILATION_CACHE_VAR = "JAX_COMPILATION_CACHE_DIR"
 CACHE_MIN_COMPILE_TIME_VAR = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 #: Which cause names a change that had several: the least orderly wins.
 _PRECEDENCE = ("died", "reclaimed", "returned")
-
-
-def _number(value: Any) -> bool:
-  return (
-    isinstance(value, (int, float))
-    and not isinstance(value, bool)
-    and math.isfinite(value)
-  )
-
-
-@dataclasses.dataclass(frozen=True)
-class Availability:
-  """When each slot of a pool is reclaimed: the ``--availability`` trace.
-
-  Attributes:
-    intervals: per slot, sorted ``(start, end)`` pairs in seconds since the
-      job started; the slot is reclaimed while ``start <= t < end``. A slot
-      not named is always available.
-  """
-
-  intervals: Mapping[int, tuple[tuple[float, float], ...]] = dataclasses.field(
-    default_factory=dict
-  )
-
-  @classmethod
-  def parse(cls, data: Any, pool_size: int) -> Availability:
-    """Reads the JSON form, ``{"2": [[30, 60], [90, 100]], ...}``.
-
-    Raises:
-      ValueError: not an object, a key that is not a slot of the pool, or
-        an interval that is not ``[start, end]`` with ``0 <= start < end``;
-        the message reads on from "the availability file".
-    """
-    if not isinstance(data, dict):
-      raise ValueError(
-        'is not a JSON object of slot: intervals, as {"2": [[30, 60]]}'
-      )
-    out: dict[int, tuple[tuple[float, float], ...]] = {}
-    for key, value in data.items():
-      try:
-        slot = int(key)
-      except ValueError:
-        slot = -1
-      if not 0 <= slot < pool_size or str(slot) != key.strip():
-        raise ValueError(
-          f"names slot {key!r}; the pool's slots are 0..{pool_size - 1}"
-        )
-      if not isinstance(value, list):
-        raise ValueError(
-          f"has slot {slot} intervals that are not a list of [start, end]"
-        )
-      pairs = []
-      for pair in value:
-        if not (
-          isinstance(pair, list)
-          and len(pair) == 2
-          and all(_number(v) for v in pair)
-        ):
-          raise ValueError(
-            f"has slot {slot} interval {pair!r}, which is not [start, end] "
-            "in seconds"
-          )
-        start, end = float(pair[0]), float(pair[1])
-        if start < 0 or end <= start:
-          raise ValueError(
-            f"has slot {slot} interval [{start:g}, {end:g}], which must "
-            "have 0 <= start < end"
-          )
-        pairs.append((start, end))
-      out[slot] = tuple(sorted(pairs))
-    return cls(out)
-
-  def reclaimed(self, slot: int, t: float) -> bool:
-    """Whether ``slot`` is reclaimed at ``t`` seconds into the job."""
-    return any(s <= t < e for s, e in self.intervals.get(slot, ()))
-
-  def ends_after(self, slot: int, t: float) -> list[float]:
-    """The ends of ``slot``'s intervals later than ``t``, ascending."""
-    return sorted(e for _, e in self.intervals.get(slot, ()) if e > t)
-
-
-def load_availability(path: str, pool_size: int) -> Availability:
-  """Reads an ``--availability`` file (see :meth:`Availability.parse`).
-
-  Raises:
-    ValueError: unreadable, not JSON, or malformed; the message names the
-      file and what is wrong.
-  """
-  try:
-    with open(path) as f:
-      text = f.read()
-  except OSError as e:
-    raise ValueError(
-      f"cannot read the availability file {path}: {e.strerror}"
-    ) from None
-  try:
-    data = json.loads(text)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"the availability file {path} is not JSON: {e}") from None
-  try:
-    return Availability.parse(data, pool_size)
-  except ValueError as e:
-    raise ValueError(f"the availability file {path} {e}") from None
-
-
-@dataclasses.dataclass(frozen=True)
-class ElasticOptions:
-  """How an elastic launch treats its pool (the launcher's elastic flags).
-
-  Attributes:
-    pool_size: how many slots (``--num_processes``).
-    min_processes: the fewest processes a world may have.
-    availability: when slots are reclaimed.
-    rejoin_after_s: seconds after which a dead slot comes back; None: only
-      when an availability interval of it ends.
-    max_restarts: the most worlds started after the first.
-    grace_s: seconds a world has to exit after a notice.
-    compilation_cache: give the processes a persistent XLA compilation
-      cache that lasts the job (:data:`COMPILATION_CACHE_VAR`), unless the
-      environment names one already.
-  """
-
-  pool_size: int
-  min_processes: int = 1
-  availability: Availability = dataclasses.field(default_factory=Availability)
-  rejoin_after_s: float | None = None
-  max_restarts: int = 100
-  grace_s: float = 60.0
-  compilation_cache: bool = True
-
-  def __post_init__(self) -> None:
-    if self.pool_size < 1:
-      raise ValueError(f"--num_processes must be >= 1, got {self.pool_size}")
-    if not 1 <= self.min_processes <= self.pool_size:
-      raise ValueError(
-        f"--min_processes must be in [1, --num_processes={self.pool_size}], "
-        f"got {self.min_processes}"
-      )
-    if self.rejoin_after_s is not None and not (
-      math.isfinite(self.rejoin_after_s) and self.rejoin_after_s > 0
-    ):
-      raise ValueError(
-        f"--rejoin_after must be a finite number > 0, got {self.rejoin_after_s}"
-      )
-    if self.max_restarts < 0:
-      raise ValueError(f"--max_restarts must be >= 0, got {self.max_restarts}")
-    if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
-      raise ValueError(
-        f"--grace_s must be a finite number >= 0, got {self.grace_s}"
-      )
-    bad = [s for s in self.availability.intervals if s >= self.pool_size]
-    if bad:
-      raise ValueError(
-        f"the availability names slot {bad[0]}; the pool's slots are "
-        f"0..{self.pool_size - 1}"
-      )
-
-
-class Pool:
-  """Which slots are available when: the trace, and the deaths seen."""
-
-  def __init__(self, options: ElasticOptions):
-    self.options = options
-    #: A dead slot -> (when it died, when it is back or None: never).
-    self.dead: dict[int, tuple[float, float | None]] = {}
-
-  def died(self, slot: int, t: float) -> None:
-    """Slot ``slot``'s process died at ``t`` seconds into the job."""
-    back = (
-      [t + self.options.rejoin_after_s] if self.options.rejoin_after_s else []
-    )
-    back += self.options.availability.ends_after(slot, t)[:1]
-    self.dead[slot] = (t, min(back) if back else None)
-
-  def available(self, slot: int, t: float) -> bool:
-    """Whether ``slot`` may run at ``t`` seconds into the job."""
-    if self.options.availability.reclaimed(slot, t):
-      return False
-    if slot in self.dead:
-      _, back = self.dead[slot]
-      return back is not None and t >= back
-    return True
-
-  def slots(self, t: float) -> tuple[int, ...]:
-    """The slots available at ``t``, ascending."""
-    return tuple(
-      s for s in range(self.options.pool_size) if self.available(s, t)
-    )
-
-  def back_at(self, slot: int, t: float) -> float | None:
-    """When ``slot``, out at ``t``, is next available; None: never."""
-    # Availability changes only where an interval ends or a death's time
-    # out is over, so the earliest such time it is available at is the one.
-    times = self.options.availability.ends_after(slot, t)
-    back = self.dead[slot][1] if slot in self.dead else None
-    if back is not None and back > t:
-      times.append(back)
-    return next((c for c in sorted(times) if self.available(slot, c)), None)
-
-  def why_out(self, slot: int, t: float) -> str:
-    """Why ``slot`` is not available at ``t``, for one line."""
-    if self.options.availability.reclaimed(slot, t):
-      return f"slot {slot} reclaimed"
-    died, back = self.dead[slot]
-    if back is None:
-      return (
-        f"slot {slot} died at {died:.1f} s and never comes back (no "
-        "--rejoin_after, and no availability interval of it ends later)"
-      )
-    return f"slot {slot} died at {died:.1f} s"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,6 +161,29 @@ class _World:
   signalled: set[int] = dataclasses.field(default_factory=set)
   ending_since: float | None = None  # Monotonic time of the first notice.
   excused: set[int] = dataclasses.field(default_factory=set)
+  #: Where the processes record the SIGTERMs they receive, or None.
+  notices_dir: str | None = None
+  #: The launcher got SIGTERM: every process was told to checkpoint and
+  #: the job ends with the world.
+  preempting: bool = False
+
+  def outside_notices(self) -> dict[int, float]:
+    """The processes that recorded a SIGTERM this launcher did not send
+    them (:func:`~qsync_jax.process.membership.notice_path`): process index
+    -> ``time.time()`` when it came."""
+    if self.notices_dir is None:
+      return {}
+    out = {}
+    for i in range(len(self.slots)):
+      if i in self.signalled:
+        continue
+      path = membership.notice_path(self.notices_dir, self.number - 1, i)
+      try:
+        with open(path) as f:
+          out[i] = float(json.load(f)["time"])
+      except (OSError, ValueError, KeyError, TypeError):
+        continue
+    return out
 
   def judge(self, codes: list[int | None], pool: Pool, t: float) -> str | None:
     """Reads the exit statuses so far; marks the slots that died in ``pool``.
@@ -375,6 +203,8 @@ class _World:
     procs = self.procs
     changed = membership.MEMBERSHIP_CHANGED_EXIT_CODE
     term, kill = -int(signal.SIGTERM), -int(signal.SIGKILL)
+    if self.preempting:
+      return self._judge_preemption(codes)
     dead = [
       i
       for i, c in enumerate(codes)
@@ -401,9 +231,14 @@ class _World:
       dead = [i for i in dead if codes[i] == kill] or dead
       wall = time.time()
       for i in dead:
-        pool.died(self.slots[i], t)
-        note = f" ({_signal_name(codes[i] or 0)})"
-        self.events.append(_Event("died", self.slots[i], t, wall, note))
+        # A SIGTERM this launcher did not send, fatal before the process
+        # could take it: a reclaim of its slot by someone else.
+        cause = "reclaimed" if codes[i] == term else "died"
+        pool.died(self.slots[i], t, cause)
+        note = f" ({_signal_name(codes[i] or 0)} not from this launcher)"
+        if cause == "died":
+          note = f" ({_signal_name(codes[i] or 0)})"
+        self.events.append(_Event(cause, self.slots[i], t, wall, note))
       procs.kill_running()
       return "next"
     failed = next(
@@ -442,13 +277,71 @@ class _World:
       return None
     if all(c == 0 for c in codes):
       return "done"
+    outside = self.outside_notices()
+    if outside and len(outside) < len(codes):
+      # Some processes alone got a SIGTERM from someone else (whatever
+      # shares the host taking its device back): a reclaim of their slots.
+      now = time.time()
+      for i, when in sorted(outside.items()):
+        pool.died(self.slots[i], t, "reclaimed")
+        self.events.append(
+          _Event(
+            "reclaimed",
+            self.slots[i],
+            max(0.0, t - (now - when)),
+            when,
+            " (a SIGTERM not from this launcher)",
+          )
+        )
+      return "next"
     if self.events:
       return "next"
+    who = (
+      "every process got SIGTERM from outside this launcher"
+      if outside
+      else f"every process exited 0 or {changed} with no notice from this "
+      "launcher"
+    )
     raise _Stop(
       changed,
-      f"elastic: world {self.number}: every process exited 0 or {changed} "
-      "with no notice from this launcher; ending with "
-      f"{changed} (run it again to resume)",
+      f"elastic: world {self.number}: {who} (a job-wide preemption); "
+      f"ending with {changed} (run it again to resume)",
+    )
+
+  def _judge_preemption(self, codes: list[int | None]) -> str | None:
+    """:meth:`judge` once the launcher got SIGTERM and passed it on to every
+    process: the job ends with the world, with 75 when every process
+    checkpointed the step they agreed on and exited 75 (or 0)."""
+    changed = membership.MEMBERSHIP_CHANGED_EXIT_CODE
+    procs = self.procs
+    bad = next(
+      (
+        i
+        for i, c in enumerate(codes)
+        if c is not None and c not in (0, changed)
+      ),
+      None,
+    )
+    if bad is not None:
+      code = codes[bad]
+      assert code is not None
+      n = procs.kill_running()
+      raise _Stop(
+        128 + int(signal.SIGTERM),
+        f"error: launcher got SIGTERM; process {bad} (slot "
+        f"{self.slots[bad]}) {local.describe_exit(code)} before it "
+        f"checkpointed; killed {n} other process{'' if n == 1 else 'es'} "
+        "(the steps since the last checkpoint are lost)",
+      )
+    if any(c is None for c in codes):
+      return None
+    if all(c == 0 for c in codes):
+      return "done"
+    raise _Stop(
+      changed,
+      f"elastic: launcher got SIGTERM: every process checkpointed the step "
+      f"they agreed on; ending with {changed} (run the same command again "
+      "to resume)",
     )
 
 
@@ -488,6 +381,9 @@ class Supervisor:
     self._t0 = time.monotonic()
     #: The job's compilation cache directory, while the job runs.
     self.cache_dir: str | None = None
+    #: Where the processes record the SIGTERMs they receive, while the job
+    #: runs (:data:`~qsync_jax.process.membership.ENV_NOTICES`).
+    self.notices_dir: str | None = None
 
   def cache_env(self) -> dict[str, str]:
     """The compilation cache variables of the processes ({} without the
@@ -516,6 +412,7 @@ class Supervisor:
       and COMPILATION_CACHE_VAR not in self.base_env
     ):
       self.cache_dir = tempfile.mkdtemp(prefix="qsync_elastic_xla_")
+    self.notices_dir = tempfile.mkdtemp(prefix="qsync_elastic_notices_")
     try:
       with local.stop_signals() as self.received:
         restart = 0
@@ -548,11 +445,33 @@ class Supervisor:
         world.procs.close()  # Nothing is left running, whatever happened.
       if self.cache_dir is not None:
         shutil.rmtree(self.cache_dir, ignore_errors=True)
+      if self.notices_dir is not None:
+        shutil.rmtree(self.notices_dir, ignore_errors=True)
 
-  def _check_stop(self) -> None:
+  def _check_stop(self, world: _World | None = None) -> None:
+    """Ends the job on a signal or the timeout; a first SIGTERM to the
+    launcher while ``world`` runs is passed on to it instead (a job-wide
+    preemption, :meth:`_preempt`).
+
+    Raises:
+      _Stop: SIGINT, a second signal, SIGTERM between worlds, or timeout.
+    """
     if self.received:
-      name = signal.Signals(self.received[0]).name
-      raise _Stop(128 + self.received[0], f"error: launcher got {name}", True)
+      signum = self.received[0]
+      if signum == signal.SIGTERM and len(self.received) == 1:
+        if world is not None:
+          self._preempt(world)
+        else:
+          changed = membership.MEMBERSHIP_CHANGED_EXIT_CODE
+          raise _Stop(
+            changed,
+            "elastic: launcher got SIGTERM between worlds (the last one "
+            f"checkpointed); ending with {changed} (run the same command "
+            "again to resume)",
+          )
+      else:
+        name = signal.Signals(signum).name
+        raise _Stop(128 + signum, f"error: launcher got {name}", True)
     if self.timeout_s is not None and self.now() >= self.timeout_s:
       raise _Stop(
         local.TIMEOUT_EXIT_CODE,
@@ -636,6 +555,8 @@ class Supervisor:
     world_env = membership.ElasticWorld(
       slots, self.options.pool_size, restart, change
     ).to_env()
+    if self.notices_dir is not None:
+      world_env[membership.ENV_NOTICES] = self.notices_dir
     env = local.launch_env(
       {**self.base_env, **world_env},
       f"{self.address(slots[0])}:{port}",
@@ -645,6 +566,7 @@ class Supervisor:
       restart + 1,
       slots,
       local.Processes(self.dead_peer_timeout_s, lock=self.lock),
+      notices_dir=self.notices_dir,
     )
     why = f" ({change.detail})" if change else " (start)"
     self.log(
@@ -665,6 +587,24 @@ class Supervisor:
       raise
     return world
 
+  def _preempt(self, world: _World) -> None:
+    """Passes the launcher's SIGTERM on to every process of ``world`` (once):
+    they checkpoint the step they agree on and exit 75, and the job ends
+    with the world."""
+    if world.preempting:
+      return
+    world.preempting = True
+    if world.ending_since is None:
+      world.ending_since = time.monotonic()
+    self.log(
+      f"elastic: world {world.number}: launcher got SIGTERM; every process "
+      "checkpoints the step they agree on (a job-wide preemption)"
+    )
+    for i in range(len(world.slots)):
+      if i not in world.signalled:
+        world.signalled.add(i)
+        world.procs.send(i, signal.SIGTERM)
+
   def _watch(self, world: _World) -> bool:
     """Watches ``world`` until it ends.
 
@@ -677,7 +617,7 @@ class Supervisor:
         an agreed exit this launcher did not ask for).
     """
     while True:
-      self._check_stop()
+      self._check_stop(world)
       codes = world.procs.returncodes()
       ended = world.judge(codes, self.pool, self.now())
       if ended is not None:
@@ -750,9 +690,12 @@ def launch_elastic(
 
   Returns:
     0 when a world ends with every process exiting 0; a failing process's
-    status; 75 after an agreed exit this launcher did not ask for; 1 when
-    too few slots will ever be available or the restarts are used up; 124
-    on timeout; 128 + the signal number when the launcher is interrupted.
+    status; 75 after a job-wide preemption (the launcher got SIGTERM, or
+    every process got one from someone else) or an agreed exit this
+    launcher cannot explain; 1 when too few slots will ever be available
+    or the restarts are used up; 124 on timeout; 128 + the signal number
+    when the launcher is interrupted (SIGINT, a second signal, or a
+    process that did not checkpoint after its SIGTERM).
 
   Raises:
     ValueError: ``command`` is empty, its program is a directory or not

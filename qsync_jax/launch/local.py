@@ -19,7 +19,10 @@ Usage:
 Each process gets QSYNC_COORDINATOR_ADDRESS, QSYNC_NUM_PROCESSES and
 QSYNC_PROCESS_ID, which ``initialize()`` reads. The launcher exits with 0 when
 every process exits 0, with the failing process's code (1 if it was killed by
-a signal) when one fails, and with 124 when --timeout_s runs out.
+a signal) when one fails, with 75 when every process exited 0 or 75 (each
+checkpointed the step they agreed on after a SIGTERM: an orderly preemption,
+said in one ``launch:`` line that is not an error), and with 124 when
+--timeout_s runs out.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import time
 from typing import IO
 
 from qsync_jax.process import detection
+from qsync_jax.process import membership
 
 #: The variables each process gets (``initialize()`` reads them).
 ENV_COORDINATOR_ADDRESS = detection.ENV_COORDINATOR_ADDRESS
@@ -50,6 +54,10 @@ TIMEOUT_EXIT_CODE = 124
 
 #: How often a launcher looks at its processes.
 POLL_INTERVAL_S = 0.2
+
+#: The exit status of a process that checkpointed the step every process
+#: agreed on after a notice (SIGTERM): not a failure.
+PREEMPTED = membership.MEMBERSHIP_CHANGED_EXIT_CODE
 
 # From <linux/prctl.h>: deliver a signal to this process when its parent dies.
 _PR_SET_PDEATHSIG = 1
@@ -436,9 +444,12 @@ def launch(
       inside a network namespace (``links.LinkEmulator.wrap``).
 
   Returns:
-    0 when every process exits 0; the failing process's exit code (1 if a
-    signal killed it) when one fails; 124 on timeout; 128 + the signal number
-    when the launcher is interrupted.
+    0 when every process exits 0; 75 when every process exits 0 or 75 (an
+    orderly preemption: the processes checkpointed the step they agreed on;
+    a process still running ``dead_peer_timeout_s`` after the first 75 is
+    killed and the launch fails with 1); the failing process's exit code (1
+    if a signal killed it) when one fails; 124 on timeout; 128 + the signal
+    number when the launcher is interrupted.
 
   Raises:
     ValueError: ``command`` is empty, its program is a directory or not
@@ -454,6 +465,7 @@ def launch(
   procs = Processes(dead_peer_timeout_s)
   summary = []  # The one error line, printed after the relayed output.
   start = time.monotonic()
+  first_out: float | None = None  # When the first process exited 75.
   with stop_signals() as received:
     try:
       for i in range(num_processes):
@@ -469,7 +481,8 @@ def launch(
           return 128 + received[0]
         codes = procs.returncodes()
         failed = next(
-          (i for i, c in enumerate(codes) if c not in (None, 0)), None
+          (i for i, c in enumerate(codes) if c not in (None, 0, PREEMPTED)),
+          None,
         )
         if failed is not None:
           code = codes[failed]
@@ -483,6 +496,27 @@ def launch(
           return code if code > 0 else 1
         if all(c == 0 for c in codes):
           return 0
+        if all(c in (0, PREEMPTED) for c in codes):
+          # An orderly end on a notice: every process checkpointed the step
+          # they agreed on; whatever runs the launcher starts it again.
+          summary.append(
+            f"launch: every process exited 0 or {PREEMPTED} (checkpointed "
+            f"the step they agreed on after a SIGTERM); ending with "
+            f"{PREEMPTED} (run the same command again to resume)"
+          )
+          return PREEMPTED
+        if PREEMPTED in codes:
+          first_out = first_out or time.monotonic()
+          if time.monotonic() - first_out >= dead_peer_timeout_s:
+            i = codes.index(None)
+            n = procs.kill_running()
+            summary.append(
+              f"error: process {codes.index(PREEMPTED)} exited "
+              f"{PREEMPTED} on a notice and process {i} was still running "
+              f"{dead_peer_timeout_s:g} s later; killed {n} "
+              f"process{'' if n == 1 else 'es'}"
+            )
+            return 1
         if timeout_s is not None and time.monotonic() - start >= timeout_s:
           n = procs.kill_running()
           summary.append(

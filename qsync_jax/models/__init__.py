@@ -180,6 +180,27 @@ def model_arguments(
   return {**sized, **kwargs}
 
 
+class FactoryError(ValueError):
+  """A user's model factory raised.
+
+  The message names the factory and the exception in one line; the
+  exception itself is the ``__cause__``, its traceback starting in the
+  user's code, which a binary prints above its ``error:`` line
+  (``show_cause``, :func:`qsync_jax.cli.bad_input_exits`).
+  """
+
+  show_cause = True
+
+
+# What a factory that reads its weights in Python raises under eval_shape.
+_TRACER_ERRORS = (
+  jax.errors.ConcretizationTypeError,
+  jax.errors.TracerArrayConversionError,
+  jax.errors.TracerBoolConversionError,
+  jax.errors.TracerIntegerConversionError,
+)
+
+
 def without_weights(build: Callable[[], nnx.Module]) -> nnx.Module:
   """``build()``'s model with abstract weights (``nnx.eval_shape``).
 
@@ -191,12 +212,7 @@ def without_weights(build: Callable[[], nnx.Module]) -> nnx.Module:
   """
   try:
     return nnx.eval_shape(build)
-  except (
-    jax.errors.ConcretizationTypeError,
-    jax.errors.TracerArrayConversionError,
-    jax.errors.TracerBoolConversionError,
-    jax.errors.TracerIntegerConversionError,
-  ):
+  except _TRACER_ERRORS:
     return build()
 
 
@@ -235,6 +251,8 @@ def build_model(
       model does not take, a factory that fails on its arguments, one that
       returns something else than a model, or a size argument below 1
       (``hidden=0``, ``widths=[4, 0]``) the build fails on, naming it.
+    FactoryError: the factory raised (a ``ValueError``, its cause the
+      user's exception).
   """
   arguments = model_arguments(spec, data_kwargs, kwargs)
   with _sizes_named(spec, arguments):
@@ -284,6 +302,8 @@ def _sizes_named(spec: str, arguments: Mapping[str, Any]) -> Iterator[None]:
   """
   try:
     yield
+  except FactoryError:
+    raise  # the user's code raised: its own message, not a size's
   except _SIZE_ERRORS as err:
     bad = _not_sizes(arguments)
     if not bad or not _raised_in_library(err):
@@ -309,6 +329,8 @@ def _build(
     # without a mesh or on an axis the mesh lacks).
     with sharding.creating():
       model: object = factory(rngs=rngs, **arguments)
+  except _TRACER_ERRORS:
+    raise  # without_weights builds such a factory for real
   except TypeError as err:
     if _not_sizes(arguments) and _raised_in_library(err):
       raise  # a size argument below 1 (_sizes_named says which)
@@ -319,6 +341,15 @@ def _build(
       f"model spec {spec!r} is not a model factory: calling it with "
       f"({args}) raised TypeError: {err}"
     ) from err
+  except Exception as err:  # the user's code failed
+    if _not_sizes(arguments) and _raised_in_library(err):
+      raise  # a size argument below 1 (_sizes_named says which)
+    tb = err.__traceback__
+    raise FactoryError(
+      f"model {spec!r} raised {type(err).__name__}: "
+      f"{' '.join(str(err).split()) or '(no message)'} (its traceback is "
+      "above)"
+    ) from err.with_traceback(tb.tb_next if tb is not None else None)
   from qsync_jax.plan import bridge  # local: only Linen models need it
 
   if isinstance(model, nnx.bridge.ToNNX):
@@ -349,6 +380,7 @@ __all__ = [
   "BertEncoderClassifier",
   "DecoderLM",
   "DecoderLMConfig",
+  "FactoryError",
   "ResNet",
   "ResNet18",
   "ResNet50",

@@ -14,7 +14,11 @@ The subpackage owns
   backend for their forward contraction (Pallas kernels or XLA);
 * the weight gradient of a plain FP32 / TF32 matmul as a library GEMM on
   XLA:CPU (:mod:`.cpu_gemm`, a switch the trainer's gradient function
-  traces under).
+  traces under);
+* the numerics self-check (:mod:`.selfcheck`): each low-precision
+  contraction compiled on its device against a float reference within its
+  error bound, and the safe paths a wrong one is switched to
+  (:mod:`.safe_paths`).
 """
 
 from qsync_jax.numerics.ops import conv_general_dilated

@@ -60,6 +60,12 @@ unchanged (XLA, from the saved int8 / fp8 operands). The int8 kernel's output
 equals XLA's bit for bit (exact int32 accumulation, same epilogue
 association); fp8 differs only by float32 summation order. The setting is
 read when an op is traced: functions already jitted keep their choice.
+
+Safe paths. A signature (precision, op, path) that the numerics self-check
+(:mod:`.selfcheck`) found wrong on this process's device is switched in
+:mod:`.safe_paths`: its forward contraction then runs there (the kernel's
+on XLA, or the quantized operands' exact values contracted in float16 or
+float32 with float32 accumulation), with the same epilogue and backward.
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ import contextlib
 import dataclasses
 import math
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 from jax import lax
@@ -81,6 +87,7 @@ from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.int8_matmul import int8_matmul
 from qsync_jax.numerics import cpu_gemm
 from qsync_jax.numerics import quant as q
+from qsync_jax.numerics import safe_paths
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.numerics.quant import Granularity
 from qsync_jax.numerics.quant import QuantConfig
@@ -102,12 +109,14 @@ _LAX_PRECISION = {
 @dataclasses.dataclass(frozen=True)
 class _DotSpec:
   dimension_numbers: Any
+  op: ClassVar[str] = "dot_general"
 
-  def apply(self, lhs, rhs, preferred_element_type=None):
+  def apply(self, lhs, rhs, preferred_element_type=None, precision=None):
     return lax.dot_general(
       lhs,
       rhs,
       self.dimension_numbers,
+      precision=precision,
       preferred_element_type=preferred_element_type,
     )
 
@@ -140,8 +149,9 @@ class _ConvSpec:
   dimension_numbers: lax.ConvDimensionNumbers
   feature_group_count: int
   batch_group_count: int
+  op: ClassVar[str] = "conv_general_dilated"
 
-  def apply(self, lhs, rhs, preferred_element_type=None):
+  def apply(self, lhs, rhs, preferred_element_type=None, precision=None):
     return lax.conv_general_dilated(
       lhs,
       rhs,
@@ -152,6 +162,7 @@ class _ConvSpec:
       dimension_numbers=self.dimension_numbers,
       feature_group_count=self.feature_group_count,
       batch_group_count=self.batch_group_count,
+      precision=precision,
       preferred_element_type=preferred_element_type,
     )
 
@@ -272,22 +283,44 @@ def _gemm_dims(spec, lhs, rhs) -> tuple[int, int, int]:
 
 def _use_kernel(spec, compute: Precision, ql, qr) -> bool:
   """Whether this forward contraction runs as a Pallas kernel."""
-  backend = get_kernel_backend()
-  if backend == "xla" or not isinstance(spec, _DotSpec):
+  if not isinstance(spec, _DotSpec):
     return False
-  cc = _gpu_capability()
-  floor = _MIN_CAPABILITY[compute]
+  paths = dot_paths(compute)
+  if paths == ("pallas",):
+    return True
+  return "pallas" in paths and min(_gemm_dims(spec, ql, qr)) >= _MIN_GEMM_DIM
+
+
+def dot_paths(compute: Precision | str) -> tuple[str, ...]:
+  """The forward paths an INT8 / FP8 ``dot_general`` can take here.
+
+  Under the kernel backend in force on this process's default device:
+  ``("xla",)`` where the kernel is never chosen, ``("pallas", "xla")``
+  where ``"auto"`` chooses it for GEMMs of sides >= 16 (smaller ones stay
+  on XLA), ``("pallas",)`` under ``"pallas"``. Other precisions:
+  ``("xla",)``.
+
+  Raises:
+    ValueError: ``"pallas"`` on a GPU below the kernel's Triton floor.
+  """
+  compute = Precision.parse(compute)
+  backend = get_kernel_backend()
+  if compute not in _MIN_CAPABILITY or backend == "xla":
+    return ("xla",)
   if backend == "pallas":
+    cc = _gpu_capability()
+    floor = _MIN_CAPABILITY[compute]
     if jax.default_backend() == "gpu" and (cc is None or cc < floor):
       raise ValueError(
         f"QSYNC_KERNELS=pallas: the Triton {compute.value} kernel needs a "
         f"CUDA GPU of capability sm_{floor[0]}{floor[1]}+, this device has "
         f"{cc}; use 'auto' or 'xla'"
       )
-    return True
-  if cc is None or cc < floor or cc >= _XLA_FASTER_FROM:
-    return False
-  return min(_gemm_dims(spec, ql, qr)) >= _MIN_GEMM_DIM
+    return ("pallas",)
+  cc = _gpu_capability()
+  if cc is None or cc < _MIN_CAPABILITY[compute] or cc >= _XLA_FASTER_FROM:
+    return ("xla",)
+  return ("pallas", "xla")
 
 
 def varying_axes(x) -> frozenset:
@@ -409,24 +442,58 @@ def _quantize_operands(spec, compute: Precision, config: QuantConfig, lhs, rhs):
   return ql, sl, qr, sr
 
 
-def _forward(spec, compute, config, lhs, rhs):
-  """Returns (output, residuals) of the low-precision contraction."""
-  if compute in _LOW_FLOAT:
-    dt = _LOW_FLOAT[compute]
-    l, r = lhs.astype(dt), rhs.astype(dt)
-    return spec.apply(l, r), (l, None, r, None)
-  ql, sl, qr, sr = _quantize_operands(spec, compute, config, lhs, rhs)
-  if _use_kernel(spec, compute, ql, qr):
-    y = outside_vma_check(
-      lambda *a: _kernel_contract(spec, compute, *a), ql, sl, qr, sr
-    )
-    return y, (ql, sl, qr, sr)
+def _native_contract(spec, compute: Precision, ql, qr) -> jax.Array:
+  """XLA's own int8 / fp8 contraction of the quantized operands: the int32
+  (float32 for fp8) accumulator."""
   acc_type = jnp.int32 if compute is Precision.INT8 else jnp.float32
   if isinstance(spec, _ConvSpec) and jax.default_backend() == "gpu":
     # cuDNN's integer convolution accumulates in int32 but emits s8 or f32
     # only (XLA refuses an s32 output): take the f32 it converts to.
     acc_type = jnp.float32
-  acc = spec.apply(ql, qr, preferred_element_type=acc_type)
+  return spec.apply(ql, qr, preferred_element_type=acc_type)
+
+
+def _safe_contract(spec, safe: str, l, r) -> jax.Array:
+  """The contraction of ``l`` and ``r``'s exact values on the safe path
+  ``safe`` (:mod:`.safe_paths`): as float16 or float32 operands, float32
+  accumulation at ``Precision.HIGHEST``; a float32 result."""
+  dt = jnp.float16 if safe == "f16" else jnp.float32
+  return spec.apply(
+    l.astype(dt),
+    r.astype(dt),
+    preferred_element_type=jnp.float32,
+    precision=lax.Precision.HIGHEST,
+  )
+
+
+def _forward(spec, compute, config, lhs, rhs):
+  """Returns (output, residuals) of the low-precision contraction."""
+  if compute in _LOW_FLOAT:
+    dt = _LOW_FLOAT[compute]
+    l, r = lhs.astype(dt), rhs.astype(dt)
+    sig = safe_paths.Signature(compute.value, spec.op, "xla")
+    if safe_paths.safe_path(sig) is None:
+      return spec.apply(l, r), (l, None, r, None)
+    return _safe_contract(spec, "f32", l, r).astype(dt), (l, None, r, None)
+  ql, sl, qr, sr = _quantize_operands(spec, compute, config, lhs, rhs)
+  path = "pallas" if _use_kernel(spec, compute, ql, qr) else "xla"
+  safe = safe_paths.safe_path(
+    safe_paths.Signature(compute.value, spec.op, path)
+  )
+  if safe == "xla":  # the kernel's signature switched to XLA's, maybe safe
+    path = "xla"
+    safe = safe_paths.safe_path(
+      safe_paths.Signature(compute.value, spec.op, path)
+    )
+  if path == "pallas" and safe is None:
+    y = outside_vma_check(
+      lambda *a: _kernel_contract(spec, compute, *a), ql, sl, qr, sr
+    )
+    return y, (ql, sl, qr, sr)
+  if safe is None:
+    acc = _native_contract(spec, compute, ql, qr)
+  else:
+    acc = _safe_contract(spec, safe, ql, qr)
   y = acc.astype(jnp.float32) * spec.out_scale(sl, sr, lhs.ndim, rhs.ndim)
   return y, (ql, sl, qr, sr)
 

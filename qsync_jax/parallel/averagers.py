@@ -382,7 +382,9 @@ def make_averager(name: str, **kwargs: Any) -> Averager:
     The strategy.
 
   Raises:
-    ValueError: an unknown name.
+    ValueError: an unknown name, or a field out of its range.
+    TypeError: a keyword that is not one of the strategy's fields (the
+      message lists them).
 
   Example:
     >>> import qsync_jax as qs
@@ -399,7 +401,19 @@ def make_averager(name: str, **kwargs: Any) -> Averager:
     raise ValueError(
       f"unknown averager {name!r}; valid: {', '.join(_FACTORIES)}"
     )
-  return _FACTORIES[name](**kwargs)
+  factory = _FACTORIES[name]
+  cls = factory.func if isinstance(factory, functools.partial) else factory
+  fields = [f.name for f in dataclasses.fields(cast(Any, cls)) if f.init]
+  if isinstance(factory, functools.partial):
+    fields = fields[len(factory.args) :]  # the dtype the name fixes
+  unknown = sorted(set(kwargs) - set(fields))
+  if unknown:
+    shown = [f for f in fields if f != "name"]
+    raise TypeError(
+      f"make_averager({name!r}) takes no {', '.join(unknown)}; it takes "
+      f"{', '.join(shown) or 'no keyword arguments'}"
+    )
+  return factory(**kwargs)
 
 
 def ravel_floats(tree: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:

@@ -284,6 +284,57 @@ def _float64_lr(value: Any, step: int) -> float:
   return lr
 
 
+def _lr_at(lr_schedule: LearningRate, step: int) -> float:
+  """``lr_schedule`` at optax count ``step`` (or the constant), in float64.
+
+  Raises:
+    ValueError: it is not a finite float64 number.
+  """
+  if not callable(lr_schedule):
+    return _float64_lr(lr_schedule, step)
+  # jax computes in float32 unless 64-bit types are on; with them an
+  # optax schedule's own formula runs in float64.
+  with jax.enable_x64(True):
+    return _float64_lr(lr_schedule(step), step)
+
+
+def default_alpha(peak_lr: float, h_base: int, gamma: float = 2.0) -> float:
+  """QSR's growth coefficient for a peak learning rate: the period is
+  ``h_base`` at the peak and grows as the learning rate decays.
+
+  ``alpha = peak_lr * h_base ** (1 / gamma)``, so that
+  ``(alpha / lr) ** gamma = h_base * (peak_lr / lr) ** gamma``: QSR starts
+  where constant-period local SGD with ``h_base`` would, and the period
+  grows from the first step the learning rate falls below its peak. It is
+  the paper's choice relative to the peak learning rate: the ViT-B runs
+  (peak 0.008, ``H_base = 4``) use ``alpha = 0.0175``, whose period at the
+  peak, ``floor((0.0175 / 0.008) ** 2) = 4``, is ``H_base``.
+
+  Args:
+    peak_lr: the largest learning rate (after warmup), > 0.
+    h_base: the smallest period.
+    gamma: the rule's exponent (2 for QSR).
+
+  Returns:
+    ``alpha``.
+
+  Raises:
+    ValueError: a peak learning rate, ``h_base`` or ``gamma`` out of range.
+
+  Example:
+    >>> from qsync_jax.parallel.schedules import default_alpha
+    >>> default_alpha(0.008, 4)
+    0.016
+  """
+  _check_period(h_base, "h_base")
+  if not (math.isfinite(peak_lr) and peak_lr > 0) or not gamma > 0:
+    raise ValueError(
+      "default_alpha needs peak_lr > 0 (finite) and gamma > 0, got "
+      f"peak_lr={peak_lr!r}, gamma={gamma!r}"
+    )
+  return float(peak_lr) * h_base ** (1.0 / gamma)
+
+
 class QSR(_SyncTable):
   """Quadratic Synchronization Rule: the period grows as the LR decays.
 
@@ -377,12 +428,7 @@ class QSR(_SyncTable):
     Raises:
       ValueError: it is not a finite float64 number.
     """
-    if not callable(self.lr_schedule):
-      return _float64_lr(self.lr_schedule, step)
-    # jax computes in float32 unless 64-bit types are on; with them an
-    # optax schedule's own formula runs in float64.
-    with jax.enable_x64(True):
-      return _float64_lr(self.lr_schedule(step), step)
+    return _lr_at(self.lr_schedule, step)
 
   def period(self, step: int) -> int:
     """The period of a round starting after ``step`` completed steps.
@@ -480,7 +526,7 @@ def make_schedule(
   total_steps: int,
   lr_schedule: LearningRate | None = None,
   h_base: int = 1,
-  alpha: float = 0.0,
+  alpha: float | None = None,
   gamma: float = 2.0,
   warmup_steps: int = 0,
   switch_step: int = 0,
@@ -498,7 +544,9 @@ def make_schedule(
     lr_schedule: the learning rate QSR reads (see :class:`QSR`): a float64
       function of the step count, or a constant.
     h_base: the constant period, or QSR's smallest one.
-    alpha: QSR's growth coefficient.
+    alpha: QSR's growth coefficient; None: :func:`default_alpha` of the
+      learning rate at the end of warmup (the peak), so the period starts
+      at ``h_base`` and grows as the learning rate decays.
     gamma: QSR's exponent (1 linear, 2 QSR, 3 cubic).
     warmup_steps: QSR keeps ``h_base`` during LR warmup.
     switch_step: post-local SGD's data-parallel steps.
@@ -507,8 +555,13 @@ def make_schedule(
     The schedule.
 
   Raises:
-    ValueError: an unknown name, or QSR without a learning rate or with
-      ``alpha <= 0`` (which is constant ``H``: use ``"local"``).
+    ValueError: an unknown name, ``total_steps`` below 1, a post-local
+      ``switch_step`` not before ``total_steps``, or QSR without a learning
+      rate, with ``alpha <= 0`` (which is constant ``H``: use ``"local"``),
+      or with
+      neither ``alpha`` nor a learning rate that changes (a constant
+      learning rate keeps the period at ``h_base``: use ``"local"``, or
+      give a decaying schedule).
 
   Example:
     >>> import qsync_jax as qs
@@ -517,15 +570,30 @@ def make_schedule(
     >>> qs.make_schedule("dp", total_steps=10).sync_steps(10)[:3]
     [1, 2, 3]
   """
+  _check_period(total_steps, "total_steps")
   if name == "dp":
     return EveryStep()
   if name == "local":
     return ConstantLocalSGD(h_base, total_steps=total_steps)
   if name == "postlocal":
+    if _is_int(switch_step) and switch_step >= total_steps:
+      raise ValueError(
+        f"the postlocal schedule's switch_step={switch_step} is not before "
+        f"total_steps={total_steps}: it would average gradients every step "
+        "of the run (that is sync=dp); give a smaller switch_step"
+      )
     return PostLocalSGD(switch_step, h_base, total_steps=total_steps)
   if name == "qsr":
     if lr_schedule is None:
       raise ValueError("the qsr schedule needs the learning-rate schedule")
+    if alpha is None:
+      if not callable(lr_schedule):
+        raise ValueError(
+          f"the qsr schedule with a constant learning rate ({lr_schedule}) "
+          f"and no alpha keeps the period at h_base={h_base} (that is "
+          "sync=local): give a decaying lr_schedule (e.g. cosine), or alpha"
+        )
+      alpha = default_alpha(_lr_at(lr_schedule, warmup_steps), h_base, gamma)
     if not alpha > 0:
       raise ValueError(
         f"the qsr schedule needs alpha > 0, got {alpha} "

@@ -104,6 +104,19 @@ def check_rule_complexity(pattern: str) -> None:
     )
 
 
+def _check_not_repeated(rules: Sequence[tuple[str, Precision]]) -> None:
+  """Raises where the last of ``rules`` repeats an earlier rule's pattern
+  with another precision (the first match wins: it would never apply)."""
+  pattern, precision = rules[-1]
+  for i, (earlier, was) in enumerate(rules[:-1]):
+    if earlier == pattern and was is not precision:
+      raise PlanError(
+        f"rule {len(rules) - 1} ({pattern!r}, {precision.value}) repeats "
+        f"rule {i}'s pattern with another precision ({was.value}); the "
+        "first match wins, so it would never apply: keep one of them"
+      )
+
+
 @dataclasses.dataclass(frozen=True)
 class PrecisionPlan:
   """Per-layer precision as ordered regex rules over layer paths.
@@ -156,6 +169,7 @@ class PrecisionPlan:
       except PlanError as e:
         raise PlanError(f"rule {i}: {e}") from None
       parsed.append((pattern, Precision.parse(precision)))
+      _check_not_repeated(parsed)
     object.__setattr__(self, "rules", tuple(parsed))
     object.__setattr__(self, "default", Precision.parse(default))
     object.__setattr__(
@@ -220,7 +234,36 @@ class PrecisionPlan:
           "(contractions of integer or complex operands, and those inside "
           "jax's own functions, are not layers)"
         )
-    return {path: self.precision_of(path) for path in layer_paths}
+    resolved = {path: self.precision_of(path) for path in layer_paths}
+    if strict:
+      self._check_no_shadowed_rule(layer_paths, resolved)
+    return resolved
+
+  def _check_no_shadowed_rule(
+    self, layer_paths: Sequence[str], resolved: Mapping[str, Precision]
+  ) -> None:
+    """Raises where a rule never applies because earlier rules take every
+    layer it matches, at other precisions: the first match wins, so the
+    later rule's precision would be silently dropped."""
+    first: dict[str, int] = {}  # each path's first matching rule
+    matches = []
+    for i, (pattern, _) in enumerate(self.rules):
+      matched = [p for p in layer_paths if re.fullmatch(pattern, p)]
+      matches.append(matched)
+      for p in matched:
+        first.setdefault(p, i)
+    for i, (pattern, precision) in enumerate(self.rules):
+      matched = matches[i]
+      if not matched or any(
+        first[p] == i or resolved[p] is precision for p in matched
+      ):
+        continue
+      taken = ", ".join(f"{p} ({resolved[p].value})" for p in matched)
+      raise PlanError(
+        f"plan rule {i} ({pattern!r}, {precision.value}) never applies: "
+        f"earlier rules take every layer it matches ({taken}), and the "
+        "first match wins; put it before them, or drop it"
+      )
 
   def precisions(self) -> set[Precision]:
     """Returns every precision the plan can assign (rules and default)."""

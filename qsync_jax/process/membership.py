@@ -32,7 +32,11 @@ ENV_SLOTS = "QSYNC_ELASTIC_SLOTS"
 ENV_POOL_SIZE = "QSYNC_ELASTIC_POOL_SIZE"
 ENV_RESTART = "QSYNC_ELASTIC_RESTART"
 ENV_CHANGE = "QSYNC_ELASTIC_CHANGE"
-ELASTIC_VARS = (ENV_SLOTS, ENV_POOL_SIZE, ENV_RESTART, ENV_CHANGE)
+#: The directory where each process records a SIGTERM it received
+#: (:func:`notice_path`), so that the launcher tells a reclaim of some slots
+#: by someone else from a job-wide preemption.
+ENV_NOTICES = "QSYNC_ELASTIC_NOTICES"
+ELASTIC_VARS = (ENV_SLOTS, ENV_POOL_SIZE, ENV_RESTART, ENV_CHANGE, ENV_NOTICES)
 
 #: Why a world ended: a slot told to leave (SIGTERM), a process that died
 #: without notice (SIGKILL, node loss), a slot given back.
@@ -40,6 +44,18 @@ CAUSES = ("reclaimed", "died", "returned")
 #: The causes whose world ended on a notice: its processes checkpointed the
 #: step they agreed on, and no step was lost.
 NOTICE_CAUSES = ("reclaimed", "returned")
+
+
+def notice_path(directory: str, restart: int, process: int) -> str:
+  """The file where process ``process`` of world ``restart`` records that
+  it received SIGTERM (``{"time": time.time()}``).
+
+  Args:
+    directory: the launcher's notices directory (:data:`ENV_NOTICES`).
+    restart: the world's :attr:`ElasticWorld.restart`.
+    process: the process's index in its world.
+  """
+  return os.path.join(directory, f"sigterm-{restart}-{process}.json")
 
 
 @dataclasses.dataclass(frozen=True)

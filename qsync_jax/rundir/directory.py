@@ -10,7 +10,11 @@ it writes there:
 - :func:`refusal_leaves_no_dir` removes the directory again when the run
   that created it is refused before writing anything;
 - :func:`check_layout` refuses a directory where something stands in the
-  way of the files and directories a run writes.
+  way of the files and directories a run writes;
+- :class:`DirectoryIdentity` tells the directory a run started in from
+  nothing (removed while the run trains) or another one made at its path
+  (a save that made it again), so that the run stops instead of going on
+  half-empty (:class:`RunDirectoryRemoved`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,60 @@ LOCK_FILE = ".lock"
 DIRECTORIES = ("checkpoints", "plans", "allocation", "tensorboard")
 #: The files a training run writes there.
 FILES = ("metrics.jsonl", "summary.json", "curves.png")
+
+
+class RunDirectoryRemoved(FileNotFoundError):
+  """The run directory was removed, or made again, while the run trained."""
+
+
+class DirectoryIdentity:
+  """The directory a path named when a run started, held open.
+
+  The directory stays open (a file descriptor) so that its inode cannot be
+  given to another directory made at the path after it was removed: the
+  path names the run's directory exactly while ``stat`` of both agree and
+  the open one is not removed.
+
+  Args:
+    path: the directory (it must exist).
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    self._fd: int | None = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+
+  def check(self) -> None:
+    """Checks that the path still names the same directory.
+
+    Raises:
+      RunDirectoryRemoved: it is gone, or another directory stands there
+        (removed and made again, e.g. by a save into it); the message names
+        the path and what to do.
+    """
+    if self._fd is None:
+      return
+    held = os.fstat(self._fd)
+    try:
+      st = os.stat(self.path)
+    except (FileNotFoundError, NotADirectoryError):
+      what = "is gone"
+    else:
+      if (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino) and (
+        held.st_nlink > 0
+      ):
+        return
+      what = "was made again without this run's earlier files"
+    raise RunDirectoryRemoved(
+      f"the run directory {self.path} was removed while the run was "
+      f"training (it {what}); the run stops here: put back a copy of it "
+      "and resume, or start again with a new --out_dir"
+    )
+
+  def close(self) -> None:
+    """Lets the directory go (later checks pass)."""
+    if self._fd is not None:
+      os.close(self._fd)
+      self._fd = None
 
 
 def make_out_dir(path: str, what: str = "output directory") -> None:

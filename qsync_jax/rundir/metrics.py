@@ -36,6 +36,7 @@ from tensorboardX.proto import summary_pb2
 from tensorboardX.record_writer import masked_crc32c
 
 from qsync_jax import files
+from qsync_jax.rundir import directory
 
 #: The metrics log in a run directory: one JSON object a line, with ``step``.
 METRICS_FILE = "metrics.jsonl"
@@ -260,8 +261,10 @@ class MetricWriter:
     self.metrics_path = os.path.join(out_dir, METRICS_FILE)
     self.events_path: str | None = None
     self._closed = False
+    self._identity: directory.DirectoryIdentity | None = None
     if not self.active:
       return
+    self._identity = directory.DirectoryIdentity(out_dir)
     if start_step > 0 and kept_rows is None:
       kept_rows = metrics_to_keep(self.metrics_path, start_step)
     if start_step > 0 and kept_rows is not None:
@@ -294,11 +297,15 @@ class MetricWriter:
       OSError: the file system refused a write, naming the file; no part
         of a record stays.
       ValueError: the writer is closed.
+      RunDirectoryRemoved: the run directory was removed (or made again)
+        since the writer was opened; nothing is written.
     """
     if self._closed:
       raise ValueError(f"the metric writer of {self.out_dir} is closed")
     if not self.active or self.events_path is None:
       return
+    if self._identity is not None:
+      self._identity.check()
     row = {"step": step, **scalars}
     files.append_line(self.metrics_path, json.dumps(row))
     values = [
@@ -315,10 +322,21 @@ class MetricWriter:
       files.append_bytes(self.events_path, _record(event))
 
   def close(self) -> None:
-    """Flushes what was written to disk (``fsync``); later writes fail."""
+    """Flushes what was written to disk (``fsync``); later writes fail.
+
+    Raises:
+      RunDirectoryRemoved: the run directory was removed (or made again)
+        since the writer was opened: a run must not end as a success then.
+    """
     if self._closed:
       return
     self._closed = True
+    if self._identity is not None:
+      identity, self._identity = self._identity, None
+      try:
+        identity.check()
+      finally:
+        identity.close()
     for path in (self.metrics_path, self.events_path):
       if self.active and path is not None and os.path.exists(path):
         fd = os.open(path, os.O_RDONLY)

@@ -188,6 +188,41 @@ class Restored(NamedTuple):
   meta: dict[str, Any]
 
 
+def _checked_directory(directory: Any, max_to_keep: Any) -> str:
+  """``directory`` as an absolute path, refused where no checkpoint could be
+  written: not a path, empty, a file or under one."""
+  if not isinstance(directory, (str, os.PathLike)):
+    raise TypeError(
+      f"Checkpointer directory must be a path (str or os.PathLike), got "
+      f"{type(directory).__name__}"
+    )
+  if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int):
+    raise TypeError(
+      f"Checkpointer max_to_keep must be an int, got {max_to_keep!r}"
+    )
+  if max_to_keep < 1:
+    raise ValueError(
+      f"Checkpointer max_to_keep must be >= 1, got {max_to_keep}: a "
+      "checkpointer that keeps none could not restore"
+    )
+  if not os.fspath(directory):
+    raise ValueError(
+      "Checkpointer directory is empty; name the directory checkpoints go "
+      "in (e.g. 'runs/a/checkpoints')"
+    )
+  path = os.path.abspath(directory)
+  parent = path
+  while not os.path.lexists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    where = "is" if parent == path else f"lies under {parent!r}, which is"
+    raise ValueError(
+      f"Checkpointer directory {path!r} {where} a file, not a directory; "
+      "point it at a directory (it is created if missing)"
+    )
+  return path
+
+
 class Checkpointer:
   """Saves and restores the :class:`~qsync_jax.train.state.TrainState` of a
   :class:`HybridTrainer` under ``directory``.
@@ -202,10 +237,15 @@ class Checkpointer:
   Args:
     directory: where checkpoints live (one subdirectory per step).
     max_to_keep: how many recent checkpoints to keep.
+
+  Raises:
+    TypeError: ``directory`` is not a path or ``max_to_keep`` not an int.
+    ValueError: ``directory`` is empty, a file or under one, or
+      ``max_to_keep`` is below 1.
   """
 
   def __init__(self, directory: str, max_to_keep: int = 2):
-    self.directory = os.path.abspath(directory)
+    self.directory = _checked_directory(directory, max_to_keep)
     # ERROR: orbax warns about a damaged step here; restore_latest says it.
     with _quiet(logging.ERROR):
       self._manager = ocp.CheckpointManager(

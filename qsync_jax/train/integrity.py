@@ -5,10 +5,11 @@ This module owns what a save records so that a restore can tell an intact
 checkpoint from a damaged one: the SHA-256 of every array shard each process
 writes (:func:`array_digests`, keyed by the shard's index in its global
 array), of the JSON metadata (:func:`meta_digest`), and the checks a restore
-makes on what it read (:func:`array_problem` for a process's own shards,
-:func:`digest_problem` for arrays read whole on every process, as a resume
-onto other workers reads them). :func:`allgather_json` shares small JSON
-values between the processes of a run.
+makes on what it read (:func:`array_problem` for a process's own shards, by
+shard index whichever process wrote them, :func:`digest_problem` for arrays
+read whole on every process, as a resume onto other workers reads them).
+:func:`allgather_json` shares small JSON values between the processes of a
+run.
 """
 
 from __future__ import annotations
@@ -81,14 +82,39 @@ def allgather_json(obj: Any) -> list[Any]:
 
 def array_problem(meta: dict[str, Any], tree: Any) -> str | None:
   """Why this process's shards of the arrays read do not match the checksums
-  saved in ``meta``, or None."""
-  want = meta[INTEGRITY].get("arrays", {}).get(str(jax.process_index()))
-  if want is None:
-    return f"it holds no checksums for process {jax.process_index()}"
+  saved in ``meta``, or None.
+
+  A save keys its checksums by the process that wrote each shard; a shard
+  is the same wherever it is read, so a restore checks each of its shards
+  against the checksum of the same shard index from whichever process
+  saved it: a checkpoint resumes onto another split of the same workers
+  into processes (two processes of one device each, one process of two
+  devices).
+  """
+  arrays = meta[INTEGRITY].get("arrays", {})
+  if not isinstance(arrays, dict) or not arrays:
+    return "it holds no array checksums"
+  want: dict[str, dict[str, str]] = {}
+  for process in sorted(arrays):
+    saved = arrays[process]
+    if not isinstance(saved, dict):
+      return f"its checksums of process {process} are not a JSON object"
+    for key, shards in saved.items():
+      if isinstance(shards, dict):
+        want.setdefault(key, {}).update(shards)
   got = array_digests(tree)
   for key in sorted(set(want) | set(got)):
-    if want.get(key) != got.get(key):
+    saved, read = want.get(key, {}), got.get(key, {})
+    if not saved or not read:
       return f"checksum mismatch in {key}"
+    for index, digest in read.items():
+      if index not in saved:
+        return (
+          f"checksum mismatch in {key} (no saved shard {index!r}: it was "
+          "written with another sharding)"
+        )
+      if saved[index] != digest:
+        return f"checksum mismatch in {key}"
   return None
 
 

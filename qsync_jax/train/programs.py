@@ -21,7 +21,9 @@ averager, ...):
 * :func:`mean_rest_program` and :func:`mean_params_program`: the workers'
   mean non-parameter state and parameters, for evaluation;
 * :func:`step_programs`: all of the above a trainer runs, as one
-  :class:`StepPrograms`, which also compiles them ahead of the steps.
+  :class:`StepPrograms`, which also compiles them ahead of the steps
+  (:func:`waits_for_local_work`: when a parameter average waits for queued
+  work).
 
 Every input and output is stacked over the workers (:mod:`.layout`). Each
 average threads the error-feedback residual and the averager's own state
@@ -366,6 +368,7 @@ def average_params_program(
   seed: int,
   outer_tx: optax.GradientTransformation | None = None,
   unravel: Unravel | None = None,
+  settle: bool = False,
 ) -> jax.stages.Wrapped:
   """Averages the parameters' change since the last synchronization.
 
@@ -385,6 +388,8 @@ def average_params_program(
     outer_tx: the outer optimizer, or None for plain averaging.
     unravel: flat vector to parameter pytree (needed with ``outer_tx``,
       which sees the parameters' pytree, so masks and per-leaf rules work).
+    settle: a call first waits until its arguments are computed
+      (:func:`waits_for_local_work`).
 
   Returns:
     ``average(params, anchor, weight, counter, residual, averager_state=None,
@@ -457,24 +462,30 @@ def average_params_program(
       outer_state,
     )
 
-  return _CheckedProgram(program, checked)
+  return _CheckedProgram(program, checked, settle)
 
 
 class _CheckedProgram:
   """A jitted ``program`` whose arguments ``check`` checks and completes
   first, for calls and, as jit's own, for ``lower`` (ahead-of-time
-  compiles fill the cache the calls read)."""
+  compiles fill the cache the calls read). With ``settle``, a call first
+  waits until its arguments are computed (:func:`waits_for_local_work`)."""
 
   def __init__(
     self,
     program: jax.stages.Wrapped,
     check: Callable[..., tuple[Any, ...]],
+    settle: bool = False,
   ):
     self._program = program
     self._check = check
+    self._settle = settle
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    return self._program(*self._check(*args, **kwargs))
+    args = self._check(*args, **kwargs)
+    if self._settle:
+      jax.block_until_ready(args)
+    return self._program(*args)
 
   def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
     return self._program.lower(*self._check(*args, **kwargs))
@@ -613,6 +624,30 @@ def mean_params_program(mesh: Mesh) -> jax.stages.Wrapped:
   return _shard_map(mesh, lambda p, w: jax.lax.psum(p * w[0], AXIS), 2)
 
 
+def waits_for_local_work(mesh: Mesh) -> bool:
+  """Whether a parameter average first waits for the devices' queued work.
+
+  XLA:CPU runs a process's devices on one pool of threads (as many as the
+  larger of the cores and the devices) and caps each device's dispatched
+  computations. A device's part of a collective holds a thread until every
+  part has arrived; a device whose queue is full holds one too, in the
+  launch of the next program. Local steps let the devices' queues drift
+  apart, and the two can take every thread: the devices behind never run,
+  and after 40 s XLA aborts (``Termination timeout for all reduce``).
+  Waiting costs one pipeline bubble per synchronization.
+
+  Args:
+    mesh: the mesh of all workers.
+
+  Returns:
+    Whether two or more of this process's devices on ``mesh`` are XLA:CPU
+    devices.
+  """
+  here = jax.process_index()
+  local = [d for d in mesh.devices.flat if d.process_index == here]
+  return len(local) > 1 and all(d.platform == "cpu" for d in local)
+
+
 class StepPrograms(NamedTuple):
   """The programs a trainer's steps run over its mesh
   (:func:`step_programs`).
@@ -728,7 +763,7 @@ def step_programs(
     update=update_program(mesh, unravel, tx, averager, seed, error_feedback),
     local_update=local_update_program(mesh, unravel, tx),
     average_params=average_params_program(
-      mesh, averager, seed, outer_tx, unravel
+      mesh, averager, seed, outer_tx, unravel, waits_for_local_work(mesh)
     ),
     average_opt=average_opt,
     opt_floats=opt_floats,

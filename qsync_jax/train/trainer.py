@@ -82,6 +82,7 @@ from qsync_jax.plan.precision import PrecisionPlan
 from qsync_jax.task import calling
 from qsync_jax.task import objective as objective_lib
 from qsync_jax.task import sharding
+from qsync_jax.train import checks
 from qsync_jax.train import evaluation
 from qsync_jax.train import layout
 from qsync_jax.train import programs
@@ -118,10 +119,24 @@ def _worker_rest(rest: Any, index: int) -> Any:
   )
 
 
-def _check_workers(workers: Sequence[Worker]) -> None:
-  """Raises ValueError for no worker, a shared device or a bad batch size."""
+def _check_workers(workers: Any) -> None:
+  """Raises for workers that are not a sequence of :class:`Worker` on
+  distinct jax devices, with a :class:`PrecisionPlan` and a positive integer
+  batch size each.
+
+  Raises:
+    TypeError: not a sequence of ``Worker``, or a field of the wrong type.
+    ValueError: no worker, a shared device or a batch size below 1.
+  """
+  if isinstance(workers, Worker) or not isinstance(workers, Sequence):
+    raise TypeError(
+      f"workers must be a list of qsync_jax.Worker, got "
+      f"{type(workers).__name__}"
+    )
   if not workers:
     raise ValueError("HybridTrainer needs at least one worker")
+  for i, w in enumerate(workers):
+    checks.check_worker(w, i, Worker)
   devices = [w.device for w in workers]
   if len(set(devices)) != len(devices):
     raise ValueError(f"workers must run on distinct devices, got {devices}")
@@ -223,12 +238,7 @@ class HybridTrainer:
   The trainer holds what a run does not change: the workers, their jitted
   gradient functions and the shard_map programs where they meet. What a
   step changes is a :class:`~qsync_jax.train.state.TrainState`, passed in
-  and out::
-
-    state = trainer.init()
-    for step in range(steps):
-      state, metrics = trainer.train_step(state, batches(step))
-    trainer.evaluate(state, eval_data, train_batches=...)
+  and out (``state, metrics = trainer.train_step(state, batches)``).
 
   Args:
     model: the NNX model (FP32 parameters); :meth:`init` starts from its
@@ -255,8 +265,9 @@ class HybridTrainer:
 
   Raises:
     ValueError: no worker, two workers on one device, a bad batch size, an
-      unknown ``bn_stats``, ``loss_scaling`` or optimizer-state field, or a
-      ``sample`` the objective cannot run.
+      unknown ``bn_stats``, ``loss_scaling`` or optimizer-state field, a
+      ``sample`` the objective cannot run, a model without floating-point
+      parameters or (default objective) whose output is not logits.
     TypeError: ``sync`` is not a ``SyncSettings``.
     qsync_jax.PlanError: a plan does not fit the model or its device kind.
   """
@@ -276,12 +287,12 @@ class HybridTrainer:
     seed: int = 0,
   ):
     _check_workers(workers)
-    sync = _sync_settings(sync)
+    checks.check_model_and_optimizer(model, tx, seed)
+    self.sync = sync = _sync_settings(sync)
     self.workers = list(workers)
     self.num_workers = len(workers)
     self.tx = tx
     self.objective = objective_lib.as_objective(objective)
-    self.sync = sync
     self.seed = int(seed)
     self.mesh = Mesh(np.array([w.device for w in workers]), (AXIS,))
     self.sharding = NamedSharding(self.mesh, P(AXIS))
@@ -296,14 +307,17 @@ class HybridTrainer:
       self.grad_weights, self.local_devices, self.sharding
     )
 
+    classes = checks.default_classes(model, objective, self.objective, sample)
     split = step_lib.plan_graphdefs(
       model,
       [(w.plan, w.kind) for w in workers],
       _probe(model, self.objective, sample),
     )
     self.precisions = split.precisions
+    checks.check_params(model, split.params)
     flat, self.unravel = ravel_pytree(split.params)  # flat vector -> pytree
     self.num_params = int(flat.size)
+    self._door = checks.record(self, sample, classes)  # what calls check
     # The model's own arrays (no copy): what init() starts from.
     self._initial = (split.params, split.rest)
     self.loss_scaling = _loss_scaling(loss_scaling, self.precisions)
@@ -388,11 +402,10 @@ class HybridTrainer:
       synchronized with the host, so logging them is the caller's choice).
 
     Raises:
-      ValueError: no batch for a local worker.
+      TypeError, ValueError: a state or batches this trainer cannot take
+        (:func:`.checks.check_step` says which).
     """
-    missing = [i for i in self.local_workers if i not in batches]
-    if missing:
-      raise ValueError(f"no batch for local workers {missing}")
+    checks.check_step(self._door, state, batches)
     local = step_lib.local_gradients(
       self._grad_fns,
       self.local_devices,
@@ -547,8 +560,10 @@ class HybridTrainer:
     ``state`` is left as it was. The first local worker's device runs it.
 
     Raises:
-      ValueError: re-estimation without ``train_batches``.
+      TypeError, ValueError: a state, data or ``train_batches`` it cannot
+        take (:func:`.checks.check_evaluation`), or none to re-estimate.
     """
+    data = checks.check_evaluation(self._door, state, data, train_batches)
     params = state.params
     if not state.in_sync:
       params = self.programs.mean_params(state.params, self._weights)
