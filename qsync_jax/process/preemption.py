@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 import ctypes
-import json
 import os
 import signal
 import sys
@@ -36,6 +35,7 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
+from qsync_jax import files
 from qsync_jax.process import detection
 from qsync_jax.process import membership
 
@@ -100,9 +100,7 @@ def record_notice(environ: Mapping[str, str] = os.environ) -> None:
     restart = int(environ.get(membership.ENV_RESTART) or 0)
     process = int(environ.get(detection.ENV_PROCESS_ID) or 0)
     path = membership.notice_path(directory, restart, process)
-    with open(path + ".tmp", "w") as f:
-      json.dump({"time": time.time()}, f)
-    os.replace(path + ".tmp", path)
+    files.write_json(path, {"time": time.time()})
   except (OSError, ValueError):
     pass
 
