@@ -16,6 +16,8 @@ import threading
 import time
 
 import pytest
+from test_distributed import _is_running
+from test_elastic_launcher import _env as _launcher_env
 
 from qsync_jax.launch import elastic
 from qsync_jax.launch import local
@@ -30,29 +32,7 @@ EXAMPLE = os.path.join(REPO_ROOT, "examples", "elastic_loop.py")
 
 
 def _env(**extra):
-  env = {
-    k: v
-    for k, v in os.environ.items()
-    if not k.startswith(("QSYNC_", "SLURM_", "OMPI_", "PMIX_"))
-  }
-  env["PYTHONPATH"] = os.pathsep.join(
-    p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p
-  )
-  env["JAX_PLATFORMS"] = "cpu"
-  env.update(extra)
-  return env
-
-
-def _is_running(pid):
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rpartition(")")[2].split()[0] != "Z"
-  except FileNotFoundError:
-    return False
+  return {**_launcher_env(), "JAX_PLATFORMS": "cpu", **extra}
 
 
 def _pids(tmp_path):
