@@ -36,6 +36,7 @@ from qsync_jax.launch import links
 from qsync_jax.process import preemption
 from qsync_jax.process import previous_run
 from qsync_jax.process.membership_record import MembershipRecord
+from qsync_jax.train import layout
 from qsync_jax.train import trainer as trainer_lib
 from qsync_jax.train.checkpoint import Checkpointer
 from qsync_jax.train.state import TrainState
@@ -396,16 +397,17 @@ def check_finite_result(
   Raises:
     FloatingPointError: naming what is not finite.
   """
-  params = [
-    x
-    for i in trainer.local_workers
-    for x in jax.tree.leaves(trainer.worker_params(state, i))
-  ]
+  # The local workers' flat parameter rows, read as they are: unravelling
+  # them into the model's tree would dispatch a slice per leaf.
+  rows = layout.rows(state.params)
   if not math.isfinite(eval_loss):
     problem = f"the final eval loss is {eval_loss}"
   elif train_loss is not None and not math.isfinite(train_loss):
     problem = f"the final training loss is {train_loss}"
-  elif not all(np.isfinite(np.asarray(x)).all() for x in params):
+  elif not all(
+    np.isfinite(np.asarray(rows[d])).all()
+    for d in trainer.local_devices.values()
+  ):
     problem = "the final parameters are not all finite"
   else:
     return

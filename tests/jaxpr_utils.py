@@ -1,4 +1,5 @@
-"""Helpers that inspect jaxprs: which contractions run at which dtypes."""
+"""Helpers that inspect jaxprs: which contractions run at which dtypes, and
+how often each primitive appears."""
 
 from __future__ import annotations
 
@@ -40,3 +41,15 @@ def contractions(jaxpr) -> list[tuple[str, tuple[str, ...], str]]:
 def contractions_of(fn, *args) -> list[tuple[str, tuple[str, ...], str]]:
   """Returns the contractions of ``jax.make_jaxpr(fn)(*args)``."""
   return contractions(jax.make_jaxpr(fn)(*args))
+
+
+def primitive_counts(jaxpr) -> dict[str, int]:
+  """``{primitive name: occurrences}`` in ``jaxpr`` and its sub-jaxprs."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  counts: dict[str, int] = {}
+  for eqn in jaxpr.eqns:
+    counts[eqn.primitive.name] = counts.get(eqn.primitive.name, 0) + 1
+    for sub in _sub_jaxprs(eqn):
+      for name, n in primitive_counts(sub).items():
+        counts[name] = counts.get(name, 0) + n
+  return counts

@@ -6,6 +6,7 @@ from flax import nnx
 import jax
 from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
+from jaxpr_utils import primitive_counts
 import numpy as np
 import pytest
 from toy_models import NoLayers
@@ -435,3 +436,31 @@ def test_qsync_scores_an_embedding_table_as_its_input():
   want = 4 * max(depths) * 2.0**-18 / 6 * (table.size * e_x + t_norm)
   assert scores["token_embed"]["fp16"] > 0
   np.testing.assert_allclose(scores["token_embed"]["fp16"], want, rtol=1e-5)
+
+
+def test_the_hutchinson_probe_is_one_draw_shaped_like_every_leaf():
+  from qsync_jax.sensitivity import methods
+
+  tree = {
+    "conv": jnp.zeros((3, 3, 1, 4)),
+    "placeholder": jnp.zeros(()),
+    "rows": [jnp.zeros((5,)), jnp.zeros((2, 7))],
+  }
+  probe = methods.rademacher_probe(jax.random.key(0), tree)
+  assert jax.tree.structure(probe) == jax.tree.structure(tree)
+  for got, like in zip(jax.tree.leaves(probe), jax.tree.leaves(tree)):
+    assert got.shape == like.shape and got.dtype == jnp.float32
+    if like.ndim:
+      assert set(np.unique(np.asarray(got))) <= {-1.0, 1.0}
+  assert float(probe["placeholder"]) == 0.0  # scalars stay as they were
+  # Both signs appear (one stream split over the leaves, not one sign each).
+  flat = np.concatenate(
+    [np.ravel(x) for x in jax.tree.leaves(probe) if np.ndim(x)]
+  )
+  assert 0.2 < np.mean(flat > 0) < 0.8
+  # One random-bits draw for all leaves: XLA's CPU compile time grows with
+  # every draw in the capture pass.
+  jaxpr = jax.make_jaxpr(lambda k: methods.rademacher_probe(k, tree))(
+    jax.random.key(0)
+  )
+  assert primitive_counts(jaxpr).get("random_bits") == 1

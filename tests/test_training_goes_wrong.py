@@ -14,15 +14,23 @@ import math
 import os
 import types
 
+from flax import nnx
+import jax
 import ml_collections
 import numpy as np
+import optax
 import pytest
 
 from experiments import config_lib
 from experiments import train_health
 from experiments import train_lib
+from experiments import train_loop
 from experiments.configs import default as default_config
+from qsync_jax import models
 from qsync_jax.plan.precision import Precision
+from qsync_jax.plan.precision import PrecisionPlan
+from qsync_jax.train.trainer import HybridTrainer
+from qsync_jax.train.trainer import Worker
 
 
 def _config(**fields):
@@ -208,3 +216,23 @@ def test_fp16_kinds_are_those_with_fp16_layers():
     precisions=[{"fc": Precision.FP32}, {"fc": Precision.FP16}] * 2,
   )
   assert train_health.fp16_kinds(trainer) == ["t4"]
+
+
+def test_final_parameters_not_finite_fail_the_run_and_remove_its_summary(
+  tmp_path,
+):
+  workers = [Worker(d, "cpu", PrecisionPlan(), 4) for d in jax.devices()[:2]]
+  trainer = HybridTrainer(
+    models.create_model("cnn", rngs=nnx.Rngs(0)), workers, optax.sgd(0.1)
+  )
+  state = trainer.init()
+  summary = tmp_path / "summary.json"
+  summary.write_text("{}")
+  # Finite: nothing happens.
+  train_loop.check_finite_result(trainer, state, 0.5, 0.5, str(summary))
+  assert summary.exists()
+  # One worker's row with a NaN, the losses finite: the parameters are named.
+  bad = state.replace(params=state.params.at[1, 3].set(np.nan))
+  with pytest.raises(FloatingPointError, match="final parameters are not all"):
+    train_loop.check_finite_result(trainer, bad, 0.5, 0.5, str(summary))
+  assert not summary.exists()

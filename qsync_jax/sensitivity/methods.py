@@ -324,6 +324,31 @@ def wvar_scores(
   return values
 
 
+def rademacher_probe(key: jax.Array, tree: Any) -> Any:
+  """A float32 Rademacher (+-1) probe shaped like ``tree``'s array leaves.
+
+  One draw covers every leaf, split and reshaped: a draw per leaf puts one
+  random-bit generator per leaf in the program, and on CPU XLA's compile
+  time grows with each (several seconds for a small CNN's capture pass).
+  Scalar leaves are placeholders and are returned unchanged.
+
+  Args:
+    key: PRNG key.
+    tree: a pytree of arrays.
+
+  Returns:
+    A pytree like ``tree``.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  sizes = [int(np.prod(x.shape)) for x in leaves if np.ndim(x)]
+  flat = jax.random.rademacher(key, (sum(sizes),), jnp.float32)
+  parts = iter(jnp.split(flat, np.cumsum(sizes)[:-1]))
+  return jax.tree.unflatten(
+    treedef,
+    [next(parts).reshape(x.shape) if np.ndim(x) else x for x in leaves],
+  )
+
+
 def hutchinson_traces(
   loss: Callable[[Any], jax.Array], params: Any, key: jax.Array, num_probes: int
 ) -> Any:
@@ -345,15 +370,7 @@ def hutchinson_traces(
   grad = jax.grad(loss)
 
   def one(k):
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(k, len(leaves))
-    v = jax.tree.unflatten(
-      treedef,
-      [
-        jax.random.rademacher(kk, x.shape, jnp.float32)
-        for kk, x in zip(keys, leaves)
-      ],
-    )
+    v = rademacher_probe(k, params)
     hv = jax.jvp(grad, (params,), (v,))[1]
     return jax.tree.map(lambda a, b: jnp.sum(a * b), v, hv)
 

@@ -390,14 +390,7 @@ def _capture_fn(
     if curvature:
       # Hutchinson estimate of each perturbation's Hessian diagonal: one
       # Hessian-vector product with a Rademacher probe over all of them.
-      leaves, treedef = jax.tree.flatten(zeros)
-      probe = jax.tree.unflatten(
-        treedef,
-        [
-          jax.random.rademacher(k, z.shape, jnp.float32) if z.ndim else z
-          for k, z in zip(jax.random.split(key, len(leaves)), leaves)
-        ],
-      )
+      probe = methods.rademacher_probe(key, zeros)
       hvp = jax.jvp(lambda z: grad_fn(z)[1], (zeros,), (probe,))[1]
       diag = jax.tree.map(jnp.multiply, probe, hvp)
     out = {}
