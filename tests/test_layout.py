@@ -55,7 +55,7 @@ ALLOWED = {
   "files": set(),
   "process": {"parallel", "train", "files", "rundir"},
   "rundir": {"files"},
-  "launch": {"process", "cli"},
+  "launch": {"process", "cli", "files"},
   "cli": {"host_malloc", "numerics", "launch", "process", "files"},
   "host_malloc": set(),
   "host_memory": set(),

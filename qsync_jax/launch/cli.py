@@ -3,7 +3,8 @@ r"""The localhost launcher as a command: ``python -m qsync_jax.distributed``.
 Usage:
   python -m qsync_jax.distributed --num_processes=4 [--port=N] \
       [--timeout_s=S] [--link=1gbit [--latency=0ms] [--topology=per_node]
-      [--cpu_quota=1,1,0.5,0.5]] -- python -m experiments.train --out_dir=R
+      [--cpu_quota=1,1,0.5,0.5] [--link_stats=FILE]] \
+      -- python -m experiments.train --out_dir=R
 
   python -m qsync_jax.distributed --num_processes=4 --elastic \
       [--min_processes=2] [--availability=FILE] [--rejoin_after=S] \
@@ -16,7 +17,10 @@ own network namespace behind an emulated link
 (:class:`qsync_jax.launch.links.LinkEmulator`), the achieved rate between
 processes 0 and 1 is measured first and passed on in
 ``QSYNC_LINK_MEASURED_BPS``, and everything is torn down at exit; without
-root, or without ip/tc, it says so in one line and exits with 1.
+root, or without ip/tc, it says so in one line and exits with 1. With
+``--link_stats=FILE`` the bytes each process sent and received on its link
+during the run (its veth's counters, read after the rate probe and at the
+end, before the teardown) are written to FILE as JSON.
 
 With ``--elastic`` the ``--num_processes`` processes are a pool of slots run
 by :func:`qsync_jax.launch.elastic.launch_elastic`: each world is the slots
@@ -43,6 +47,7 @@ from absl import app
 from absl import flags
 
 from qsync_jax import cli
+from qsync_jax import files
 from qsync_jax.launch import elastic
 from qsync_jax.launch import links
 from qsync_jax.launch import pool
@@ -108,6 +113,14 @@ def _define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     "With --link: seconds of the rate measurement before the run.",
     flag_values=fv,
   )
+  flags.DEFINE_string(
+    "link_stats",
+    None,
+    "With --link: write each process's bytes sent and received on its "
+    "emulated link during the run (its veth's counters) to this JSON file "
+    "when the run ends.",
+    flag_values=fv,
+  )
   flags.DEFINE_bool(
     "elastic",
     False,
@@ -159,7 +172,13 @@ def _define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
 
 
 #: The flags that only shape an emulated link: each needs --link.
-_LINK_FLAGS = ("latency", "topology", "cpu_quota", "link_probe_s")
+_LINK_FLAGS = (
+  "latency",
+  "topology",
+  "cpu_quota",
+  "link_probe_s",
+  "link_stats",
+)
 #: The flags of an elastic pool: each needs --elastic.
 _ELASTIC_FLAGS = (
   "min_processes",
@@ -246,6 +265,24 @@ def _runner(
   return run
 
 
+def _write_link_stats(
+  path: str, emulator: links.LinkEmulator, before: list[dict[str, int]]
+) -> None:
+  """Writes ``--link_stats``: the link, and per process its address and the
+  bytes its veth sent and received since ``before``."""
+  delta = links.byte_delta(before, emulator.byte_counts())
+  record = {
+    "link": emulator.spec.rate,
+    "rate_bps": emulator.spec.rate_bps,
+    "topology": emulator.spec.topology,
+    "processes": [
+      {"process": i, "address": emulator.address(i), **counts}
+      for i, counts in enumerate(delta)
+    ],
+  }
+  files.write_json(path, record, indent=2)
+
+
 def _main(argv: Sequence[str]) -> None:
   opts = flags.FLAGS
   with cli.bad_input_exits():
@@ -277,7 +314,11 @@ def _main(argv: Sequence[str]) -> None:
             file=sys.stderr,
             flush=True,
           )
+        # Counted from here: the rate probe's traffic is not the run's.
+        before = emulator.byte_counts() if opts.link_stats else None
         code = run(emulator, {**os.environ, **emulator.env(measured)})
+        if before is not None:
+          _write_link_stats(opts.link_stats, emulator, before)
     except links.LinkUnavailableError as e:
       print(f"error: {e}", file=sys.stderr)
       code = 1

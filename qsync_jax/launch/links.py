@@ -44,6 +44,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import re
@@ -425,6 +426,17 @@ def link_info_from_env(environ: Mapping[str, str] = os.environ) -> dict | None:
   }
 
 
+def byte_delta(
+  before: Sequence[Mapping[str, int]], after: Sequence[Mapping[str, int]]
+) -> list[dict[str, int]]:
+  """Per process, the bytes sent and received between two reads of
+  :meth:`LinkEmulator.byte_counts` (``after`` minus ``before``)."""
+  return [
+    {key: int(a[key]) - int(b[key]) for key in ("sent_bytes", "received_bytes")}
+    for b, a in zip(before, after, strict=True)
+  ]
+
+
 class LinkEmulator:
   """Namespaces, shaped links and cgroups for ``num_processes`` processes.
 
@@ -501,6 +513,34 @@ class LinkEmulator:
       out[ENV_LINK_MEASURED_BPS] = repr(measured_bps)
     if self.spec.cpu_quota is not None:
       out[ENV_CPU_QUOTA] = ",".join(map(repr, self.spec.cpu_quota))
+    return out
+
+  def byte_counts(self) -> list[dict[str, int]]:
+    """Bytes each process's ``eth0`` has sent and received so far.
+
+    Read from the veth's own counters in the process's namespace (``ip -s
+    -j link show``): every frame on the emulated link, headers included,
+    whatever program sent it. The counters start when the link is built,
+    so a run's traffic is the difference of two reads (:func:`byte_delta`).
+
+    Returns:
+      One ``{"sent_bytes", "received_bytes"}`` per process, in order.
+
+    Raises:
+      LinkUnavailableError: ``ip`` failed (the namespaces are gone).
+    """
+    out = []
+    for i in range(self.num_processes):
+      p = _run(
+        "ip", "-n", self.namespace(i), "-s", "-j", "link", "show", "eth0"
+      )
+      stats = json.loads(p.stdout)[0]["stats64"]
+      out.append(
+        {
+          "sent_bytes": int(stats["tx"]["bytes"]),
+          "received_bytes": int(stats["rx"]["bytes"]),
+        }
+      )
     return out
 
   def measure_rate(self, seconds: float = 0.5) -> float | None:
