@@ -599,21 +599,32 @@ def plot(
   target: float,
   path: str,
   title: str,
+  linestyles: Mapping[str, str] | None = None,
 ) -> None:
-  """Eval accuracy against training wall time, one line per seed."""
+  """Eval accuracy against training wall time, one line per seed.
+
+  ``linestyles`` maps a name to a matplotlib line style (default solid);
+  past ten names the colours come from a 20-colour map, so that no two
+  names share one.
+  """
   import matplotlib  # pylint: disable=g-import-not-at-top
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
   fig, ax = plt.subplots(figsize=(8, 5))
-  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  colors = (
+    plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    if len(names) <= 10
+    else list(plt.get_cmap("tab20").colors)
+  )
   for i, name in enumerate(names):
     for r in (r for r in runs if r["name"] == name):
       ax.plot(
         [p["train_time_s"] for p in r["curve"]],
         [p["accuracy"] for p in r["curve"]],
         color=colors[i % len(colors)],
+        ls=(linestyles or {}).get(name, "-"),
         alpha=0.8,
         lw=1.2,
         label=name if r["seed"] == 0 else None,

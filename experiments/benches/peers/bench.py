@@ -546,16 +546,31 @@ def run(
       for r in runs
     ],
   }
-  network.plot(
-    runs,
-    [n for n in names if n not in FLOOR_NAMES.values()],
-    target,
-    os.path.join(out_dir, "time_to_accuracy.png"),
-    f"qsync_jax, PyTorch DDP and torchft: {num_processes} processes, "
-    f"{link or 'no emulated link'}",
-  )
+  plot(runs, names, target, out_dir, num_processes, link)
   files.write_json(os.path.join(out_dir, "summary.json"), result, indent=2)
   return result
+
+
+def plot(
+  runs: Sequence[Mapping[str, Any]],
+  names: Sequence[str],
+  target: float,
+  out_dir: str,
+  num_processes: int,
+  link: str | None,
+) -> None:
+  """``out_dir/time_to_accuracy.png``: every system but the floors, the
+  peers dashed."""
+  shown = [n for n in names if n not in FLOOR_NAMES.values()]
+  network.plot(
+    runs,
+    shown,
+    target,
+    os.path.join(out_dir, "time_to_accuracy.png"),
+    f"qsync_jax (solid), PyTorch DDP and torchft (dashed): {num_processes} "
+    f"processes, {link or 'no emulated link'}",
+    linestyles={n: "--" for n in shown if CONFIGS[n].framework == "torch"},
+  )
 
 
 def table(result: Mapping[str, Any]) -> str:
