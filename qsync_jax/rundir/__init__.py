@@ -11,7 +11,8 @@ This subpackage owns the directory a training run writes into (the main job's
   leaving no directory it created, nothing standing where the run writes;
 * :mod:`~qsync_jax.rundir.metrics`: the one metrics writer
   (:class:`~qsync_jax.rundir.metrics.MetricWriter`: ``metrics.jsonl`` and
-  TensorBoard event files) and what a resumed run keeps of them.
+  TensorBoard event files) and what a resumed run keeps of them;
+* :mod:`~qsync_jax.rundir.tfevents`: the bytes of those event files.
 
 Example::
 
@@ -26,6 +27,7 @@ Example::
 
 from qsync_jax.rundir import directory
 from qsync_jax.rundir import metrics
+from qsync_jax.rundir import tfevents
 from qsync_jax.rundir.directory import make_out_dir
 from qsync_jax.rundir.directory import OutDirLock
 from qsync_jax.rundir.metrics import MetricWriter
@@ -36,4 +38,5 @@ __all__ = [
   "directory",
   "make_out_dir",
   "metrics",
+  "tfevents",
 ]

@@ -5,8 +5,8 @@ This module owns the metrics a training run leaves in its run directory:
 
 - :class:`MetricWriter` writes each logged step twice, as one JSON row
   appended to ``metrics.jsonl`` and as TensorBoard scalars in
-  ``tensorboard/``, one event file per run (no TensorFlow: the events are
-  ``tensorboardX``'s protocol buffers). A run that starts at a step keeps
+  ``tensorboard/``, one event file per run (no TensorFlow: the records
+  are encoded by :mod:`qsync_jax.rundir.tfevents`). A run that starts at a step keeps
   the rows and shows the events up to it, and no later ones.
 - :func:`metrics_to_keep` and :func:`check_resume` read ``metrics.jsonl``
   back when a run resumes: a torn last record (a run killed while
@@ -25,18 +25,15 @@ import json
 import math
 import os
 import socket
-import struct
 import sys
 import time
 from typing import Any
 
 import jax
-from tensorboardX.proto import event_pb2
-from tensorboardX.proto import summary_pb2
-from tensorboardX.record_writer import masked_crc32c
 
 from qsync_jax import files
 from qsync_jax.rundir import directory
+from qsync_jax.rundir import tfevents
 
 #: The metrics log in a run directory: one JSON object a line, with ``step``.
 METRICS_FILE = "metrics.jsonl"
@@ -191,19 +188,6 @@ def check_resume(
   return metrics, None
 
 
-def _record(event: event_pb2.Event) -> bytes:
-  """``event`` framed as a TFRecord: its length (8 bytes, little-endian),
-  that length's masked CRC-32C, the event, the event's masked CRC-32C."""
-  data = event.SerializeToString()
-  header = struct.pack("<Q", len(data))
-  return (
-    header
-    + struct.pack("<I", masked_crc32c(header))
-    + data
-    + struct.pack("<I", masked_crc32c(data))
-  )
-
-
 def _scalar(value: Any) -> float | None:
   """``value`` as a TensorBoard scalar, or None where it is not a number."""
   if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -275,14 +259,8 @@ class MetricWriter:
     now = time.time()
     files.append_bytes(
       self.events_path,
-      _record(event_pb2.Event(wall_time=now, file_version="brain.Event:2"))
-      + _record(
-        event_pb2.Event(
-          wall_time=now,
-          step=start_step + 1,
-          session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START),
-        )
-      ),
+      tfevents.file_version_record(now)
+      + tfevents.purge_record(now, start_step + 1),
     )
 
   def write(self, step: int, scalars: Mapping[str, Any]) -> None:
@@ -308,18 +286,16 @@ class MetricWriter:
       self._identity.check()
     row = {"step": step, **scalars}
     files.append_line(self.metrics_path, json.dumps(row))
-    values = [
-      summary_pb2.Summary.Value(tag=name, simple_value=number)
+    numbers = {
+      name: number
       for name, number in ((k, _scalar(v)) for k, v in scalars.items())
       if number is not None
-    ]
-    if values:
-      event = event_pb2.Event(
-        wall_time=time.time(),
-        step=step,
-        summary=summary_pb2.Summary(value=values),
+    }
+    if numbers:
+      files.append_bytes(
+        self.events_path,
+        tfevents.scalars_record(time.time(), step, numbers),
       )
-      files.append_bytes(self.events_path, _record(event))
 
   def close(self) -> None:
     """Flushes what was written to disk (``fsync``); later writes fail.
