@@ -80,6 +80,30 @@ time.sleep(120)
 )
 
 
+# A resumed world whose notice arrives while it starts, before its first
+# step: every process must stop at its first step boundary (the checkpoint's
+# step plus one), as the runtime agreed on before any process passed one.
+_EARLY_NOTICE_WORKER = (
+  _PREAMBLE
+  + """\
+import signal, time
+import jax
+from qsync_jax.process import initialize
+from qsync_jax.process import preemption
+
+assert initialize.initialize()
+if jax.process_index() == 0:
+  os.kill(os.getpid(), signal.SIGTERM)  # taken by the runtime's notifier
+time.sleep(4)  # the processes agree on the point meanwhile
+with preemption.PreemptionWatch() as watch:
+  reached = [watch.reached(step) for step in range(46, 52)]
+with open(os.path.join(out, f"reached{jax.process_index()}"), "w") as f:
+  f.write(repr(reached))
+initialize.shutdown()
+"""
+)
+
+
 def _write_worker(tmp_path, source):
   script = tmp_path / "worker.py"
   script.write_text(source)
@@ -289,6 +313,15 @@ def test_launch_two_processes_psum(tmp_path):
   assert code == 0
   for pid in (0, 1):
     assert float((tmp_path / f"result{pid}").read_text()) == 3.0
+
+
+def test_a_notice_before_a_resumed_worlds_first_step_stops_it_there(tmp_path):
+  script = _write_worker(tmp_path, _EARLY_NOTICE_WORKER)
+  code = _launch(tmp_path, script, 2, timeout_s=60, hard_timeout_s=80)
+  assert code == 0
+  for pid in (0, 1):
+    reached = (tmp_path / f"reached{pid}").read_text()
+    assert reached == repr([True, False, False, False, False, False])
 
 
 def test_launch_kills_peers_when_one_dies(tmp_path):

@@ -6,8 +6,10 @@ In a multi-process run the ``jax.distributed`` runtime's preemption notifier
 takes the signal (which is why a worker survives SIGTERM once initialized),
 tells every process, and
 ``jax.experimental.multihost_utils.reached_preemption_sync_point`` answers
-True on every process at the same step: the one after the largest step any
-process had reached. A single-process run has no such runtime, so a Python
+True on every process at the same step boundary: the one after the furthest
+any process had passed when the notice came (boundaries counted in this
+process from 1, so that a notice that comes before a resumed world's first
+step stops it at that step). A single-process run has no such runtime, so a Python
 signal handler sets a flag that the next step boundary reads.
 
 Under the elastic launcher a process also records each SIGTERM it receives
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 import ctypes
+import itertools
 import os
 import signal
 import sys
@@ -38,6 +41,10 @@ from jax.experimental import multihost_utils
 from qsync_jax import files
 from qsync_jax.process import detection
 from qsync_jax.process import membership
+
+# The sync points this process has passed, counted from 1 (see
+# PreemptionWatch.reached).
+_sync_point_calls = itertools.count(1)
 
 #: ``sizeof(struct sigaction)`` is 152 on glibc; room to spare. The handler
 #: is its first field and ``sa_flags`` follows the 128-byte mask.
@@ -177,6 +184,14 @@ class PreemptionWatch:
       True once a preemption notice arrived (on any process) and ``step`` is
       the step the processes agreed on.
     """
+    del step  # every process calls at the same steps: the calls count them
     if jax.process_count() > 1:
-      return multihost_utils.reached_preemption_sync_point(step)
+      # The runtime agrees on "the largest counter any process last passed,
+      # plus one", and a process that has not passed one yet reports 0. A
+      # step number there would never be reached in a resumed world whose
+      # notice came while it started (the agreed point 1, its steps from
+      # the checkpoint's on): the calls are counted instead, from 1.
+      return multihost_utils.reached_preemption_sync_point(
+        next(_sync_point_calls)
+      )
     return self._notified.is_set()
