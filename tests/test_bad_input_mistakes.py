@@ -25,7 +25,7 @@ from qsync_jax import models
 from qsync_jax import rundir
 from qsync_jax import task
 from qsync_jax.allocation import sharing
-from qsync_jax.data import mnist1d
+from qsync_jax.data import cache as data_cache
 from qsync_jax.launch import links
 from qsync_jax.launch import local
 from qsync_jax.numerics import ops
@@ -416,9 +416,9 @@ def test_library_variables_are_checked_at_start(monkeypatch, capsys):
 def test_dataset_cache_variable_naming_a_file(tmp_path, monkeypatch):
   taken = tmp_path / "cache"
   taken.write_text("")
-  monkeypatch.setenv(mnist1d.CACHE_ENV_VAR, str(taken / "sub"))
+  monkeypatch.setenv(data_cache.CACHE_ENV_VAR, str(taken / "sub"))
   with pytest.raises(ValueError) as info:
-    mnist1d.default_cache_dir()
+    data_cache.default_cache_dir()
   assert str(info.value) == (
     f"QSYNC_JAX_CACHE='{taken}/sub' cannot be the dataset cache directory: "
     f"'{taken}' is a file"

@@ -2,6 +2,8 @@
 
 import os
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -19,6 +21,33 @@ def test_digits():
   assert set(np.unique(ds.y_test)) == set(range(10))
   again = data.load_digits()
   np.testing.assert_array_equal(ds.x_test, again.x_test)
+
+
+def test_digits_split_is_cached_and_read_without_scikit_learn(tmp_path):
+  fresh = data.load_digits(seed=1, use_cache=False)
+  assert not list(tmp_path.glob("*"))
+  first = data.load_digits(seed=1, cache_dir=tmp_path)
+  (cached,) = tmp_path.glob("digits_*.npz")
+  for split in ("x_train", "y_train", "x_test", "y_test"):
+    np.testing.assert_array_equal(getattr(first, split), getattr(fresh, split))
+  # Another split is another entry.
+  data.load_digits(seed=2, cache_dir=tmp_path)
+  assert len(list(tmp_path.glob("digits_*.npz"))) == 2
+  # A process that reads the cache never imports scikit-learn.
+  code = (
+    "import sys; from qsync_jax import data; "
+    f"ds = data.load_digits(seed=1, cache_dir={str(tmp_path)!r}); "
+    "print(ds.num_train, 'sklearn' in sys.modules)"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, check=True
+  )
+  assert out.stdout.split() == [str(fresh.num_train), "False"]
+  # A damaged entry is made again.
+  cached.write_bytes(cached.read_bytes()[:100])
+  again = data.load_digits(seed=1, cache_dir=tmp_path)
+  np.testing.assert_array_equal(again.x_test, fresh.x_test)
+  np.testing.assert_array_equal(np.load(cached)["y_train"], fresh.y_train)
 
 
 def test_mnist1d_cache(tmp_path, monkeypatch):
