@@ -21,6 +21,7 @@ step_time_mean_s, ...}}, "runs": [...]}, --out/time_to_accuracy.png and
 --out/time_to_accuracy_hetero.png.
 """
 
+import functools
 import json
 
 from absl import app
@@ -72,6 +73,7 @@ def main(argv):
   # The predictor profiles the four workers sharing this host's cores.
   jax.config.update("jax_num_cpu_devices", 4)
   from experiments.studies import network
+  from experiments.studies import network_prediction
 
   try:
     model_kwargs = (
@@ -83,7 +85,7 @@ def main(argv):
     if not FLAGS.predict:
       raise app.UsageError("--predict_only with --nopredict has nothing to do")
     with cli.bad_input_exits():
-      result = network.repredict(FLAGS.out)
+      result = network_prediction.repredict(FLAGS.out)
     for name, s in result["configs"].items():
       if "predicted_step_s" in s:
         print(
@@ -102,7 +104,13 @@ def main(argv):
         link=FLAGS.link,
         topology=FLAGS.topology,
         steps=FLAGS.steps,
-        predict=FLAGS.predict,
+        predictions=(
+          functools.partial(
+            network_prediction.add_predictions, model_kwargs=model_kwargs
+          )
+          if FLAGS.predict
+          else None
+        ),
         model_kwargs=model_kwargs,
       )
   except RuntimeError as e:  # a failed run, or the link is unavailable

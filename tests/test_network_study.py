@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from experiments.studies import network
+from experiments.studies import network_prediction
 from qsync_jax.launch import links
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,7 +153,7 @@ def test_the_predictor_prices_each_configuration_from_its_runs(tmp_path):
     "time_to_target_ratio_qsr_gqsgd_vs_dp": 0.3,
   }
   (tmp_path / "summary.json").write_text(json.dumps(summary))
-  result = network.repredict(str(tmp_path), repeats=1)
+  result = network_prediction.repredict(str(tmp_path), repeats=1)
   assert result == json.loads((tmp_path / "summary.json").read_text())
   assert result["repredicted"] is True
   steps = {n: c.get("predicted_step_s") for n, c in result["configs"].items()}
@@ -170,10 +171,10 @@ def test_the_predictor_prices_each_configuration_from_its_runs(tmp_path):
 
 def test_repredicting_needs_a_written_study(tmp_path):
   with pytest.raises(FileNotFoundError, match="no study to re-predict"):
-    network.repredict(str(tmp_path))
+    network_prediction.repredict(str(tmp_path))
   (tmp_path / "summary.json").write_text(json.dumps({"runs": []}))
   with pytest.raises(ValueError, match="lacks"):
-    network.repredict(str(tmp_path))
+    network_prediction.repredict(str(tmp_path))
   result = subprocess.run(
     [
       sys.executable,

@@ -168,3 +168,41 @@ def test_short_run_writes_both_frameworks(tmp_path):
   assert torch_summary["final_eval_accuracy"] == rows[-1]["eval_accuracy"]
   assert (out / "time_to_accuracy.png").exists()
   assert "ddp_fp32" in p.stdout and "dp" in p.stdout
+
+
+def test_torchft_recovery_counts_the_steps_the_newcomer_healed_to():
+  from experiments.benches.peers import recovery
+
+  rows = []
+  for replica, pid in ((0, 100), (1, 101)):
+    for step in range(1, 51):
+      rows.append(
+        {
+          "t": step * 0.1,
+          "step": step,
+          "committed": step // 5,
+          "replica": replica,
+          "pid": pid,
+        }
+      )
+  # Replica 0 goes on after the kill (t 5.0), stalled once by the quorum.
+  for step in range(51, 61):
+    t = 5.0 + 2.0 + (step - 51) * 0.1
+    rows.append(
+      {"t": t, "step": step, "committed": step // 5, "replica": 0, "pid": 100}
+    )
+  # The newcomer trains alone from nothing, then heals to step 60.
+  rows += [
+    {"t": 6.0, "step": 1, "committed": 0, "replica": 1, "pid": 102},
+    {"t": 6.1, "step": 2, "committed": 0, "replica": 1, "pid": 102},
+    {"t": 8.0, "step": 61, "committed": 12, "replica": 1, "pid": 102},
+  ]
+  out = recovery.torchft_measures(rows, 101, 102, 5.0, 5.5)
+  assert out["steps_lost"] == 0
+  assert out["newcomer_s"] == pytest.approx(2.5)
+  assert out["stall_s"] == pytest.approx(1.9)  # less its usual 0.1 s step
+  assert out["seconds_lost"] == pytest.approx(4.4)
+  assert out["newcomer_finished"]
+  # Healed to a step before the killed replica's last: those steps are lost.
+  rows[-1] = {**rows[-1], "step": 41}
+  assert recovery.torchft_measures(rows, 101, 102, 5.0, 5.5)["steps_lost"] == 10

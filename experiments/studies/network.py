@@ -29,7 +29,7 @@ splits the global batch in proportion to the quotas.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 import json
 import os
@@ -51,12 +51,7 @@ from experiments import progress
 from experiments.configs import default
 from experiments.studies import qsr as qsr_study
 from qsync_jax import data as data_lib
-from qsync_jax import predictor
-from qsync_jax.allocation import pipeline
 from qsync_jax.launch import links
-from qsync_jax.predictor import calls as calls_lib
-from qsync_jax.predictor import codec_processes
-from qsync_jax.predictor import timing
 
 NUM_PROCESSES = 4
 #: The model: the main job's CNN, its hidden layer wide enough that the
@@ -185,14 +180,16 @@ def run_config(
 def num_params(model_kwargs: Mapping[str, Any] | None = None) -> int:
   """The study model's parameter count."""
   config = run_config("dp", 0, model_kwargs=model_kwargs)
-  return _param_count(
+  return param_count(
     config_lib.build_model(
       config_lib.parse(config), data_lib.load_dataset(config.dataset)
     )
   )
 
 
-def _param_count(model) -> int:
+def param_count(model: nnx.Module) -> int:
+  """``model``'s parameter count: every ``nnx.Param`` element, what an
+  average sends."""
   return int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
 
 
@@ -240,6 +237,38 @@ def command(
       node = node[part]
     cmd.append(f"--config.{key}={_flag_value(node)}")
   return cmd
+
+
+#: The fields of a run's ``summary.json`` that a study's summary keeps.
+RUN_SUMMARY_FIELDS = (
+  "final_eval_accuracy",
+  "final_eval_loss",
+  "steps",
+  "train_time_s",
+  "wall_time_s",
+)
+
+
+def run_record(
+  run: Mapping[str, Any],
+  keys: Sequence[str],
+  summary_fields: Sequence[str] = RUN_SUMMARY_FIELDS,
+) -> dict[str, Any]:
+  """What a study's summary keeps of one run.
+
+  Args:
+    run: the run as :func:`run` reads it (with its ``summary.json`` under
+      ``"summary"``).
+    keys: the run's own fields to keep.
+    summary_fields: the fields of its ``summary.json`` to keep (None where
+      it has none).
+
+  Returns:
+    ``{key: run[key] for key in keys}`` with ``"summary"``: those fields.
+  """
+  return {k: run[k] for k in keys} | {
+    "summary": {k: run["summary"].get(k) for k in summary_fields}
+  }
 
 
 def eval_curve(run_dir: str) -> list[dict[str, float]]:
@@ -319,228 +348,6 @@ def _run_one(
     "summary": summary,
     "curve": eval_curve(run_dir),
   }
-
-
-def predict_steps(
-  runs: Sequence[Mapping[str, Any]],
-  *,
-  repeats: int = 5,
-  model_kwargs: Mapping[str, Any] | None = None,
-) -> dict[str, float]:
-  """The predictor's step time of each homogeneous configuration.
-
-  The model's profile is measured here with :data:`NUM_PROCESSES` workers
-  sharing this host's cores at once (``host_devices``: fake devices of this
-  process). Each averager's encode/decode is profiled by
-  :data:`NUM_PROCESSES` launched processes, as the runs have them
-  (:func:`qsync_jax.predictor.codec_processes.profile_codecs_in_processes`:
-  each with its own XLA thread pool on the same cores; no link, no root),
-  as the runs' trainer calls it (with its error feedback and state).
-  The link is the one the runs measured. Data parallel is
-  :func:`qsync_jax.predictor.predict` with the averager; a local schedule
-  is the step without communication plus the run's averages per step times
-  one average (:func:`qsync_jax.predictor.averaging_time`), as
-  :func:`qsync_jax.allocation.sync_methods.compare_sync` prices them, and
-  DiLoCo's outer optimizer step per average (:func:`_outer_step_s`).
-
-  Args:
-    runs: the study's runs (seed 0 of each configuration is used).
-    repeats: timed rounds per measured piece.
-    model_kwargs: the runs' model arguments (default :data:`MODEL_KWARGS`).
-
-  Returns:
-    ``{name: predicted seconds per step}``.
-
-  Raises:
-    ValueError: fewer than :data:`NUM_PROCESSES` local devices (set
-      ``jax_num_cpu_devices`` before jax starts).
-  """
-  devices = jax.devices()[:NUM_PROCESSES]
-  if len(devices) < NUM_PROCESSES:
-    raise ValueError(
-      f"predicting the study's steps needs {NUM_PROCESSES} "
-      f"local devices, got {len(devices)}; set "
-      f"jax_num_cpu_devices={NUM_PROCESSES}"
-    )
-  firsts = {
-    r["name"]: r for r in runs if r["seed"] == 0 and not RUNS[r["name"]].hetero
-  }
-  if not firsts:
-    return {}
-  config = run_config("dp", 0, model_kwargs=model_kwargs)
-  dataset = data_lib.load_dataset(config.dataset)
-  job = config_lib.parse(config)
-  model = config_lib.build_model(job, dataset)
-  batch = (
-    dataset.x_train[: config.batch_size],
-    dataset.y_train[: config.batch_size],
-  )
-  graph = predictor.trace_graph(
-    model, pipeline.sample_at(model, None, config.batch_size)
-  )
-  profile = predictor.profile(
-    model,
-    batch,
-    device=devices[0],
-    device_kind="cpu",
-    precisions=["fp32"],
-    tx=config_lib.make_optimizer(job),
-    optimizer_name=config.optimizer,
-    host_devices=devices,
-    repeats=repeats,
-    graph=graph,
-  )
-  profiles = {"cpu": profile}
-  link = predictor.Link.from_record(
-    next(iter(firsts.values()))["summary"]["link"]
-  )
-  num_params = _param_count(model)
-  compute_s = predictor.predict(
-    graph, config.cluster, {}, profiles, link=(0.0, 0.0), shared_host=True
-  ).step_time_s
-  configs = {
-    name: run_config(name, 0, model_kwargs=model_kwargs) for name in firsts
-  }
-
-  # Each average as the runs' trainer calls it: with its error feedback
-  # and the averager's state.
-  def key(c):
-    return f"{c.compress}, error feedback {bool(c.error_feedback)}"
-
-  averagers = {
-    name: config_lib.make_averager(config_lib.parse(c))
-    for name, c in configs.items()
-  }
-  codecs = codec_processes.profile_codecs_in_processes(
-    {key(c): averagers[name] for name, c in configs.items()},
-    num_params,
-    NUM_PROCESSES,
-    repeats=repeats,
-    error_feedback={key(c): bool(c.error_feedback) for c in configs.values()},
-  )
-  out = {}
-  for name, r in firsts.items():
-    c, averager = configs[name], averagers[name]
-    codec = codecs[key(c)]
-    if c.sync == "dp":
-      out[name] = predictor.predict(
-        graph,
-        c.cluster,
-        {},
-        profiles,
-        link=link,
-        shared_host=True,
-        averager=averager,
-        codec_cost=codec,
-      ).step_time_s
-    else:
-      per_step = r["summary"]["sync_rounds"] / r["summary"]["steps"]
-      out[name] = compute_s + per_step * (
-        predictor.averaging_time(
-          averager, num_params, NUM_PROCESSES, link, codec, platform="cpu"
-        )
-        + _outer_step_s(model, c, devices, repeats)
-      )
-  return out
-
-
-def _outer_step_s(
-  model: nnx.Module,
-  config: ml_collections.ConfigDict,
-  devices: Sequence[jax.Device],
-  repeats: int,
-) -> float:
-  """Seconds of a sync round's outer optimizer step (DiLoCo's; 0 without
-  one), timed as the profile times the inner optimizer's step: the
-  trainer's update of all parameters, on every worker's device at once."""
-  outer_tx = config_lib.make_outer_optimizer(config_lib.parse(config))
-  if outer_tx is None:
-    return 0.0
-  at_once = calls_lib.concurrency_calls(
-    lambda d, _: calls_lib.optimizer_call(model, outer_tx, d), devices
-  )
-  call = at_once[len(devices)]
-  jax.block_until_ready(call())  # Compiles.
-  return timing.median_block_seconds(call, (), repeats, 1)
-
-
-def _add_predictions(
-  per_config: dict[str, dict[str, Any]],
-  runs: Sequence[Mapping[str, Any]],
-  *,
-  repeats: int = 5,
-  model_kwargs: Mapping[str, Any] | None = None,
-) -> None:
-  """Adds :func:`predict_steps`' step and its error against the measured
-  mean to each homogeneous configuration of ``per_config``."""
-  for name, step_s in predict_steps(
-    runs, repeats=repeats, model_kwargs=model_kwargs
-  ).items():
-    measured = per_config[name]["step_time_mean_s"]
-    per_config[name]["predicted_step_s"] = step_s
-    per_config[name]["predicted_vs_measured_step"] = (
-      step_s - measured
-    ) / measured
-
-
-def repredict(out_dir: str, *, repeats: int = 5) -> dict[str, Any]:
-  """Prices a finished study's configurations again, without running it.
-
-  The runs' records in ``out_dir/summary.json`` (their link, sync rounds and
-  steps) are all :func:`predict_steps` needs, so a changed predictor can be
-  checked against the measured steps in minutes rather than the study's
-  hour. The summary is rewritten with the new ``predicted_step_s`` and
-  ``predicted_vs_measured_step`` and ``"repredicted": true``; its measured
-  figures and plots are left as they are.
-
-  Args:
-    out_dir: a directory :func:`run` wrote.
-    repeats: timed rounds per measured piece.
-
-  Returns:
-    The rewritten summary.
-
-  Raises:
-    FileNotFoundError: ``out_dir`` holds no ``summary.json``.
-    ValueError: the summary has no runs, or names a configuration that is
-      not in :data:`RUNS`.
-  """
-  path = os.path.join(out_dir, "summary.json")
-  if not os.path.isfile(path):
-    raise FileNotFoundError(
-      f"no study to re-predict: {path} does not "
-      f"exist (run the study into {out_dir} first)"
-    )
-  with open(path) as f:
-    result = json.load(f)
-  missing = [
-    k for k in ("runs", "link", "configs", "model_kwargs") if k not in result
-  ]
-  if missing:
-    raise ValueError(f"{path} is not a study summary: it lacks {missing}")
-  if not result["runs"]:
-    raise ValueError(f"{path} holds no runs to price")
-  unknown = sorted({r["name"] for r in result["runs"]} - set(RUNS))
-  if unknown:
-    raise ValueError(
-      f"{path} has runs of unknown configurations {unknown}; "
-      f"valid: {', '.join(RUNS)}"
-    )
-  # The summary keeps the link once, at the top; every run used it.
-  runs = [
-    r | {"summary": r["summary"] | {"link": result["link"]}}
-    for r in result["runs"]
-  ]
-  _add_predictions(
-    result["configs"],
-    runs,
-    repeats=repeats,
-    model_kwargs=result["model_kwargs"],
-  )
-  result["repredicted"] = True
-  with open(path, "w") as f:
-    json.dump(result, f, indent=2)
-  return result
 
 
 def summarize(
@@ -651,7 +458,8 @@ def run(
   steps: int | None = None,
   rounds_fraction: float = 0.15,
   timeout_s: float = 1200.0,
-  predict: bool = True,
+  predictions: Callable[[dict[str, Any], list[dict[str, Any]]], None]
+  | None = None,
   model_kwargs: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
   """Runs the study (reusing finished runs) and writes its outputs.
@@ -667,9 +475,10 @@ def run(
     steps: override :data:`BASE`'s training steps.
     rounds_fraction: QSR's sync-round budget as a fraction of dp's.
     timeout_s: the longest one run may take.
-    predict: add the predictor's step time of each homogeneous
-      configuration (:func:`predict_steps`; needs :data:`NUM_PROCESSES`
-      local devices).
+    predictions: called with the per-configuration summaries and the runs
+      before the summary is written, to add to them (the binary passes
+      :func:`experiments.studies.network_prediction.add_predictions`: the
+      predictor's step of each homogeneous configuration); None: none.
     model_kwargs: the CNN's arguments instead of :data:`MODEL_KWARGS`
       (e.g. a small one for a quick check).
 
@@ -718,8 +527,8 @@ def run(
       )
       bar.done(f"network {name} seed {seed}")
   per_config = summarize(runs, target)
-  if predict:
-    _add_predictions(per_config, runs, model_kwargs=model_kwargs)
+  if predictions is not None:
+    predictions(per_config, runs)
   key, num, den = KEY_RATIO
   result = {
     key: ratio(per_config, num, den),
@@ -749,24 +558,12 @@ def run(
     "num_params": num_params(model_kwargs),
     "configs": per_config,
     "runs": [
-      {k: r[k] for k in ("name", "seed", "alpha", "curve")}
-      | {
-        "summary": {
-          k: r["summary"].get(k)
-          for k in (
-            "final_eval_accuracy",
-            "final_eval_loss",
-            "steps",
-            "train_time_s",
-            "wall_time_s",
-            "comm_bytes",
-            "sync_rounds",
-            "compress",
-            "sync",
-            "workers",
-          )
-        }
-      }
+      run_record(
+        r,
+        ("name", "seed", "alpha", "curve"),
+        RUN_SUMMARY_FIELDS
+        + ("comm_bytes", "sync_rounds", "compress", "sync", "workers"),
+      )
       for r in runs
     ],
   }

@@ -18,12 +18,9 @@ import json
 import os
 from typing import Any
 
-from experiments import config_lib
 from experiments.studies import network
-from qsync_jax import data as data_lib
+from experiments.studies import network_prediction
 from qsync_jax import files
-from qsync_jax import predictor
-from qsync_jax.allocation import pipeline
 from qsync_jax.allocation import sync_methods
 from qsync_jax.predictor import communication
 
@@ -66,50 +63,28 @@ def pick(
     ``{"method", "averager", "overrides", "predicted_step_s",
     "comparison"}``, also written to ``out_dir/auto_choice.json``.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-
   path = os.path.join(out_dir, FILE)
   if os.path.exists(path):
     with open(path) as f:
       choice = json.load(f)
     register(choice)
     return choice
-  config = network.run_config("qsr", 0, steps=steps, model_kwargs=model_kwargs)
-  job = config_lib.parse(config)
-  dataset = data_lib.load_dataset(config.dataset)
-  model = config_lib.build_model(job, dataset)
-  devices = jax.devices()[: network.NUM_PROCESSES]
-  graph = predictor.trace_graph(
-    model, pipeline.sample_at(model, None, config.batch_size)
+  study = network_prediction.profile_model(
+    "qsr", steps=steps, model_kwargs=model_kwargs
   )
-  batch = (
-    dataset.x_train[: config.batch_size],
-    dataset.y_train[: config.batch_size],
-  )
-  profile = predictor.profile(
-    model,
-    batch,
-    device=devices[0],
-    device_kind="cpu",
-    precisions=["fp32"],
-    tx=config_lib.make_optimizer(job),
-    optimizer_name=config.optimizer,
-    host_devices=devices,
-    graph=graph,
-  )
-  num_params = int(sum(n.weight_numel for n in graph.nodes))
+  config = study.config
   comparison = sync_methods.compare_sync(
-    graph,
+    study.graph,
     config.cluster,
     {},
-    {"cpu": profile},
+    {"cpu": study.profile},
     communication.Link.parse(link, "0ms", topology),
     period=config.h_base,
     total_steps=config.steps,
     lr=config.learning_rate,
     qsr_alpha=float(config.alpha),
     codec_costs=sync_methods.profile_codecs(
-      list(sync_methods.AVERAGERS), num_params, network.NUM_PROCESSES
+      list(sync_methods.AVERAGERS), study.num_params, network.NUM_PROCESSES
     ),
   )
   best = comparison.recommended

@@ -530,19 +530,7 @@ def run(
     "configs": per_config,
     "recovery": recovery(setup, recovery_repeats) if recovery_repeats else None,
     "runs": [
-      {k: r[k] for k in ("name", "seed", "curve", "link_stats")}
-      | {
-        "summary": {
-          k: r["summary"].get(k)
-          for k in (
-            "final_eval_accuracy",
-            "final_eval_loss",
-            "steps",
-            "train_time_s",
-            "wall_time_s",
-          )
-        }
-      }
+      network.run_record(r, ("name", "seed", "curve", "link_stats"))
       for r in runs
     ],
   }

@@ -12,7 +12,7 @@ process to SIGKILL a third of the way through and gets it back:
   ``newcomer_s``: from the restart to the newcomer's first step with a
   committed step count (it has joined a quorum and healed);
   ``seconds_lost`` their sum; ``steps_lost``: the killed replica's steps
-  its successor did not inherit.
+  its successor did not inherit (it inherits the step it heals to).
 * qsync_jax (:func:`qsync_repeat`): the main job under the elastic
   launcher (``python -m qsync_jax.distributed --elastic``, the
   :mod:`experiments.studies.elastic` machinery), checkpointing every
@@ -92,8 +92,12 @@ def torchft_measures(
     "seconds_lost": (
       None if stall_s is None or newcomer_s is None else stall_s + newcomer_s
     ),
+    # The newcomer's steps before it healed are its own, from nothing; the
+    # step it healed to is what it inherited.
     "steps_lost": (
-      max(0, max(killed) - (new[0]["step"] - 1)) if killed and new else None
+      max(0, max(killed) - (committed[0]["step"] - 1))
+      if killed and committed
+      else None
     ),
     "newcomer_finished": bool(new)
     and new[-1]["step"] == max(r["step"] for r in rows),

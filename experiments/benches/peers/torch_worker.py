@@ -270,7 +270,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
       loss = torch.nn.functional.cross_entropy(net(x), y)
       loss.backward()
       optimizer.step()
-      state["step"] = done = step + 1
+      # Counted on the state, not from `step`: a torchft newcomer heals
+      # inside optimizer.step() (the sync hook), which loads the peers' step.
+      state["step"] += 1
+      done = state["step"]
       if recovery:
         _log_step(args.recovery_log, task, done, manager)
         continue
