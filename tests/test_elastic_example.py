@@ -1,12 +1,13 @@
 """examples/elastic_loop.py under the elastic launcher: a reclaim and a return.
 
-The pool has two slots; slot 1 is reclaimed 5 s after the job starts and
-handed back at 45 s. The reclaim reaches the first world while it starts
+The pool has two slots; slot 1 is reclaimed 4 s after the job starts and
+handed back at 28 s. The reclaim reaches the first world while it starts
 (the example holds SIGTERM until its loop can take it), the return the
 second world, which trains on slot 0 alone; each ends with the processes
 checkpointing the step they agreed on and exiting 75, and the next world
-resumes there. Paced at a second a step, the second world is still running
-at 45 s on a fast host, and the first has ended by then on a slow one.
+resumes there. Paced at half a second a step, the second world is still
+running at 28 s on a fast host (40 steps take it at least 20 s), and the
+first has ended by then on a slow one.
 """
 
 import json
@@ -27,7 +28,7 @@ def _world_lines(stderr):
 
 def test_a_reclaim_and_a_return_lose_no_step(tmp_path):
   availability = tmp_path / "availability.json"
-  availability.write_text(json.dumps({"1": [[5, 45]]}))
+  availability.write_text(json.dumps({"1": [[4, 28]]}))
   out = tmp_path / "run"
   env = dict(os.environ)
   env["JAX_PLATFORMS"] = "cpu"
@@ -47,7 +48,7 @@ def test_a_reclaim_and_a_return_lose_no_step(tmp_path):
       os.path.join(ROOT, "examples", "elastic_loop.py"),
       f"--out_dir={out}",
       f"--steps={STEPS}",
-      "--min_step_s=1",
+      "--min_step_s=0.5",
     ],
     cwd=ROOT,
     env=env,
