@@ -22,9 +22,6 @@ import ml_collections
 
 from experiments import config_lib
 from experiments.studies import network
-from experiments.studies.network import NUM_PROCESSES
-from experiments.studies.network import run_config
-from experiments.studies.network import RUNS
 from qsync_jax import data as data_lib
 from qsync_jax import predictor
 from qsync_jax.allocation import pipeline
@@ -41,9 +38,9 @@ class ModelProfile:
     config: the run configuration it was built from.
     model: the model.
     graph: its layer graph (:func:`qsync_jax.predictor.trace_graph`).
-    profile: its FP32 profile with :data:`NUM_PROCESSES` workers sharing
+    profile: its FP32 profile with :data:`~experiments.studies.network.NUM_PROCESSES` workers sharing
       this host's cores.
-    devices: the :data:`NUM_PROCESSES` local devices the workers ran on.
+    devices: the :data:`~experiments.studies.network.NUM_PROCESSES` local devices the workers ran on.
     num_params: its parameter count (every ``nnx.Param`` element: what an
       average sends).
   """
@@ -65,11 +62,11 @@ def profile_model(
 ) -> ModelProfile:
   """Profiles the model of run ``name`` (seed 0) on this host.
 
-  The profile is measured with :data:`NUM_PROCESSES` workers sharing this
+  The profile is measured with :data:`~experiments.studies.network.NUM_PROCESSES` workers sharing this
   host's cores at once (``host_devices``: fake devices of this process).
 
   Args:
-    name: a run of :data:`RUNS` (its optimizer and batch are profiled).
+    name: a run of :data:`~experiments.studies.network.RUNS` (its optimizer and batch are profiled).
     steps: the runs' steps (None: the configuration's).
     model_kwargs: the model's arguments (default :data:`~experiments.studies.network.MODEL_KWARGS`).
     repeats: timed rounds per measured piece.
@@ -78,17 +75,17 @@ def profile_model(
     The :class:`ModelProfile`.
 
   Raises:
-    ValueError: fewer than :data:`NUM_PROCESSES` local devices (set
+    ValueError: fewer than :data:`~experiments.studies.network.NUM_PROCESSES` local devices (set
       ``jax_num_cpu_devices`` before jax starts).
   """
-  devices = jax.devices()[:NUM_PROCESSES]
-  if len(devices) < NUM_PROCESSES:
+  devices = jax.devices()[: network.NUM_PROCESSES]
+  if len(devices) < network.NUM_PROCESSES:
     raise ValueError(
-      f"profiling the study's model needs {NUM_PROCESSES} "
+      f"profiling the study's model needs {network.NUM_PROCESSES} "
       f"local devices, got {len(devices)}; set "
-      f"jax_num_cpu_devices={NUM_PROCESSES}"
+      f"jax_num_cpu_devices={network.NUM_PROCESSES}"
     )
-  config = run_config(name, 0, steps=steps, model_kwargs=model_kwargs)
+  config = network.run_config(name, 0, steps=steps, model_kwargs=model_kwargs)
   dataset = data_lib.load_dataset(config.dataset)
   job = config_lib.parse(config)
   model = config_lib.build_model(job, dataset)
@@ -123,10 +120,10 @@ def predict_steps(
 ) -> dict[str, float]:
   """The predictor's step time of each homogeneous configuration.
 
-  The model's profile is measured here with :data:`NUM_PROCESSES` workers
+  The model's profile is measured here with :data:`~experiments.studies.network.NUM_PROCESSES` workers
   sharing this host's cores at once (``host_devices``: fake devices of this
   process). Each averager's encode/decode is profiled by
-  :data:`NUM_PROCESSES` launched processes, as the runs have them
+  :data:`~experiments.studies.network.NUM_PROCESSES` launched processes, as the runs have them
   (:func:`qsync_jax.predictor.codec_processes.profile_codecs_in_processes`:
   each with its own XLA thread pool on the same cores; no link, no root),
   as the runs' trainer calls it (with its error feedback and state).
@@ -146,11 +143,13 @@ def predict_steps(
     ``{name: predicted seconds per step}``.
 
   Raises:
-    ValueError: fewer than :data:`NUM_PROCESSES` local devices (set
+    ValueError: fewer than :data:`~experiments.studies.network.NUM_PROCESSES` local devices (set
       ``jax_num_cpu_devices`` before jax starts).
   """
   firsts = {
-    r["name"]: r for r in runs if r["seed"] == 0 and not RUNS[r["name"]].hetero
+    r["name"]: r
+    for r in runs
+    if r["seed"] == 0 and not network.RUNS[r["name"]].hetero
   }
   if not firsts:
     return {}
@@ -165,7 +164,8 @@ def predict_steps(
     graph, config.cluster, {}, profiles, link=(0.0, 0.0), shared_host=True
   ).step_time_s
   configs = {
-    name: run_config(name, 0, model_kwargs=model_kwargs) for name in firsts
+    name: network.run_config(name, 0, model_kwargs=model_kwargs)
+    for name in firsts
   }
 
   # Each average as the runs' trainer calls it: with its error feedback
@@ -180,7 +180,7 @@ def predict_steps(
   codecs = codec_processes.profile_codecs_in_processes(
     {key(c): averagers[name] for name, c in configs.items()},
     num_params,
-    NUM_PROCESSES,
+    network.NUM_PROCESSES,
     repeats=repeats,
     error_feedback={key(c): bool(c.error_feedback) for c in configs.values()},
   )
@@ -203,7 +203,12 @@ def predict_steps(
       per_step = r["summary"]["sync_rounds"] / r["summary"]["steps"]
       out[name] = compute_s + per_step * (
         predictor.averaging_time(
-          averager, num_params, NUM_PROCESSES, link, codec, platform="cpu"
+          averager,
+          num_params,
+          network.NUM_PROCESSES,
+          link,
+          codec,
+          platform="cpu",
         )
         + _outer_step_s(model, c, study.devices, repeats)
       )
@@ -269,7 +274,7 @@ def repredict(out_dir: str, *, repeats: int = 5) -> dict[str, Any]:
   Raises:
     FileNotFoundError: ``out_dir`` holds no ``summary.json``.
     ValueError: the summary has no runs, or names a configuration that is
-      not in :data:`RUNS`.
+      not in :data:`~experiments.studies.network.RUNS`.
   """
   path = os.path.join(out_dir, "summary.json")
   if not os.path.isfile(path):
@@ -286,11 +291,11 @@ def repredict(out_dir: str, *, repeats: int = 5) -> dict[str, Any]:
     raise ValueError(f"{path} is not a study summary: it lacks {missing}")
   if not result["runs"]:
     raise ValueError(f"{path} holds no runs to price")
-  unknown = sorted({r["name"] for r in result["runs"]} - set(RUNS))
+  unknown = sorted({r["name"] for r in result["runs"]} - set(network.RUNS))
   if unknown:
     raise ValueError(
       f"{path} has runs of unknown configurations {unknown}; "
-      f"valid: {', '.join(RUNS)}"
+      f"valid: {', '.join(network.RUNS)}"
     )
   # The summary keeps the link once, at the top; every run used it.
   runs = [
