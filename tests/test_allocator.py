@@ -3,9 +3,8 @@
 import itertools
 import json
 import os
-import subprocess
-import sys
 
+import binaries
 from flax import nnx
 import numpy as np
 import pytest
@@ -413,14 +412,7 @@ TWIN = (
 def _run(*args, timeout=600):
   env = dict(os.environ)
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-  return subprocess.run(
-    [sys.executable, "-m", *args],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-  )
+  return binaries.run(*args, env=env, timeout=timeout)
 
 
 def test_allocate_binary_writes_plans_summary_and_table(tmp_path):

@@ -1,20 +1,21 @@
 """Bad input to the train and allocate binaries: one error line, exit 1.
 
-Each case runs the binary as a user would and checks that it ends with one
-line ``error: <what is wrong>``, exit status 1 and no traceback. Most fail
-before a model is built (the config and flags are checked first), so a case
-costs little more than the interpreter's start-up. ``config_lib.parse`` and
-the locked config's ``compress_kwargs`` are also tested in-process.
+Each case runs the binary with a user's command line and checks that it
+ends with one line ``error: <what is wrong>``, exit status 1 and no
+traceback. Most fail before a model is built (the config and flags are
+checked first), so the binary is forked from a process that has imported
+its libraries (tests/binaries.py), and a case costs a fraction of a second.
+``config_lib.parse`` and the locked config's ``compress_kwargs`` are also
+tested in-process.
 """
 
 import fcntl
 import json
 import os
 import socket
-import subprocess
-import sys
 
 from absl import flags
+import binaries
 from ml_collections import config_flags
 import pytest
 
@@ -68,14 +69,7 @@ def _run(module, *args, path=None, timeout=300):
   env["PYTHONPATH"] = os.pathsep.join(
     [ROOT, *([path] if path else []), env.get("PYTHONPATH", "")]
   )
-  return subprocess.run(
-    [sys.executable, "-m", module, *args],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-  )
+  return binaries.run(module, *args, env=env, timeout=timeout)
 
 
 def _error_line(result):

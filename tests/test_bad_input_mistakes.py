@@ -8,8 +8,8 @@ exit status, the last line, no traceback and nothing left in ``--out_dir``.
 import json
 import os
 import subprocess
-import sys
 
+import binaries
 from flax import nnx
 import numpy as np
 import optax
@@ -75,14 +75,7 @@ def _run(module, *args, path=None, env=None):
     [ROOT, *([path] if path else []), full.get("PYTHONPATH", "")]
   )
   full.update(env or {})
-  return subprocess.run(
-    [sys.executable, "-m", module, *args],
-    cwd=ROOT,
-    env=full,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  return binaries.run(module, *args, env=full, timeout=300)
 
 
 def _error_line(result):

@@ -1,7 +1,7 @@
 """Sizes past what the host can hold: one error line, before any allocation.
 
 The binaries' cases run ``experiments.train`` and ``experiments.allocate``
-as a user would and check the one ``error:`` line, exit status 1, no
+(forked from a process that has imported their libraries: tests/binaries.py) and check the one ``error:`` line, exit status 1, no
 traceback, nothing written into the output directory, and that the process
 stayed small and quick: a size is refused before anything it sizes is made.
 The checks themselves are tested
@@ -10,7 +10,6 @@ a model's memory from its shapes and a measured profile's estimate.
 """
 
 import os
-import resource
 
 from flax import nnx
 import jax
@@ -38,12 +37,11 @@ _TIMEOUT_S = 180
 def _refused(module, out, *args):
   """The error line of a run that must be refused small, quick and before
   writing anything."""
-  # RUSAGE_CHILDREN is the high-water mark of every child waited for: it
-  # rises past its old value exactly when this child's peak does.
-  before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
   result = _run(module, *args, timeout=_TIMEOUT_S)
-  after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-  assert after <= max(before, _MAX_RSS_KIB), f"peak RSS {after} KiB"
+  # The binary's own peak (wait4), the imports it inherited included.
+  assert result.max_rss_kib <= _MAX_RSS_KIB, (
+    f"peak RSS {result.max_rss_kib} KiB"
+  )
   last = _error_line(result)
   assert not out.exists() or not os.listdir(out), os.listdir(out)
   return last

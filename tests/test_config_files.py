@@ -11,10 +11,10 @@ learning rate or names the flag to pass.
 
 import json
 import os
-import subprocess
 import sys
 
 from absl import flags
+import binaries
 import ml_collections
 from ml_collections import config_flags
 import pytest
@@ -136,18 +136,11 @@ def test_the_binary_says_which_config_file_raised(tmp_path):
   path = tmp_path / "my config.py"
   path.write_text(_HEADER + '  raise KeyError("data_dir")\n')
   env = dict(os.environ, PYTHONPATH=ROOT)
-  result = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "experiments.train",
-      f"--out_dir={tmp_path}/o",
-      f"--config={path}",
-    ],
-    cwd=ROOT,
+  result = binaries.run(
+    "experiments.train",
+    f"--out_dir={tmp_path}/o",
+    f"--config={path}",
     env=env,
-    capture_output=True,
-    text=True,
     timeout=300,
   )
   assert result.returncode == 1

@@ -4,9 +4,8 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
+import binaries
 from flax import nnx
 import jax.numpy as jnp
 import pytest
@@ -32,29 +31,22 @@ def _train(out, *flags):
   """The train binary with --plan=auto on a two-kind cluster, 2 steps."""
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-  return subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "experiments.train",
-      f"--out_dir={out}",
-      "--plan=auto",
-      "--cluster=v100:1,t4:1",
-      "--config.steps=2",
-      "--config.batch_size=4",
-      "--config.allocator.num_batches=1",
-      "--config.allocator.timing_batch_size=4",
-      # Weight variance: the cheapest indicator (every method on every kind
-      # of site is tested in test_layer_zoo.py).
-      "--config.allocator.indicator=wvar",
-      "--config.log_every=1",
-      "--config.eval_every=2",
-      *flags,
-    ],
-    cwd=ROOT,
+  return binaries.run(
+    "experiments.train",
+    f"--out_dir={out}",
+    "--plan=auto",
+    "--cluster=v100:1,t4:1",
+    "--config.steps=2",
+    "--config.batch_size=4",
+    "--config.allocator.num_batches=1",
+    "--config.allocator.timing_batch_size=4",
+    # Weight variance: the cheapest indicator (every method on every kind
+    # of site is tested in test_layer_zoo.py).
+    "--config.allocator.indicator=wvar",
+    "--config.log_every=1",
+    "--config.eval_every=2",
+    *flags,
     env=env,
-    capture_output=True,
-    text=True,
     timeout=600,
   )
 

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 
+import binaries
 import pytest
 
 from qsync_jax.process import agreement
@@ -702,13 +703,8 @@ def test_sigterm_to_one_mpirun_rank_checkpoints_every_rank(
   ],
 )
 def test_bad_launch_settings_are_one_line(tmp_path, args, message):
-  result = subprocess.run(
-    _train_cmd(tmp_path, *args),
-    cwd=ROOT,
-    env=_env(),
-    capture_output=True,
-    text=True,
-    timeout=300,
+  result = binaries.run(
+    *_train_cmd(tmp_path, *args)[2:], env=_env(), timeout=300
   )
   assert result.returncode == 1
   assert result.stderr.startswith("error: ") and message in result.stderr

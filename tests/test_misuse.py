@@ -6,9 +6,8 @@ serves them all.
 """
 
 import os
-import subprocess
-import sys
 
+import binaries
 from flax import nnx
 import grain
 import jax
@@ -360,25 +359,18 @@ def _train(out, *flags):
   tests = os.path.join(_ROOT, "tests")
   env["PYTHONPATH"] = os.pathsep.join([_ROOT, tests, env.get("PYTHONPATH", "")])
   env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-  return subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "experiments.train",
-      f"--out_dir={out}",
-      "--cluster=v100:1,t4:1",
-      "--config.plan_mode=manual",
-      "--config.batch_size=4",
-      "--config.steps=2",
-      "--config.eval_every=2",
-      "--config.log_every=1",
-      '--model_kwargs={"num_classes": 3}',
-      *flags,
-    ],
-    cwd=_ROOT,
+  return binaries.run(
+    "experiments.train",
+    f"--out_dir={out}",
+    "--cluster=v100:1,t4:1",
+    "--config.plan_mode=manual",
+    "--config.batch_size=4",
+    "--config.steps=2",
+    "--config.eval_every=2",
+    "--config.log_every=1",
+    '--model_kwargs={"num_classes": 3}',
+    *flags,
     env=env,
-    capture_output=True,
-    text=True,
     timeout=600,
   )
 

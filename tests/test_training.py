@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import binaries
 import optax
 import pytest
 
@@ -25,6 +26,8 @@ def _env():
 
 
 def _run(*args, timeout=600):
+  if args[0] == "-m":
+    return binaries.run(*args[1:], env=_env(), timeout=timeout)
   return subprocess.run(
     [sys.executable, *args],
     cwd=ROOT,

@@ -13,9 +13,8 @@ before anything is written into ``--out_dir``.
 import json
 import os
 import shutil
-import subprocess
-import sys
 
+import binaries
 import grain
 import numpy as np
 import pytest
@@ -49,20 +48,13 @@ def _train(out, dataset, *extra):
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS, env.get("PYTHONPATH", "")])
   env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # faster compiles
-  return subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "experiments.train",
-      f"--out_dir={out}",
-      f"--config.dataset=user_datasets:{dataset}",
-      *_FLAGS,
-      *extra,
-    ],
-    cwd=ROOT,
+  return binaries.run(
+    "experiments.train",
+    f"--out_dir={out}",
+    f"--config.dataset=user_datasets:{dataset}",
+    *_FLAGS,
+    *extra,
     env=env,
-    capture_output=True,
-    text=True,
     timeout=600,
   )
 

@@ -9,9 +9,8 @@ and the predictor on them are tested in test_user_models_indicator.py.
 import json
 import os
 import shutil
-import subprocess
-import sys
 
+import binaries
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -141,19 +140,12 @@ def _flags(config):
 
 
 def _train(out, config, *extra):
-  return subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "experiments.train",
-      f"--out_dir={out}",
-      *_flags(config),
-      *extra,
-    ],
-    cwd=ROOT,
+  return binaries.run(
+    "experiments.train",
+    f"--out_dir={out}",
+    *_flags(config),
+    *extra,
     env=_env(),
-    capture_output=True,
-    text=True,
     timeout=900,
   )
 
@@ -252,13 +244,8 @@ def test_unknown_model_and_dataset_kwargs_name_the_accepted_ones():
   ],
 )
 def test_the_binary_reports_unknown_kwargs_in_one_line(tmp_path, args, message):
-  result = subprocess.run(
-    [sys.executable, "-m", "experiments.train", f"--out_dir={tmp_path}", *args],
-    cwd=ROOT,
-    env=_env(),
-    capture_output=True,
-    text=True,
-    timeout=300,
+  result = binaries.run(
+    "experiments.train", f"--out_dir={tmp_path}", *args, env=_env(), timeout=300
   )
   assert result.returncode == 1
   errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]

@@ -27,7 +27,6 @@ import heapq
 import itertools
 
 import numpy as np
-from scipy import optimize
 
 from qsync_jax.numerics.precision import Precision
 from qsync_jax.plan.devices import supported_precisions
@@ -221,6 +220,8 @@ def _choose(
     return best
   if sum(float(np.min(w)) for w in weights) > capacity:
     return None
+  from scipy import optimize  # local: 0.4 s to import, needed only here
+
   sizes = [len(v) for v in values]
   n = sum(sizes)
   c = np.concatenate(values).astype(np.float64)

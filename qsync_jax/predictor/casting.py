@@ -17,7 +17,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy import optimize
 
 from qsync_jax.numerics import quant
 from qsync_jax.plan.devices import DeviceSpec
@@ -88,6 +87,8 @@ def fit_cast_model(
   removed); the fit is least squares with non-negative slope.
   """
   device = device or jax.devices()[0]
+  from scipy import optimize  # local: 0.4 s to import, needed only here
+
   rng = np.random.default_rng(0)
   coefficients = {}
   for src, dst in pairs or cast_pairs():
