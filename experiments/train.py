@@ -26,6 +26,16 @@ if __name__ == "__main__" and os.environ.get("QSYNC_ELASTIC_SLOTS"):
   # thread (threads inherit the mask), it stays pending until the training
   # loop's PreemptionWatch unblocks it and takes it at the first step.
   signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+  # It says so at once (an empty progress file, as
+  # qsync_jax.process.membership.ENV_PROGRESS describes): a notice that
+  # reaches its world before any process has stepped then ends the world at
+  # once, instead of waiting for its start and a checkpoint of the state it
+  # restored.
+  if os.environ.get("QSYNC_ELASTIC_PROGRESS"):
+    try:
+      open(os.environ["QSYNC_ELASTIC_PROGRESS"], "a").close()
+    except OSError:
+      pass
 
 from absl import app
 from absl import flags

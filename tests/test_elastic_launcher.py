@@ -4,7 +4,8 @@ Most runs use a small worker written into ``tmp_path`` that follows the
 protocol without JAX: it logs each start (its slots, restart and change) as
 one JSON line, steps a counter kept in a file (its "checkpoint"), exits 75
 on every process once any got SIGTERM, and exits 0 when the counter reaches
-its target. One test runs real JAX processes to check the agreed exit the
+its target; with ``progress`` it writes its progress file (empty from its
+start, ``stepped`` after its first step). One test runs real JAX processes to check the agreed exit the
 launcher relies on. Every test checks that no process it started is left.
 """
 
@@ -55,6 +56,11 @@ log(event="start", process=i, slots=slots,
     cache=os.environ.get("JAX_COMPILATION_CACHE_DIR"),
     cache_min_s=os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"))
 print(f"slot {slot} started", flush=True)
+# The progress file of the protocol (membership.ENV_PROGRESS): empty while
+# it holds notices and has not stepped, "stepped" after its first step.
+progress = os.environ.get("QSYNC_ELASTIC_PROGRESS") if cfg.get("progress") else None
+if progress:
+  open(progress, "a").close()
 time.sleep(cfg.get("init_s", 0))  # A runtime starting.
 stop = os.path.join(d, f"stop{restart}")
 
@@ -86,6 +92,10 @@ while True:
     with open(step_file + ".tmp", "w") as f:
       f.write(str(step + 1))
     os.replace(step_file + ".tmp", step_file)
+  if progress:
+    with open(progress, "w") as f:
+      f.write("stepped")
+    progress = None
   time.sleep(0.05)
 """
 
@@ -188,7 +198,9 @@ def _elastic_lines(err):
 
 
 def test_reclaim_and_return_follow_the_availability_file(tmp_path, capsys):
-  command = _command(tmp_path, steps=60)
+  # Every world has stepped when its notice comes: each gets the notice and
+  # checkpoints, progress files or not.
+  command = _command(tmp_path, steps=60, progress=True)
   options = _options(3, 2, {"1": [[1.0, 2.0]]})
   start = time.time()
   assert _run(tmp_path, command, options) == 0
@@ -286,10 +298,10 @@ def _pids_when_started(tmp_path, restart, count, within_s=20):
   raise AssertionError(f"world {restart + 1} never started")
 
 
-def test_a_killed_worker_restarts_without_it_until_rejoin_after(
-  tmp_path, capsys
-):
-  command = _command(tmp_path, steps=60)
+def _kill_slot_1_back_after_1_s(tmp_path, command):
+  """Runs ``command`` on a pool of 3 (at least 2) whose slot 1 is SIGKILLed
+  as world 1 starts and comes back 1 s later (``--rejoin_after``); returns
+  the changes that started worlds 2 and 3."""
   options = _options(3, 2, rejoin_after_s=1.0)
 
   def kill_slot_1():
@@ -301,7 +313,14 @@ def test_a_killed_worker_restarts_without_it_until_rejoin_after(
   killer.join()
   worlds = _starts(tmp_path)
   assert [w["slots"] for w in worlds] == [[0, 1, 2], [0, 2], [0, 1, 2]]
-  died, back = worlds[1]["change"], worlds[2]["change"]
+  return worlds[1]["change"], worlds[2]["change"]
+
+
+def test_a_killed_worker_restarts_without_it_until_rejoin_after(
+  tmp_path, capsys
+):
+  command = _command(tmp_path, steps=60)
+  died, back = _kill_slot_1_back_after_1_s(tmp_path, command)
   assert died["cause"] == "died" and "slot 1 died at" in died["detail"]
   assert "(SIGKILL)" in died["detail"]
   assert back["cause"] == "returned"
@@ -312,6 +331,54 @@ def test_a_killed_worker_restarts_without_it_until_rejoin_after(
   assert died["exit_time"] - died["event_time"] < 2
   err = capsys.readouterr().err
   assert "elastic: world 2: slots 0,2 (slot 1 died at" in err
+  _assert_nothing_left(tmp_path)
+
+
+def test_a_notice_to_a_world_that_has_not_stepped_ends_it_at_once(
+  tmp_path, capsys
+):
+  # Each world takes 3 s to start. Slot 1 dies as world 1 starts and comes
+  # back 1 s later, while world 2 (slots 0, 2) is still starting.
+  command = _command(tmp_path, steps=20, init_s=3.0, progress=True)
+  died, back = _kill_slot_1_back_after_1_s(tmp_path, command)
+  # World 2 got no notice: it was ended at once, having trained nothing,
+  # and world 3's change is the one from world 1 (the death, then the
+  # return).
+  assert not any(r["event"] == "sigterm" for r in _log(tmp_path))
+  assert not any(r["restart"] == 1 and "code" in r for r in _log(tmp_path))
+  assert back["cause"] == "died"
+  assert back["slots_before"] == [0, 1, 2] and back["slots_after"] == [0, 1, 2]
+  assert back["event_time"] == died["event_time"]
+  assert "slot 1 died at" in back["detail"]
+  assert "slot 1 returned at" in back["detail"]
+  assert back["detail"].endswith(
+    "world 2 ended at once, before its first step (2 processes killed, "
+    "nothing to checkpoint)"
+  )
+  # The return's world started at once: no wait for world 2's 3 s start.
+  returned = died["event_time"] + 1.0
+  assert back["start_time"] - returned < 1.5
+  err = capsys.readouterr().err
+  assert "error" not in err
+  _assert_nothing_left(tmp_path)
+
+
+def test_the_first_world_takes_its_notice_even_before_its_first_step(
+  tmp_path, capsys
+):
+  # Its agreed step is the checkpoint the next world resumes from.
+  command = _command(tmp_path, steps=10, init_s=1.0, progress=True)
+  options = _options(2, 1, {"1": [[0.3, 0.6]]})
+  assert _run(tmp_path, command, options) == 0
+  terms = [
+    (r["restart"], r["slot"]) for r in _log(tmp_path) if r["event"] == "sigterm"
+  ]
+  assert terms[0] == (0, 1)
+  exits = [
+    r["code"] for r in _log(tmp_path) if r["restart"] == 0 and "code" in r
+  ]
+  assert exits == [75, 75]
+  assert "ended at once" not in capsys.readouterr().err
   _assert_nothing_left(tmp_path)
 
 

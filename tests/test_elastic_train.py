@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 from absl import logging as absl_logging
+import binaries
 from flax import nnx
 import ml_collections
 import numpy as np
@@ -410,8 +411,9 @@ def test_a_death_loses_the_steps_since_the_checkpoint_and_no_save():
     sum(v for v in breakdown.values() if v is not None),
     abs_tol=1e-6,
   )
-  # A notice whose PREEMPTED file is an earlier world's: no detection or
-  # checkpoint time, the restart counted from the last exit.
+  # A notice whose PREEMPTED file is an earlier world's (the world ended
+  # with no agreed step): no checkpoint time, detection counted to the last
+  # exit and the restart from it, so the breakdown still adds up.
   reclaimed = dataclasses.replace(died, cause="reclaimed")
   record = membership_record.MembershipRecord(
     membership.ElasticWorld((0,), 2, 2, reclaimed)
@@ -419,9 +421,15 @@ def test_a_death_loses_the_steps_since_the_checkpoint_and_no_save():
   record.mark("plan")
   record.mark("restore")
   entry = record.resumed(meta, ["v100"], previous)
-  assert entry["breakdown"]["detect_s"] is None
+  record.first_step_done()
+  assert entry["breakdown"]["detect_s"] == 0.5
   assert entry["breakdown"]["checkpoint_s"] is None
   assert entry["breakdown"]["restart_s"] > 0
+  assert math.isclose(
+    entry["seconds_lost"],
+    sum(v for v in entry["breakdown"].values() if v is not None),
+    abs_tol=1e-6,
+  )
   # The same workers and no change: nothing recorded, the list carried.
   record = membership_record.MembershipRecord()
   record.mark("plan")
@@ -453,3 +461,36 @@ def test_a_notice_held_during_start_up_is_taken_by_the_watch(tmp_path):
   )
   assert out.returncode == 0, out.stderr[-2000:]
   assert "reached True" in out.stdout
+
+
+def test_the_watch_and_the_binary_tell_the_launcher_how_far_they_got(
+  tmp_path, monkeypatch
+):
+  # The watch: an empty progress file once it holds notices, "stepped"
+  # after the first step boundary; a later watch keeps "stepped".
+  path = tmp_path / "progress-0-0"
+  monkeypatch.setenv(membership.ENV_PROGRESS, str(path))
+  with preemption.PreemptionWatch() as watch:
+    assert path.read_text() == ""
+    assert not watch.reached(5)
+    assert path.read_text() == membership.STEPPED
+    assert not watch.reached(6)
+  with preemption.PreemptionWatch():
+    assert path.read_text() == membership.STEPPED
+  # The train binary says it holds notices before its imports: the file is
+  # there even when the flags are then refused.
+  started = tmp_path / "progress-0-1"
+  env = dict(os.environ)
+  env.update(
+    {
+      membership.ENV_SLOTS: "0",
+      membership.ENV_POOL_SIZE: "1",
+      membership.ENV_RESTART: "0",
+      membership.ENV_PROGRESS: str(started),
+    }
+  )
+  result = binaries.run(
+    "experiments.train", f"--out_dir={tmp_path}/o", "--nosuchflag", env=env
+  )
+  assert result.returncode == 1 and "nosuchflag" in result.stderr
+  assert started.exists() and started.read_text() == ""

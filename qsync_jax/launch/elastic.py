@@ -25,12 +25,19 @@ launcher's ``QSYNC_*`` variables plus
   to the world's process 0, the same agreed exit, the next world with it.
 * Once a world is ending, later changes send no second notice; the next
   world is simply the slots available when it starts.
-* **A world still starting:** a notice is sent at once all the same (a
-  reclaim does not wait for the job). A process that dies of the SIGTERM
-  the launcher sent it was not yet ready to take notices (its runtime's
-  handler was not installed): the others are SIGKILLed at once and the next
-  world is the one the notice asked for; steps since the last checkpoint
-  are lost, the job is not.
+* **A world still starting:** where a world started after a change has
+  processes that all hold notices and none has finished a step (each
+  process's :data:`~qsync_jax.process.membership.ENV_PROGRESS` file), it
+  has trained nothing since the checkpoint it restored: it is SIGKILLed at
+  once and the next world started, its change carried into the next one's
+  (one change from the world before, its events and details joined). The
+  job's first world always gets the notice: the step it agrees on is the
+  checkpoint the next one resumes from, where the change is recorded.
+  Otherwise a notice is sent at once all the same (a reclaim does not wait
+  for the job). A process that dies of the SIGTERM the launcher sent it was not yet
+  ready to take notices (its runtime's handler was not installed): the
+  others are SIGKILLed at once and the next world is the one the notice
+  asked for; steps since the last checkpoint are lost, the job is not.
 * **Death** (a process killed by a signal the launcher did not send): the
   others are SIGKILLed at once, the next world is started without the
   slot. The slot comes back ``rejoin_after_s`` after the death, or when an
@@ -166,6 +173,26 @@ class _World:
   #: The launcher got SIGTERM: every process was told to checkpoint and
   #: the job ends with the world.
   preempting: bool = False
+  #: The change that started this world (None for the first).
+  change: membership.Change | None = None
+  #: Ended on a notice before any process had stepped (:meth:`unstepped`):
+  #: its change is carried into the next world's.
+  ended_unstepped: bool = False
+
+  def unstepped(self) -> bool:
+    """Whether every process holds notices and none has finished a step
+    (their :func:`~qsync_jax.process.membership.progress_path` files)."""
+    if self.notices_dir is None:
+      return False
+    for i in range(len(self.slots)):
+      path = membership.progress_path(self.notices_dir, self.number - 1, i)
+      try:
+        with open(path) as f:
+          if f.read().strip() == membership.STEPPED:
+            return False
+      except OSError:
+        return False  # Not started, or a program that writes none.
+    return True
 
   def outside_notices(self) -> dict[int, float]:
     """The processes that recorded a SIGTERM this launcher did not send
@@ -543,14 +570,25 @@ class Supervisor:
     if ended is not None:
       causes = {e.cause for e in events}
       exit_times = [t for t in ended.procs.exit_times() if t is not None]
+      slots_before = ended.slots
+      event_time = min(e.wall for e in events)
+      details = [*map(str, events), *ended.notes]
+      carried = ended.change if ended.ended_unstepped else None
+      if carried is not None:
+        # The ended world trained nothing: one change, from the world
+        # before it to this one.
+        causes.add(carried.cause)
+        slots_before = carried.slots_before
+        event_time = min(event_time, carried.event_time)
+        details.insert(0, carried.detail)
       change = membership.Change(
         cause=next(c for c in _PRECEDENCE if c in causes),
-        slots_before=ended.slots,
+        slots_before=slots_before,
         slots_after=slots,
-        event_time=min(e.wall for e in events),
+        event_time=event_time,
         exit_time=max(exit_times, default=start_wall),
         start_time=start_wall,
-        detail="; ".join([*map(str, events), *ended.notes]),
+        detail="; ".join(details),
       )
     world_env = membership.ElasticWorld(
       slots, self.options.pool_size, restart, change
@@ -567,6 +605,7 @@ class Supervisor:
       slots,
       local.Processes(self.dead_peer_timeout_s, lock=self.lock),
       notices_dir=self.notices_dir,
+      change=change,
     )
     why = f" ({change.detail})" if change else " (start)"
     self.log(
@@ -576,9 +615,19 @@ class Supervisor:
     try:
       for i, s in enumerate(slots):
         argv = self.command if self.wrap is None else self.wrap(s, self.command)
+        progress = {}
+        if self.notices_dir is not None:
+          progress[membership.ENV_PROGRESS] = membership.progress_path(
+            self.notices_dir, restart, i
+          )
         world.procs.start(
           argv,
-          {**env, **self.cache_env(), local.ENV_PROCESS_ID: str(i)},
+          {
+            **env,
+            **self.cache_env(),
+            **progress,
+            local.ENV_PROCESS_ID: str(i),
+          },
           f"process {i} (slot {s})",
           f"[p{i} s{s}] ",
         )
@@ -654,6 +703,14 @@ class Supervisor:
     if ending:
       return  # The world is ending already: no second notice.
     world.ending_since = time.monotonic()
+    if world.change is not None and world.unstepped():
+      n = world.procs.kill_running()
+      world.ended_unstepped = True
+      world.notes.append(
+        f"world {world.number} ended at once, before its first step "
+        f"({n} process{'' if n == 1 else 'es'} killed, nothing to checkpoint)"
+      )
+      return
     for i in targets:
       world.signalled.add(i)
       world.procs.send(i, signal.SIGTERM)

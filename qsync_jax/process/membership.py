@@ -36,7 +36,23 @@ ENV_CHANGE = "QSYNC_ELASTIC_CHANGE"
 #: (:func:`notice_path`), so that the launcher tells a reclaim of some slots
 #: by someone else from a job-wide preemption.
 ENV_NOTICES = "QSYNC_ELASTIC_NOTICES"
-ELASTIC_VARS = (ENV_SLOTS, ENV_POOL_SIZE, ENV_RESTART, ENV_CHANGE, ENV_NOTICES)
+#: The file where a process says how far it got (:func:`progress_path`):
+#: empty once it holds notices (a SIGTERM waits for its loop to take it),
+#: :data:`STEPPED` once it has finished a step. A world whose processes all
+#: hold notices and none has stepped has trained nothing since the
+#: checkpoint it restored: the launcher ends it at once on a notice rather
+#: than wait for its start and a checkpoint of the same state.
+ENV_PROGRESS = "QSYNC_ELASTIC_PROGRESS"
+#: The contents of :data:`ENV_PROGRESS`'s file after the first step.
+STEPPED = "stepped"
+ELASTIC_VARS = (
+  ENV_SLOTS,
+  ENV_POOL_SIZE,
+  ENV_RESTART,
+  ENV_CHANGE,
+  ENV_NOTICES,
+  ENV_PROGRESS,
+)
 
 #: Why a world ended: a slot told to leave (SIGTERM), a process that died
 #: without notice (SIGKILL, node loss), a slot given back.
@@ -56,6 +72,18 @@ def notice_path(directory: str, restart: int, process: int) -> str:
     process: the process's index in its world.
   """
   return os.path.join(directory, f"sigterm-{restart}-{process}.json")
+
+
+def progress_path(directory: str, restart: int, process: int) -> str:
+  """The file the launcher names in process ``process``'s
+  :data:`ENV_PROGRESS` in world ``restart``.
+
+  Args:
+    directory: the launcher's notices directory (:data:`ENV_NOTICES`).
+    restart: the world's :attr:`ElasticWorld.restart`.
+    process: the process's index in its world.
+  """
+  return os.path.join(directory, f"progress-{restart}-{process}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,8 +56,9 @@ class MembershipRecord:
   from the change's event to the end of the first step:
 
   - ``detect_s``: the event (the launcher's notice) until the processes
-    agreed on a step (the ``PREEMPTED`` record's time); after a death,
-    the event (the launcher saw it) until the last process exited;
+    agreed on a step (the ``PREEMPTED`` record's time); after a death, or
+    a world that ended with no agreed step (ended at once before its first
+    step), the event until the last process exited;
   - ``checkpoint_s``: that agreed step's checkpoint (None after a death);
   - ``restart_s``: the end of the checkpoint (after a death: the last exit)
     until this process starts building its workers: the processes' exit,
@@ -124,12 +125,17 @@ class MembershipRecord:
     last = previous.last_step()
     agreed, saved_s = previous.notice(step, change)
     detect = restart = math.nan
-    if change is not None and change.cause in NOTICE_CAUSES:
+    if (
+      change is not None
+      and change.cause in NOTICE_CAUSES
+      and not math.isnan(agreed)
+    ):
       detect = agreed - change.event_time
-      restart = self._marks["plan"] - (
-        change.exit_time if math.isnan(agreed) else agreed + saved_s
-      )
-    elif change is not None:  # died: the launcher saw the death at once
+      restart = self._marks["plan"] - (agreed + saved_s)
+    elif change is not None:
+      # Died (the launcher saw the death at once), or a world ended with no
+      # agreed step (at once before its first step, or its processes killed
+      # by the notice): from the event to the last exit.
       detect = change.exit_time - change.event_time
       restart = self._marks["plan"] - change.exit_time
       saved_s = math.nan

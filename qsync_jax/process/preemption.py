@@ -20,7 +20,9 @@ has exited 75 to tell a reclaim of some slots by someone else (those
 processes alone got a SIGTERM it did not send) from a job-wide preemption
 (every process got one). In a multi-process run the runtime's notifier
 keeps the signal: the handler installed here records it and then calls the
-notifier's own handler, which it saved.
+notifier's own handler, which it saved. A process also records its progress
+(:func:`record_progress`): holding notices, then its first step done, so
+that the launcher can end at once a world that has trained nothing.
 """
 
 from __future__ import annotations
@@ -112,6 +114,34 @@ def record_notice(environ: Mapping[str, str] = os.environ) -> None:
     pass
 
 
+def record_progress(
+  stepped: bool, environ: Mapping[str, str] = os.environ
+) -> None:
+  """Tells the elastic launcher how far this process got.
+
+  Where :data:`~qsync_jax.process.membership.ENV_PROGRESS` names a file:
+  creates it empty (``stepped`` False: this process holds notices and has
+  taken no step; an existing file is left as it is), or writes
+  :data:`~qsync_jax.process.membership.STEPPED` into it. Nothing otherwise;
+  a failure to write is ignored (the launcher then sends its notice and
+  waits for the agreed step, as it does for a program that writes none).
+
+  Args:
+    stepped: whether this process has finished a step.
+    environ: the process's environment.
+  """
+  path = environ.get(membership.ENV_PROGRESS)
+  if not path:
+    return
+  try:
+    if stepped:
+      files.write_text(path, membership.STEPPED)
+    else:
+      open(path, "a").close()
+  except OSError:
+    pass
+
+
 class PreemptionWatch:
   """Answers, at each step boundary, whether to checkpoint and stop.
 
@@ -119,10 +149,12 @@ class PreemptionWatch:
   :meth:`reached` after every step, with the same step numbers on every
   process. Entering it installs the single-process SIGTERM handler (only in
   the main thread of a single-process run); leaving it restores the previous
-  one.
+  one. Under the elastic launcher, entering it and the first :meth:`reached`
+  record this process's progress (:func:`record_progress`).
   """
 
   def __init__(self) -> None:
+    self._stepped = False
     self._notified = threading.Event()
     self._previous: Any = None
     self._installed = False
@@ -145,6 +177,7 @@ class PreemptionWatch:
       # before its imports, experiments/train.py) arrives now, to the
       # handler above or to jax.distributed's notifier.
       signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    record_progress(stepped=False)
     return self
 
   def __exit__(self, *exc_info) -> None:
@@ -185,6 +218,9 @@ class PreemptionWatch:
       the step the processes agreed on.
     """
     del step  # every process calls at the same steps: the calls count them
+    if not self._stepped:
+      self._stepped = True
+      record_progress(stepped=True)
     if jax.process_count() > 1:
       # The runtime agrees on "the largest counter any process last passed,
       # plus one", and a process that has not passed one yet reports 0. A

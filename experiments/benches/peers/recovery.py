@@ -17,9 +17,11 @@ process to SIGKILL a third of the way through and gets it back:
   launcher (``python -m qsync_jax.distributed --elastic``, the
   :mod:`experiments.studies.elastic` machinery), checkpointing every
   :data:`CHECKPOINT_EVERY` steps; the launcher restarts the world without
-  the dead slot and again when it returns (``--rejoin_after``). Its
-  seconds and steps lost are the run's membership entries
-  (``summary.json["membership"]``), summed over the two changes.
+  the dead slot and again when it returns (``--rejoin_after``; a return
+  that reaches a world that has not stepped ends it at once, and the two
+  events are one change). Its seconds and steps lost are the run's
+  membership entries (``summary.json["membership"]``), summed over its
+  changes.
 """
 
 from __future__ import annotations
