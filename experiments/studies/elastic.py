@@ -46,6 +46,7 @@ from experiments import progress
 from experiments.configs import default
 from experiments.studies import network
 from qsync_jax import files
+from qsync_jax.launch import elastic as elastic_launcher
 from qsync_jax.launch import links
 from qsync_jax.launch import local
 from qsync_jax.parallel import cluster as cluster_lib
@@ -177,7 +178,9 @@ def launch(
   """Runs ``command`` (a launcher training into ``run_dir``) to its end.
 
   Its output goes to ``run_dir + ".log"``; its metrics rows are stamped as
-  they appear (:class:`Launched`).
+  they appear (:class:`Launched`). It compiles into the launcher's cache of
+  its own, not the environment's: a window placed at a share of another
+  run's time must not find this run finished early by a warm cache.
 
   Args:
     command: the launcher's command line.
@@ -197,11 +200,13 @@ def launch(
   worlds: list[dict[str, Any]] = []
   start = time.monotonic()
   with open(run_dir + ".log", "w") as log:
+    cache = (elastic_launcher.COMPILATION_CACHE_VAR, "JAX_PERSISTENT_CACHE_")
     proc = subprocess.Popen(
       list(command),
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,
+      env={k: v for k, v in os.environ.items() if not k.startswith(cache)},
     )
     stdout = proc.stdout
     assert stdout is not None
