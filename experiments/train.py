@@ -6,7 +6,8 @@ Usage:
       [--model=resnet18] [--cluster=v100:2,t4:2] [--plan=auto] [--resume]
 
 Besides --out_dir and --config (with its --config.FIELD=VALUE overrides),
-every flag is an alias of a config field (experiments.flag_aliases.FLAG_ALIASES);
+every flag is an alias of a config field
+(experiments.flag_aliases.FLAG_ALIASES);
 experiments.train_lib.main does the rest. The guide: docs/guides/main_job.md.
 
 Exit status: 0 when the run is done; 1 for bad input or a failed run (one

@@ -94,8 +94,9 @@ def child(req):
   extra = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
   sys.path[:] = [req["cwd"], *extra, *base_path]
   null = os.open(os.devnull, os.O_RDONLY)
-  out = os.open(req["stdout"], os.O_WRONLY | os.O_TRUNC)
-  err = out if req["merge"] else os.open(req["stderr"], os.O_WRONLY | os.O_TRUNC)
+  flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+  out = os.open(req["stdout"], flags)
+  err = out if req["merge"] else os.open(req["stderr"], flags)
   for fd, to in ((null, 0), (out, 1), (err, 2)):
     os.dup2(fd, to)
   os.closerange(3, 256)
@@ -252,8 +253,6 @@ def run(
   zygote = _zygote_for(env)
   with tempfile.TemporaryDirectory(prefix="qsync_jax_test_run_") as tmp:
     out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-    for path in (out, err):
-      open(path, "w").close()
     request = {
       "module": module,
       "args": list(args),

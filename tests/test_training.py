@@ -25,23 +25,12 @@ def _env():
   return env
 
 
-def _run(*args, timeout=600):
-  if args[0] == "-m":
-    return binaries.run(*args[1:], env=_env(), timeout=timeout)
-  return subprocess.run(
-    [sys.executable, *args],
-    cwd=ROOT,
-    env=_env(),
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-  )
+def _run(module, *args, timeout=600):
+  return binaries.run(module, *args, env=_env(), timeout=timeout)
 
 
 def _train(out, *args, timeout=600):
-  return _run(
-    "-m", "experiments.train", f"--out_dir={out}", *args, timeout=timeout
-  )
+  return _run("experiments.train", f"--out_dir={out}", *args, timeout=timeout)
 
 
 def _failure_lines(output: str) -> str:
@@ -183,7 +172,6 @@ def _num_params():
 
 def test_qsr_study_binary_writes_runs_and_plots(tmp_path):
   result = _run(
-    "-m",
     "experiments.qsr_study",
     f"--out={tmp_path}",
     "--tasks=cnn",
@@ -320,7 +308,6 @@ def test_two_processes_match_one_process_with_two_devices(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   multi = tmp_path / "multi"
   result = _run(
-    "-m",
     "qsync_jax.distributed",
     "--num_processes=2",
     "--timeout_s=300",

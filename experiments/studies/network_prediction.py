@@ -38,9 +38,11 @@ class ModelProfile:
     config: the run configuration it was built from.
     model: the model.
     graph: its layer graph (:func:`qsync_jax.predictor.trace_graph`).
-    profile: its FP32 profile with :data:`~experiments.studies.network.NUM_PROCESSES` workers sharing
+    profile: its FP32 profile with
+      :data:`~experiments.studies.network.NUM_PROCESSES` workers sharing
       this host's cores.
-    devices: the :data:`~experiments.studies.network.NUM_PROCESSES` local devices the workers ran on.
+    devices: the :data:`~experiments.studies.network.NUM_PROCESSES` local
+      devices the workers ran on.
     num_params: its parameter count (every ``nnx.Param`` element: what an
       average sends).
   """
@@ -62,20 +64,24 @@ def profile_model(
 ) -> ModelProfile:
   """Profiles the model of run ``name`` (seed 0) on this host.
 
-  The profile is measured with :data:`~experiments.studies.network.NUM_PROCESSES` workers sharing this
+  The profile is measured with
+  :data:`~experiments.studies.network.NUM_PROCESSES` workers sharing this
   host's cores at once (``host_devices``: fake devices of this process).
 
   Args:
-    name: a run of :data:`~experiments.studies.network.RUNS` (its optimizer and batch are profiled).
+    name: a run of :data:`~experiments.studies.network.RUNS` (its optimizer
+      and batch are profiled).
     steps: the runs' steps (None: the configuration's).
-    model_kwargs: the model's arguments (default :data:`~experiments.studies.network.MODEL_KWARGS`).
+    model_kwargs: the model's arguments (default
+      :data:`~experiments.studies.network.MODEL_KWARGS`).
     repeats: timed rounds per measured piece.
 
   Returns:
     The :class:`ModelProfile`.
 
   Raises:
-    ValueError: fewer than :data:`~experiments.studies.network.NUM_PROCESSES` local devices (set
+    ValueError: fewer than
+      :data:`~experiments.studies.network.NUM_PROCESSES` local devices (set
       ``jax_num_cpu_devices`` before jax starts).
   """
   devices = jax.devices()[: network.NUM_PROCESSES]
@@ -120,10 +126,12 @@ def predict_steps(
 ) -> dict[str, float]:
   """The predictor's step time of each homogeneous configuration.
 
-  The model's profile is measured here with :data:`~experiments.studies.network.NUM_PROCESSES` workers
+  The model's profile is measured here with
+  :data:`~experiments.studies.network.NUM_PROCESSES` workers
   sharing this host's cores at once (``host_devices``: fake devices of this
   process). Each averager's encode/decode is profiled by
-  :data:`~experiments.studies.network.NUM_PROCESSES` launched processes, as the runs have them
+  :data:`~experiments.studies.network.NUM_PROCESSES` launched processes, as the
+  runs have them
   (:func:`qsync_jax.predictor.codec_processes.profile_codecs_in_processes`:
   each with its own XLA thread pool on the same cores; no link, no root),
   as the runs' trainer calls it (with its error feedback and state).
@@ -137,13 +145,15 @@ def predict_steps(
   Args:
     runs: the study's runs (seed 0 of each configuration is used).
     repeats: timed rounds per measured piece.
-    model_kwargs: the runs' model arguments (default :data:`~experiments.studies.network.MODEL_KWARGS`).
+    model_kwargs: the runs' model arguments (default
+      :data:`~experiments.studies.network.MODEL_KWARGS`).
 
   Returns:
     ``{name: predicted seconds per step}``.
 
   Raises:
-    ValueError: fewer than :data:`~experiments.studies.network.NUM_PROCESSES` local devices (set
+    ValueError: fewer than
+      :data:`~experiments.studies.network.NUM_PROCESSES` local devices (set
       ``jax_num_cpu_devices`` before jax starts).
   """
   firsts = {

@@ -34,10 +34,11 @@ launcher's ``QSYNC_*`` variables plus
   job's first world always gets the notice: the step it agrees on is the
   checkpoint the next one resumes from, where the change is recorded.
   Otherwise a notice is sent at once all the same (a reclaim does not wait
-  for the job). A process that dies of the SIGTERM the launcher sent it was not yet
-  ready to take notices (its runtime's handler was not installed): the
-  others are SIGKILLed at once and the next world is the one the notice
-  asked for; steps since the last checkpoint are lost, the job is not.
+  for the job). A process that dies of the SIGTERM the launcher sent it
+  was not yet ready to take notices (its runtime's handler was not
+  installed): the others are SIGKILLed at once and the next world is the
+  one the notice asked for; steps since the last checkpoint are lost, the
+  job is not.
 * **Death** (a process killed by a signal the launcher did not send): the
   others are SIGKILLed at once, the next world is started without the
   slot. The slot comes back ``rejoin_after_s`` after the death, or when an
@@ -615,19 +616,14 @@ class Supervisor:
     try:
       for i, s in enumerate(slots):
         argv = self.command if self.wrap is None else self.wrap(s, self.command)
-        progress = {}
+        own = {local.ENV_PROCESS_ID: str(i)}
         if self.notices_dir is not None:
-          progress[membership.ENV_PROGRESS] = membership.progress_path(
+          own[membership.ENV_PROGRESS] = membership.progress_path(
             self.notices_dir, restart, i
           )
         world.procs.start(
           argv,
-          {
-            **env,
-            **self.cache_env(),
-            **progress,
-            local.ENV_PROCESS_ID: str(i),
-          },
+          {**env, **self.cache_env(), **own},
           f"process {i} (slot {s})",
           f"[p{i} s{s}] ",
         )

@@ -9,7 +9,8 @@ tells every process, and
 True on every process at the same step boundary: the one after the furthest
 any process had passed when the notice came (boundaries counted in this
 process from 1, so that a notice that comes before a resumed world's first
-step stops it at that step). A single-process run has no such runtime, so a Python
+step stops it at that step). A single-process run has no such runtime, so a
+Python
 signal handler sets a flag that the next step boundary reads.
 
 Under the elastic launcher a process also records each SIGTERM it receives
