@@ -12,7 +12,8 @@ itself is the library's (:mod:`qsync_jax.allocation.job_plans`):
   :func:`~qsync_jax.allocation.job_plans.plan_job` called and logged;
 * :func:`plan_cache`: the run directory's
   :class:`~qsync_jax.allocation.job_plans.PlanCache`, keyed by the config's
-  model, dataset and loss.
+  model, dataset and loss;
+* :func:`reads_weights`: whether the planning reads the model's weights.
 
 Every process checks that the others train with the same plans with
 :func:`qsync_jax.allocation.sharing.check_plans`.
@@ -59,6 +60,22 @@ def plan_cache(
   )
 
 
+def reads_weights(job: config_lib.JobConfig) -> bool:
+  """Whether :func:`job_plans` reads the model's weights.
+
+  The allocator scores them with the sensitivity indicator, so ``"auto"``
+  on a cluster of several device kinds reads them. Manual plans, and
+  ``"auto"`` on one kind (FP32, nothing to allocate), use only the model's
+  shapes. A run that resumes from a checkpoint builds the model with
+  placeholder weights where nothing reads them
+  (:func:`qsync_jax.models.placeholder_weights`).
+  """
+  return (
+    job.plan_mode != "manual"
+    and len(cluster_lib.parse_cluster(job.cluster).groups()) > 1
+  )
+
+
 def job_plans(
   job: config_lib.JobConfig,
   model: Any,
@@ -95,7 +112,7 @@ def job_plans(
   """
   if job.plan_mode == "manual":
     return None, None, None
-  if len(cluster_lib.parse_cluster(job.cluster).groups()) == 1:
+  if not reads_weights(job):
     logging.info(
       "one device kind in %s: nothing to allocate, FP32", job.cluster
     )

@@ -39,6 +39,7 @@ from experiments import train_loop
 from qsync_jax import cli
 from qsync_jax import data as data_lib
 from qsync_jax import files
+from qsync_jax import models as models_lib
 from qsync_jax import rundir
 from qsync_jax.allocation import sharing
 from qsync_jax.numerics import selfcheck
@@ -321,8 +322,13 @@ def _restore(
   trainer: HybridTrainer,
   batcher: Any,
   record: membership_record.MembershipRecord,
+  placeholders: bool = False,
 ) -> tuple[Any, bytes | None, dict[str, Any] | None]:
   """The state the run starts from, restored where it resumes.
+
+  ``placeholders``: the model's weights are placeholders
+  (:func:`qsync_jax.models.placeholder_weights`), so a checkpoint must be
+  restored.
 
   Returns:
     ``(state, kept_metrics, finished)``: the state; the bytes
@@ -343,6 +349,11 @@ def _restore(
     restored = start.checkpointer.restore_latest(trainer, state)
   if not start.resuming:
     return state, None, None
+  if restored is None and placeholders:
+    raise ValueError(
+      f"the checkpoints in {os.path.join(out_dir, run_start.CHECKPOINTS_DIR)}"
+      " were removed while the run started; start it again"
+    )
   if restored is None:
     logging.info("no checkpoint in %s: starting from step 0", out_dir)
     resumed_step = None
@@ -434,7 +445,16 @@ def setup(
     speeds=job.speeds,
   )
   source, dataset = _open_data(job, start.batch_sizes)
-  model = config_lib.build_model(job, dataset)
+  # The checkpoint's weights replace the initial ones: not initialized where
+  # nothing reads them first (every initializer shape is an XLA compile).
+  placeholders = start.restores_checkpoint and not plans_lib.reads_weights(job)
+  if placeholders:
+    logging.info("resuming: the model's weights come from the checkpoint")
+    model = models_lib.placeholder_weights(
+      lambda: config_lib.build_model(job, dataset)
+    )
+  else:
+    model = config_lib.build_model(job, dataset)
   num_classes = config_lib.check_model_fits(job, model, dataset)
   check_agreement(job, model)
   # Before the predictor or the trainer traces a contraction.
@@ -448,7 +468,7 @@ def setup(
     source, [w.batch_size for w in planned.workers], seed=job.seed
   )
   state, kept, finished = _restore(
-    job, out_dir, start, trainer, batcher, record
+    job, out_dir, start, trainer, batcher, record, placeholders
   )
   if finished is not None:
     if start.checkpointer is not None:

@@ -11,6 +11,7 @@ launcher relies on. Every test checks that no process it started is left.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,12 +48,14 @@ def log(**rec):
 
 with open("/proc/self/cgroup") as f:
   cgroup = f.read()
+with open("/proc/self/cmdline") as f:
+  standby = "standby.py" in f.read()  # started ahead, as a hot standby
 log(event="start", process=i, slots=slots,
     num=int(os.environ["QSYNC_NUM_PROCESSES"]),
     pool=int(os.environ["QSYNC_ELASTIC_POOL_SIZE"]),
     coordinator=os.environ["QSYNC_COORDINATOR_ADDRESS"],
     change=json.loads(os.environ.get("QSYNC_ELASTIC_CHANGE") or "null"),
-    netns=os.readlink("/proc/self/ns/net"), cgroup=cgroup,
+    netns=os.readlink("/proc/self/ns/net"), cgroup=cgroup, standby=standby,
     cache=os.environ.get("JAX_COMPILATION_CACHE_DIR"),
     cache_min_s=os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"))
 print(f"slot {slot} started", flush=True)
@@ -231,9 +234,56 @@ def test_reclaim_and_return_follow_the_availability_file(tmp_path, capsys):
   lines = _elastic_lines(err)
   assert lines[0] == "elastic: world 1: slots 0,1,2 (start)"
   assert lines[1].startswith("elastic: world 2: slots 0,2 (slot 1 reclaimed at")
-  assert lines[1].endswith(" s); restart 1")
+  assert re.sub("; [0-9]+ from hot standbys$", "", lines[1]).endswith(
+    " s); restart 1"
+  )
   assert lines[2].startswith("elastic: world 3: slots 0,1,2 (slot 1 returned")
   assert second["detail"] in lines[1] and third["detail"] in lines[2]
+  _assert_nothing_left(tmp_path)
+
+
+def _left_running(tmp_path):
+  """The processes still running whose command names ``tmp_path``."""
+  left = []
+  for name in os.listdir("/proc"):
+    if not name.isdigit():
+      continue
+    try:
+      with open(f"/proc/{name}/cmdline", "rb") as f:
+        if str(tmp_path).encode() in f.read() and _is_running(int(name)):
+          left.append(int(name))
+    except OSError:
+      continue
+  return left
+
+
+@pytest.mark.parametrize("hot", [True, False])
+def test_the_next_world_starts_from_hot_standbys(tmp_path, capsys, hot):
+  # Slot 1 is reclaimed from 1.5 s to 3.5 s: world 2 (slot 0) and world 3
+  # (slots 0, 1) start once their world before has stepped.
+  command = _command(tmp_path, steps=120, progress=True)
+  options = _options(2, 1, {"1": [[1.5, 3.5]]}, hot_standby=hot)
+  try:
+    assert (
+      elastic.launch_elastic(command, options, env=_env(), timeout_s=60) == 0
+    )
+    # The standbys nobody took were ended with the job.
+    assert _left_running(tmp_path) == []
+  finally:
+    _kill_leftovers(tmp_path)
+  worlds = _starts(tmp_path)
+  assert [w["slots"] for w in worlds] == [[0, 1], [0], [0, 1]]
+  lines = _elastic_lines(capsys.readouterr().err)
+  assert lines[0] == "elastic: world 1: slots 0,1 (start)"
+  suffixes = [line.rpartition(";")[2] for line in lines[1:]]
+  if hot:
+    assert suffixes == [" 1 from hot standbys", " 2 from hot standbys"]
+  else:
+    assert suffixes == [" restart 1", " restart 2"]
+  # A standby runs the worker in itself, the process the worker logged.
+  assert [
+    [rec["standby"] for rec in world["procs"].values()] for world in worlds
+  ] == [[False, False], [hot], [hot, hot]]
   _assert_nothing_left(tmp_path)
 
 

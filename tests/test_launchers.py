@@ -643,6 +643,9 @@ def test_sigterm_checkpoints_and_the_same_command_resumes(
     timeout=400,
   )
   assert resumed.returncode == 0, resumed.stderr[-3000:]
+  # Its weights were not initialized (the checkpoint's replace them), and
+  # it ends bit for bit where an uninterrupted run ends.
+  assert "the model's weights come from the checkpoint" in resumed.stderr
   summary = _summary(tmp_path)
   assert summary["steps_this_run"] < summary["steps"] == 12
   assert summary["params_sha256"] == single_digest

@@ -258,3 +258,39 @@ def test_load_model_factory_errors(spec, problem):
   with pytest.raises(ValueError, match=problem) as info:
     models.load_model_factory(spec)
   assert "vit_tiny" in str(info.value)  # Lists the built-in names.
+
+
+@pytest.mark.parametrize(
+  "name, kwargs", [("resnet18", {}), ("lm", {"dropout_rate": 0.1})]
+)
+def test_placeholder_weights_skip_the_initializers_and_keep_the_rest(
+  name, kwargs, caplog
+):
+  def build():
+    key = jax.random.key(0, impl="unsafe_rbg")
+    return models.create_model(name, rngs=nnx.Rngs(key), **TINY[name], **kwargs)
+
+  with jax.log_compiles(), caplog.at_level("WARNING"):
+    model = models.placeholder_weights(build)
+  compiled = [r.getMessage() for r in caplog.records if "Compiling" in r.msg]
+  # One program, the traced build: no initializer compiled on its own.
+  assert len(compiled) == 1 and "zeroed" in compiled[0], compiled
+  placeholders = nnx.to_flat_state(nnx.state(model))
+  real = nnx.to_flat_state(nnx.state(build()))
+  assert [path for path, _ in placeholders] == [path for path, _ in real]
+  kinds = set()
+  for (path, var), (_, want) in zip(placeholders, real):
+    assert type(var) is type(want), path
+    value, expected = var[...], want[...]
+    assert value.shape == expected.shape and value.dtype == expected.dtype
+    if isinstance(want, nnx.Param):
+      assert not np.any(np.asarray(value)), path
+    else:  # BatchNorm statistics, dropout's RNG stream: as built
+      if jax.dtypes.issubdtype(expected.dtype, jax.dtypes.prng_key):
+        value, expected = (
+          jax.random.key_data(value),
+          jax.random.key_data(expected),
+        )
+      np.testing.assert_array_equal(value, expected, err_msg=str(path))
+      kinds.add(type(want).__name__)
+  assert kinds, "the model has no state besides its parameters"

@@ -849,3 +849,10 @@ def test_without_weights_is_abstract_unless_the_model_needs_values():
   )
   built = models.without_weights(_ReadsItsWeights)
   assert isinstance(built.fc.kernel[...], jax.Array) and built.scale > 0
+
+
+def test_placeholder_weights_build_a_model_that_reads_them_for_real():
+  from qsync_jax import models
+
+  model = models.placeholder_weights(_ReadsItsWeights)
+  assert model.scale > 0 and np.any(np.asarray(model.fc.kernel[...]))

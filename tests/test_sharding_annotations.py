@@ -224,6 +224,24 @@ def test_a_mesh_gets_the_axes_it_has_and_the_rest_is_left_unsharded():
   assert "vocab" not in jaxpr and "embed" not in jaxpr
 
 
+def test_placeholder_weights_are_placed_as_a_build_places_them():
+  for family in FAMILIES:
+    with jax.set_mesh(_mesh()):
+      model = models.placeholder_weights(lambda f=family: _build(f))
+      _assert_placed(model, family, 0)
+      built = _build(family)
+    assert _annotations(model, family) == FAMILIES[family][2]
+    placeholders = nnx.to_flat_state(nnx.state(model))
+    real = nnx.to_flat_state(nnx.state(built))
+    assert [path for path, _ in placeholders] == [path for path, _ in real]
+    for (path, var), (_, want) in zip(placeholders, real):
+      assert var[...].shape == want[...].shape, path
+      assert var[...].dtype == want[...].dtype, path
+      assert var[...].sharding == want[...].sharding, path
+      if isinstance(want, nnx.Param):
+        assert not np.any(np.asarray(var[...])), path
+
+
 class WorkerSharded(nn.Module):
   """A Dense whose kernel names the trainer's mesh axis."""
 

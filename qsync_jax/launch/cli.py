@@ -162,6 +162,14 @@ def _define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     "(unless JAX_COMPILATION_CACHE_DIR names one already).",
     flag_values=fv,
   )
+  flags.DEFINE_bool(
+    "hot_standby",
+    True,
+    "With --elastic: once a world has stepped, start one process per slot "
+    "for the next world, its imports done (a Python program run as "
+    "`python -m MODULE` or `python SCRIPT` by this interpreter).",
+    flag_values=fv,
+  )
   flags.DEFINE_float(
     "grace_s",
     60,
@@ -187,6 +195,7 @@ _ELASTIC_FLAGS = (
   "max_restarts",
   "grace_s",
   "compilation_cache",
+  "hot_standby",
 )
 
 
@@ -233,6 +242,7 @@ def _elastic_options(opts: flags.FlagValues) -> pool.ElasticOptions:
     max_restarts=opts.max_restarts,
     grace_s=opts.grace_s,
     compilation_cache=opts.compilation_cache,
+    hot_standby=opts.hot_standby,
   )
 
 

@@ -91,13 +91,18 @@ process 0's programs, the programs every process compiles alike (the update
 across workers) and, on GPUs, where device assignments are left out of the
 key, every program equal to one of process 0's. An environment that names
 its own cache keeps it.
+
+Once every process of a world has stepped, the launcher starts one hot
+standby per slot for the next world (:mod:`qsync_jax.launch.standby`): an
+interpreter with the program's imports done, waiting for its world. The
+next world's processes are these standbys where they still run, and the
+world's line says how many (``; 4 from hot standbys``). Without
+``hot_standby`` (``--nohot_standby``) every process starts afresh.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-import dataclasses
-import json
 import os
 import shutil
 import signal
@@ -107,8 +112,12 @@ import threading
 import time
 
 from qsync_jax.launch import local
+from qsync_jax.launch import standby
 from qsync_jax.launch.pool import ElasticOptions
 from qsync_jax.launch.pool import Pool
+from qsync_jax.launch.world import Event
+from qsync_jax.launch.world import Stop
+from qsync_jax.launch.world import World
 from qsync_jax.process import membership
 
 #: How often the supervisor looks at its processes and the pool.
@@ -118,259 +127,6 @@ COMPILATION_CACHE_VAR = "JAX_COMPILATION_CACHE_DIR"
 #: JAX's variable: the shortest compile the cache keeps (seconds). Its
 #: default (1 s) would leave out the many short compiles of a start.
 CACHE_MIN_COMPILE_TIME_VAR = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
-#: Which cause names a change that had several: the least orderly wins.
-_PRECEDENCE = ("died", "reclaimed", "returned")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Event:
-  """One membership event: a notice sent, a death seen, a slot back."""
-
-  cause: str
-  slot: int
-  t: float  # Seconds since the job started.
-  wall: float  # time.time().
-  note: str = ""
-
-  def __str__(self) -> str:
-    return f"slot {self.slot} {self.cause} at {self.t:.1f} s{self.note}"
-
-
-def _signal_name(code: int) -> str:
-  """``SIGKILL`` for a ``Popen.returncode`` of -9."""
-  try:
-    return signal.Signals(-code).name
-  except ValueError:
-    return f"signal {-code}"
-
-
-class _Stop(Exception):
-  """Ends the job with ``code``; ``line`` is its last line on stderr.
-
-  ``count_kills``: the line goes on with how many processes were killed.
-  """
-
-  def __init__(self, code: int, line: str, count_kills: bool = False):
-    super().__init__(line)
-    self.code = code
-    self.line = line
-    self.count_kills = count_kills
-
-
-@dataclasses.dataclass
-class _World:
-  """One world's processes and what happened to it."""
-
-  number: int
-  slots: tuple[int, ...]
-  procs: local.Processes
-  events: list[_Event] = dataclasses.field(default_factory=list)
-  notes: list[str] = dataclasses.field(default_factory=list)
-  signalled: set[int] = dataclasses.field(default_factory=set)
-  ending_since: float | None = None  # Monotonic time of the first notice.
-  excused: set[int] = dataclasses.field(default_factory=set)
-  #: Where the processes record the SIGTERMs they receive, or None.
-  notices_dir: str | None = None
-  #: The launcher got SIGTERM: every process was told to checkpoint and
-  #: the job ends with the world.
-  preempting: bool = False
-  #: The change that started this world (None for the first).
-  change: membership.Change | None = None
-  #: Ended on a notice before any process had stepped (:meth:`unstepped`):
-  #: its change is carried into the next world's.
-  ended_unstepped: bool = False
-
-  def unstepped(self) -> bool:
-    """Whether every process holds notices and none has finished a step
-    (their :func:`~qsync_jax.process.membership.progress_path` files)."""
-    if self.notices_dir is None:
-      return False
-    for i in range(len(self.slots)):
-      path = membership.progress_path(self.notices_dir, self.number - 1, i)
-      try:
-        with open(path) as f:
-          if f.read().strip() == membership.STEPPED:
-            return False
-      except OSError:
-        return False  # Not started, or a program that writes none.
-    return True
-
-  def outside_notices(self) -> dict[int, float]:
-    """The processes that recorded a SIGTERM this launcher did not send
-    them (:func:`~qsync_jax.process.membership.notice_path`): process index
-    -> ``time.time()`` when it came."""
-    if self.notices_dir is None:
-      return {}
-    out = {}
-    for i in range(len(self.slots)):
-      if i in self.signalled:
-        continue
-      path = membership.notice_path(self.notices_dir, self.number - 1, i)
-      try:
-        with open(path) as f:
-          out[i] = float(json.load(f)["time"])
-      except (OSError, ValueError, KeyError, TypeError):
-        continue
-    return out
-
-  def judge(self, codes: list[int | None], pool: Pool, t: float) -> str | None:
-    """Reads the exit statuses so far; marks the slots that died in ``pool``.
-
-    Args:
-      codes: each process's exit status, None while it runs.
-      pool: the pool, told of deaths.
-      t: seconds since the job started.
-
-    Returns:
-      None while the world runs, ``"done"`` when every process exited 0,
-      ``"next"`` when the next world is to start.
-
-    Raises:
-      _Stop: a failure, or an agreed exit without notice, ends the job.
-    """
-    procs = self.procs
-    changed = membership.MEMBERSHIP_CHANGED_EXIT_CODE
-    term, kill = -int(signal.SIGTERM), -int(signal.SIGKILL)
-    if self.preempting:
-      return self._judge_preemption(codes)
-    dead = [
-      i
-      for i, c in enumerate(codes)
-      if c is not None
-      and c < 0
-      and i not in self.excused
-      and not procs.killed(i)
-      and not (c == term and i in self.signalled)
-    ]
-    if changed in codes:
-      # An agreed exit is under way: a peer that aborted as the others left
-      # (its coordinator gone) ended with the world; only a SIGKILL is a loss.
-      for i in dead:
-        if codes[i] != kill:
-          self.excused.add(i)
-          self.notes.append(
-            f"{procs.names[i]} {local.describe_exit(codes[i] or 0)} "
-            "as the world ended"
-          )
-      dead = [i for i in dead if codes[i] == kill]
-    if dead:
-      # A peer whose runtime aborted because one vanished died of its own
-      # signal; a SIGKILL is the node loss.
-      dead = [i for i in dead if codes[i] == kill] or dead
-      wall = time.time()
-      for i in dead:
-        # A SIGTERM this launcher did not send, fatal before the process
-        # could take it: a reclaim of its slot by someone else.
-        cause = "reclaimed" if codes[i] == term else "died"
-        pool.died(self.slots[i], t, cause)
-        note = f" ({_signal_name(codes[i] or 0)} not from this launcher)"
-        if cause == "died":
-          note = f" ({_signal_name(codes[i] or 0)})"
-        self.events.append(_Event(cause, self.slots[i], t, wall, note))
-      procs.kill_running()
-      return "next"
-    failed = next(
-      (
-        i
-        for i, c in enumerate(codes)
-        if c is not None and c > 0 and c != changed
-      ),
-      None,
-    )
-    if failed is not None:
-      code = codes[failed]
-      assert code is not None
-      n = procs.kill_running()
-      raise _Stop(
-        code,
-        f"error: process {failed} (slot {self.slots[failed]}, pid "
-        f"{procs.procs[failed].pid}) {local.describe_exit(code)}; "
-        f"killed {n} other process{'' if n == 1 else 'es'}",
-      )
-    unready = [
-      i for i, c in enumerate(codes) if c == term and i in self.signalled
-    ]
-    if unready:
-      n = procs.kill_running()
-      self.notes.extend(
-        f"{procs.names[i]} died of the notice before it could take it"
-        for i in unready
-      )
-      if n:
-        self.notes.append(f"killed {n} other process{'' if n == 1 else 'es'}")
-      return "next"
-    if any(c is None for c in codes):
-      if changed in codes and self.ending_since is None:
-        self.ending_since = time.monotonic()
-      return None
-    if all(c == 0 for c in codes):
-      return "done"
-    outside = self.outside_notices()
-    if outside and len(outside) < len(codes):
-      # Some processes alone got a SIGTERM from someone else (whatever
-      # shares the host taking its device back): a reclaim of their slots.
-      now = time.time()
-      for i, when in sorted(outside.items()):
-        pool.died(self.slots[i], t, "reclaimed")
-        self.events.append(
-          _Event(
-            "reclaimed",
-            self.slots[i],
-            max(0.0, t - (now - when)),
-            when,
-            " (a SIGTERM not from this launcher)",
-          )
-        )
-      return "next"
-    if self.events:
-      return "next"
-    who = (
-      "every process got SIGTERM from outside this launcher"
-      if outside
-      else f"every process exited 0 or {changed} with no notice from this "
-      "launcher"
-    )
-    raise _Stop(
-      changed,
-      f"elastic: world {self.number}: {who} (a job-wide preemption); "
-      f"ending with {changed} (run it again to resume)",
-    )
-
-  def _judge_preemption(self, codes: list[int | None]) -> str | None:
-    """:meth:`judge` once the launcher got SIGTERM and passed it on to every
-    process: the job ends with the world, with 75 when every process
-    checkpointed the step they agreed on and exited 75 (or 0)."""
-    changed = membership.MEMBERSHIP_CHANGED_EXIT_CODE
-    procs = self.procs
-    bad = next(
-      (
-        i
-        for i, c in enumerate(codes)
-        if c is not None and c not in (0, changed)
-      ),
-      None,
-    )
-    if bad is not None:
-      code = codes[bad]
-      assert code is not None
-      n = procs.kill_running()
-      raise _Stop(
-        128 + int(signal.SIGTERM),
-        f"error: launcher got SIGTERM; process {bad} (slot "
-        f"{self.slots[bad]}) {local.describe_exit(code)} before it "
-        f"checkpointed; killed {n} other process{'' if n == 1 else 'es'} "
-        "(the steps since the last checkpoint are lost)",
-      )
-    if any(c is None for c in codes):
-      return None
-    if all(c == 0 for c in codes):
-      return "done"
-    raise _Stop(
-      changed,
-      f"elastic: launcher got SIGTERM: every process checkpointed the step "
-      f"they agreed on; ending with {changed} (run the same command again "
-      "to resume)",
-    )
 
 
 class Supervisor:
@@ -412,6 +168,8 @@ class Supervisor:
     #: Where the processes record the SIGTERMs they receive, while the job
     #: runs (:data:`~qsync_jax.process.membership.ENV_NOTICES`).
     self.notices_dir: str | None = None
+    #: The next world's processes, started ahead (``hot_standby``).
+    self.standbys: standby.Standbys | None = None
 
   def cache_env(self) -> dict[str, str]:
     """The compilation cache variables of the processes ({} without the
@@ -434,13 +192,17 @@ class Supervisor:
 
   def run(self) -> int:
     """Runs the job; returns the launcher's exit status."""
-    world: _World | None = None
+    world: World | None = None
     if (
       self.options.compilation_cache
       and COMPILATION_CACHE_VAR not in self.base_env
     ):
       self.cache_dir = tempfile.mkdtemp(prefix="qsync_elastic_xla_")
     self.notices_dir = tempfile.mkdtemp(prefix="qsync_elastic_notices_")
+    if self.options.hot_standby:
+      # The environment every world shares: the world's QSYNC_* aside.
+      shared = local.launch_env(self.base_env, "", 0) | self.cache_env()
+      self.standbys = standby.Standbys.of(self.command, shared, self.wrap)
     try:
       with local.stop_signals() as self.received:
         restart = 0
@@ -448,7 +210,7 @@ class Supervisor:
           slots, waited = self._wait_for_slots()
           events = [] if world is None else world.events + waited
           if restart > self.options.max_restarts:
-            raise _Stop(
+            raise Stop(
               1,
               f"error: elastic: {'; '.join(map(str, events))}, and "
               f"--max_restarts={self.options.max_restarts} restarts are "
@@ -460,7 +222,7 @@ class Supervisor:
           if done:
             return 0
           restart += 1
-    except _Stop as stop:
+    except Stop as stop:
       n = 0 if world is None else world.procs.kill_running()
       if world is not None:
         world.procs.close()
@@ -471,18 +233,20 @@ class Supervisor:
     finally:
       if world is not None:
         world.procs.close()  # Nothing is left running, whatever happened.
+      if self.standbys is not None:
+        self.standbys.close()
       if self.cache_dir is not None:
         shutil.rmtree(self.cache_dir, ignore_errors=True)
       if self.notices_dir is not None:
         shutil.rmtree(self.notices_dir, ignore_errors=True)
 
-  def _check_stop(self, world: _World | None = None) -> None:
+  def _check_stop(self, world: World | None = None) -> None:
     """Ends the job on a signal or the timeout; a first SIGTERM to the
     launcher while ``world`` runs is passed on to it instead (a job-wide
     preemption, :meth:`_preempt`).
 
     Raises:
-      _Stop: SIGINT, a second signal, SIGTERM between worlds, or timeout.
+      Stop: SIGINT, a second signal, SIGTERM between worlds, or timeout.
     """
     if self.received:
       signum = self.received[0]
@@ -491,7 +255,7 @@ class Supervisor:
           self._preempt(world)
         else:
           changed = membership.MEMBERSHIP_CHANGED_EXIT_CODE
-          raise _Stop(
+          raise Stop(
             changed,
             "elastic: launcher got SIGTERM between worlds (the last one "
             f"checkpointed); ending with {changed} (run the same command "
@@ -499,22 +263,22 @@ class Supervisor:
           )
       else:
         name = signal.Signals(signum).name
-        raise _Stop(128 + signum, f"error: launcher got {name}", True)
+        raise Stop(128 + signum, f"error: launcher got {name}", True)
     if self.timeout_s is not None and self.now() >= self.timeout_s:
-      raise _Stop(
+      raise Stop(
         local.TIMEOUT_EXIT_CODE,
         f"error: timed out after {self.timeout_s:g} s",
         True,
       )
 
-  def _wait_for_slots(self) -> tuple[tuple[int, ...], list[_Event]]:
+  def _wait_for_slots(self) -> tuple[tuple[int, ...], list[Event]]:
     """Waits until at least ``min_processes`` slots are available.
 
     Returns:
       The slots, and the returns that happened while waiting.
 
     Raises:
-      _Stop: not enough slots will ever be available.
+      Stop: not enough slots will ever be available.
     """
     want = self.options.min_processes
     said: tuple[int, ...] | None = None
@@ -528,7 +292,7 @@ class Supervisor:
       if len(slots) >= want:
         wall = time.time()
         back = [
-          _Event("returned", s, t, wall)
+          Event("returned", s, t, wall)
           for s in sorted(out_at_start & set(slots))
         ]
         return slots, back if said is not None else []
@@ -543,7 +307,7 @@ class Supervisor:
       )
       if len(slots) + len(backs) < want:
         never = [s for s in out if self.pool.back_at(s, t) is None]
-        raise _Stop(
+        raise Stop(
           1,
           f"error: elastic: {have}, and "
           + "; ".join(self.pool.why_out(s, t) for s in never),
@@ -561,36 +325,15 @@ class Supervisor:
     self,
     restart: int,
     slots: tuple[int, ...],
-    ended: _World | None,
-    events: list[_Event],
-  ) -> _World:
+    ended: World | None,
+    events: list[Event],
+  ) -> World:
     """Starts the world ``slots``; logs it; returns it."""
     port = local.free_port() if self.port is None else self.port
     start_wall = time.time()
-    change = None
-    if ended is not None:
-      causes = {e.cause for e in events}
-      exit_times = [t for t in ended.procs.exit_times() if t is not None]
-      slots_before = ended.slots
-      event_time = min(e.wall for e in events)
-      details = [*map(str, events), *ended.notes]
-      carried = ended.change if ended.ended_unstepped else None
-      if carried is not None:
-        # The ended world trained nothing: one change, from the world
-        # before it to this one.
-        causes.add(carried.cause)
-        slots_before = carried.slots_before
-        event_time = min(event_time, carried.event_time)
-        details.insert(0, carried.detail)
-      change = membership.Change(
-        cause=next(c for c in _PRECEDENCE if c in causes),
-        slots_before=slots_before,
-        slots_after=slots,
-        event_time=event_time,
-        exit_time=max(exit_times, default=start_wall),
-        start_time=start_wall,
-        detail="; ".join(details),
-      )
+    change = (
+      None if ended is None else ended.next_change(events, slots, start_wall)
+    )
     world_env = membership.ElasticWorld(
       slots, self.options.pool_size, restart, change
     ).to_env()
@@ -601,38 +344,51 @@ class Supervisor:
       f"{self.address(slots[0])}:{port}",
       len(slots),
     )
-    world = _World(
+    world = World(
       restart + 1,
       slots,
       local.Processes(self.dead_peer_timeout_s, lock=self.lock),
       notices_dir=self.notices_dir,
       change=change,
     )
+    envs = []
+    for i in range(len(slots)):
+      own = {local.ENV_PROCESS_ID: str(i)}
+      if self.notices_dir is not None:
+        own[membership.ENV_PROGRESS] = membership.progress_path(
+          self.notices_dir, restart, i
+        )
+      envs.append({**env, **self.cache_env(), **own})
+    ready = [
+      None if self.standbys is None else self.standbys.take(s, envs[i])
+      for i, s in enumerate(slots)
+    ]
+    hot = len(ready) - ready.count(None)
     why = f" ({change.detail})" if change else " (start)"
     self.log(
       f"elastic: world {world.number}: slots {','.join(map(str, slots))}"
-      f"{why}" + (f"; restart {restart}" if restart else "")
+      f"{why}"
+      + (f"; restart {restart}" if restart else "")
+      + (f"; {hot} from hot standbys" if hot else "")
     )
     try:
       for i, s in enumerate(slots):
+        names = (f"process {i} (slot {s})", f"[p{i} s{s}] ")
+        p = ready[i]
+        if p is not None:
+          world.procs.adopt(p, *names)
+          continue
         argv = self.command if self.wrap is None else self.wrap(s, self.command)
-        own = {local.ENV_PROCESS_ID: str(i)}
-        if self.notices_dir is not None:
-          own[membership.ENV_PROGRESS] = membership.progress_path(
-            self.notices_dir, restart, i
-          )
-        world.procs.start(
-          argv,
-          {**env, **self.cache_env(), **own},
-          f"process {i} (slot {s})",
-          f"[p{i} s{s}] ",
-        )
+        world.procs.start(argv, envs[i], *names)
     except BaseException:
       world.procs.close()  # Those started before the failure go too.
+      for p in ready:
+        if p is not None and p not in world.procs.procs:
+          standby.reap(p)
       raise
     return world
 
-  def _preempt(self, world: _World) -> None:
+  def _preempt(self, world: World) -> None:
     """Passes the launcher's SIGTERM on to every process of ``world`` (once):
     they checkpoint the step they agree on and exit 75, and the job ends
     with the world."""
@@ -650,7 +406,7 @@ class Supervisor:
         world.signalled.add(i)
         world.procs.send(i, signal.SIGTERM)
 
-  def _watch(self, world: _World) -> bool:
+  def _watch(self, world: World) -> bool:
     """Watches ``world`` until it ends.
 
     Returns:
@@ -658,7 +414,7 @@ class Supervisor:
       next world is to start (``world.events`` says why).
 
     Raises:
-      _Stop: the job ends (a failure, the launcher stopped, timed out, or
+      Stop: the job ends (a failure, the launcher stopped, timed out, or
         an agreed exit this launcher did not ask for).
     """
     while True:
@@ -668,6 +424,15 @@ class Supervisor:
       if ended is not None:
         return ended == "done"
       self._notify(world)
+      if (
+        self.standbys is not None
+        and not world.standbys_started
+        and world.ending_since is None
+        and all(p == membership.STEPPED for p in world.progress() or [None])
+      ):
+        # Past the world's start: the standbys' imports no longer delay it.
+        world.standbys_started = True
+        self.standbys.fill(range(self.options.pool_size))
       if (
         world.ending_since is not None
         and time.monotonic() - world.ending_since >= self.options.grace_s
@@ -680,7 +445,7 @@ class Supervisor:
           )
       time.sleep(_TICK_S)
 
-  def _notify(self, world: _World) -> None:
+  def _notify(self, world: World) -> None:
     """Sends the notices the pool asks for now (one SIGTERM per world end)."""
     t = self.now()
     want = self.pool.slots(t)
@@ -693,9 +458,9 @@ class Supervisor:
     ending = world.ending_since is not None
     targets = [world.slots.index(s) for s in leaving] or [0]
     for s in leaving:
-      world.events.append(_Event("reclaimed", s, t, wall))
+      world.events.append(Event("reclaimed", s, t, wall))
     for s in joining:
-      world.events.append(_Event("returned", s, t, wall))
+      world.events.append(Event("returned", s, t, wall))
     if ending:
       return  # The world is ending already: no second notice.
     world.ending_since = time.monotonic()

@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO
+from typing import Any, IO
 
 from qsync_jax.process import detection
 from qsync_jax.process import membership
@@ -157,6 +157,18 @@ def _die_with_parent() -> Callable[[], None] | None:
   return preexec
 
 
+def popen_kwargs() -> dict[str, Any]:
+  """How a launcher starts a process: its output piped (relayed with a
+  prefix), its own process group, and the parent-death signal tied to the
+  calling thread (:func:`_die_with_parent`)."""
+  return {
+    "stdout": subprocess.PIPE,
+    "stderr": subprocess.PIPE,
+    "process_group": 0,
+    "preexec_fn": _die_with_parent(),
+  }
+
+
 def _relay(
   pipe: IO[bytes], out: str, prefix: str, lock: threading.Lock
 ) -> None:
@@ -246,7 +258,7 @@ class Processes:
     self._killed: set[int] = set()
     self._state = threading.Lock()
     self.lock = threading.Lock() if lock is None else lock
-    self._preexec = _die_with_parent()
+    self._popen_kwargs = popen_kwargs()
 
   def start(
     self, argv: Sequence[str], env: Mapping[str, str], name: str, prefix: str
@@ -262,14 +274,13 @@ class Processes:
     Returns:
       Its index in :attr:`procs`.
     """
-    p = subprocess.Popen(
-      list(argv),
-      env=dict(env),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      process_group=0,
-      preexec_fn=self._preexec,
-    )
+    p = subprocess.Popen(list(argv), env=dict(env), **self._popen_kwargs)
+    return self.adopt(p, name, prefix)
+
+  def adopt(self, p: subprocess.Popen, name: str, prefix: str) -> int:
+    """Takes on a process started with :func:`popen_kwargs` from the same
+    thread, as if :meth:`start` had started it (a hot standby,
+    :mod:`qsync_jax.launch.standby`); returns its index in :attr:`procs`."""
     index = len(self.procs)
     self.procs.append(p)
     self.names.append(name)

@@ -150,6 +150,11 @@ class ElasticOptions:
       cache that lasts the job
       (:data:`~qsync_jax.launch.elastic.COMPILATION_CACHE_VAR`), unless the
       environment names one already.
+    hot_standby: once every process of a world has stepped, start one
+      standby per slot for the next world, its imports done
+      (:mod:`qsync_jax.launch.standby`): for a Python program run as
+      ``python -m MODULE`` or ``python SCRIPT`` by the launcher's
+      interpreter, that writes progress files.
   """
 
   pool_size: int
@@ -159,6 +164,7 @@ class ElasticOptions:
   max_restarts: int = 100
   grace_s: float = 60.0
   compilation_cache: bool = True
+  hot_standby: bool = True
 
   def __post_init__(self) -> None:
     if self.pool_size < 1:

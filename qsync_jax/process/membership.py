@@ -86,6 +86,22 @@ def progress_path(directory: str, restart: int, process: int) -> str:
   return os.path.join(directory, f"progress-{restart}-{process}")
 
 
+def read_progress(
+  directory: str, restart: int, num_processes: int
+) -> list[str | None]:
+  """Each process's progress file in world ``restart`` (:func:`progress_path`):
+  ``""`` (it holds notices), :data:`STEPPED`, or None where there is none
+  (not started yet, or a program that writes none)."""
+  out: list[str | None] = []
+  for i in range(num_processes):
+    try:
+      with open(progress_path(directory, restart, i)) as f:
+        out.append(f.read().strip())
+    except OSError:
+      out.append(None)
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Change:
   """One membership change, as the launcher saw it.

@@ -121,6 +121,20 @@ class RunStart:
   checkpointer: Checkpointer | None
   batch_sizes: list[int] | None
 
+  @property
+  def restores_checkpoint(self) -> bool:
+    """Whether the run resumes from a checkpoint its directory holds.
+
+    Its state, the model's weights included, is then the checkpoint's.
+    ``restore_latest`` restores it, or refuses the run if every
+    checkpoint there is damaged.
+    """
+    return (
+      self.resuming
+      and self.checkpointer is not None
+      and self.checkpointer.latest_step() is not None
+    )
+
   @classmethod
   def open(
     cls,
