@@ -4,7 +4,9 @@ deaths and signals, bad pools, and checkpoints across process layouts.
 The elastic launcher runs in this process where its exit status is the
 point; the workers are small scripts (JAX only where the runtime's agreed
 exit is what is checked). Every test checks that no process it started is
-left.
+left. The elastic runs start no hot standbys (``hot_standby=False``): the
+standbys are tested in test_standby.py and test_elastic_launcher.py, and
+each would import JAX beside the run.
 """
 
 import json
@@ -143,7 +145,7 @@ def test_an_outside_sigterm_to_one_process_reclaims_its_slot(tmp_path, capsys):
   try:
     code = elastic.launch_elastic(
       _jax_command(tmp_path, done_from=2),
-      pool.ElasticOptions(2, 1, rejoin_after_s=1.0),
+      pool.ElasticOptions(2, 1, rejoin_after_s=1.0, hot_standby=False),
       env=_env(),
       timeout_s=150,
     )
@@ -180,7 +182,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_ends_75(tmp_path, capsys):
     os.kill(os.getpid(), signal.SIGTERM)
 
   command = _jax_command(tmp_path, done_from=0)
-  options = pool.ElasticOptions(2, 1)
+  options = pool.ElasticOptions(2, 1, hot_standby=False)
   thread = threading.Thread(target=stop_the_launcher, daemon=True)
   thread.start()
   try:
@@ -342,7 +344,7 @@ def test_two_slots_reclaimed_at_once_by_outside_sigterms(tmp_path, capsys):
   code = _run_elastic(
     tmp_path,
     _command(tmp_path, done_at=1),
-    pool.ElasticOptions(3, 1),
+    pool.ElasticOptions(3, 1, hot_standby=False),
     [(1, signal.SIGTERM), (2, signal.SIGTERM)],
   )
   err = capsys.readouterr().err
@@ -359,7 +361,7 @@ def test_an_outside_sigterm_to_every_process_is_a_preemption(tmp_path, capsys):
   code = _run_elastic(
     tmp_path,
     _command(tmp_path, done_at=1),
-    pool.ElasticOptions(2, 1),
+    pool.ElasticOptions(2, 1, hot_standby=False),
     [(0, signal.SIGTERM), (1, signal.SIGTERM)],
   )
   err = capsys.readouterr().err
@@ -377,7 +379,7 @@ def test_an_outside_reclaim_without_rejoin_after_stays_out(tmp_path, capsys):
   code = _run_elastic(
     tmp_path,
     _command(tmp_path, done_at=1),
-    pool.ElasticOptions(2, 2),
+    pool.ElasticOptions(2, 2, hot_standby=False),
     [(1, signal.SIGTERM)],
   )
   err = capsys.readouterr().err
