@@ -88,7 +88,7 @@ while True:
     sys.exit(0)
   if cfg.get("fail") == [slot, restart] and step >= 3:
     sys.exit(3)
-  if cfg.get("die") == [slot, restart] and step >= 3:
+  if cfg.get("die") == [slot, restart] and step >= cfg.get("die_step", 3):
     os.kill(os.getpid(), signal.SIGKILL)
   if i == 0:
     with open(step_file + ".tmp", "w") as f:
@@ -277,6 +277,34 @@ def test_the_next_world_starts_from_hot_standbys(tmp_path, capsys):
   assert [
     [rec["standby"] for rec in world["procs"].values()] for world in worlds
   ] == [[False, False], [True], [True, True]]
+  _assert_nothing_left(tmp_path)
+
+
+def test_a_world_that_ends_before_its_first_step_leaves_standbys(
+  tmp_path, capsys
+):
+  # Slot 1 dies in world 1 and is back 0.3 s later, while world 2 (slot 0)
+  # is still starting (1 s): world 2 ends before its first step, and world
+  # 3 still finds a ready standby in each slot, two being kept per slot.
+  command = _command(
+    tmp_path, steps=60, progress=True, init_s=1.0, die=[1, 0], die_step=20
+  )
+  options = _options(2, 1, rejoin_after_s=0.3)
+  assert options.standbys_per_slot == 2
+  try:
+    assert _run(tmp_path, command, options) == 0
+    assert _left_running(tmp_path) == []
+  finally:
+    _kill_leftovers(tmp_path)
+  lines = _elastic_lines(capsys.readouterr().err)
+  assert [line.partition(":")[2].split("(")[0] for line in lines[:3]] == [
+    " world 1: slots 0,1 ",
+    " world 2: slots 0 ",
+    " world 3: slots 0,1 ",
+  ]
+  assert "world 2 ended at once, before its first step" in lines[2]
+  assert lines[1].endswith("; 1 from hot standbys")
+  assert lines[2].endswith("; 2 from hot standbys")
   _assert_nothing_left(tmp_path)
 
 

@@ -682,6 +682,9 @@ def test_sigterm_to_one_mpirun_rank_checkpoints_every_rank(
   )
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert _summary(tmp_path)["params_sha256"] == single_digest
+  # Rank 1 loads the gradient program it compiled before (jax's own cache
+  # keeps rank 0's only).
+  assert "compiled program loaded: grad_fn" in resumed.stderr
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ what a fresh interpreter gives it, less the imports it already has."""
 import ast
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -137,7 +138,7 @@ def test_a_standby_never_taken_runs_nothing_and_is_ended(program, tmp_path):
   standbys = standby.Standbys.of([sys.executable, str(program)], _env())
   assert standbys is not None
   standbys.fill([0, 1])
-  waiting = [p for p, _ in standbys.waiting.values()]
+  waiting = [p for queue in standbys.waiting.values() for p, _ in queue]
   assert standbys.fill([0, 1]) == 0  # one per slot
   standbys.close()
   assert [p.returncode for p in waiting] == [-signal.SIGKILL] * 2
@@ -152,11 +153,37 @@ def test_a_standby_never_taken_runs_nothing_and_is_ended(program, tmp_path):
   assert p.returncode == 0 and not marker.exists()
 
 
+def test_several_standbys_per_slot_are_taken_oldest_first(program):
+  standbys = standby.Standbys.of(
+    [sys.executable, str(program), "0"], _env(), per_slot=2
+  )
+  assert standbys is not None
+  try:
+    assert standbys.fill([0, 1]) == 4
+    (first, first_ready), (second, second_ready) = standbys.waiting[0]
+    deadline = time.monotonic() + 60
+    while len(select.select([first_ready, second_ready], [], [], 1)[0]) < 2:
+      assert time.monotonic() < deadline, "the standbys never became ready"
+    taken = [standbys.take(0, _env()) for _ in range(2)]
+    assert taken == [first, second]
+    assert standbys.take(0, _env()) is None and 0 not in standbys.waiting
+    for p in taken:
+      p.communicate(timeout=60)
+      assert p.returncode == 0
+    # A fill tops each slot up to two, starting only what is missing.
+    assert standbys.fill([0, 1]) == 2
+    assert [len(q) for q in standbys.waiting.values()] == [2, 2]
+  finally:
+    standbys.close()
+  with pytest.raises(ValueError, match="standbys per slot must be >= 1"):
+    standby.Standbys([sys.executable], {}, {}, per_slot=0)
+
+
 def test_a_dead_standby_is_not_taken(program):
   standbys = standby.Standbys.of([sys.executable, str(program), "0"], _env())
   assert standbys is not None
   standbys.fill([0])
-  p = standbys.waiting[0][0]
+  p = standbys.waiting[0][0][0]
   os.killpg(p.pid, signal.SIGKILL)
   p.wait()
   assert standbys.take(0, _env()) is None and standbys.take(1, _env()) is None

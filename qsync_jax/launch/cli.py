@@ -165,9 +165,15 @@ def _define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_bool(
     "hot_standby",
     True,
-    "With --elastic: once a world has stepped, start one process per slot "
+    "With --elastic: once a world has stepped, start processes in each slot "
     "for the next world, its imports done (a Python program run as "
     "`python -m MODULE` or `python SCRIPT` by this interpreter).",
+    flag_values=fv,
+  )
+  flags.DEFINE_integer(
+    "standbys_per_slot",
+    2,
+    "With --elastic: standbys per slot (two cover a world that ends early).",
     flag_values=fv,
   )
   flags.DEFINE_float(
@@ -196,6 +202,7 @@ _ELASTIC_FLAGS = (
   "grace_s",
   "compilation_cache",
   "hot_standby",
+  "standbys_per_slot",
 )
 
 
@@ -243,6 +250,7 @@ def _elastic_options(opts: flags.FlagValues) -> pool.ElasticOptions:
     grace_s=opts.grace_s,
     compilation_cache=opts.compilation_cache,
     hot_standby=opts.hot_standby,
+    standbys_per_slot=opts.standbys_per_slot,
   )
 
 

@@ -89,12 +89,16 @@ restarted world loads what earlier worlds compiled instead of compiling it
 again. jax writes entries from process 0 only and every process reads them:
 process 0's programs, the programs every process compiles alike (the update
 across workers) and, on GPUs, where device assignments are left out of the
-key, every program equal to one of process 0's. An environment that names
-its own cache keeps it.
+key, every program equal to one of process 0's. The other processes'
+per-device programs (a worker's gradient pass) are kept in the same
+directory by the trainer (:mod:`qsync_jax.train.executable_cache`). An
+environment that names its own cache keeps it.
 
-Once every process of a world has stepped, the launcher starts one hot
-standby per slot for the next world (:mod:`qsync_jax.launch.standby`): an
-interpreter with the program's imports done, waiting for its world. The
+Once every process of a world has stepped, the launcher starts hot
+standbys for the next world (:mod:`qsync_jax.launch.standby`), two per slot
+unless ``standbys_per_slot`` says otherwise: each an interpreter with the
+program's imports done, waiting for its world. The second covers a world
+that ends before its first step, which starts none. The
 next world's processes are these standbys where they still run, and the
 world's line says how many (``; 4 from hot standbys``). Without
 ``hot_standby`` (``--nohot_standby``) every process starts afresh.
@@ -202,7 +206,9 @@ class Supervisor:
     if self.options.hot_standby:
       # The environment every world shares: the world's QSYNC_* aside.
       shared = local.launch_env(self.base_env, "", 0) | self.cache_env()
-      self.standbys = standby.Standbys.of(self.command, shared, self.wrap)
+      self.standbys = standby.Standbys.of(
+        self.command, shared, self.wrap, self.options.standbys_per_slot
+      )
     try:
       with local.stop_signals() as self.received:
         restart = 0

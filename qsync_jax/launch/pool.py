@@ -150,11 +150,16 @@ class ElasticOptions:
       cache that lasts the job
       (:data:`~qsync_jax.launch.elastic.COMPILATION_CACHE_VAR`), unless the
       environment names one already.
-    hot_standby: once every process of a world has stepped, start one
-      standby per slot for the next world, its imports done
+    hot_standby: once every process of a world has stepped, start
+      standbys in each slot for the next world, its imports done
       (:mod:`qsync_jax.launch.standby`): for a Python program run as
       ``python -m MODULE`` or ``python SCRIPT`` by the launcher's
       interpreter, that writes progress files.
+    standbys_per_slot: how many standbys ``hot_standby`` keeps per slot.
+      Two cover a world that ends before its first step (a slot that
+      returns at once after a death): the next world still finds one
+      ready per slot. Each is an idle interpreter with the program's
+      imports (about 200 MB with jax and flax).
   """
 
   pool_size: int
@@ -165,6 +170,7 @@ class ElasticOptions:
   grace_s: float = 60.0
   compilation_cache: bool = True
   hot_standby: bool = True
+  standbys_per_slot: int = 2
 
   def __post_init__(self) -> None:
     if self.pool_size < 1:
@@ -185,6 +191,10 @@ class ElasticOptions:
     if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
       raise ValueError(
         f"--grace_s must be a finite number >= 0, got {self.grace_s}"
+      )
+    if self.standbys_per_slot < 1:
+      raise ValueError(
+        f"--standbys_per_slot must be >= 1, got {self.standbys_per_slot}"
       )
     bad = [s for s in self.availability.intervals if s >= self.pool_size]
     if bad:

@@ -4,8 +4,8 @@ This module owns a process started before it is needed. It is a Python
 interpreter that imports what the program imports at its top, then waits
 for the environment of the world it will join, then runs the program in
 itself, as ``python -m MODULE`` or ``python SCRIPT`` would. While a world
-trains, the elastic launcher keeps one standby per pool slot
-(:class:`Standbys`). The next world's processes then skip the
+trains, the elastic launcher keeps standbys in each pool slot, two by
+default (:class:`Standbys`). The next world's processes then skip the
 interpreter's start and those imports: about 2.5 s of CPU each for this
 library's train binary, most of it jax and flax.
 
@@ -264,7 +264,11 @@ def serve(program: Program, ready_fd: int | None = None) -> NoReturn:
 
 
 class Standbys:
-  """At most one standby per slot, each started in its slot's wrapper.
+  """Up to ``per_slot`` standbys per slot, each started in its slot's wrapper.
+
+  More than one per slot covers a world that ends before its first step:
+  it has used its slots' standbys, and the next world still finds one
+  ready in each (new ones start only once a world has stepped).
 
   Start and take them from the thread that starts the launcher's processes:
   they share its parent-death signal.
@@ -276,6 +280,7 @@ class Standbys:
     env: Mapping[str, str],
     popen_kwargs: Mapping[str, Any],
     wrap: Callable[[int, list[str]], list[str]] | None = None,
+    per_slot: int = 1,
   ):
     """No standby yet.
 
@@ -286,14 +291,21 @@ class Standbys:
         process group, parent-death signal).
       wrap: maps (slot, command) to the command run in the slot (its
         network namespace and cgroup), or None.
+      per_slot: how many standbys :meth:`fill` keeps per slot.
+
+    Raises:
+      ValueError: ``per_slot`` is below 1.
     """
+    if per_slot < 1:
+      raise ValueError(f"standbys per slot must be >= 1, got {per_slot}")
     self.command = list(command)
     self.env = dict(env)
     self.popen_kwargs = dict(popen_kwargs)
     self.wrap = wrap
-    #: Each slot's standby, and the read end of the pipe on which it says
-    #: that its imports are done.
-    self.waiting: dict[int, tuple[subprocess.Popen, int]] = {}
+    self.per_slot = per_slot
+    #: Each slot's standbys, oldest first, each with the read end of the
+    #: pipe on which it says that its imports are done.
+    self.waiting: dict[int, list[tuple[subprocess.Popen, int]]] = {}
 
   @classmethod
   def of(
@@ -301,76 +313,98 @@ class Standbys:
     python_command: Sequence[str],
     env: Mapping[str, str],
     wrap: Callable[[int, list[str]], list[str]] | None = None,
+    per_slot: int = 1,
   ) -> Standbys | None:
     """The standbys of ``python_command`` (:func:`command`), started as the
     launcher starts its processes (:func:`qsync_jax.launch.local.
-    popen_kwargs`) with ``env`` less the world's variables; None where the
-    command gets none."""
+    popen_kwargs`) with ``env`` less the world's variables, ``per_slot`` per
+    slot; None where the command gets none."""
     from qsync_jax.launch import local  # pylint: disable=g-import-not-at-top
 
     standby_command = command(python_command)
     if standby_command is None:
       return None
     shared = {k: v for k, v in env.items() if not k.startswith(WORLD_PREFIX)}
-    return cls(standby_command, shared, local.popen_kwargs(), wrap)
+    return cls(standby_command, shared, local.popen_kwargs(), wrap, per_slot)
 
   def fill(self, slots: Iterable[int]) -> int:
-    """Starts a standby for each of ``slots`` that has none running;
-    returns how many were started."""
+    """Starts standbys until each of ``slots`` has ``per_slot`` running
+    (those that exited are reaped); returns how many were started."""
     started = 0
     for slot in slots:
-      if slot in self.waiting:
-        if self.waiting[slot][0].poll() is None:
-          continue
-        reap(*self.waiting.pop(slot))
-      ready, ready_w = os.pipe()
-      cmd = [*self.command[:2], f"{READY_FD_FLAG}{ready_w}", *self.command[2:]]
-      try:
-        p = subprocess.Popen(
-          cmd if self.wrap is None else self.wrap(slot, cmd),
-          env=self.env,
-          stdin=subprocess.PIPE,
-          pass_fds=(ready_w,),
-          **self.popen_kwargs,
-        )
-      except BaseException:
-        os.close(ready)
-        raise
-      finally:
-        os.close(ready_w)
-      self.waiting[slot] = (p, ready)
-      started += 1
+      queue = self.waiting.setdefault(slot, [])
+      for entry in [e for e in queue if e[0].poll() is not None]:
+        queue.remove(entry)
+        reap(*entry)
+      while len(queue) < self.per_slot:
+        queue.append(self._start(slot))
+        started += 1
+      if not queue:
+        del self.waiting[slot]
     return started
 
-  def take(self, slot: int, env: Mapping[str, str]) -> subprocess.Popen | None:
-    """``slot``'s standby, told to run with ``env``; None where it has none
-    running, or one still importing (kept for a later world: a notice sent
-    to it now would wait for its imports, then end the program as it
-    starts)."""
-    if slot not in self.waiting:
-      return None
-    p, ready = self.waiting[slot]
-    if p.poll() is not None:
-      reap(*self.waiting.pop(slot))
-      return None
-    if not select.select([ready], [], [], 0)[0]:
-      return None
-    del self.waiting[slot]
-    os.close(ready)
-    assert p.stdin is not None
+  def _start(self, slot: int) -> tuple[subprocess.Popen, int]:
+    """One standby in ``slot``'s wrapper, and its ready pipe's read end."""
+    ready, ready_w = os.pipe()
+    cmd = [*self.command[:2], f"{READY_FD_FLAG}{ready_w}", *self.command[2:]]
     try:
-      p.stdin.write(json.dumps(dict(env)).encode() + b"\n")
-      p.stdin.close()
-      p.stdin = None  # As a process started without it.
-    except BrokenPipeError:  # It exited since the poll.
-      reap(p)
-      return None
-    return p
+      p = subprocess.Popen(
+        cmd if self.wrap is None else self.wrap(slot, cmd),
+        env=self.env,
+        stdin=subprocess.PIPE,
+        pass_fds=(ready_w,),
+        **self.popen_kwargs,
+      )
+    except BaseException:
+      os.close(ready)
+      raise
+    finally:
+      os.close(ready_w)
+    return p, ready
+
+  def take(self, slot: int, env: Mapping[str, str]) -> subprocess.Popen | None:
+    """``slot``'s oldest ready standby, told to run with ``env``; None where
+    it has none ready. One still importing is kept for a later world (a
+    notice sent to it now would wait for its imports, then end the program
+    as it starts); one that exited is reaped."""
+    queue = self.waiting.get(slot, [])
+    try:
+      return self._take_from(queue, env)
+    finally:
+      if not queue:
+        self.waiting.pop(slot, None)
+
+  @staticmethod
+  def _take_from(
+    queue: list[tuple[subprocess.Popen, int]], env: Mapping[str, str]
+  ) -> subprocess.Popen | None:
+    """:meth:`take` on one slot's ``queue``."""
+    for entry in list(queue):
+      p, ready = entry
+      if p.poll() is not None:
+        queue.remove(entry)
+        reap(p, ready)
+        continue
+      if not select.select([ready], [], [], 0)[0]:
+        continue
+      queue.remove(entry)
+      os.close(ready)
+      assert p.stdin is not None
+      try:
+        p.stdin.write(json.dumps(dict(env)).encode() + b"\n")
+        p.stdin.close()
+        p.stdin = None  # As a process started without it.
+      except BrokenPipeError:  # It exited since the poll.
+        reap(p)
+        continue
+      return p
+    return None
 
   def close(self) -> None:
     """Ends every standby not taken."""
-    for p, ready in self.waiting.values():
-      reap(p, ready)
+    for queue in self.waiting.values():
+      for p, ready in queue:
+        reap(p, ready)
     self.waiting.clear()
 
 

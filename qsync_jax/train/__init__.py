@@ -12,6 +12,8 @@ order:
 * :mod:`.programs`: the shard_map programs where the workers meet (averaged
   update, local update, parameter averaging, means for evaluation);
 * :mod:`.evaluation`: FP32 evaluation of the workers' mean model;
+* :mod:`.executable_cache`: the per-device programs of processes other
+  than 0, kept across restarts (jax's persistent cache keeps process 0's);
 * :mod:`.state`: :class:`~qsync_jax.train.state.TrainState`, everything a
   step changes, as one pytree; :mod:`.sync`: the synchronization settings;
 * :mod:`.trainer`: :class:`~qsync_jax.train.trainer.HybridTrainer`, which

@@ -60,7 +60,7 @@ its own loss scale and skips only its own non-finite steps.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 import hashlib
 from typing import Any
@@ -84,6 +84,7 @@ from qsync_jax.task import objective as objective_lib
 from qsync_jax.task import sharding
 from qsync_jax.train import checks
 from qsync_jax.train import evaluation
+from qsync_jax.train import executable_cache
 from qsync_jax.train import layout
 from qsync_jax.train import programs
 from qsync_jax.train import step as step_lib
@@ -232,6 +233,16 @@ def _probe(
   return calling.Probe(run, probe.data)
 
 
+def _kept_grad_functions(
+  grad_fns: Sequence[Callable], local_workers: Sequence[int]
+) -> dict[int, Callable]:
+  """Each local worker's gradient function, its compiled programs kept for
+  every process (:mod:`.executable_cache`). Workers with equal plans share
+  one function, and one cache of its programs (one per device)."""
+  kept = {id(f): executable_cache.cached(f) for f in grad_fns}
+  return {i: kept[id(grad_fns[i])] for i in local_workers}
+
+
 class HybridTrainer:
   """Synchronous training over workers that run different precision plans.
 
@@ -333,7 +344,7 @@ class HybridTrainer:
     grad_fns = step_lib.grad_functions(
       split.graphdefs, unravel, self.objective, self.seed
     )
-    self._grad_fns = {i: grad_fns[i] for i in self.local_workers}
+    self._grad_fns = _kept_grad_functions(grad_fns, self.local_workers)
     self.programs = programs.step_programs(
       self.mesh,
       unravel,
@@ -345,12 +356,13 @@ class HybridTrainer:
       outer_tx=sync.outer_tx,
       opt_fields=sync.opt_fields_to_average,
     )
-    self._eval_fn = evaluation.eval_function(
-      split.fp32_graphdef, unravel, self.objective
+    self._eval_fn = executable_cache.cached(
+      evaluation.eval_function(split.fp32_graphdef, unravel, self.objective)
     )
-    self._bn_fn = evaluation.bn_function(
+    bn_fn = evaluation.bn_function(
       split.fp32_graphdef, unravel, model, bn_stats, self.objective
     )
+    self._bn_fn = bn_fn and executable_cache.cached(bn_fn)
 
   # ------------------------------------------------------------------
   # The state and the step.
