@@ -30,7 +30,11 @@ plus the encode/decode profiled in the run) and
 one read and one read-and-write pass over the data) and writes
 "gqsgd_floor": per size, how much of gqsgd's time the passes take and the
 floor no implementation of gqsgd gets under on this machine (see
-experiments.benches.compression_parts.floor_analysis).
+experiments.benches.compression_parts.floor_analysis), and "overlap": per
+size, how much of the int8 all-reduce the runtime hides behind independent
+compute, dispatched after it or in one program with it (1: all of the
+shorter piece, 0: none; experiments.benches.compression_parts.
+overlap_analysis).
 """
 
 import json
@@ -128,6 +132,19 @@ def main(argv):
       f"{floor['write_s'] * 1e3:.1f} ms) = "
       f"{floor['floor_vs_fp32']:.2f}x the float32 mean "
       f"({floor['cpu_floor_vs_fp32']:.2f}x in CPU time)"
+    )
+  for overlap in report.get("overlap", []):
+    if overlap is None:
+      print("overlap: a part was not measured (see above)")
+      continue
+    print(
+      f"overlap {overlap['num_elements']}: int8 all-reduce "
+      f"{overlap['allreduce_int8_s'] * 1e3:.1f} ms, compute "
+      f"{overlap['compute_s'] * 1e3:.1f} ms; dispatched together "
+      f"{overlap['dispatched_s'] * 1e3:.1f} ms "
+      f"({overlap['hidden_dispatched']:.2f} hidden), in one program "
+      f"{overlap['one_program_s'] * 1e3:.1f} ms "
+      f"({overlap['hidden_one_program']:.2f} hidden)"
     )
 
 

@@ -196,3 +196,13 @@ def test_multiprocess_smoke():
   assert floor["parts_sum_vs_whole"] == pytest.approx(
     (t["gqsgd_passes"] + t["allreduce_int8"]) / t["gqsgd"]
   )
+  (overlap,) = report["overlap"]
+  shorter = min(t["allreduce_int8"], t["compute"])
+  for key, together in (
+    ("dispatched", "allreduce_int8_then_compute"),
+    ("one_program", "allreduce_int8_with_compute"),
+  ):
+    assert overlap[f"{key}_s"] == t[together]
+    assert overlap[f"hidden_{key}"] == pytest.approx(
+      (t["allreduce_int8"] + t["compute"] - t[together]) / shorter
+    )

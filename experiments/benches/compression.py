@@ -102,6 +102,7 @@ from experiments.benches.compression_cases import warm_up
 from experiments.benches.compression_cases import worker_data
 from experiments.benches.compression_parts import bench_parts
 from experiments.benches.compression_parts import floor_analysis
+from experiments.benches.compression_parts import overlap_analysis
 from experiments.benches.compression_parts import PARTS
 from qsync_jax import cli
 from qsync_jax import files
@@ -474,8 +475,9 @@ def run(
   Returns:
     {"settings": {...}, "results": [...] (see :func:`bench_mesh`, then
     :func:`bench_parts`), "gqsgd_vs_fp32_time_ratio_16M_<setting>": float
-    or None per setting}, and with ``parts`` "gqsgd_floor": one
-    :func:`floor_analysis` per size (None where a row is missing). Each
+    or None per setting}, and with ``parts`` "gqsgd_floor" and "overlap":
+    one :func:`floor_analysis` and one :func:`overlap_analysis` per size
+    (None where a row is missing). Each
     result also gets ``time_vs_fp32``, its time over the float32 mean's at
     the same size and setting.
 
@@ -704,6 +706,7 @@ def _report(
     )
   if parts:
     report["gqsgd_floor"] = [floor_analysis(results, d) for d in sizes]
+    report["overlap"] = [overlap_analysis(results, d) for d in sizes]
   return report
 
 

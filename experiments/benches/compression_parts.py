@@ -1,4 +1,5 @@
-"""The pieces of Global-QSGD's all-reduce, and the floor they put under it.
+"""The pieces of Global-QSGD's all-reduce, the floor they put under it, and
+whether an all-reduce runs alongside compute.
 
 This module owns the ``--parts`` analysis of the compression benchmark:
 :func:`bench_parts` times, across the processes of the multi-process
@@ -6,7 +7,8 @@ setting, the :data:`PARTS` of the headline strategy's all-reduce (the int8
 and float32 all-reduces alone, Global-QSGD's own passes without any
 collective, and a read and a read-and-write pass over the data), and
 :func:`floor_analysis` turns them into a floor under Global-QSGD's time on
-the machine at hand.
+the machine at hand; :func:`overlap_analysis` says how much of an
+all-reduce the runtime hides behind independent compute.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -45,14 +48,31 @@ from qsync_jax.parallel import buckets
 #: collectives; the bucket max alone, one read of the float32 data at the
 #: speed XLA:CPU reads it (:func:`qsync_jax.parallel.buckets.bucket_absmax`);
 #: and ``2 x``, one read and one write of it, into a fresh buffer or
-#: (donating) in place, as the decode's output is.
+#: (donating) in place, as the decode's output is. Then whether an average
+#: runs alongside compute (:func:`overlap_analysis`): ``compute``, a chain
+#: of matrix products on each process's own devices; the int8 ``psum``
+#: dispatched and that compute dispatched after it, both awaited together;
+#: and the two in one program, neither reading the other's output.
 PARTS = (
   "allreduce_f32",
   "allreduce_int8",
   "gqsgd_passes",
   "bucket_absmax",
   "scale_f32",
+  "compute",
+  "allreduce_int8_then_compute",
+  "allreduce_int8_with_compute",
 )
+#: The ``compute`` part: this many products of a (side, side) float32 block.
+COMPUTE_MATMULS = 24
+COMPUTE_SIDE = 512
+
+
+def _matmuls(a: jax.Array) -> jax.Array:
+  """The ``compute`` part's work on one (side, side) block."""
+  for _ in range(COMPUTE_MATMULS):
+    a = jnp.tanh(a @ a)
+  return a
 
 
 def _psum_fn(mesh, donate: bool):
@@ -132,6 +152,11 @@ def bench_parts(
   gqsgd = averagers.make_averager(factory, **kwargs)
   say = report and jax.process_index() == 0
   psum = _psum_fn(mesh, donate)
+  compute = jax.jit(
+    jax.shard_map(
+      _matmuls, mesh=local_mesh, in_specs=P(AXIS), out_specs=P(AXIS)
+    )
+  )
   programs = {
     "allreduce_f32": psum,
     "allreduce_int8": psum,
@@ -141,7 +166,24 @@ def bench_parts(
     "scale_f32": jax.jit(
       lambda x: 2 * x, donate_argnums=(0,) if donate else ()
     ),
+    "compute": compute,
+    "allreduce_int8_then_compute": lambda c, a: (psum(c), compute(a)),
+    "allreduce_int8_with_compute": jax.jit(
+      jax.shard_map(
+        lambda c, a: (jax.lax.psum(c[0], AXIS)[None], _matmuls(a)),
+        mesh=mesh,
+        in_specs=(P(AXIS), P(AXIS)),
+        out_specs=(P(AXIS), P(AXIS)),
+      ),
+      donate_argnums=(0,) if donate else (),
+    ),
   }
+  side = COMPUTE_SIDE
+  block = np.full((side, side), 1.0 / side, np.float32)
+  a_local = jax.device_put(np.tile(block, (len(local), 1)), local_sharding)
+  a_all = jax.make_array_from_process_local_data(
+    sharding, np.tile(block, (len(local), 1)), (n * side, side)
+  )
   rows_out = []
   for d in map(int, sizes):
     rows = np.stack([worker_data(d, i, seed) for i in local])
@@ -164,6 +206,13 @@ def bench_parts(
       ),
       "bucket_absmax": functools.partial(_part_args, x_local, (), False),
       "scale_f32": functools.partial(_part_args, x_local, (), donate),
+      "compute": functools.partial(_part_args, a_local, (), False),
+      "allreduce_int8_then_compute": functools.partial(
+        _part_args, codes, (a_local,), donate
+      ),
+      "allreduce_int8_with_compute": functools.partial(
+        _part_args, codes, (a_all,), donate
+      ),
     }
     calls = calls_per_round(d)
     cases = []
@@ -247,4 +296,50 @@ def floor_analysis(
     "floor_s": floor(t),
     "floor_vs_fp32": floor(t) / t["none"],
     "cpu_floor_vs_fp32": floor(cpu) / cpu["none"],
+  }
+
+
+def _hidden(alone_a: float, alone_b: float, together: float) -> float:
+  """The share of the shorter of two pieces that ran alongside the other:
+  1 when together they take the longer one's time, 0 when their sum."""
+  return (alone_a + alone_b - together) / min(alone_a, alone_b)
+
+
+def overlap_analysis(
+  results: Sequence[dict[str, Any]], num_elements: int = HEADLINE_SIZE
+) -> dict[str, Any] | None:
+  """Whether the int8 all-reduce runs alongside compute, at one size.
+
+  A local-SGD average hides behind the next steps' compute only if the
+  runtime runs the two at once. ``hidden_dispatched`` and
+  ``hidden_one_program`` say how much of the shorter piece was hidden when
+  the two were dispatched one after the other, and when they were one
+  program with no data flowing between them: 1 is the longer piece's time
+  alone, 0 the sum of both.
+
+  Returns:
+    {num_elements, allreduce_int8_s, compute_s, dispatched_s,
+    one_program_s, hidden_dispatched, hidden_one_program}, or None if a
+    needed multiprocess row is missing or failed.
+  """
+  rows = {
+    r["strategy"]: r
+    for r in results
+    if r["setting"] == "multiprocess" and r["num_elements"] == num_elements
+  }
+  need = PARTS[-3:] + ("allreduce_int8",)
+  if any("time_s" not in rows.get(name, {}) for name in need):
+    return None
+  t = {name: rows[name]["time_s"] for name in need}
+  ar, compute = t["allreduce_int8"], t["compute"]
+  return {
+    "num_elements": num_elements,
+    "allreduce_int8_s": ar,
+    "compute_s": compute,
+    "dispatched_s": t["allreduce_int8_then_compute"],
+    "one_program_s": t["allreduce_int8_with_compute"],
+    "hidden_dispatched": _hidden(ar, compute, t["allreduce_int8_then_compute"]),
+    "hidden_one_program": _hidden(
+      ar, compute, t["allreduce_int8_with_compute"]
+    ),
   }
