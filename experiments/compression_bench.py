@@ -119,33 +119,43 @@ def main(argv):
   for setting in settings:
     key = f"gqsgd_vs_fp32_time_ratio_16M_{setting}"
     print(f"{key}: {report.get(key)}")
-  for floor in report.get("gqsgd_floor", []):
-    if floor is None:
-      print("gqsgd_floor: a part or strategy was not measured (see above)")
-      continue
-    print(
-      f"gqsgd_floor {floor['num_elements']}: passes "
-      f"{floor['passes_s'] * 1e3:.1f} ms + int8 all-reduce "
-      f"{floor['allreduce_int8_s'] * 1e3:.1f} ms = "
-      f"{floor['parts_sum_vs_whole']:.2f}x gqsgd; floor (int8 all-reduce "
-      f"+ 2 reads of {floor['read_s'] * 1e3:.1f} ms + a write pass of "
-      f"{floor['write_s'] * 1e3:.1f} ms) = "
-      f"{floor['floor_vs_fp32']:.2f}x the float32 mean "
-      f"({floor['cpu_floor_vs_fp32']:.2f}x in CPU time)"
-    )
-  for overlap in report.get("overlap", []):
-    if overlap is None:
-      print("overlap: a part was not measured (see above)")
-      continue
-    print(
-      f"overlap {overlap['num_elements']}: int8 all-reduce "
-      f"{overlap['allreduce_int8_s'] * 1e3:.1f} ms, compute "
-      f"{overlap['compute_s'] * 1e3:.1f} ms; dispatched together "
-      f"{overlap['dispatched_s'] * 1e3:.1f} ms "
-      f"({overlap['hidden_dispatched']:.2f} hidden), in one program "
-      f"{overlap['one_program_s'] * 1e3:.1f} ms "
-      f"({overlap['hidden_one_program']:.2f} hidden)"
-    )
+  for key, describe in (
+    ("gqsgd_floor", _floor_line),
+    ("overlap", _overlap_line),
+  ):
+    for analysis in report.get(key, []):
+      print(
+        describe(analysis)
+        if analysis is not None
+        else f"{key}: a part or strategy was not measured (see above)"
+      )
+
+
+def _floor_line(floor: dict) -> str:
+  """The line printed for one ``floor_analysis`` (compression_parts)."""
+  return (
+    f"gqsgd_floor {floor['num_elements']}: passes "
+    f"{floor['passes_s'] * 1e3:.1f} ms + int8 all-reduce "
+    f"{floor['allreduce_int8_s'] * 1e3:.1f} ms = "
+    f"{floor['parts_sum_vs_whole']:.2f}x gqsgd; floor (int8 all-reduce "
+    f"+ 2 reads of {floor['read_s'] * 1e3:.1f} ms + a write pass of "
+    f"{floor['write_s'] * 1e3:.1f} ms) = "
+    f"{floor['floor_vs_fp32']:.2f}x the float32 mean "
+    f"({floor['cpu_floor_vs_fp32']:.2f}x in CPU time)"
+  )
+
+
+def _overlap_line(overlap: dict) -> str:
+  """The line printed for one ``overlap_analysis`` (compression_parts)."""
+  return (
+    f"overlap {overlap['num_elements']}: int8 all-reduce "
+    f"{overlap['allreduce_int8_s'] * 1e3:.1f} ms, compute "
+    f"{overlap['compute_s'] * 1e3:.1f} ms; dispatched together "
+    f"{overlap['dispatched_s'] * 1e3:.1f} ms "
+    f"({overlap['hidden_dispatched']:.2f} hidden), in one program "
+    f"{overlap['one_program_s'] * 1e3:.1f} ms "
+    f"({overlap['hidden_one_program']:.2f} hidden)"
+  )
 
 
 if __name__ == "__main__":
