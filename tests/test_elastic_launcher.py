@@ -287,7 +287,7 @@ def test_a_world_that_ends_before_its_first_step_leaves_standbys(
   # is still starting (1 s): world 2 ends before its first step, and world
   # 3 still finds a ready standby in each slot, two being kept per slot.
   command = _command(
-    tmp_path, steps=60, progress=True, init_s=1.0, die=[1, 0], die_step=20
+    tmp_path, steps=30, progress=True, init_s=1.0, die=[1, 0], die_step=20
   )
   options = _options(2, 1, rejoin_after_s=0.3)
   assert options.standbys_per_slot == 2
