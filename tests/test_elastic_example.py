@@ -42,6 +42,9 @@ def test_a_reclaim_and_a_return_lose_no_step(tmp_path):
       "--elastic",
       "--min_processes=1",
       f"--availability={availability}",
+      # One standby per slot is all this reclaim and return use; each
+      # imports JAX beside the run (tests/test_standby.py covers more).
+      "--standbys_per_slot=1",
       "--timeout_s=400",
       "--",
       sys.executable,

@@ -437,9 +437,11 @@ def test_a_notice_to_a_world_that_has_not_stepped_ends_it_at_once(
 def test_the_first_world_takes_its_notice_even_before_its_first_step(
   tmp_path, capsys
 ):
-  # Its agreed step is the checkpoint the next world resumes from.
-  command = _command(tmp_path, steps=10, init_s=1.0, progress=True)
-  options = _options(2, 1, {"1": [[0.3, 0.6]]})
+  # Its agreed step is the checkpoint the next world resumes from. The
+  # notice comes at 1 s, after the workers hold notices (their interpreters
+  # started) and before they step (1.8 s).
+  command = _command(tmp_path, steps=10, init_s=1.8, progress=True)
+  options = _options(2, 1, {"1": [[1.0, 1.3]]})
   assert _run(tmp_path, command, options) == 0
   terms = [
     (r["restart"], r["slot"]) for r in _log(tmp_path) if r["event"] == "sigterm"

@@ -672,6 +672,7 @@ def test_sigterm_to_one_mpirun_rank_checkpoints_every_rank(
   )
   assert procs.output().count("preempted: checkpointed step") == 2
   assert not (tmp_path / "summary.json").exists()
+  stepped = json.loads((tmp_path / previous_run.PREEMPTED).read_text())["step"]
   resumed = subprocess.run(
     [MPIRUN, "-n", "2", "--oversubscribe", *_train_cmd(tmp_path)],
     cwd=ROOT,
@@ -682,9 +683,13 @@ def test_sigterm_to_one_mpirun_rank_checkpoints_every_rank(
   )
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert _summary(tmp_path)["params_sha256"] == single_digest
-  # Rank 1 loads the gradient program it compiled before (jax's own cache
-  # keeps rank 0's only).
-  assert "compiled program loaded: grad_fn" in resumed.stderr
+  # Rank 1 keeps its gradient program (jax's own cache keeps rank 0's
+  # only), so the resumed rank 1 loads the one it compiled before the
+  # notice. A notice before the first step leaves it one the suite's other
+  # two-rank run may have kept, or none.
+  kept = "compiled program kept: grad_fn" in resumed.stderr
+  loaded = "compiled program loaded: grad_fn" in resumed.stderr
+  assert loaded if stepped > 0 else loaded != kept
 
 
 @pytest.mark.parametrize(

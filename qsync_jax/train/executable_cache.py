@@ -15,7 +15,8 @@ given signature lowers the function and looks the lowered program up under
 its devices, the jax and jaxlib versions, the backend, jax's configuration
 (``jax_disable_most_optimizations`` and the like) and ``XLA_FLAGS``; a
 hit is loaded (``jax.experimental.serialize_executable``) and logged
-(``compiled program loaded``), a miss is compiled and written there.
+(``compiled program loaded``), a miss is compiled and written there
+(``compiled program kept``).
 Later calls run the compiled program. Anywhere else the function is
 returned as it is.
 
@@ -129,16 +130,18 @@ def _load(
     return None
 
 
-def _write(path: str, compiled: jax.stages.Compiled) -> None:
+def _write(path: str, compiled: jax.stages.Compiled) -> bool:
   """Writes ``compiled`` to ``path`` whole
-  (:func:`qsync_jax.files.write_bytes`)."""
+  (:func:`qsync_jax.files.write_bytes`); returns whether it was written
+  (an executable the backend cannot serialize is not)."""
   try:
     data, _, _ = serialize_executable.serialize(compiled)
   except (ValueError, NotImplementedError) as e:
     logging.info("compiled program not kept: %s", e)
-    return
+    return False
   os.makedirs(os.path.dirname(path), exist_ok=True)
   files.write_bytes(path, data)
+  return True
 
 
 def load_or_compile(
@@ -163,7 +166,12 @@ def load_or_compile(
   compiled = lowered.compile()
   took = time.monotonic() - start
   if took >= jax.config.values["jax_persistent_cache_min_compile_time_secs"]:
-    _write(path, compiled)
+    if _write(path, compiled):
+      logging.info(
+        "compiled program kept: %s in %s",
+        getattr(fn, "__name__", "program"),
+        cache_dir,
+      )
   return compiled
 
 
