@@ -32,8 +32,9 @@ one read and one read-and-write pass over the data) and writes
 floor no implementation of gqsgd gets under on this machine (see
 experiments.benches.compression_parts.floor_analysis), and "overlap": per
 size, how much of the int8 all-reduce the runtime hides behind independent
-compute, dispatched after it or in one program with it (1: all of the
-shorter piece, 0: none; experiments.benches.compression_parts.
+compute, dispatched after it, in one program with it or run by a second
+thread, and of the whole gqsgd average run by a second thread (1: all of
+the shorter piece, 0: none; experiments.benches.compression_parts.
 overlap_analysis).
 """
 
@@ -154,8 +155,17 @@ def _overlap_line(overlap: dict) -> str:
     f"{overlap['dispatched_s'] * 1e3:.1f} ms "
     f"({overlap['hidden_dispatched']:.2f} hidden), in one program "
     f"{overlap['one_program_s'] * 1e3:.1f} ms "
-    f"({overlap['hidden_one_program']:.2f} hidden)"
+    f"({overlap['hidden_one_program']:.2f} hidden), from a second thread "
+    f"{overlap['threaded_s'] * 1e3:.1f} ms "
+    f"({overlap['hidden_threaded']:.2f} hidden); the whole gqsgd average "
+    f"from a second thread {overlap['gqsgd_threaded_s'] * 1e3:.1f} ms "
+    f"({_share(overlap['hidden_gqsgd_threaded'])} hidden, "
+    f"{overlap['gqsgd_threaded_cpu_s'] * 1e3:.1f} ms of CPU per process)"
   )
+
+
+def _share(value: float | None) -> str:
+  return "?" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

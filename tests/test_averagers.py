@@ -617,3 +617,29 @@ def test_bucket_rows_are_bucket_wide_and_absmax_reads_them(n, bucket, bad):
   m = buckets.absmax(jnp.asarray(x), bucket, 0.5)
   np.testing.assert_array_equal(m, buckets.bucket_absmax(yb, 0.5))
   assert np.isinf(m[-1]) == (bad is not None)
+
+
+@pytest.mark.parametrize(
+  "n,bucket", [(100, 32), (96, 32), (10, 32), (100, None)]
+)
+@pytest.mark.parametrize("noise", ["hash", "threefry"])
+def test_row_blocks_give_what_the_padded_rows_give(n, bucket, noise):
+  # map_rows hands fn the full rows and the padded last row apart; with
+  # the noise of each block taken at its rows, the result is fn over the
+  # padded rows, bit for bit.
+  x = jnp.asarray(np.random.default_rng(n).standard_normal(n), jnp.float32)
+  rows = buckets.num_buckets(n, bucket)
+  key = jax.random.key(3)
+  starts = []
+
+  def fn(xb, start):
+    starts.append(start)
+    u = buckets.uniform(key, xb.shape, noise, xb, start=start, num_rows=rows)
+    return jnp.floor(xb * 7 + u).astype(jnp.int8)
+
+  got = buckets.map_rows(fn, x, bucket)
+  whole = fn(buckets.to_buckets(x, bucket), 0)
+  np.testing.assert_array_equal(got, whole)
+  full = n // buckets.bucket_width(n, bucket)
+  blocks = [0] if full in (0, rows) else [0, full]
+  assert starts[: len(blocks)] == blocks

@@ -201,8 +201,15 @@ def test_multiprocess_smoke():
   for key, together in (
     ("dispatched", "allreduce_int8_then_compute"),
     ("one_program", "allreduce_int8_with_compute"),
+    ("threaded", "allreduce_int8_beside_compute"),
   ):
     assert overlap[f"{key}_s"] == t[together]
     assert overlap[f"hidden_{key}"] == pytest.approx(
       (t["allreduce_int8"] + t["compute"] - t[together]) / shorter
     )
+  beside = t["gqsgd_beside_compute"]
+  assert overlap["gqsgd_threaded_s"] == beside
+  assert overlap["gqsgd_threaded_cpu_s"] == cpu["gqsgd_beside_compute"]
+  assert overlap["hidden_gqsgd_threaded"] == pytest.approx(
+    (t["gqsgd"] + t["compute"] - beside) / min(t["gqsgd"], t["compute"])
+  )

@@ -14,6 +14,7 @@ all-reduce the runtime hides behind independent compute.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import concurrent.futures
 import functools
 from typing import Any
 
@@ -52,7 +53,11 @@ from qsync_jax.parallel import buckets
 #: runs alongside compute (:func:`overlap_analysis`): ``compute``, a chain
 #: of matrix products on each process's own devices; the int8 ``psum``
 #: dispatched and that compute dispatched after it, both awaited together;
-#: and the two in one program, neither reading the other's output.
+#: the two in one program, neither reading the other's output; the
+#: ``psum`` run by a second thread while this one dispatches the compute
+#: (XLA:CPU runs a program dispatched from one thread after the programs
+#: dispatched before it, unless it is cheap enough to run inline); and the
+#: whole Global-QSGD average from a second thread beside the compute.
 PARTS = (
   "allreduce_f32",
   "allreduce_int8",
@@ -62,6 +67,8 @@ PARTS = (
   "compute",
   "allreduce_int8_then_compute",
   "allreduce_int8_with_compute",
+  "allreduce_int8_beside_compute",
+  "gqsgd_beside_compute",
 )
 #: The ``compute`` part: this many products of a (side, side) float32 block.
 COMPUTE_MATMULS = 24
@@ -86,6 +93,15 @@ def _psum_fn(mesh, donate: bool):
     ),
     donate_argnums=(0,) if donate else (),
   )
+
+
+def _beside(pool, average, compute, *args):
+  """``average(*args[:-1])`` run by a thread of ``pool`` while this thread
+  dispatches ``compute(args[-1])``: both outputs, the average's once it has
+  finished."""
+  pending = pool.submit(lambda: jax.block_until_ready(average(*args[:-1])))
+  out = compute(args[-1])
+  return pending.result(), out
 
 
 def _codes(rows: np.ndarray, levels: int) -> np.ndarray:
@@ -152,6 +168,8 @@ def bench_parts(
   gqsgd = averagers.make_averager(factory, **kwargs)
   say = report and jax.process_index() == 0
   psum = _psum_fn(mesh, donate)
+  # The thread that runs an average beside this one's compute.
+  pool = concurrent.futures.ThreadPoolExecutor(1)
   compute = jax.jit(
     jax.shard_map(
       _matmuls, mesh=local_mesh, in_specs=P(AXIS), out_specs=P(AXIS)
@@ -168,6 +186,12 @@ def bench_parts(
     ),
     "compute": compute,
     "allreduce_int8_then_compute": lambda c, a: (psum(c), compute(a)),
+    "allreduce_int8_beside_compute": functools.partial(
+      _beside, pool, psum, compute
+    ),
+    "gqsgd_beside_compute": functools.partial(
+      _beside, pool, all_reduce_fn(gqsgd, mesh, donate), compute
+    ),
     "allreduce_int8_with_compute": jax.jit(
       jax.shard_map(
         lambda c, a: (jax.lax.psum(c[0], AXIS)[None], _matmuls(a)),
@@ -195,6 +219,9 @@ def bench_parts(
     w_local = jax.device_put(
       np.full(len(local), 1.0 / n, np.float32), local_sharding
     )
+    w_all = jax.make_array_from_process_local_data(
+      sharding, np.full(len(local), 1.0 / n, np.float32), (n,)
+    )
     del rows
     # Each call's arguments: (copies of) the float32 rows or the int8
     # codes of all workers, or this process's own rows.
@@ -212,6 +239,12 @@ def bench_parts(
       ),
       "allreduce_int8_with_compute": functools.partial(
         _part_args, codes, (a_all,), donate
+      ),
+      "allreduce_int8_beside_compute": functools.partial(
+        _part_args, codes, (a_local,), donate
+      ),
+      "gqsgd_beside_compute": functools.partial(
+        _part_args, x, (w_all, a_local), donate
       ),
     }
     calls = calls_per_round(d)
@@ -242,6 +275,7 @@ def bench_parts(
     del x, codes, x_local, cases
     if on_size is not None:
       on_size(rows_out)
+  pool.shutdown()
   return rows_out
 
 
@@ -308,38 +342,61 @@ def _hidden(alone_a: float, alone_b: float, together: float) -> float:
 def overlap_analysis(
   results: Sequence[dict[str, Any]], num_elements: int = HEADLINE_SIZE
 ) -> dict[str, Any] | None:
-  """Whether the int8 all-reduce runs alongside compute, at one size.
+  """Whether an average runs alongside compute, at one size.
 
   A local-SGD average hides behind the next steps' compute only if the
-  runtime runs the two at once. ``hidden_dispatched`` and
-  ``hidden_one_program`` say how much of the shorter piece was hidden when
-  the two were dispatched one after the other, and when they were one
-  program with no data flowing between them: 1 is the longer piece's time
-  alone, 0 the sum of both.
+  runtime runs the two at once. Each ``hidden_*`` says how much of the
+  shorter piece was hidden (1: the pair took the longer piece's time
+  alone; 0: the sum of both) when the int8 all-reduce and the compute
+  were dispatched one after the other from one thread (``dispatched``),
+  were one program with no data flowing between them (``one_program``),
+  or the all-reduce ran from a second thread (``threaded``); and when the
+  whole Global-QSGD average ran from a second thread (``gqsgd_threaded``,
+  against the headline strategy's own row). ``gqsgd_threaded_cpu_s`` is
+  that pair's CPU time per process: where the processes share a host's
+  cores, their CPU time over the cores bounds the pair's wall time from
+  below however well the two overlap.
 
   Returns:
     {num_elements, allreduce_int8_s, compute_s, dispatched_s,
-    one_program_s, hidden_dispatched, hidden_one_program}, or None if a
-    needed multiprocess row is missing or failed.
+    one_program_s, threaded_s, hidden_dispatched, hidden_one_program,
+    hidden_threaded, gqsgd_s, gqsgd_threaded_s, hidden_gqsgd_threaded,
+    gqsgd_threaded_cpu_s} (the ``gqsgd`` ones None without the headline
+    strategy's row), or None if a needed part is missing or failed.
   """
   rows = {
     r["strategy"]: r
     for r in results
     if r["setting"] == "multiprocess" and r["num_elements"] == num_elements
   }
-  need = PARTS[-3:] + ("allreduce_int8",)
+  pairs = {
+    "dispatched": "allreduce_int8_then_compute",
+    "one_program": "allreduce_int8_with_compute",
+    "threaded": "allreduce_int8_beside_compute",
+  }
+  need = ("allreduce_int8", "compute", "gqsgd_beside_compute", *pairs.values())
   if any("time_s" not in rows.get(name, {}) for name in need):
     return None
   t = {name: rows[name]["time_s"] for name in need}
   ar, compute = t["allreduce_int8"], t["compute"]
-  return {
+  out: dict[str, Any] = {
     "num_elements": num_elements,
     "allreduce_int8_s": ar,
     "compute_s": compute,
-    "dispatched_s": t["allreduce_int8_then_compute"],
-    "one_program_s": t["allreduce_int8_with_compute"],
-    "hidden_dispatched": _hidden(ar, compute, t["allreduce_int8_then_compute"]),
-    "hidden_one_program": _hidden(
-      ar, compute, t["allreduce_int8_with_compute"]
-    ),
   }
+  out |= {f"{key}_s": t[part] for key, part in pairs.items()}
+  out |= {
+    f"hidden_{key}": _hidden(ar, compute, t[part])
+    for key, part in pairs.items()
+  }
+  whole = rows.get(HEADLINE_STRATEGY, {}).get("time_s")
+  beside = rows["gqsgd_beside_compute"]
+  out |= {
+    "gqsgd_s": whole,
+    "gqsgd_threaded_s": beside["time_s"],
+    "hidden_gqsgd_threaded": (
+      None if whole is None else _hidden(whole, compute, beside["time_s"])
+    ),
+    "gqsgd_threaded_cpu_s": beside["cpu_s"],
+  }
+  return out

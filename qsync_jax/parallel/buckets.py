@@ -34,6 +34,7 @@ not a cryptographic one, which stochastic rounding does not need.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import math
 
 import jax
@@ -91,6 +92,43 @@ def to_buckets(y: jax.Array, bucket_size: int | None) -> jax.Array:
   nb = num_buckets(flat.size, bucket_size)
   width = bucket_width(flat.size, bucket_size)
   return jnp.pad(flat, (0, nb * width - flat.size)).reshape(nb, width)
+
+
+def map_rows(
+  fn: Callable[[jax.Array, int], jax.Array],
+  y: jax.Array,
+  bucket_size: int | None,
+) -> jax.Array:
+  """``fn`` over the rows of ``to_buckets(y, bucket_size)``, piecewise.
+
+  ``fn(rows, start)`` takes a block of rows and the index of its first row
+  and returns one row of results per row (an elementwise pass, such as an
+  encode): it gets the full rows (a reshape of ``y``'s prefix), then the
+  padded last row, and their results are concatenated, equal to
+  ``fn(to_buckets(y, bucket_size), 0)``. XLA:CPU fuses a pad into the
+  elementwise pass that reads it and then takes a slow path: Global-QSGD's
+  encode of 10,617,226 floats (162 full buckets of 2**16 and a partial one)
+  took 23 ms through the pad and 8 ms this way, one process on two cores.
+
+  Args:
+    fn: ``fn(rows, start) -> (len(rows), ...)``, row by row.
+    y: the array to bucket.
+    bucket_size: as for :func:`to_buckets`.
+
+  Returns:
+    ``fn``'s results for every row, in order.
+  """
+  flat = y.reshape(-1)
+  nb = num_buckets(flat.size, bucket_size)
+  width = bucket_width(flat.size, bucket_size)
+  full = flat.size // width
+  if full == nb:
+    return fn(flat.reshape(nb, width), 0)
+  tail = jnp.pad(flat[full * width :], (0, nb * width - flat.size))[None]
+  if not full:
+    return fn(tail, 0)
+  head = flat[: full * width].reshape(full, width)
+  return jnp.concatenate([fn(head, 0), fn(tail, full)])
 
 
 def from_buckets(yb: jax.Array, like: jax.Array) -> jax.Array:
@@ -178,6 +216,9 @@ def uniform(
   shape: tuple[int, ...],
   noise: str,
   values: jax.Array | None = None,
+  *,
+  start: int = 0,
+  num_rows: int | None = None,
 ) -> jax.Array:
   """Uniform [0, 1) noise of ``shape`` from ``key``.
 
@@ -187,13 +228,22 @@ def uniform(
     noise: ``"hash"`` or ``"threefry"`` (module docstring).
     values: for ``"hash"``, float32 values of ``shape`` whose bits are mixed
       into the hash (the values being rounded); None mixes in zeros.
+    start: the rows from ``start`` on of the noise of a larger array of
+      ``num_rows`` rows (a block of :func:`map_rows`), equal to that
+      noise's rows for equal ``values``.
+    num_rows: the larger array's rows (default: ``shape[0]``).
 
   Returns:
     float32 noise of ``shape``.
   """
   if noise == "threefry":
-    return jax.random.uniform(key, shape, jnp.float32)
-  idx = lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
+    rows = shape[0] if num_rows is None else num_rows
+    whole = jax.random.uniform(key, (rows, *shape[1:]), jnp.float32)
+    return whole[start : start + shape[0]]
+  offset = start * math.prod(shape[1:])
+  idx = lax.iota(jnp.uint32, math.prod(shape)).reshape(shape) + jnp.uint32(
+    offset
+  )
   return quant.hash_uniform_at(
     idx, jnp.float32(0) if values is None else values, hash_salt(key)
   )

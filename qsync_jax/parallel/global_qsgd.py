@@ -144,13 +144,22 @@ class GlobalQSGD(Reducing):
     if encode_lib.use_kernel(self.noise, yb.shape):
       q = encode_lib.encode(yb, m, s, buckets.hash_salt(wkey), self.wire)
     else:
-      v = yb / scale
-      u = buckets.uniform(wkey, yb.shape, self.noise, v)
-      # |y| / scale <= s up to the rounding of m / s; the clip keeps that
-      # last ulp from ever producing the code s + 1. A non-finite bucket
-      # sends codes 0, as the kernel does (its mean is NaN either way).
-      q = jnp.clip(jnp.floor(v + u), -s, s)
-      q = jnp.where(bad[:, None], 0.0, q).astype(self.wire)
+
+      def encode(xb: jax.Array, start: int) -> jax.Array:
+        rows = slice(start, start + xb.shape[0])
+        v = xb * weight / scale[rows]
+        u = buckets.uniform(
+          wkey, v.shape, self.noise, v, start=start, num_rows=len(m)
+        )
+        # |y| / scale <= s up to the rounding of m / s; the clip keeps that
+        # last ulp from ever producing the code s + 1. A non-finite bucket
+        # sends codes 0, as the kernel does (its mean is NaN either way).
+        q = jnp.clip(jnp.floor(v + u), -s, s)
+        return jnp.where(bad[rows, None], 0.0, q).astype(self.wire)
+
+      # Row blocks, not the padded rows: XLA:CPU encodes through a pad
+      # several times slower.
+      q = buckets.map_rows(encode, x.astype(jnp.float32), self.bucket_size)
     total = lax.psum(q, axis_name)
     # NaN in the decode scale marks the non-finite buckets in the same pass.
     mean = total.astype(jnp.float32) * buckets.nan_where(bad, scale)
