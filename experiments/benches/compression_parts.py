@@ -104,6 +104,51 @@ def _beside(pool, average, compute, *args):
   return pending.result(), out
 
 
+def _part_programs(
+  mesh: Mesh,
+  local_mesh: Mesh,
+  gqsgd: Any,
+  donate: bool,
+  pool: concurrent.futures.ThreadPoolExecutor,
+) -> dict[str, Any]:
+  """Each of the :data:`PARTS`' functions: over all workers (``mesh``) or
+  this process's own (``local_mesh``); ``pool`` runs the averages that go
+  beside compute."""
+  psum = _psum_fn(mesh, donate)
+  compute = jax.jit(
+    jax.shard_map(
+      _matmuls, mesh=local_mesh, in_specs=P(AXIS), out_specs=P(AXIS)
+    )
+  )
+  return {
+    "allreduce_f32": psum,
+    "allreduce_int8": psum,
+    "gqsgd_passes": all_reduce_fn(gqsgd, local_mesh, donate),
+    # As Global-QSGD reads its bucket maxima.
+    "bucket_absmax": jax.jit(lambda x: buckets.absmax(x[0], gqsgd.bucket_size)),
+    "scale_f32": jax.jit(
+      lambda x: 2 * x, donate_argnums=(0,) if donate else ()
+    ),
+    "compute": compute,
+    "allreduce_int8_then_compute": lambda c, a: (psum(c), compute(a)),
+    "allreduce_int8_beside_compute": functools.partial(
+      _beside, pool, psum, compute
+    ),
+    "gqsgd_beside_compute": functools.partial(
+      _beside, pool, all_reduce_fn(gqsgd, mesh, donate), compute
+    ),
+    "allreduce_int8_with_compute": jax.jit(
+      jax.shard_map(
+        lambda c, a: (jax.lax.psum(c[0], AXIS)[None], _matmuls(a)),
+        mesh=mesh,
+        in_specs=(P(AXIS), P(AXIS)),
+        out_specs=(P(AXIS), P(AXIS)),
+      ),
+      donate_argnums=(0,) if donate else (),
+    ),
+  }
+
+
 def _codes(rows: np.ndarray, levels: int) -> np.ndarray:
   """int8 codes of ``rows`` on ``levels`` levels (round to nearest)."""
   scale = np.abs(rows).max(axis=1, keepdims=True) / levels
@@ -167,41 +212,9 @@ def bench_parts(
   factory, kwargs = STRATEGIES[HEADLINE_STRATEGY]
   gqsgd = averagers.make_averager(factory, **kwargs)
   say = report and jax.process_index() == 0
-  psum = _psum_fn(mesh, donate)
   # The thread that runs an average beside this one's compute.
   pool = concurrent.futures.ThreadPoolExecutor(1)
-  compute = jax.jit(
-    jax.shard_map(
-      _matmuls, mesh=local_mesh, in_specs=P(AXIS), out_specs=P(AXIS)
-    )
-  )
-  programs = {
-    "allreduce_f32": psum,
-    "allreduce_int8": psum,
-    "gqsgd_passes": all_reduce_fn(gqsgd, local_mesh, donate),
-    # As Global-QSGD reads its bucket maxima.
-    "bucket_absmax": jax.jit(lambda x: buckets.absmax(x[0], gqsgd.bucket_size)),
-    "scale_f32": jax.jit(
-      lambda x: 2 * x, donate_argnums=(0,) if donate else ()
-    ),
-    "compute": compute,
-    "allreduce_int8_then_compute": lambda c, a: (psum(c), compute(a)),
-    "allreduce_int8_beside_compute": functools.partial(
-      _beside, pool, psum, compute
-    ),
-    "gqsgd_beside_compute": functools.partial(
-      _beside, pool, all_reduce_fn(gqsgd, mesh, donate), compute
-    ),
-    "allreduce_int8_with_compute": jax.jit(
-      jax.shard_map(
-        lambda c, a: (jax.lax.psum(c[0], AXIS)[None], _matmuls(a)),
-        mesh=mesh,
-        in_specs=(P(AXIS), P(AXIS)),
-        out_specs=(P(AXIS), P(AXIS)),
-      ),
-      donate_argnums=(0,) if donate else (),
-    ),
-  }
+  programs = _part_programs(mesh, local_mesh, gqsgd, donate, pool)
   side = COMPUTE_SIDE
   block = np.full((side, side), 1.0 / side, np.float32)
   a_local = jax.device_put(np.tile(block, (len(local), 1)), local_sharding)
