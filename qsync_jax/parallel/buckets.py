@@ -173,23 +173,10 @@ def bucket_absmax(yb: jax.Array, weight: jax.Array | float = 1.0) -> jax.Array:
 def absmax(
   y: jax.Array, bucket_size: int | None, weight: jax.Array | float = 1.0
 ) -> jax.Array:
-  """:func:`bucket_absmax` of ``to_buckets(y, bucket_size)``, read from ``y``.
-
-  The full rows are a reshape of ``y``'s prefix; only the last row is
-  padded. XLA:CPU fuses a pad into the reduction that reads it and then
-  takes a slow path.
-  """
-  flat = y.reshape(-1)
-  nb = num_buckets(flat.size, bucket_size)
-  width = bucket_width(flat.size, bucket_size)
-  full = flat.size // width
-  if full == nb:
-    return bucket_absmax(flat.reshape(nb, width), weight)
-  head = flat[: full * width].reshape(full, width)
-  tail = jnp.pad(flat[full * width :], (0, nb * width - flat.size))[None]
-  return jnp.concatenate(
-    [bucket_absmax(head, weight), bucket_absmax(tail, weight)]
-  )
+  """:func:`bucket_absmax` of ``to_buckets(y, bucket_size)``, read from
+  ``y`` by :func:`map_rows`: XLA:CPU fuses a pad into the reduction that
+  reads it and then takes a slow path."""
+  return map_rows(lambda rows, _: bucket_absmax(rows, weight), y, bucket_size)
 
 
 def nan_where(bad: jax.Array, values: jax.Array) -> jax.Array:
