@@ -318,8 +318,13 @@ def train_loop(run: Run) -> Loop:
         k: v for k, v in row.items() if k in next(iter(out.values()))
       }
     if job.eval_every and (done % job.eval_every == 0 or done == job.steps):
-      # The step's queued work finishes before the clock stops for the eval.
+      # The step's queued work finishes before the clock stops for the eval,
+      # on every process: a process that waits here for the slowest counts
+      # the wait as training, as it would at a synchronizing step, so that
+      # runs that meet only at evals are not timed by their fastest process.
       _finish_step(state, out)
+      if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("qsync evaluation clock")
       eval_start = time.perf_counter()
       row["train_time_s"] = clock.train_time()
       ev = _evaluate(run, state)

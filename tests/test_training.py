@@ -17,6 +17,7 @@ from experiments.configs import default as default_config
 import qsync_jax as qs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def _env():
@@ -323,6 +324,50 @@ def test_two_processes_match_one_process_with_two_devices(tmp_path):
   assert m["num_processes"] == 2 and s["num_processes"] == 1
   assert m["params_sha256"] == s["params_sha256"]
   assert m["final_eval_accuracy"] == s["final_eval_accuracy"]
+
+
+def test_an_evaluation_clock_counts_the_slowest_process(tmp_path):
+  # Local SGD with no average before the end: the processes meet only at
+  # the evaluations (no train row before the last step gathers metrics). Process 1 reads each example slowly, so its steps take
+  # 5 x 0.05 s; process 0's (a tiny linear model) take milliseconds, and its
+  # clock still counts process 1's steps 2 to 4 (the clock starts when every
+  # process has run step 1).
+  import user_datasets
+
+  env = _env()
+  env["PYTHONPATH"] = os.pathsep.join([TESTS, env["PYTHONPATH"]])
+  out = tmp_path / "run"
+  result = binaries.run(
+    "qsync_jax.distributed",
+    "--num_processes=2",
+    "--timeout_s=300",
+    "--",
+    sys.executable,
+    "-m",
+    "experiments.train",
+    f"--out_dir={out}",
+    "--cluster=cpu:2",
+    "--config.dataset=user_datasets:slow_on_process_1",
+    "--config.model=user_models:bare_linear",
+    '--model_kwargs={"num_classes": 3}',
+    "--config.plan_mode=manual",
+    "--config.batch_size=5",
+    "--config.sync=local",
+    "--config.h_base=100",
+    "--config.steps=8",
+    "--config.eval_every=4",
+    "--config.log_every=100",
+    "--config.checkpoint_every=0",
+    env=env,
+    timeout=400,
+  )
+  assert result.returncode == 0, _failure_lines(result.stdout + result.stderr)
+  rows = [
+    json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()
+  ]
+  evaluated = [r for r in rows if "eval_accuracy" in r]
+  assert [r["step"] for r in evaluated] == [4, 8]
+  assert evaluated[0]["train_time_s"] >= 3 * 5 * user_datasets.SLOW_READ_S
 
 
 def test_launcher_ends_a_training_run_whose_worker_dies(tmp_path):

@@ -82,3 +82,24 @@ def stream_shape_changes(split):
 
 def no_split():
   return arrays("train")
+
+
+#: Seconds :func:`slow_on_process_1` takes to read one training example on
+#: process 1.
+SLOW_READ_S = 0.05
+
+
+def slow_on_process_1(split, n=50):
+  """:func:`map_dataset`, whose training examples process 1 of a
+  multi-process run reads :data:`SLOW_READ_S` each: a slow worker."""
+  import time
+
+  import jax
+
+  def read(example):
+    if jax.process_index() == 1:
+      time.sleep(SLOW_READ_S)
+    return example
+
+  dataset = map_dataset(split, n)
+  return dataset.map(read) if split == "train" else dataset

@@ -21,7 +21,8 @@ same on every process. torch uses as many threads as the JAX process has
 cores.
 
 The clock starts once every process has run its first step and stops for
-evaluations (as ``train_time_s`` of the main job). An evaluation of
+evaluations once every process has reached them (as ``train_time_s`` of
+the main job: the slowest process's steps count). An evaluation of
 replicas out of sync (torchft between syncs) is of their exact mean, one
 float32 all-reduce over a side gloo group, as the main job evaluates its
 workers' mean. Process 0 writes ``metrics.jsonl`` rows (``step``,
@@ -281,6 +282,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         dist.barrier()
         clock.start = time.perf_counter()
       if done % job.eval_every == 0 or done == job.steps:
+        # Every process's steps so far are training time, the slowest's
+        # included (as the main job's evaluation clock).
+        dist.barrier()
         eval_start = time.perf_counter()
         row = {
           "step": done,
