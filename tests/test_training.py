@@ -34,6 +34,23 @@ def _train(out, *args, timeout=600):
   return _run("experiments.train", f"--out_dir={out}", *args, timeout=timeout)
 
 
+def _train_two_processes(out, *args, env=None):
+  """The train binary in two processes under the local launcher."""
+  return binaries.run(
+    "qsync_jax.distributed",
+    "--num_processes=2",
+    "--timeout_s=300",
+    "--",
+    sys.executable,
+    "-m",
+    "experiments.train",
+    f"--out_dir={out}",
+    *args,
+    env=env or _env(),
+    timeout=600,
+  )
+
+
 def _failure_lines(output: str) -> str:
   """What names a crash in a run's output: its error and fatal-log lines (a
   faulthandler dump ends with a long list of extension modules, which would
@@ -308,17 +325,7 @@ def test_two_processes_match_one_process_with_two_devices(tmp_path):
   result = _train(single, *args)
   assert result.returncode == 0, result.stderr[-3000:]
   multi = tmp_path / "multi"
-  result = _run(
-    "qsync_jax.distributed",
-    "--num_processes=2",
-    "--timeout_s=300",
-    "--",
-    sys.executable,
-    "-m",
-    "experiments.train",
-    f"--out_dir={multi}",
-    *args,
-  )
+  result = _train_two_processes(multi, *args)
   assert result.returncode == 0, _failure_lines(result.stdout + result.stderr)
   s, m = _summary(single), _summary(multi)
   assert m["num_processes"] == 2 and s["num_processes"] == 1
@@ -328,24 +335,18 @@ def test_two_processes_match_one_process_with_two_devices(tmp_path):
 
 def test_an_evaluation_clock_counts_the_slowest_process(tmp_path):
   # Local SGD with no average before the end: the processes meet only at
-  # the evaluations (no train row before the last step gathers metrics). Process 1 reads each example slowly, so its steps take
-  # 5 x 0.05 s; process 0's (a tiny linear model) take milliseconds, and its
-  # clock still counts process 1's steps 2 to 4 (the clock starts when every
-  # process has run step 1).
+  # the evaluations (no train row before the last step gathers metrics).
+  # Process 1 reads each example slowly, so its steps take 5 x 0.05 s;
+  # process 0's (a tiny linear model) take milliseconds, and its clock at
+  # the step-4 evaluation still counts process 1's steps 2 to 4 (the clock
+  # starts when every process has run step 1).
   import user_datasets
 
   env = _env()
   env["PYTHONPATH"] = os.pathsep.join([TESTS, env["PYTHONPATH"]])
   out = tmp_path / "run"
-  result = binaries.run(
-    "qsync_jax.distributed",
-    "--num_processes=2",
-    "--timeout_s=300",
-    "--",
-    sys.executable,
-    "-m",
-    "experiments.train",
-    f"--out_dir={out}",
+  result = _train_two_processes(
+    out,
     "--cluster=cpu:2",
     "--config.dataset=user_datasets:slow_on_process_1",
     "--config.model=user_models:bare_linear",
@@ -359,7 +360,6 @@ def test_an_evaluation_clock_counts_the_slowest_process(tmp_path):
     "--config.log_every=100",
     "--config.checkpoint_every=0",
     env=env,
-    timeout=400,
   )
   assert result.returncode == 0, _failure_lines(result.stdout + result.stderr)
   rows = [
