@@ -167,6 +167,15 @@ def _finish_step(state: TrainState, out: Any) -> None:
   jax.block_until_ready((out, state.params, state.opt_state))
 
 
+def _finish_step_everywhere(state: TrainState, out: Any, name: str) -> None:
+  """:func:`_finish_step`, then waits until every process has finished its
+  own (a barrier named ``name``): a clock read after it counts the slowest
+  process's steps."""
+  _finish_step(state, out)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
 def bn_batches(run: Run, step: int) -> Iterator[dict[int, Any]]:
   """The training batches evaluation re-estimates BatchNorm statistics on.
 
@@ -253,9 +262,7 @@ def _first_step_done(run: Run, state: TrainState, out: Any, clock: Clock):
   gradient functions) has run on every process: a local step has no
   collective to wait at, and a process still compiling would share the
   cores with the others' clocked steps."""
-  _finish_step(state, out)
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices("qsync training clock")
+  _finish_step_everywhere(state, out, "qsync training clock")
   clock.train_start = time.perf_counter()
   run.record.first_step_done()
 
@@ -322,9 +329,7 @@ def train_loop(run: Run) -> Loop:
       # on every process: a process that waits here for the slowest counts
       # the wait as training, as it would at a synchronizing step, so that
       # runs that meet only at evals are not timed by their fastest process.
-      _finish_step(state, out)
-      if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("qsync evaluation clock")
+      _finish_step_everywhere(state, out, "qsync evaluation clock")
       eval_start = time.perf_counter()
       row["train_time_s"] = clock.train_time()
       ev = _evaluate(run, state)

@@ -6,7 +6,10 @@ or a Grain ``IterDataset``; the others are the mistakes the train binary
 must name in one line.
 """
 
+import time
+
 import grain
+import jax
 import numpy as np
 
 FEATURES = 8
@@ -92,9 +95,6 @@ SLOW_READ_S = 0.05
 def slow_on_process_1(split, n=50):
   """:func:`map_dataset`, whose training examples process 1 of a
   multi-process run reads :data:`SLOW_READ_S` each: a slow worker."""
-  import time
-
-  import jax
 
   def read(example):
     if jax.process_index() == 1:
